@@ -1,0 +1,1 @@
+"""unisleep drivers, one per platform (installed as unisleep.backends)."""

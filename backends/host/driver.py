@@ -1,0 +1,125 @@
+"""The host driver: the CPU twin of CUDA's cumem, on real Linux memory.
+
+=====================  =============================================================
+reserve                ``mmap(NULL, size, PROT_NONE, PRIVATE|ANONYMOUS|NORESERVE)``
+create                 ``memfd_create`` + ``ftruncate`` + ``posix_fallocate`` (committed)
+map                    ``mmap(va, size, RW, SHARED|FIXED, memfd)`` — same address every time
+unmap (keep address)   ``mmap(va, size, PROT_NONE, PRIVATE|ANONYMOUS|FIXED|NORESERVE)``
+release                ``close(memfd)`` — the pages go back to the kernel
+physical_bytes         ``fstat(memfd).st_blocks * 512`` (never RSS: MADV_DONTNEED lies)
+free address           ``munmap``
+=====================  =============================================================
+
+Touching memory that sleeps faults (SIGSEGV), the host analogue of a device illegal-address
+error: wake before use.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap as _mmap
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+from unisleep.driver import BackupStore, Driver
+
+from . import libc
+from .spill import SpillStore
+
+
+@dataclass(eq=False)
+class MemfdHandle:
+    fd: int
+    size: int
+
+
+class HostDriver(Driver):
+    name = "host"
+    fresh_memory_is_zero = True
+    retain_backups = False
+
+    def __init__(self, device: int = 0, granularity: Optional[int] = None, chunk_bytes: Optional[int] = None, **options):
+        super().__init__(device, **options)
+        page = _mmap.PAGESIZE
+        gran = granularity or page
+        if gran % page or gran & (gran - 1):
+            raise ValueError(f"host granularity must be a power-of-two multiple of the page size {page}, got {gran}")
+        self._gran = gran
+        self.default_chunk_bytes = chunk_bytes
+
+    # ---- primitives ------------------------------------------------------------------
+    def granularity(self) -> int:
+        return self._gran
+
+    def reserve(self, size: int) -> int:
+        flags = libc.MAP_PRIVATE | libc.MAP_ANONYMOUS | libc.MAP_NORESERVE
+        if self._gran == _mmap.PAGESIZE:
+            return libc.mmap(0, size, libc.PROT_NONE, flags)
+        # over-reserve, then trim head and tail so the range is granularity-aligned
+        raw = libc.mmap(0, size + self._gran, libc.PROT_NONE, flags)
+        va = (raw + self._gran - 1) // self._gran * self._gran
+        if va > raw:
+            libc.munmap(raw, va - raw)
+        tail = raw + size + self._gran - (va + size)
+        if tail:
+            libc.munmap(va + size, tail)
+        return va
+
+    def free_address(self, va: int, size: int) -> None:
+        libc.munmap(va, size)
+
+    def _memfd(self, size: int, commit: bool) -> MemfdHandle:
+        fd = os.memfd_create("unisleep", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, size)
+            if commit:
+                os.posix_fallocate(fd, 0, size)
+        except BaseException:
+            os.close(fd)
+            raise
+        return MemfdHandle(fd, size)
+
+    def create(self, size: int) -> MemfdHandle:
+        return self._memfd(size, commit=True)
+
+    def map(self, va: int, size: int, handle: MemfdHandle) -> None:
+        libc.mmap(va, size, libc.PROT_READ | libc.PROT_WRITE, libc.MAP_SHARED | libc.MAP_FIXED, handle.fd, 0)
+
+    def unmap(self, va: int, size: int) -> None:
+        libc.mmap(
+            va, size, libc.PROT_NONE, libc.MAP_PRIVATE | libc.MAP_ANONYMOUS | libc.MAP_FIXED | libc.MAP_NORESERVE
+        )
+
+    def release(self, handle: MemfdHandle) -> None:
+        if handle.fd >= 0:
+            os.close(handle.fd)
+            handle.fd = -1
+
+    def physical_bytes(self, handle: MemfdHandle) -> int:
+        return os.fstat(handle.fd).st_blocks * 512 if handle.fd >= 0 else 0
+
+    def view(self, va: int, nbytes: int):
+        import torch
+
+        buf = (ctypes.c_char * nbytes).from_address(va)
+        return torch.frombuffer(buf, dtype=torch.uint8)
+
+    def zero(self, va: int, nbytes: int) -> None:
+        ctypes.memset(va, 0, nbytes)
+
+    def memory_info(self) -> tuple[int, int]:
+        info = {}
+        with open("/proc/meminfo") as f:
+            for line in f:
+                k, v = line.split(":", 1)
+                info[k] = int(v.split()[0]) * 1024
+        return info.get("MemAvailable", 0), info.get("MemTotal", 0)
+
+    def new_backup_store(self, budget_bytes, spill_dir) -> BackupStore:
+        return SpillStore(budget_bytes, spill_dir)
+
+    def checksum(self, src):
+        import zlib
+
+        return zlib.crc32(memoryview((ctypes.c_char * src.numel()).from_address(src.data_ptr())))

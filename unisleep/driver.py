@@ -1,0 +1,210 @@
+"""The contract a backend fulfils: a small table of virtual-memory primitives plus its policy.
+
+A backend (``backends/<platform>``) subclasses :class:`Driver` and implements the primitives:
+
+=================  ==========================================================================
+``granularity``    the size every reservation, handle and mapping is a multiple of
+``reserve``        reserve an address range, no memory behind it
+``create``         create physical memory (a handle) of a given size
+``map``            map a handle at a fixed address inside a reservation
+``set_access``     grant read/write on a mapped range (no-op where mapping grants it)
+``unmap``          unmap, *keeping* the address reserved
+``release``        release a handle's physical memory
+``free_address``   give the reservation back
+``view``           a ``torch.uint8`` tensor over ``[va, va+n)`` on the device
+``zero``           fill a mapped range with zeros, synchronised
+``physical_bytes`` what a handle really holds now, read from the driver/kernel
+=================  ==========================================================================
+
+and a :class:`BackupStore` for level-1 backups (pinned host arena, spill file...).
+:meth:`Driver.suspend` and :meth:`Driver.resume` run a sleep/wake *plan* with these
+primitives; a backend may override them to pipeline copies with unmapping.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional
+
+from .errors import UnsupportedError
+from .region import Region
+
+
+@dataclass
+class SaveJob:
+    """Bytes of one region to back up (``ranges`` of (offset, nbytes); the whole region when it
+    is a full offload) before the region is released."""
+
+    key: int
+    region: Region
+    ranges: list[tuple[int, int]]
+    skip_copy: bool = False  # backup already holds identical bytes
+
+
+@dataclass
+class RestoreJob:
+    key: int
+    region: Region
+    ranges: list[tuple[int, int]] = field(default_factory=list)  # restored from the backup
+    zero: bool = True  # zero the rest (discarded bytes come back zeroed)
+
+
+class BackupStore(abc.ABC):
+    """Where level-1 backups (and level-2 preserved parameters) live while memory sleeps."""
+
+    #: human-readable location, shown in reports and errors
+    where: str = "host"
+
+    @abc.abstractmethod
+    def ensure_fits(self, nbytes: int) -> None:
+        """Raise :class:`~unisleep.errors.HostBudgetError` if ``nbytes`` more cannot be held."""
+
+    @abc.abstractmethod
+    def save(self, key: tuple[int, int], src) -> None:
+        """Copy the device tensor ``src`` (uint8) into the backup under ``key`` (may be async)."""
+
+    @abc.abstractmethod
+    def load(self, key: tuple[int, int], dst) -> None:
+        """Copy the backup ``key`` into the device tensor ``dst`` (may be async)."""
+
+    @abc.abstractmethod
+    def drop(self, key: tuple[int, int]) -> None: ...
+
+    @abc.abstractmethod
+    def has(self, key: tuple[int, int]) -> bool: ...
+
+    def flush(self) -> None:
+        """Wait for outstanding copies."""
+
+    @property
+    @abc.abstractmethod
+    def held_bytes(self) -> int: ...
+
+    def close(self) -> None:
+        pass
+
+
+class Driver(abc.ABC):
+    """One platform's virtual-memory primitives and policy (see the module docstring)."""
+
+    #: platform name this driver serves
+    name: str = "?"
+    #: physical memory from ``create`` reads as zeros (no explicit zeroing needed on wake)
+    fresh_memory_is_zero: bool = False
+    #: keep a backup after wake so an unchanged tag can skip the copy on the next sleep
+    retain_backups: bool = False
+    #: default chunk size of the mapping policy (None = one handle per region)
+    default_chunk_bytes: Optional[int] = None
+    #: ``pool(tag)`` can route the framework's own allocations
+    supports_pool: bool = False
+
+    def __init__(self, device: int = 0, **options: Any):
+        self.device = device
+        self.options = options
+
+    # ---- primitives ------------------------------------------------------------------
+    @abc.abstractmethod
+    def granularity(self) -> int: ...
+
+    @abc.abstractmethod
+    def reserve(self, size: int) -> int: ...
+
+    @abc.abstractmethod
+    def free_address(self, va: int, size: int) -> None: ...
+
+    @abc.abstractmethod
+    def create(self, size: int) -> Any: ...
+
+    @abc.abstractmethod
+    def map(self, va: int, size: int, handle: Any) -> None: ...
+
+    def set_access(self, va: int, size: int) -> None:
+        """Grant read/write on a fully mapped range (default: mapping already did)."""
+
+    @abc.abstractmethod
+    def unmap(self, va: int, size: int) -> None: ...
+
+    @abc.abstractmethod
+    def release(self, handle: Any) -> None: ...
+
+    @abc.abstractmethod
+    def physical_bytes(self, handle: Any) -> int: ...
+
+    @abc.abstractmethod
+    def view(self, va: int, nbytes: int):
+        """A uint8 torch tensor over mapped memory."""
+
+    @abc.abstractmethod
+    def zero(self, va: int, nbytes: int) -> None: ...
+
+    def synchronize(self) -> None:
+        pass
+
+    @abc.abstractmethod
+    def memory_info(self) -> tuple[int, int]:
+        """(free, total) bytes of the memory this driver allocates from."""
+
+    @abc.abstractmethod
+    def new_backup_store(self, budget_bytes: Optional[int], spill_dir: Optional[str]) -> BackupStore: ...
+
+    def checksum(self, src) -> Any:
+        """A digest of a uint8 tensor's bytes, computed where the bytes are."""
+        raise UnsupportedError(f"{self.name} driver has no checksum")
+
+    @property
+    def torch_device(self):
+        import torch
+
+        return torch.device("cpu")
+
+    @contextlib.contextmanager
+    def pool(self, lifecycle, tag: str) -> Iterator[None]:
+        raise UnsupportedError(
+            f"the {self.name} backend cannot route the framework's own allocations; "
+            "allocate with MemoryLifecycle.empty(..., tag=...) or move existing tensors with .adopt(...)"
+        )
+        yield  # pragma: no cover
+
+    def close(self) -> None:
+        pass
+
+    # ---- composite operations (a backend may pipeline these) -------------------------
+    def suspend(self, saves: list[SaveJob], discards: list[Region], store: BackupStore) -> tuple[int, int]:
+        """Back up ``saves``, then release their regions and ``discards``.
+
+        Returns (bytes released, bytes copied).  The default copies everything first, waits, and
+        then releases; nothing is released if a copy fails.
+        """
+        copied = 0
+        for job in saves:
+            if job.skip_copy:
+                continue
+            for off, n in job.ranges:
+                store.save((job.key, off), self.view(job.region.va + off, n))
+                copied += n
+        store.flush()
+        self.synchronize()
+        released = 0
+        for job in saves:
+            released += job.region.release(self)
+        for region in discards:
+            released += region.release(self)
+        return released, copied
+
+    def resume(self, jobs: list[RestoreJob], store: BackupStore) -> int:
+        """Map every job's region again (same addresses), restore saved ranges, zero the rest.
+        Returns bytes copied back."""
+        copied = 0
+        for job in jobs:
+            job.region.map(self)
+        for job in jobs:
+            if job.zero and not self.fresh_memory_is_zero:
+                self.zero(job.region.va, job.region.size)
+            for off, n in job.ranges:
+                store.load((job.key, off), self.view(job.region.va + off, n))
+                copied += n
+        store.flush()
+        self.synchronize()
+        return copied
