@@ -1,1 +1,1 @@
-
+"""Rollout-engine adapters: vLLM over HTTP, vLLM in process, and the plain PyTorch generator."""

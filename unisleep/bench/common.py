@@ -1,0 +1,72 @@
+"""Shared output for every ``unisleep bench`` mode: a side-by-side table on stdout and a JSON
+file with the machine, the command and every figure, so a run can be reproduced."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform as _platform
+import socket
+import sys
+from typing import Any, Optional, Sequence
+
+
+def machine_info() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "host": socket.gethostname(),
+        "python": sys.version.split()[0],
+        "cpu_count": os.cpu_count(),
+        "platform": _platform.platform(),
+    }
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+    except Exception:
+        pass
+    try:
+        with open("/proc/meminfo") as f:
+            info["mem_total_gib"] = round(int(f.readline().split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    return info
+
+
+def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[Any]], file=None) -> str:
+    """Print and return a plain-text table (numbers formatted by the caller or with %.4g)."""
+
+    def fmt(v):
+        if isinstance(v, float):
+            return f"{v:.4g}"
+        return "-" if v is None else str(v)
+
+    cells = [[fmt(v) for v in r] for r in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    lines = [title, "  ".join(h.ljust(w) for h, w in zip(headers, widths)), "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in cells]
+    text = "\n".join(lines)
+    print(text, file=file or sys.stdout, flush=True)
+    return text
+
+
+def write_json(path: Optional[str], kind: str, results: Any, argv: Optional[Sequence[str]] = None) -> Optional[str]:
+    if not path:
+        return None
+    doc = {
+        "kind": kind,
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": "unisleep bench " + " ".join(argv if argv is not None else sys.argv[2:]),
+        "machine": machine_info(),
+        "results": results,
+    }
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=2, default=str)
+    print(f"wrote {path}", flush=True)
+    return path
+
+
+def progress(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)

@@ -1,0 +1,101 @@
+"""The verbs every rollout engine adapter offers, whatever the engine (vLLM over HTTP, vLLM in
+process, the plain PyTorch generator).  The guarded RL step (:mod:`unisleep.loop`) talks only to
+this interface, and it checks the engine's *reported* state rather than its own bookkeeping.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+
+@dataclass
+class Generation:
+    """One completion: the prompt's token ids, the generated ids and their logprobs."""
+
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float] = field(default_factory=list)
+    text: Optional[str] = None
+
+
+class Engine(abc.ABC):
+    """A rollout engine whose memory and weights unisleep can hand over."""
+
+    #: short name shown in reports ("vllm-http", "vllm", "torch")
+    kind: str = "?"
+
+    # ---- generation ----------------------------------------------------------------
+    @abc.abstractmethod
+    def generate(
+        self, prompts: Sequence[Sequence[int]], *, max_tokens: int = 16, temperature: float = 0.0,
+        top_p: float = 1.0, seed: Optional[int] = None, logprobs: bool = True,
+    ) -> list[Generation]: ...
+
+    @abc.abstractmethod
+    def pause(self, mode: str = "abort") -> None:
+        """Stop generation ("abort" running requests, "wait" for them, or "keep" them)."""
+
+    @abc.abstractmethod
+    def resume(self) -> None: ...
+
+    def is_paused(self) -> bool:
+        return False
+
+    # ---- memory --------------------------------------------------------------------
+    @abc.abstractmethod
+    def sleep(self, level: int = 1) -> None: ...
+
+    @abc.abstractmethod
+    def wake_up(self, tags: Optional[Sequence[str]] = None) -> None: ...
+
+    @abc.abstractmethod
+    def is_sleeping(self) -> bool:
+        """True while any memory (weights or KV cache) is asleep, as the engine reports it."""
+
+    def sleeping_tags(self) -> Optional[set[str]]:
+        """Tags the engine reports asleep, when it can tell (None = unknown)."""
+        return None
+
+    def reset_prefix_cache(self) -> bool:
+        return True
+
+    # ---- weights -------------------------------------------------------------------
+    @abc.abstractmethod
+    def weight_version(self) -> str: ...
+
+    @abc.abstractmethod
+    def set_weight_version(self, version: str) -> None: ...
+
+    def init_weight_transfer(self, init_info: dict) -> Any:
+        raise NotImplementedError
+
+    def start_weight_update(self) -> None:
+        raise NotImplementedError
+
+    def update_weights(self, update_info: Any) -> None:
+        raise NotImplementedError
+
+    def finish_weight_update(self, version: Optional[str] = None) -> None:
+        raise NotImplementedError
+
+    # ---- speculative decoding (optional) --------------------------------------------
+    def has_draft_model(self) -> bool:
+        return False
+
+    def reload_draft(self) -> None:
+        pass
+
+    def spec_acceptance(self) -> Optional[float]:
+        """Fraction of draft tokens accepted since the last call (None when unknown)."""
+        return None
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
