@@ -134,6 +134,8 @@ class MemoryLifecycle:
         self._ids = itertools.count(1)
         self._closed = False
         self.last_report: Optional[Report] = None
+        self._before_sleep: list = []
+        self._after_wake: list = []
         self._finalizer = weakref.finalize(self, MemoryLifecycle._finalize, self._driver, self._store, self._allocs)
         atexit.register(self._finalizer)
 
@@ -264,6 +266,16 @@ class MemoryLifecycle:
             self._preserve = pats
             return sorted(set(matched))
 
+    def add_hooks(self, before_sleep=None, after_wake=None) -> None:
+        """Run ``before_sleep(level, tags)`` after a sleep is validated and before any memory is
+        released, and ``after_wake(tags)`` once woken memory is mapped and restored.  Policies
+        such as the extra cleanup (collective teardown/restore, graph recapture) plug in here."""
+        with self._lock:
+            if before_sleep is not None:
+                self._before_sleep.append(before_sleep)
+            if after_wake is not None:
+                self._after_wake.append(after_wake)
+
     @contextmanager
     def pool(self, tag: str) -> Iterator[None]:
         """Route the framework's own allocations (e.g. ``torch.empty`` on the device) into ``tag``."""
@@ -315,10 +327,15 @@ class MemoryLifecycle:
                         f"Wake it first (wake_up([{tag!r}])) — nothing was changed."
                     )
             t0 = time.perf_counter()
-            saves, discards, keep = self._plan_sleep(plan)
+            saves, discards, _ = self._plan_sleep(plan)
+            for job in saves:  # a retained backup of bytes that changed since is stale
+                if not job.skip_copy and self._allocs[job.key].saved:
+                    self._drop_backup(self._allocs[job.key])
             need = sum(n for j in saves if not j.skip_copy for _, n in j.ranges)
             retained = sum(n for j in saves if j.skip_copy for _, n in j.ranges)
             self._ensure_backup_fits(need, keep_ids={j.key for j in saves})
+            for hook in self._before_sleep:
+                hook(level, sorted(plan))
             released, copied = self._driver.suspend(saves, discards, self._store)
             for job in saves:
                 a = self._allocs[job.key]
@@ -384,6 +401,8 @@ class MemoryLifecycle:
                     self._after_restore(a)
             for t in todo:
                 self._tags[t] = AWAKE
+            for hook in self._after_wake:
+                hook(None if tags is None else list(todo))
             return self._done(Report("wake_up", todo, 0, copied, time.perf_counter() - t0))
 
     # ------------------------------------------------------------------ close
