@@ -1,0 +1,180 @@
+"""A tiny random-weight Llama with a byte-level BPE tokenizer, built locally and deterministically.
+
+vLLM needs a model directory (``config.json``, safetensors weights, a tokenizer).  Tests and CI
+have no hub access, so this module builds one on the spot from a seed: the same seed gives the
+same bytes, and a different seed gives "model B" (other weights, same tokenizer and shapes) for
+weight-change tests.  About 1.7 M parameters, 3.4 MB on disk, a few seconds to build.
+
+    from unisleep.engines.tiny_model import build_tiny_llama, tiny_state_dict
+    a = build_tiny_llama("/tmp/tiny-a", seed=0)
+    b = build_tiny_llama("/tmp/tiny-b", seed=1)        # same tokenizer, other weights
+    sd_b = tiny_state_dict(seed=1)                     # B's weights in memory (checkpoint names)
+
+Needs ``transformers``, ``tokenizers`` and ``safetensors`` (all come with vLLM).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from typing import Optional
+
+#: bump when the recipe changes, so cached directories are rebuilt
+RECIPE_VERSION = 1
+MARKER = ".unisleep_tiny_model.json"
+
+CONFIG = dict(
+    vocab_size=1024,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+    bos_token_id=0,
+    eos_token_id=1,
+    pad_token_id=2,
+)
+INIT_STD = 0.08
+SPECIAL_TOKENS = ["<s>", "</s>", "<pad>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant: {% endif %}"
+)
+
+_WORDS = (
+    "the a one two three four five six seven eight nine ten red green blue memory sleep wake "
+    "weights cache engine trainer rollout token model step loss reward policy update version "
+    "fast slow small large copy send receive pause resume level tag host device layer head "
+    "value key query norm embed answer question why how what when where is are was be to of "
+    "and or not with from into over under after before again then now yes no"
+).split()
+
+
+def _corpus(seed: int, n_lines: int = 3000) -> list[str]:
+    import random
+
+    rng = random.Random(seed)
+    lines = []
+    for i in range(n_lines):
+        words = [rng.choice(_WORDS) for _ in range(rng.randint(3, 14))]
+        if i % 7 == 0:
+            words.append(str(rng.randint(0, 10**6)))
+        if i % 11 == 0:
+            words.append("".join(rng.choice("+-*/=()[]{}<>.,;:!?'\"") for _ in range(3)))
+        lines.append(" ".join(words))
+    return lines
+
+
+def build_tokenizer(out_dir: str) -> None:
+    """Train a 1024-token byte-level BPE tokenizer on a fixed synthetic corpus and save it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=CONFIG["vocab_size"], special_tokens=SPECIAL_TOKENS, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(_corpus(1234), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+        model_max_length=CONFIG["max_position_embeddings"],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out_dir)
+
+
+def _make_model(seed: int):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**CONFIG, torch_dtype="bfloat16")
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        model = LlamaForCausalLM(cfg)
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(INIT_STD * torch.randn(p.shape, generator=gen))
+    return model.to(torch.bfloat16), cfg
+
+
+def tiny_state_dict(seed: int = 0) -> dict:
+    """The model's weights for ``seed`` in checkpoint (Hugging Face) names, bf16, in memory.
+
+    What a trainer would send; identical to what :func:`build_tiny_llama` writes for the seed.
+    """
+    model, _ = _make_model(seed)
+    return {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+
+
+def _is_built(out_dir: str, seed: int) -> bool:
+    try:
+        with open(os.path.join(out_dir, MARKER)) as f:
+            info = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return info.get("seed") == seed and info.get("recipe") == RECIPE_VERSION
+
+
+def build_tiny_llama(out_dir: str, seed: int = 0, *, force: bool = False) -> str:
+    """Build (or reuse) the tiny Llama for ``seed`` in ``out_dir``; returns the directory.
+
+    Cached: when ``out_dir`` already holds this seed's model (same recipe), nothing is done.
+    The build writes into a temporary sibling and renames it, so a crashed build never leaves
+    a half-written directory that looks finished.
+    """
+    out_dir = os.path.abspath(out_dir)
+    if not force and _is_built(out_dir, seed):
+        return out_dir
+    import torch
+
+    parent = os.path.dirname(out_dir) or "."
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tiny-", dir=parent)
+    try:
+        torch.manual_seed(seed)
+        model, cfg = _make_model(seed)
+        model.save_pretrained(tmp, safe_serialization=True)
+        build_tokenizer(tmp)
+        with open(os.path.join(tmp, "generation_config.json"), "w") as f:
+            json.dump({"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2,
+                       "do_sample": False}, f)
+        with open(os.path.join(tmp, MARKER), "w") as f:
+            json.dump({"seed": seed, "recipe": RECIPE_VERSION, "params": sum(
+                p.numel() for p in model.parameters())}, f)
+        if os.path.exists(out_dir):
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def build_tiny_pair(root: str, seed_a: int = 0, seed_b: int = 1) -> tuple[str, str]:
+    """Model A and model B (same tokenizer and shapes, other weights) under ``root``."""
+    return (build_tiny_llama(os.path.join(root, f"tiny-llama-s{seed_a}"), seed_a),
+            build_tiny_llama(os.path.join(root, f"tiny-llama-s{seed_b}"), seed_b))
+
+
+def weights_file(model_dir: str) -> Optional[str]:
+    """Path of the single safetensors file of a built tiny model."""
+    p = os.path.join(model_dir, "model.safetensors")
+    return p if os.path.exists(p) else None
+
+
+if __name__ == "__main__":  # pragma: no cover - manual use
+    import sys
+
+    print(build_tiny_llama(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 0))
