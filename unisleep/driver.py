@@ -78,6 +78,9 @@ class BackupStore(abc.ABC):
     def flush(self) -> None:
         """Wait for outstanding copies."""
 
+    def prepare(self, nbytes: int, background: bool = True) -> None:
+        """Make room for ``nbytes`` of backups ahead of the first sleep (default: nothing to do)."""
+
     @property
     @abc.abstractmethod
     def held_bytes(self) -> int: ...

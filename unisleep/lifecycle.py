@@ -266,6 +266,19 @@ class MemoryLifecycle:
             self._preserve = pats
             return sorted(set(matched))
 
+    def prepare_backup(self, nbytes: Optional[int] = None, *, background: bool = True) -> int:
+        """Reserve backup room ahead of the first level-1 sleep (e.g. register a pinned host
+        arena while the model loads), so even the first sleep copies at full speed.  ``nbytes``
+        defaults to what the "weights" tag holds now.  Returns the bytes asked for."""
+        with self._lock:
+            self._check_open()
+            if nbytes is None:
+                nbytes = sum(a.region.size for a in self._allocs.values() if a.tag == "weights")
+            if nbytes > 0:
+                self._store.ensure_fits(nbytes)
+                self._store.prepare(nbytes, background=background)
+            return nbytes
+
     def add_hooks(self, before_sleep=None, after_wake=None) -> None:
         """Run ``before_sleep(level, tags)`` after a sleep is validated and before any memory is
         released, and ``after_wake(tags)`` once woken memory is mapped and restored.  Policies

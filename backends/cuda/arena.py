@@ -1,0 +1,240 @@
+"""A persistent pinned host arena for level-1 backups.
+
+Host memory is mapped once (anonymous, transparent huge pages requested), page-locked with
+``cuMemHostRegister`` (much cheaper than ``cudaHostAlloc`` for the same bytes) and reused every
+cycle.  It grows in segments as backups need room, never beyond ``host_budget_bytes``, and can be
+prepared ahead in a background thread so even the first sleep copies at bus speed.  Copies are
+asynchronous, in large pieces, on a dedicated stream; growing the arena (registering a new
+segment) overlaps with the copies already queued.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Optional
+
+from unisleep.driver import BackupStore
+from unisleep.errors import HostBudgetError
+
+from unisleep.backends.host import libc
+
+from . import cu
+
+_libc = ctypes.CDLL(None)
+
+log = logging.getLogger("unisleep.cuda")
+
+SEGMENT = 1 << 30  # arena grows by at least this much
+PIECE = 256 << 20  # copy granularity
+MADV_HUGEPAGE = 14
+
+
+def _host_available() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+@dataclass
+class Segment:
+    addr: int
+    size: int
+    free: list = field(default_factory=list)  # [(off, n)] sorted
+
+
+class PinnedArena(BackupStore):
+    def __init__(self, device: int, budget_bytes: Optional[int]):
+        self.device = device
+        self.budget = budget_bytes
+        self.where = "pinned host arena"
+        self._segs: list[Segment] = []
+        self._slots: dict[tuple, list[tuple[int, int, int]]] = {}  # key -> [(seg, off, n)]
+        self._lock = threading.Lock()
+        self._stream = None
+        self._prep_thread: Optional[threading.Thread] = None
+
+    # ---- memory ------------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        return sum(s.size for s in self._segs)
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(n for ext in self._slots.values() for _, _, n in ext)
+
+    def _free_bytes(self) -> int:
+        return sum(n for s in self._segs for _, n in s.free)
+
+    def _grow(self, nbytes: int) -> None:
+        size = max(SEGMENT, (nbytes + SEGMENT - 1) // SEGMENT * SEGMENT)
+        if self.budget is not None:
+            size = min(size, max(self.budget - self.capacity, 0))
+            if size < nbytes:
+                raise HostBudgetError(self._budget_msg(nbytes))
+        addr = libc.mmap(0, size, libc.PROT_READ | libc.PROT_WRITE, libc.MAP_PRIVATE | libc.MAP_ANONYMOUS)
+        _libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(size), MADV_HUGEPAGE)  # best effort
+        try:
+            cu.ensure_context(self.device)
+            cu.call("cuMemHostRegister", addr, size, 0)
+        except BaseException:
+            libc.munmap(addr, size)
+            raise
+        self._segs.append(Segment(addr, size, [(0, size)]))
+        log.debug("arena grew by %.2f GiB (now %.2f GiB)", size / 2**30, self.capacity / 2**30)
+
+    def _budget_msg(self, nbytes: int) -> str:
+        return (
+            f"a level-1 backup of {nbytes / 2**30:.2f} GiB does not fit in the pinned host arena "
+            f"(budget {'unlimited' if self.budget is None else f'{self.budget / 2**30:.2f} GiB'}, "
+            f"{self.held_bytes / 2**30:.2f} GiB held, {_host_available() / 2**30:.2f} GiB of host memory available). "
+            "Raise host_budget_bytes, free host memory, or sleep at level 2. Nothing was released."
+        )
+
+    def ensure_fits(self, nbytes: int) -> None:
+        self.wait_prepared()
+        spare = self._free_bytes()
+        grow = max(0, nbytes - spare)
+        if grow == 0:
+            return
+        if self.budget is not None and self.capacity + grow > self.budget:
+            raise HostBudgetError(self._budget_msg(nbytes))
+        if grow + (1 << 30) > _host_available():
+            raise HostBudgetError(self._budget_msg(nbytes))
+
+    def prepare(self, nbytes: int, background: bool = True) -> None:
+        """Map and register ``nbytes`` of arena now (in a thread when ``background``)."""
+        need = nbytes - self._free_bytes()
+        if need <= 0:
+            return
+
+        def work():
+            with self._lock:
+                self._grow(need)
+
+        if background:
+            self._prep_thread = threading.Thread(target=work, name="unisleep-arena-prepare", daemon=True)
+            self._prep_thread.start()
+        else:
+            work()
+
+    def wait_prepared(self) -> None:
+        t = self._prep_thread
+        if t is not None:
+            t.join()
+            self._prep_thread = None
+
+    def _alloc(self, n: int) -> list[tuple[int, int, int]]:
+        out, left = [], n
+        while left:
+            for si, seg in enumerate(self._segs):
+                while seg.free and left:
+                    off, sz = seg.free[0]
+                    take = min(sz, left)
+                    out.append((si, off, take))
+                    seg.free[0] = (off + take, sz - take)
+                    if seg.free[0][1] == 0:
+                        seg.free.pop(0)
+                    left -= take
+                if not left:
+                    break
+            if left:
+                self._grow(left)
+        return out
+
+    def _release(self, extents) -> None:
+        for si, off, n in extents:
+            seg = self._segs[si]
+            seg.free.append((off, n))
+            seg.free.sort()
+            merged = []
+            for o, s in seg.free:
+                if merged and merged[-1][0] + merged[-1][1] == o:
+                    merged[-1] = (merged[-1][0], merged[-1][1] + s)
+                else:
+                    merged.append((o, s))
+            seg.free = merged
+
+    # ---- copies ------------------------------------------------------------------------
+    def stream(self):
+        import torch
+
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=self.device)
+        return self._stream
+
+    def _host_view(self, si: int, off: int, n: int):
+        import torch
+
+        buf = (ctypes.c_char * n).from_address(self._segs[si].addr + off)
+        return torch.frombuffer(buf, dtype=torch.uint8)
+
+    def save(self, key, src) -> None:
+        import torch
+
+        self.wait_prepared()
+        n = src.numel()
+        old = self._slots.get(key)
+        if old is not None and sum(x[2] for x in old) == n:
+            ext = old
+        else:
+            if old is not None:
+                self._release(old)
+            with self._lock:
+                ext = self._alloc(n)
+        self._slots[key] = ext
+        s = self.stream()
+        s.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(s):
+            pos = 0
+            for si, off, m in ext:
+                for p in range(0, m, PIECE):
+                    k = min(PIECE, m - p)
+                    self._host_view(si, off + p, k).copy_(src[pos + p : pos + p + k], non_blocking=True)
+                pos += m
+
+    def load(self, key, dst) -> None:
+        import torch
+
+        ext = self._slots[key]
+        s = self.stream()
+        s.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(s):
+            pos = 0
+            for si, off, m in ext:
+                for p in range(0, m, PIECE):
+                    k = min(PIECE, m - p)
+                    dst[pos + p : pos + p + k].copy_(self._host_view(si, off + p, k), non_blocking=True)
+                pos += m
+        torch.cuda.current_stream(self.device).wait_stream(s)
+
+    def flush(self) -> None:
+        if self._stream is not None:
+            self._stream.synchronize()
+
+    def has(self, key) -> bool:
+        return key in self._slots
+
+    def drop(self, key) -> None:
+        ext = self._slots.pop(key, None)
+        if ext:
+            self._release(ext)
+
+    def close(self) -> None:
+        self.wait_prepared()
+        self.flush()
+        self._slots.clear()
+        for seg in self._segs:
+            try:
+                cu.call("cuMemHostUnregister", seg.addr)
+            except Exception:
+                pass
+            libc.munmap(seg.addr, seg.size)
+        self._segs.clear()

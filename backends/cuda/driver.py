@@ -1,0 +1,207 @@
+"""The CUDA driver: cumem virtual memory through the driver API.
+
+=================  ==================================================================
+reserve            ``cuMemAddressReserve(size, 0, 0, 0)``
+create             ``cuMemCreate`` (pinned device memory; POSIX-fd exportable when supported)
+map / set_access   ``cuMemMap`` at offset 0, then ``cuMemSetAccess`` READWRITE (again after every remap)
+unmap              ``cuMemUnmap`` after a device synchronise — the address stays reserved
+release            ``cuMemRelease``
+physical_bytes     the size of every handle the driver holds (a handle is physical memory)
+=================  ==================================================================
+
+Every call first makes the device's primary context current on the calling thread.  Level-1
+backups go to a persistent pinned host arena (:mod:`.arena`); a backup retained after wake lets
+an unchanged tag skip its copy, proven by a GPU digest (:mod:`.checksum`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+from unisleep.driver import BackupStore, Driver
+
+from . import cu
+from .arena import PinnedArena
+
+log = logging.getLogger("unisleep.cuda")
+
+
+@dataclass(eq=False)
+class CuHandle:
+    handle: object
+    size: int
+
+
+class _DeviceBuffer:
+    """Exposes ``[ptr, ptr+n)`` through ``__cuda_array_interface__`` so torch can wrap it."""
+
+    __slots__ = ("__cuda_array_interface__",)
+
+    def __init__(self, ptr: int, n: int):
+        self.__cuda_array_interface__ = {"shape": (n,), "typestr": "|u1", "data": (ptr, False), "version": 3}
+
+
+class CudaDriver(Driver):
+    name = "cuda"
+    fresh_memory_is_zero = False
+    retain_backups = True
+    supports_pool = True
+
+    def __init__(self, device: int = 0, **options):
+        super().__init__(device, **options)
+        cuda = cu.driver()
+        cu.ensure_context(device)
+        self._cu = cuda
+        self._dev = cu.call("cuDeviceGet", device)
+        vmm = cu.call(
+            "cuDeviceGetAttribute",
+            cuda.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
+            self._dev,
+        )
+        if not vmm:
+            from unisleep.errors import PlatformError
+
+            raise PlatformError(f"GPU {device} does not support CUDA virtual memory management")
+        prop = cuda.CUmemAllocationProp()
+        prop.type = cuda.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        prop.location.type = cuda.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        prop.location.id = device
+        try:
+            fd_ok = cu.call(
+                "cuDeviceGetAttribute",
+                cuda.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
+                self._dev,
+            )
+        except cu.CudaError:
+            fd_ok = 0
+        if fd_ok:  # lets colocated weight transfer export the memory as a POSIX fd
+            prop.requestedHandleTypes = cuda.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        self.exportable = bool(fd_ok)
+        self._prop = prop
+        self._gran = int(
+            cu.call(
+                "cuMemGetAllocationGranularity",
+                prop,
+                cuda.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+            )
+        )
+        acc = cuda.CUmemAccessDesc()
+        acc.location.type = cuda.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        acc.location.id = device
+        acc.flags = cuda.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        self._access = [acc]
+        self._pools = None  # created by pool()
+
+    # ---- primitives ------------------------------------------------------------------
+    def granularity(self) -> int:
+        return self._gran
+
+    def reserve(self, size: int) -> int:
+        cu.ensure_context(self.device)
+        return int(cu.call("cuMemAddressReserve", size, 0, 0, 0))
+
+    def free_address(self, va: int, size: int) -> None:
+        cu.ensure_context(self.device)
+        cu.call("cuMemAddressFree", va, size)
+
+    def create(self, size: int) -> CuHandle:
+        cu.ensure_context(self.device)
+        try:
+            h = cu.call("cuMemCreate", size, self._prop, 0)
+        except cu.CudaError as e:
+            if "OUT_OF_MEMORY" in str(e):
+                free, total = self.memory_info()
+                from unisleep.errors import UnisleepError
+
+                raise UnisleepError(
+                    f"GPU {self.device} is out of memory creating {size / 2**30:.2f} GiB "
+                    f"({free / 2**30:.2f} of {total / 2**30:.2f} GiB free): free the trainer's memory "
+                    "(torch.cuda.empty_cache()) before waking"
+                ) from e
+            raise
+        return CuHandle(h, size)
+
+    def map(self, va: int, size: int, handle: CuHandle) -> None:
+        cu.ensure_context(self.device)
+        cu.call("cuMemMap", va, size, 0, handle.handle, 0)
+
+    def set_access(self, va: int, size: int) -> None:
+        cu.call("cuMemSetAccess", va, size, self._access, 1)
+
+    def unmap(self, va: int, size: int) -> None:
+        cu.ensure_context(self.device)
+        cu.call("cuMemUnmap", va, size)
+
+    def release(self, handle: CuHandle) -> None:
+        if handle.handle is not None:
+            cu.call("cuMemRelease", handle.handle)
+            handle.handle = None
+
+    def physical_bytes(self, handle: CuHandle) -> int:
+        return handle.size if handle.handle is not None else 0
+
+    def view(self, va: int, nbytes: int):
+        import torch
+
+        t = torch.as_tensor(_DeviceBuffer(va, nbytes))
+        if t.device.index != self.device:
+            raise RuntimeError(f"memory at {va:#x} resolved to {t.device}, expected device {self.device}")
+        return t
+
+    def zero(self, va: int, nbytes: int) -> None:
+        self.view(va, nbytes).zero_()
+
+    def synchronize(self) -> None:
+        import torch
+
+        torch.cuda.synchronize(self.device)
+
+    def memory_info(self) -> tuple[int, int]:
+        cu.ensure_context(self.device)
+        free, total = cu.call("cuMemGetInfo")
+        return int(free), int(total)
+
+    @property
+    def torch_device(self):
+        import torch
+
+        return torch.device(f"{self.name}:{self.device}")
+
+    def new_backup_store(self, budget_bytes: Optional[int], spill_dir: Optional[str]) -> BackupStore:
+        return PinnedArena(self.device, budget_bytes)
+
+    def checksum(self, src):
+        from .checksum import digest
+
+        return digest(src)
+
+    # ---- composite ---------------------------------------------------------------------
+    def suspend(self, saves, discards, store):
+        self.synchronize()  # nothing in flight may touch memory we are about to unmap
+        return super().suspend(saves, discards, store)
+
+    # ---- framework allocations ---------------------------------------------------------
+    @contextlib.contextmanager
+    def pool(self, lifecycle, tag: str) -> Iterator[None]:
+        from .pool import PoolRouter
+
+        if self._pools is None:
+            self._pools = PoolRouter(self)
+        with self._pools.route(lifecycle, tag):
+            yield
+
+    def graph_pool(self, lifecycle, tag: str = "cudagraph"):
+        """A memory-pool handle for ``torch.cuda.graph(..., pool=...)`` whose memory lives in ``tag``."""
+        from .pool import PoolRouter
+
+        if self._pools is None:
+            self._pools = PoolRouter(self)
+        return self._pools.mempool(lifecycle, tag).id
+
+    def close(self) -> None:
+        if self._pools is not None:
+            self._pools.close()
+            self._pools = None

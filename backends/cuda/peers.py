@@ -1,0 +1,73 @@
+"""Peers run by ``unisleep bench --backend cuda`` on the same workload: torch_memory_saver
+(``hook_mode="torch"``, ``retain_cpu_backup=True``, pinned backups) when it is installed."""
+
+from __future__ import annotations
+
+import importlib.util
+import statistics
+import time
+
+
+def available_peers() -> list[str]:
+    return ["torch_memory_saver"] if importlib.util.find_spec("torch_memory_saver") else []
+
+
+def _t(fn):
+    import torch
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def run_peer(name: str, device: int, weights_gib: float, kv_gib: float, cycles: int) -> dict:
+    if name != "torch_memory_saver":
+        raise ValueError(name)
+    import torch
+    from torch_memory_saver import torch_memory_saver as tms
+
+    tms.hook_mode = "torch"
+    torch.cuda.set_device(device)
+    W, K = int(weights_gib * 2**30), int(kv_gib * 2**30)
+    out: dict = {"impl": name}
+    with tms.region(tag="weights", enable_cpu_backup=True, cpu_backup_backend="pinned"):
+        w = torch.empty(W, dtype=torch.uint8, device="cuda")
+    with tms.region(tag="kv_cache"):
+        kv = torch.empty(K, dtype=torch.uint8, device="cuda")
+    tms.retain_cpu_backup = True
+    w.view(torch.int32).random_()
+    ref = w.clone()
+    out["first_sleep_s"] = _t(lambda: tms.pause())
+    out["first_wake_s"] = _t(lambda: tms.resume())
+    ok = bool(torch.equal(w, ref))
+    sleeps, wakes = [], []
+    for _ in range(cycles):
+        w[:4096].add_(1)
+        ref[:4096].add_(1)
+        sleeps.append(_t(lambda: tms.pause()))
+        wakes.append(_t(lambda: tms.resume()))
+        ok = ok and bool(torch.equal(w, ref))
+    out["steady_sleep_s"], out["steady_wake_s"] = statistics.median(sleeps), statistics.median(wakes)
+    un = []
+    for _ in range(max(2, cycles // 2)):
+        un.append(_t(lambda: tms.pause()))
+        tms.resume()
+    out["unchanged_sleep_s"] = statistics.median(un)
+    out["verified"] = ok and bool(torch.equal(w, ref))
+    del w, kv, ref
+    # level 2: no backups anywhere
+    with tms.region(tag="l2w"):
+        w2 = torch.empty(W, dtype=torch.uint8, device="cuda")
+    with tms.region(tag="l2kv"):
+        kv2 = torch.empty(K, dtype=torch.uint8, device="cuda")
+    s, a, b = [], [], []
+    for _ in range(3):
+        s.append(_t(lambda: (tms.pause("l2w"), tms.pause("l2kv"))))
+        a.append(_t(lambda: tms.resume("l2w")))
+        b.append(_t(lambda: tms.resume("l2kv")))
+    out["l2_sleep_s"], out["l2_wake_weights_s"], out["l2_wake_kv_s"] = map(statistics.median, (s, a, b))
+    out["l2_note"] = "no zeroing on resume"
+    del w2, kv2
+    return out

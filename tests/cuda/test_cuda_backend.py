@@ -1,0 +1,226 @@
+"""The CUDA cumem backend on a real GPU (marker ``cuda``; CPU CI skips these)."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytestmark = pytest.mark.cuda
+
+torch = pytest.importorskip("torch")
+
+from unisleep import InvalidArgumentError, InvalidTransitionError, MemoryLifecycle, UnknownTagError  # noqa: E402
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def lc():
+    m = MemoryLifecycle("cuda")
+    yield m
+    m.close()
+
+
+def test_level1_restores_bytes_exactly_at_the_same_addresses(lc):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    sizes = [1, 7, 4096, 3 * MiB + 5, 64 * MiB]
+    ws = [lc.empty((n,), torch.uint8, tag="weights") for n in sizes]
+    for w in ws:
+        w.copy_(torch.randint(0, 256, w.shape, dtype=torch.uint8, device="cuda", generator=g))
+    fl = lc.empty((1000, 333), torch.float32, tag="weights")
+    fl.normal_(generator=g)
+    kv = lc.empty((32 * MiB,), torch.uint8, tag="kv_cache")
+    kv.fill_(9)
+    refs = [w.clone() for w in ws] + [fl.clone()]
+    ptrs = [t.data_ptr() for t in ws + [fl, kv]]
+    rep = lc.sleep(1)
+    assert lc.state() == {"weights": "offloaded", "kv_cache": "discarded"}
+    assert lc.resident_bytes() == 0
+    assert rep.bytes_copied == lc.allocated_bytes("weights")
+    lc.wake_up()
+    for t, r in zip(ws + [fl], refs):
+        assert torch.equal(t, r)
+    assert [t.data_ptr() for t in ws + [fl, kv]] == ptrs
+    assert int(kv.count_nonzero()) == 0  # discarded memory comes back zeroed
+
+
+def test_many_allocations_and_cycles(lc):
+    ts = [lc.empty((n * 1000 + 1,), torch.float16, tag="weights") for n in range(1, 65)]
+    for i, t in enumerate(ts):
+        t.fill_(i)
+    for cycle in range(3):
+        lc.sleep(1)
+        lc.wake_up()
+        for i, t in enumerate(ts):
+            assert bool((t == i).all()), (cycle, i)
+        ts[cycle].add_(1)  # changed bytes must be copied again next cycle
+        ts[cycle].sub_(1)
+
+
+def test_cuda_graph_replays_after_wake(lc):
+    x = lc.empty((1 << 20,), torch.float32, tag="weights")
+    y = lc.empty((1 << 20,), torch.float32, tag="kv_cache")
+    x.fill_(2.0)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        y.copy_(x * 3)  # warm-up
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y.copy_(x * 3)
+    lc.sleep(1)
+    lc.wake_up()
+    g.replay()
+    torch.cuda.synchronize()
+    assert bool((y == 6.0).all())
+    x.fill_(5.0)
+    g.replay()
+    torch.cuda.synchronize()
+    assert bool((y == 15.0).all())
+
+
+def test_level2_preserve(lc):
+    m = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 8)).cuda()
+    ref = {k: v.detach().clone() for k, v in m.state_dict().items()}
+    lc.adopt(m, tag="weights")
+    assert lc.preserve(["1.*"]) == ["1.bias", "1.weight"]
+    lc.sleep(2)
+    lc.wake_up(["weights"])
+    sd = m.state_dict()
+    assert torch.equal(sd["1.weight"], ref["1.weight"]) and torch.equal(sd["1.bias"], ref["1.bias"])
+    assert int(sd["0.weight"].count_nonzero()) == 0 and int(sd["0.bias"].count_nonzero()) == 0
+
+
+def test_discard_kv_only_and_partial_wake_order(lc):
+    w = lc.empty((8 * MiB,), torch.uint8, tag="weights")
+    w.fill_(4)
+    kv = lc.empty((16 * MiB,), torch.uint8, tag="kv_cache")
+    kv.fill_(1)
+    lc.discard(["kv_cache"])
+    assert lc.state() == {"weights": "awake", "kv_cache": "discarded"}
+    assert lc.resident_bytes("weights") == lc.allocated_bytes("weights")
+    assert lc.resident_bytes("kv_cache") == 0
+    assert bool((w == 4).all())
+    lc.wake_up(["kv_cache"])
+    lc.sleep(2)
+    lc.wake_up(["weights"])
+    assert lc.state() == {"weights": "awake", "kv_cache": "discarded"}
+    lc.wake_up(["kv_cache"])
+    assert not lc.is_sleeping
+
+
+def test_illegal_moves_raise_and_change_nothing(lc):
+    w = lc.empty((4 * MiB,), torch.uint8, tag="weights")
+    w.fill_(3)
+    lc.empty((4 * MiB,), torch.uint8, tag="kv_cache")
+    with pytest.raises(InvalidArgumentError):
+        lc.sleep(3)
+    with pytest.raises(UnknownTagError):
+        lc.wake_up(["nope"])
+    lc.sleep(1)
+    before = (lc.state(), lc.resident_bytes(), lc.backup_bytes())
+    with pytest.raises(InvalidTransitionError):
+        lc.sleep(2)
+    with pytest.raises(InvalidTransitionError):
+        lc.discard(["weights"])
+    with pytest.raises(InvalidTransitionError):
+        lc.empty((10,), tag="weights")
+    assert (lc.state(), lc.resident_bytes(), lc.backup_bytes()) == before
+    lc.sleep(1)  # same policy again: a no-op
+    lc.wake_up()
+    lc.wake_up()  # awake: a no-op
+    assert bool((w == 3).all())
+
+
+def test_freed_memory_seen_by_mem_get_info(lc):
+    w = lc.empty((1 << 30,), torch.uint8, tag="weights")
+    kv = lc.empty((2 << 30,), torch.uint8, tag="kv_cache")
+    w.fill_(1)
+    kv.fill_(1)
+    torch.cuda.synchronize()
+    pooled = lc.resident_bytes()
+    assert pooled == lc.allocated_bytes() >= 3 << 30
+    free0 = torch.cuda.mem_get_info()[0]
+    lc.sleep(1)
+    freed = torch.cuda.mem_get_info()[0] - free0
+    assert freed >= 0.99 * pooled, (freed, pooled)
+    lc.wake_up()
+    assert torch.cuda.mem_get_info()[0] <= free0 + (64 << 20)
+
+
+def test_pool_routes_torch_allocations_and_sleeps_them(lc):
+    with lc.pool("kv_cache"):
+        a = torch.full((3 << 20,), 7, dtype=torch.int32, device="cuda")
+        b = torch.ones((1000, 1000), device="cuda")
+    with lc.pool("weights"):
+        c = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
+    assert lc.resident_bytes("kv_cache") >= a.numel() * 4 + b.numel() * 4
+    ptr = c.data_ptr()
+    lc.sleep(1)
+    assert lc.resident_bytes() == 0
+    lc.wake_up()
+    assert c.data_ptr() == ptr
+    assert torch.equal(c, torch.arange(1 << 20, dtype=torch.float32, device="cuda"))
+    assert int(a.count_nonzero()) == 0 and int(b.count_nonzero()) == 0
+    del a, b  # freeing pooled tensors must not crash, asleep or awake
+    lc.sleep(2)
+    del c
+
+
+def test_unchanged_weights_skip_the_copy(lc):
+    w = lc.empty((64 * MiB,), torch.uint8, tag="weights")
+    w.view(torch.int32).random_()
+    ref = w.clone()
+    assert lc.sleep(1).bytes_copied == 64 * MiB
+    lc.wake_up()
+    assert lc.sleep(1).bytes_copied == 0  # identical to the retained backup: proven by the digest
+    lc.wake_up()
+    assert torch.equal(w, ref)
+    w[12345] += 1
+    ref[12345] += 1
+    assert lc.sleep(1).bytes_copied == 64 * MiB  # one changed byte: copied again
+    lc.wake_up()
+    assert torch.equal(w, ref)
+
+
+def test_expandable_segments_setting_survives_the_pool(tmp_path):
+    code = textwrap.dedent(
+        """
+        import os, torch
+        from unisleep import MemoryLifecycle
+        lc = MemoryLifecycle("cuda")
+        with lc.pool("kv_cache"):
+            t = torch.ones(1 << 22, device="cuda")
+        lc.sleep(1)
+        assert lc.resident_bytes() == 0, lc.resident_bytes()
+        lc.wake_up()
+        x = torch.ones(1 << 22, device="cuda")  # ordinary allocations still use the user's setting
+        print("OK", torch.cuda.memory._get_allocator_settings() if hasattr(torch.cuda.memory, "_get_allocator_settings") else "")
+        """
+    )
+    env = dict(__import__("os").environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert "OK" in p.stdout
+
+
+@pytest.mark.parametrize("end", ["asleep", "awake", "pool-asleep"])
+def test_clean_exit(end):
+    code = textwrap.dedent(
+        f"""
+        import torch
+        from unisleep import MemoryLifecycle
+        lc = MemoryLifecycle("cuda")
+        w = lc.empty((1 << 24,), torch.uint8, tag="weights"); w.fill_(1)
+        with lc.pool("kv_cache"):
+            k = torch.ones(1 << 22, device="cuda")
+        if "{end}" != "awake":
+            lc.sleep(1)
+        print("done")
+        """
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert "Traceback" not in p.stderr and "Exception ignored" not in p.stderr, p.stderr

@@ -1,0 +1,217 @@
+"""``unisleep bench --backend NAME``: the RL handoff workload on an accelerator, beside its peers.
+
+Workload (device-figures.md): ``--weights`` GiB tagged "weights" (backed up) + ``--kv`` GiB tagged
+"kv_cache" (discarded); first sleep (cold, and with the backup arena prepared ahead), then
+``--cycles`` steady sleep/wake cycles (weights changed each cycle so the copy really runs, and
+verified byte-exact), the unchanged-weights sleep, and level 2 (discard all, wake "weights" then
+"kv_cache").  ``--sweep`` adds total sizes × allocation counts through ``pool(tag)``.  Each
+implementation runs in its own process; the backend's peers (``backends/<name>/peers.py``, e.g.
+torch_memory_saver on CUDA) run the same workload when installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Optional, Sequence
+
+from .common import print_table, progress, write_json
+
+GiB = 1 << 30
+
+
+def _timed(fn, sync):
+    sync()
+    t0 = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - t0
+
+
+def run_unisleep(platform: str, device: int, weights_gib: float, kv_gib: float, cycles: int, sweep: bool) -> dict:
+    import torch
+
+    from unisleep import MemoryLifecycle
+
+    W, K = int(weights_gib * GiB), int(kv_gib * GiB)
+    out: dict = {"impl": "unisleep"}
+
+    def make(lc):
+        w = lc.empty((W,), torch.uint8, tag="weights")
+        kv = lc.empty((K,), torch.uint8, tag="kv_cache")
+        w.view(torch.int32).random_()
+        kv.fill_(1)
+        return w, kv
+
+    # cold first sleep: nothing registered yet
+    lc = MemoryLifecycle(platform, device=device)
+    sync = lc.driver.synchronize
+    w, kv = make(lc)
+    ref = w.clone()
+    ptrs = (w.data_ptr(), kv.data_ptr())
+    free0 = lc.driver.memory_info()[0]
+    out["first_sleep_s"] = _timed(lambda: lc.sleep(1), sync)
+    out["freed_bytes"] = lc.driver.memory_info()[0] - free0
+    out["pooled_bytes"] = W + K
+    out["first_wake_s"] = _timed(lambda: lc.wake_up(), sync)
+    ok = bool(torch.equal(w, ref)) and (w.data_ptr(), kv.data_ptr()) == ptrs
+    sleeps, wakes = [], []
+    for i in range(cycles):
+        w[:4096].add_(1)  # a real change: the digest differs, the copy must run
+        ref[:4096].add_(1)
+        sleeps.append(_timed(lambda: lc.sleep(1), sync))
+        wakes.append(_timed(lambda: lc.wake_up(), sync))
+        ok = ok and bool(torch.equal(w, ref)) and bool(kv.count_nonzero() == 0)
+        progress(f"unisleep cycle {i + 1}/{cycles}: sleep {sleeps[-1]:.3f}s wake {wakes[-1]:.3f}s")
+    out["steady_sleep_s"], out["steady_wake_s"] = statistics.median(sleeps), statistics.median(wakes)
+    out["sleep_all_s"], out["wake_all_s"] = sleeps, wakes
+    unchanged = []
+    for _ in range(max(2, cycles // 2)):
+        unchanged.append(_timed(lambda: lc.sleep(1), sync))
+        out["unchanged_copied_bytes"] = lc.last_report.bytes_copied
+        lc.wake_up()
+        ok = ok and bool(torch.equal(w, ref))
+    out["unchanged_sleep_s"] = statistics.median(unchanged)
+    l2s, l2w, l2k = [], [], []
+    for _ in range(3):
+        l2s.append(_timed(lambda: lc.sleep(2), sync))
+        l2w.append(_timed(lambda: lc.wake_up(["weights"]), sync))
+        l2k.append(_timed(lambda: lc.wake_up(["kv_cache"]), sync))
+        ok = ok and bool(w[:1 << 20].count_nonzero() == 0) and bool(kv[-(1 << 20):].count_nonzero() == 0)
+    out["l2_sleep_s"], out["l2_wake_weights_s"], out["l2_wake_kv_s"] = map(statistics.median, (l2s, l2w, l2k))
+    out["verified"] = ok
+    del w, kv, ref
+    lc.close()
+
+    # first sleep with the arena prepared ahead (e.g. while the model loads)
+    lc = MemoryLifecycle(platform, device=device)
+    w, kv = make(lc)
+    t0 = time.perf_counter()
+    lc.prepare_backup(background=False)  # in real use: background=True while the model loads
+    out["prepare_s"] = time.perf_counter() - t0
+    out["first_sleep_prepared_s"] = _timed(lambda: lc.sleep(1), sync)
+    lc.wake_up()
+    del w, kv
+    lc.close()
+
+    if sweep:
+        rows = []
+        lc = MemoryLifecycle(platform, device=device)
+        dev = lc.torch_device
+        for total_gib in (1, 4, 16, 64):
+            for count in (1, 64, 1024):
+                each = total_gib * GiB // count
+                with lc.pool(f"sweep{total_gib}x{count}"):
+                    ts = [torch.empty(each, dtype=torch.uint8, device=dev) for _ in range(count)]
+                tag = f"sweep{total_gib}x{count}"
+                for t in ts[:: max(1, count // 8)]:
+                    t.fill_(3)
+                ss, ww = [], []
+                for _ in range(2):
+                    ts[0][:16].add_(1)
+                    ss.append(_timed(lambda: lc.sleep(1, offload_tags=[tag]), sync))
+                    ww.append(_timed(lambda: lc.wake_up([tag]), sync))
+                rows.append({"total_gib": total_gib, "allocations": count, "sleep_s": min(ss), "wake_s": min(ww),
+                             "gbps_sleep": total_gib * GiB / min(ss) / 1e9})
+                progress(f"sweep {total_gib} GiB x {count}: sleep {min(ss):.3f}s wake {min(ww):.3f}s")
+                del ts
+                lc.discard([tag])
+        out["sweep"] = rows
+        lc.close()
+    return out
+
+
+def _worker(impl: str, args) -> dict:
+    if impl == "unisleep":
+        return run_unisleep(args.backend, args.device, args.weights, args.kv, args.cycles, args.sweep)
+    from unisleep.platform import SPECS
+
+    mod = importlib.import_module(SPECS[args.backend].driver.split(":")[0] + ".peers")
+    return mod.run_peer(impl, args.device, args.weights, args.kv, args.cycles)
+
+
+def _peers(backend: str) -> list[str]:
+    from unisleep.platform import SPECS
+
+    if backend not in SPECS:
+        return []
+    try:
+        mod = importlib.import_module(SPECS[backend].driver.split(":")[0] + ".peers")
+    except ImportError:
+        return []
+    return mod.available_peers()
+
+
+GOALS = {  # H200 goals from the issue (seconds)
+    "first_sleep_s": 0.6, "first_sleep_prepared_s": 0.2, "steady_sleep_s": 0.17, "steady_wake_s": 0.17,
+    "unchanged_sleep_s": 0.02, "l2_sleep_s": 0.01, "l2_wake_weights_s": 0.005, "l2_wake_kv_s": 0.005,
+}
+LABELS = {
+    "first_sleep_s": "first sleep (cold)", "first_sleep_prepared_s": "first sleep (arena prepared)",
+    "steady_sleep_s": "steady level-1 sleep", "steady_wake_s": "steady wake",
+    "unchanged_sleep_s": "level-1 sleep, unchanged weights", "l2_sleep_s": "level-2 sleep (discard all)",
+    "l2_wake_weights_s": "level-2 wake 'weights' (zeroed)", "l2_wake_kv_s": "level-2 wake 'kv_cache' (zeroed)",
+}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="unisleep bench --backend NAME", description=__doc__)
+    ap.add_argument("--backend", required=True)
+    ap.add_argument("--device", type=int, default=0)
+    ap.add_argument("--weights", type=float, default=8.0, help="GiB tagged weights (default 8)")
+    ap.add_argument("--kv", type=float, default=16.0, help="GiB tagged kv_cache (default 16)")
+    ap.add_argument("--cycles", type=int, default=4)
+    ap.add_argument("--sweep", action="store_true", help="also 1/4/16/64 GiB x 1/64/1024 allocations")
+    ap.add_argument("--no-peers", action="store_true")
+    ap.add_argument("--json", default=None, help="write results here (default bench-<backend>.json)")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(list(argv or []))
+    if args.worker:
+        print("UNISLEEP_RESULT " + json.dumps(_worker(args.worker, args)), flush=True)
+        return 0
+
+    impls = ["unisleep"] + ([] if args.no_peers else _peers(args.backend))
+    results = {}
+    for impl in impls:
+        progress(f"running {impl} ...")
+        cmd = [sys.executable, "-m", "unisleep", "bench", "--backend", args.backend, "--device", str(args.device),
+               "--weights", str(args.weights), "--kv", str(args.kv), "--cycles", str(args.cycles), "--worker", impl]
+        if args.sweep and impl == "unisleep":
+            cmd.append("--sweep")
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=os.environ.copy())
+        line = next((l for l in proc.stdout.splitlines() if l.startswith("UNISLEEP_RESULT ")), None)
+        if proc.returncode != 0 or line is None:
+            progress(f"{impl} failed (exit {proc.returncode})")
+            results[impl] = {"impl": impl, "error": f"exit {proc.returncode}"}
+            continue
+        results[impl] = json.loads(line.split(" ", 1)[1])
+
+    names = list(results)
+    rows = []
+    for key, label in LABELS.items():
+        row = [label, GOALS.get(key)]
+        for n in names:
+            row.append(results[n].get(key))
+        ours = results.get("unisleep", {}).get(key)
+        row.append("yes" if ours is not None and ours <= GOALS[key] else "no")
+        rows.append(row)
+    print_table(
+        f"sleep/wake on {args.backend}: {args.weights:g} GiB weights + {args.kv:g} GiB kv_cache (seconds, medians)",
+        ["figure", "goal"] + names + ["goal met"], rows,
+    )
+    u = results.get("unisleep", {})
+    if "freed_bytes" in u:
+        print(f"freed by level-1 sleep (device free memory): {u['freed_bytes'] / GiB:.2f} GiB of "
+              f"{u['pooled_bytes'] / GiB:.2f} GiB pooled ({100 * u['freed_bytes'] / u['pooled_bytes']:.1f} %); "
+              f"bytes copied by the unchanged sleep: {u.get('unchanged_copied_bytes')}; verified: {u.get('verified')}")
+    if u.get("sweep"):
+        print_table("sweep (level-1 sleep/wake through pool(tag))", ["GiB", "allocations", "sleep s", "wake s", "GB/s"],
+                    [[r["total_gib"], r["allocations"], r["sleep_s"], r["wake_s"], r["gbps_sleep"]] for r in u["sweep"]])
+    write_json(args.json or f"bench-{args.backend}.json", f"device-{args.backend}", results, argv)
+    return 0 if u.get("verified") else 1
