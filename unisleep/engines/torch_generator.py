@@ -355,13 +355,17 @@ class TorchGenerator(Engine):
         if version is not None:
             self._version = str(version)
 
+    def abort_weight_update(self) -> None:
+        """Drop an unfinished update (its tensors may already be written: re-send the full set)."""
+        self._updating = None
+
     def load_weights(self, named_tensors: Any, version: Optional[str] = None) -> None:
         """start + update + finish in one call (single-process use)."""
         self.start_weight_update()
         try:
             self.update_weights(named_tensors)
         except BaseException:
-            self._updating = None
+            self.abort_weight_update()
             raise
         self.finish_weight_update(version)
 
