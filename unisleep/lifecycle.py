@@ -243,7 +243,10 @@ class MemoryLifecycle:
                     )
                     with torch.no_grad():
                         t.data = moved
-                    alloc.names[name] = (off + t.storage_offset() * elem, t.numel() * elem)
+                    # byte range in the region: byte_off is already region-relative (the storage
+                    # starts at the region's va); the extent covers strided views too
+                    extent = 1 + sum((s - 1) * st for s, st in zip(t.size(), t.stride()))
+                    alloc.names[name] = (byte_off, extent * elem)
             self._driver.synchronize()
             return obj
 
