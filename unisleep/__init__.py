@@ -35,3 +35,32 @@ __all__ = [
     "UnknownTagError",
     "__version__",
 ]
+
+
+def _map_source_backends() -> None:
+    """The drivers live in the top-level ``backends/`` folder and install as
+    ``unisleep.backends``.  When unisleep runs from a source tree (``PYTHONPATH=.``, or a
+    checkout that shadows an editable install), map that folder to ``unisleep.backends``."""
+    import importlib.util
+    import os
+    import sys
+
+    if "unisleep.backends" in sys.modules:
+        return
+    try:
+        if importlib.util.find_spec("unisleep.backends") is not None:
+            return
+    except (ImportError, ValueError):
+        pass
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "backends")
+    init = os.path.join(src, "__init__.py")
+    if not os.path.exists(init):
+        return
+    spec = importlib.util.spec_from_file_location("unisleep.backends", init, submodule_search_locations=[src])
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["unisleep.backends"] = mod
+    spec.loader.exec_module(mod)
+    globals()["backends"] = mod
+
+
+_map_source_backends()
