@@ -59,7 +59,10 @@ class Platform:
 
     @property
     def spec(self) -> PlatformSpec:
-        return SPECS[self.name]
+        if self.name in SPECS:
+            return SPECS[self.name]
+        # a third-party backend (entry point): host-like defaults until it says otherwise
+        return PlatformSpec(self.name, "", "gloo", "cpu", "")
 
     @property
     def collective_backend(self) -> str:
@@ -210,9 +213,13 @@ def _probe_cuda() -> Optional[Platform]:
 
 def _forced(name: str) -> Platform:
     if name not in SPECS:
-        raise PlatformError(
-            f"{ENV_OVERRIDE}={name!r} is not a platform; choose one of: {', '.join(PLATFORM_NAMES)}"
-        )
+        from .registry import available_backends  # third-party backends (entry points) count too
+
+        table = available_backends()
+        if name in table:
+            return Platform(name, f"{ENV_OVERRIDE}={name} is set (backend {table[name]})")
+        choices = list(PLATFORM_NAMES) + sorted(set(table) - set(SPECS))
+        raise PlatformError(f"{ENV_OVERRIDE}={name!r} is not a platform; choose one of: {', '.join(choices)}")
     probes = {"cuda": _probe_cuda, "rocm": _probe_rocm, "ascend": _probe_ascend}
     found = probes[name]() if name in probes else None
     devs = found.devices if found else (_host_devices() if name == "host" else ())
