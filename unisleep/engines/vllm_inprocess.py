@@ -1,0 +1,207 @@
+"""vLLM in process: the :class:`~unisleep.engines.base.Engine` verbs over ``vllm.LLM``.
+
+vLLM is imported only when an engine is built.  ``LLM`` has no pause/resume, so, as vLLM's own
+docs say, pause = ``sleep(level=0)`` and resume = ``wake_up(["scheduling"])``.
+
+    from unisleep.engines.vllm_inprocess import VLLMEngine
+    eng = VLLMEngine(model_dir, enforce_eager=True, max_model_len=512,
+                     kv_cache_memory_bytes=256 << 20)
+
+With ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` the engine core runs in this process (2 s start on a
+CPU machine) and :meth:`VLLMEngine.sleeping_tags` reads the executor's exact tags; otherwise it
+falls back to this adapter's own record.  Scripts need an ``if __name__ == "__main__":`` guard
+(vLLM spawns its workers).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional, Sequence
+
+from ..errors import EngineError, InvalidArgumentError, InvalidTransitionError
+from .base import Engine, Generation
+
+log = logging.getLogger(__name__)
+
+SLEEP_TAGS = ("weights", "kv_cache")
+WAKE_TAGS = ("weights", "kv_cache", "scheduling")
+PAUSE_MODES = ("abort", "wait", "keep")
+
+
+class VLLMEngine(Engine):
+    """A ``vllm.LLM`` built in this process (or wrapped, with ``llm=``)."""
+
+    kind = "vllm"
+
+    def __init__(self, model: Optional[str] = None, *, llm: Any = None, **llm_kwargs) -> None:
+        if llm is None:
+            if model is None:
+                raise InvalidArgumentError("VLLMEngine needs a model directory or llm=")
+            try:
+                from vllm import LLM
+            except Exception as e:  # ImportError, or a broken install
+                raise EngineError(f"cannot import vllm ({type(e).__name__}: {e}); "
+                                  "pip install 'unisleep[vllm]'") from e
+            llm_kwargs.setdefault("seed", 0)
+            try:
+                llm = LLM(model=model, **llm_kwargs)
+            except Exception as e:
+                raise EngineError(f"vllm.LLM({model!r}) failed: {type(e).__name__}: {e}") from e
+        self.llm = llm
+        self._asleep: set[str] = set()   # own record, used when the executor is out of reach
+        self._paused = False
+
+    # ---- helpers --------------------------------------------------------------------
+    def _call(self, what: str, fn, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except (InvalidTransitionError, InvalidArgumentError):
+            raise
+        except Exception as e:
+            raise EngineError(f"vllm.LLM.{what} failed: {type(e).__name__}: {e}") from e
+
+    def _executor(self):
+        """The model executor when the engine core runs in this process, else None."""
+        core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        inner = getattr(core, "engine_core", None)   # InprocClient.engine_core -> EngineCore
+        return getattr(inner, "model_executor", None)
+
+    def version(self) -> str:
+        import vllm
+
+        return str(vllm.__version__)
+
+    # ---- generation ----------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]], *, max_tokens: int = 16,
+                 temperature: float = 0.0, top_p: float = 1.0, seed: Optional[int] = None,
+                 logprobs: bool = True, ignore_eos: bool = False) -> list[Generation]:
+        from vllm import SamplingParams
+
+        sp = SamplingParams(max_tokens=int(max_tokens), temperature=float(temperature),
+                            top_p=float(top_p), seed=seed, logprobs=0 if logprobs else None,
+                            ignore_eos=bool(ignore_eos))
+        reqs = [{"prompt_token_ids": list(map(int, p))} for p in prompts]
+        outs = self._call("generate", self.llm.generate, reqs, sp, use_tqdm=False)
+        gens = []
+        for p, o in zip(prompts, outs):
+            c = o.outputs[0]
+            lps: list[float] = []
+            if logprobs and c.logprobs:
+                for tok, d in zip(c.token_ids, c.logprobs):
+                    lp = d.get(tok)
+                    lps.append(float("-inf") if lp is None else float(lp.logprob))
+            gens.append(Generation(prompt_ids=list(p), token_ids=list(c.token_ids),
+                                   logprobs=lps, text=c.text))
+        return gens
+
+    # ---- pause / resume (offline: sleep level 0 / wake scheduling) -------------------
+    def pause(self, mode: str = "abort") -> None:
+        if mode not in PAUSE_MODES:
+            raise InvalidArgumentError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        self._call("sleep(level=0)", self.llm.sleep, level=0, mode=mode)
+        self._paused = True
+
+    def resume(self) -> None:
+        self._call("wake_up(['scheduling'])", self.llm.wake_up, ["scheduling"])
+        self._paused = False
+
+    def is_paused(self) -> bool:
+        core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        inner = getattr(core, "engine_core", None)
+        fn = getattr(inner, "is_scheduler_paused", None)
+        return bool(fn()) if callable(fn) else self._paused
+
+    # ---- memory ----------------------------------------------------------------------
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        if isinstance(level, bool) or level not in (0, 1, 2):
+            raise InvalidArgumentError(f"sleep level must be 0, 1 or 2, got {level!r}")
+        self._call(f"sleep(level={level})", self.llm.sleep, level=level, mode=mode)
+        if level >= 1 and "weights" not in self._asleep:
+            self._asleep |= set(SLEEP_TAGS)
+        self._paused = True
+
+    def wake_up(self, tags: Optional[Sequence[str]] = None) -> bool:
+        if tags is not None:
+            tags = list(tags)
+            bad = [t for t in tags if t not in WAKE_TAGS]
+            if bad or not tags:
+                raise InvalidArgumentError(
+                    f"wake_up tags must be a non-empty subset of {WAKE_TAGS}, got {tags!r}")
+        awake = bool(self._call("wake_up", self.llm.wake_up, tags))
+        if tags is None or awake:
+            self._asleep.clear()
+            self._paused = False
+        else:
+            mem = [t for t in tags if t in SLEEP_TAGS]
+            if all(t in self._asleep for t in mem):
+                self._asleep -= set(mem)
+        return awake
+
+    def is_sleeping(self) -> bool:
+        return bool(self._call("llm_engine.is_sleeping", self.llm.llm_engine.is_sleeping))
+
+    def sleeping_tags(self) -> Optional[set[str]]:
+        ex = self._executor()
+        tags = getattr(ex, "sleeping_tags", None)
+        if tags is not None:
+            return set(tags)
+        return set(self._asleep)
+
+    def release_kv_cache_memory(self) -> None:
+        self._call("release_kv_cache_memory", self.llm.release_kv_cache_memory)
+
+    def reset_prefix_cache(self) -> bool:
+        return bool(self._call("reset_prefix_cache", self.llm.reset_prefix_cache))
+
+    def collective_rpc(self, method, *, args: Sequence[Any] = (), kwargs: Optional[dict] = None,
+                       timeout: Optional[float] = None) -> list:
+        return list(self._call(f"collective_rpc({method!r})", self.llm.collective_rpc, method,
+                               timeout=timeout, args=tuple(args), kwargs=kwargs))
+
+    def check_weights_awake(self) -> None:
+        """Raise :class:`InvalidTransitionError` unless the weights are awake (vLLM #57853)."""
+        tags = self.sleeping_tags()
+        if tags and "weights" in tags:
+            from .vllm_http import WAKE_WEIGHTS_FIRST
+
+            raise InvalidTransitionError(WAKE_WEIGHTS_FIRST)
+
+    def reload_weights(self, weights_path: str) -> None:
+        self.check_weights_awake()
+        self.collective_rpc("reload_weights", kwargs={"weights_path": str(weights_path)})
+
+    # ---- weights -------------------------------------------------------------------
+    def weight_version(self) -> str:
+        return str(self._call("get_weight_version", self.llm.get_weight_version))
+
+    def set_weight_version(self, version: str) -> None:
+        self._call("update_weight_version", self.llm.update_weight_version, str(version))
+
+    def init_weight_transfer(self, init_info: dict) -> Any:
+        return self._call("init_weight_transfer_engine", self.llm.init_weight_transfer_engine,
+                          {"init_info": dict(init_info)})
+
+    def shutdown_weight_transfer(self) -> None:
+        self._call("shutdown_weight_transfer_engine", self.llm.shutdown_weight_transfer_engine)
+
+    def start_weight_update(self) -> None:
+        self.check_weights_awake()
+        self._call("start_weight_update", self.llm.start_weight_update)
+
+    def update_weights(self, update_info: Any) -> None:
+        self._call("update_weights", self.llm.update_weights, {"update_info": update_info})
+
+    def finish_weight_update(self, version: Optional[str] = None) -> None:
+        self._call("finish_weight_update", self.llm.finish_weight_update, version)
+
+    def close(self) -> None:
+        llm, self.llm = self.llm, None
+        if llm is None:
+            return
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        except Exception:  # pragma: no cover - best effort
+            pass
+
+
+__all__ = ["VLLMEngine"]

@@ -1,0 +1,170 @@
+"""Trainer side of the ``unisleep`` vLLM weight-transfer engine.
+
+    from unisleep.engines.vllm_trainer import VLLMWeightPusher
+    pusher = VLLMWeightPusher(engine)            # VLLMHTTPEngine or VLLMEngine
+    pusher.init()                                # /init_weight_transfer_engine + our group, together
+    pusher.push(model.state_dict().items(), version="step-3")
+    ...
+    pusher.close()
+
+:meth:`VLLMWeightPusher.push` runs vLLM's protocol: check that the engine's weights are awake
+(refuses with :class:`~unisleep.errors.InvalidTransitionError` "wake the weights first",
+vLLM #57853), ``start_weight_update``, then for each chunk ``update_weights`` in a thread while
+this process sends the chunk over the :class:`~unisleep.transfer.TransferGroup`, then
+``finish_weight_update(version)``.  The engine must have been started with
+``--weight-transfer-config '{"backend": "unisleep"}'``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Optional, Sequence
+
+from ..errors import EngineError, InvalidArgumentError, TransferError
+from .vllm_http import free_port
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PushReport:
+    version: str
+    tensors: int
+    nbytes: int
+    chunks: int
+    seconds: float
+    phases: dict = field(default_factory=dict)
+
+
+class _Call(threading.Thread):
+    """Run one blocking engine call in a thread, keeping its exception."""
+
+    def __init__(self, fn, *args, **kwargs) -> None:
+        super().__init__(daemon=True, name="unisleep-vllm-call")
+        self.fn, self.args, self.kwargs = fn, args, kwargs
+        self.error: Optional[BaseException] = None
+        self.result: Any = None
+
+    def run(self) -> None:
+        try:
+            self.result = self.fn(*self.args, **self.kwargs)
+        except BaseException as e:  # handed to the caller
+            self.error = e
+
+
+class VLLMWeightPusher:
+    """Sends weights from this (trainer) process into a vLLM engine using the unisleep backend."""
+
+    def __init__(self, engine, *, rendezvous: Optional[str] = None, host: str = "127.0.0.1",
+                 timeout_s: float = 120.0, world_size: int = 2, group_name: str = "vllm") -> None:
+        self.engine = engine
+        self.rendezvous = rendezvous or f"tcp://{host}:{free_port(host)}"
+        self.timeout_s = float(timeout_s)
+        self.world_size = int(world_size)
+        self.group_name = group_name
+        self.group = None
+
+    # ---- setup -----------------------------------------------------------------------
+    def init_info(self) -> dict:
+        return {"rendezvous": self.rendezvous, "rank_offset": 1, "world_size": self.world_size,
+                "timeout_s": self.timeout_s, "group_name": self.group_name}
+
+    def init(self) -> "VLLMWeightPusher":
+        """``/init_weight_transfer_engine`` and this side's group, concurrently (a rendezvous)."""
+        from ..transfer import TransferGroup
+
+        if self.group is not None:
+            return self
+        call = _Call(self.engine.init_weight_transfer, self.init_info())
+        call.start()
+        try:
+            self.group = TransferGroup.create(self.rendezvous, rank=0, world_size=self.world_size,
+                                              timeout_s=self.timeout_s, name=self.group_name)
+        finally:
+            call.join(self.timeout_s + 30)
+        if call.error is not None:
+            self.close()
+            raise call.error
+        return self
+
+    # ---- one update ------------------------------------------------------------------
+    def push(self, named_tensors: Iterable, version: str, *, chunks: int = 1,
+             partial: bool = False, check_awake: bool = True) -> PushReport:
+        """Send ``named_tensors`` ((name, tensor) pairs, checkpoint names) as ``version``.
+
+        Raises :class:`InvalidTransitionError` before anything is sent when the engine reports its
+        weights asleep; :class:`TransferError` when the engine refused or failed the update (its
+        message carries the route, status and body).  ``chunks`` splits the update into several
+        ``/update_weights`` calls (the last one is marked final).
+        """
+        if self.group is None:
+            raise InvalidArgumentError("call init() before push()")
+        items = [(str(n), t) for n, t in named_tensors]
+        if not items:
+            raise InvalidArgumentError("nothing to send")
+        if chunks < 1:
+            raise InvalidArgumentError(f"chunks must be >= 1, got {chunks}")
+        from ..transfer import WeightSender
+
+        t0 = time.perf_counter()
+        phases: dict[str, float] = {}
+        if check_awake:
+            self.engine.check_weights_awake()  # InvalidTransitionError: "wake the weights first"
+        self.engine.start_weight_update()
+        phases["start"] = time.perf_counter() - t0
+        parts = _split(items, chunks)
+        sender = WeightSender(self.group)
+        for i, part in enumerate(parts):
+            final = i == len(parts) - 1
+            call = _Call(self.engine.update_weights,
+                         {"version": str(version), "final": final, "partial": bool(partial)})
+            call.start()
+            send_error: Optional[BaseException] = None
+            try:
+                sender.send(part, version=str(version))
+            except BaseException as e:
+                send_error = e
+            call.join(self.timeout_s + 30)
+            if call.is_alive():
+                raise TransferError(f"/update_weights did not return within "
+                                    f"{self.timeout_s + 30:.0f} s (chunk {i + 1}/{len(parts)})")
+            if call.error is not None:
+                err = call.error
+                if isinstance(err, EngineError):
+                    raise TransferError(f"the engine refused chunk {i + 1}/{len(parts)} of "
+                                        f"version {version}: {err}") from err
+                raise err
+            if send_error is not None:
+                raise send_error
+        phases["update"] = time.perf_counter() - t0 - phases["start"]
+        self.engine.finish_weight_update(str(version))
+        phases["finish"] = time.perf_counter() - t0 - phases["start"] - phases["update"]
+        nbytes = sum(int(t.numel()) * t.element_size() for _, t in items)
+        return PushReport(str(version), len(items), nbytes, len(parts),
+                          time.perf_counter() - t0, phases)
+
+    def close(self) -> None:
+        group, self.group = self.group, None
+        if group is not None:
+            try:
+                group.close()
+            except Exception:  # pragma: no cover
+                pass
+
+    def __enter__(self) -> "VLLMWeightPusher":
+        return self.init()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _split(items: Sequence, chunks: int) -> list[list]:
+    chunks = max(1, min(chunks, len(items)))
+    size = -(-len(items) // chunks)
+    return [list(items[i:i + size]) for i in range(0, len(items), size)]
+
+
+__all__ = ["VLLMWeightPusher", "PushReport"]

@@ -1,0 +1,255 @@
+"""The ``unisleep`` weight-transfer engine for vLLM: receives weights over :mod:`unisleep.transfer`.
+
+Registered by :mod:`unisleep.vllm_plugin`; selected with
+``--weight-transfer-config '{"backend": "unisleep"}'`` (or ``LLM(...,
+weight_transfer_config={"backend": "unisleep"})``).  It runs vLLM's own protocol
+(``/init_weight_transfer_engine`` → ``/start_weight_update`` → ``/update_weights`` ×N →
+``/finish_weight_update``) on every platform unisleep supports, CPU included: the bytes travel over
+a private :class:`~unisleep.transfer.TransferGroup` (gloo on host, the platform's collective on
+accelerators), never over the worker's own process group.
+
+Differences from vLLM's built-in engines, on purpose:
+
+* **Atomic.**  ``update_weights`` receives into host-side staging (the receiver verifies every
+  tensor against the sender's manifest and checksums); the model is touched only in
+  ``finish_weight_update``, and only when the staged set covers every tensor of the checkpoint
+  the engine was loaded from (names and shapes), unless the update says ``partial``.  A failed,
+  corrupt or incomplete update therefore leaves the served weights exactly as they were and the
+  engine usable — vLLM's engines leave the model in meta-tensor state, which kills the engine at
+  the next forward.
+* **No accelerator sync on host.**  The base ``update_weights`` calls
+  ``torch.accelerator.synchronize()``, which raises on CPU.
+* **Refuses to write into sleeping weights** when vLLM's allocator reports them asleep
+  (vLLM #57853), before anything is received.
+
+init_info: ``{"rendezvous": "tcp://127.0.0.1:PORT", "rank_offset": 1, "world_size": 2,
+"timeout_s": 300}`` — worker rank = ``rank_offset + dp_index * tp_pp_size + worker rank``; the
+trainer is rank 0.  update_info: ``{"version": str|None, "final": true, "partial": false}``.
+The apply step uses vLLM's ``initialize_layerwise_reload`` → ``model.load_weights`` →
+``finalize_layerwise_reload``, as its own checkpoint-format engines do.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from ..errors import InvalidTransitionError, TransferError
+
+log = logging.getLogger(__name__)
+
+RESTART_REQUIRED = ("the vLLM engine must be restarted: applying the verified update failed "
+                    "after the model entered layerwise-reload state")
+
+
+@dataclass
+class UnisleepInitInfo(WeightTransferInitInfo):
+    rendezvous: str = ""
+    rank_offset: int = 1
+    world_size: int = 2
+    timeout_s: float = 300.0
+    group_name: str = "vllm"
+
+
+@dataclass
+class UnisleepUpdateInfo(WeightTransferUpdateInfo):
+    version: Optional[str] = None   # expected version of this chunk (checked against the sender)
+    final: bool = True              # last chunk: check coverage now
+    partial: bool = False           # allow an update that covers only some tensors
+
+
+def checkpoint_specs(model_path: str) -> Optional[dict[str, tuple[int, ...]]]:
+    """name -> shape of every tensor in the safetensors checkpoint at ``model_path`` (headers
+    only), or None when the path is not a local safetensors checkpoint."""
+    if not model_path or not os.path.isdir(model_path):
+        return None
+    files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
+    if not files:
+        return None
+    from safetensors import safe_open
+
+    out: dict[str, tuple[int, ...]] = {}
+    for f in files:
+        with safe_open(f, framework="pt") as sf:
+            for k in sf.keys():
+                out[k] = tuple(sf.get_slice(k).get_shape())
+    return out
+
+
+class UnisleepWeightTransferEngine(WeightTransferEngine[UnisleepInitInfo, UnisleepUpdateInfo]):
+    init_info_cls = UnisleepInitInfo
+    update_info_cls = UnisleepUpdateInfo
+    supports_draft_weight_update = True
+
+    def __init__(self, config, vllm_config, device, model) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.group = None
+        self._staged: dict[str, torch.Tensor] = {}
+        self._verified = False
+        self._active = False
+        self.last_version: Optional[str] = None
+        self.applied_versions: list[Optional[str]] = []
+        self._expected: Optional[dict[str, tuple[int, ...]]] = None
+
+    # ---- helpers --------------------------------------------------------------------
+    def _worker_rank(self, info: UnisleepInitInfo) -> int:
+        pc = self.parallel_config
+        return (info.rank_offset + getattr(pc, "data_parallel_index", 0) * pc.world_size
+                + getattr(pc, "rank", 0))
+
+    def _expected_specs(self) -> Optional[dict[str, tuple[int, ...]]]:
+        if self._expected is None:
+            try:
+                self._expected = checkpoint_specs(str(self.model_config.model)) or {}
+            except Exception as e:  # unreadable checkpoint: no coverage check possible
+                log.warning("unisleep: cannot read checkpoint names for coverage checks: %s", e)
+                self._expected = {}
+        return self._expected or None
+
+    def _check_weights_awake(self) -> None:
+        if not getattr(self.model_config, "enable_sleep_mode", False):
+            return  # no allocator pools: nothing can sleep
+        try:
+            from vllm.device_allocator import get_mem_allocator_instance
+
+            data = get_mem_allocator_instance().pointer_to_data.values()
+        except Exception:
+            return
+        if any(getattr(d, "is_asleep", False) and d.tag == "weights" for d in data):
+            raise InvalidTransitionError(
+                "wake the weights first: they are asleep in this worker and a weight update "
+                "would write into unmapped memory (vLLM #57853)")
+
+    # ---- WeightTransferEngine --------------------------------------------------------
+    def init_transfer_engine(self, init_info: UnisleepInitInfo) -> None:
+        from ..transfer import TransferGroup
+
+        if not init_info.rendezvous:
+            raise ValueError("init_info.rendezvous is required (tcp://HOST:PORT of the trainer)")
+        if self.group is not None:
+            self.shutdown()
+        rank = self._worker_rank(init_info)
+        self.group = TransferGroup.create(init_info.rendezvous, rank=rank,
+                                          world_size=init_info.world_size,
+                                          timeout_s=init_info.timeout_s,
+                                          name=init_info.group_name)
+        log.info("unisleep weight transfer: joined %s as rank %d/%d", init_info.rendezvous,
+                 rank, init_info.world_size)
+
+    def start_weight_update(self) -> None:
+        if self.group is None:
+            raise RuntimeError("unisleep weight transfer not initialized: call "
+                               "init_weight_transfer_engine first")
+        self._check_weights_awake()
+        self._staged = {}
+        self._verified = False
+        self._active = True
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # the base class would call torch.accelerator.synchronize(), which raises on host
+        typed = self.parse_update_info(update_info)
+        try:
+            self.receive_weights(typed)
+        except BaseException:
+            self._staged = {}   # the worker aborts the session; drop the partial staging
+            self._verified = False
+            self._active = False
+            raise
+        if self.device.type != "cpu" and hasattr(torch, "accelerator"):
+            torch.accelerator.synchronize()
+
+    def _stage(self, named: list) -> None:
+        for name, t in named:
+            self._staged[name] = t.detach().to("cpu", copy=True)
+
+    def receive_weights(self, update_info: UnisleepUpdateInfo) -> None:
+        from ..transfer import WeightReceiver
+
+        if not self._active:
+            raise RuntimeError("update_weights without start_weight_update")
+        t0 = time.perf_counter()
+        report = WeightReceiver(self.group, apply=self._stage).receive()
+        got = getattr(report, "version", None)
+        if update_info.version is not None and got is not None and str(got) != update_info.version:
+            raise TransferError(f"the sender sent version {got!r}, the update announced "
+                                f"{update_info.version!r}; nothing was applied")
+        self.last_version = None if got is None else str(got)
+        log.info("unisleep weight transfer: staged %d tensors (version %s) in %.3f s",
+                 len(self._staged), self.last_version, time.perf_counter() - t0)
+        if update_info.final:
+            self._verify_coverage(update_info.partial)
+            self._verified = True
+
+    def _verify_coverage(self, partial: bool) -> None:
+        expected = self._expected_specs()
+        if expected is None:
+            log.warning("unisleep weight transfer: no local checkpoint to check coverage against")
+            return
+        unknown = sorted(n for n in self._staged if n not in expected)
+        if unknown:
+            raise TransferError(f"update names {len(unknown)} tensor(s) the checkpoint does not "
+                                f"have, e.g. {unknown[:3]}; nothing was applied")
+        bad = [(n, tuple(t.shape), expected[n]) for n, t in self._staged.items()
+               if tuple(t.shape) != tuple(expected[n])]
+        if bad:
+            n, got, want = bad[0]
+            raise TransferError(f"{len(bad)} tensor(s) have the wrong shape, e.g. {n}: {got} "
+                                f"instead of {want}; nothing was applied")
+        missing = sorted(n for n in expected if n not in self._staged)
+        if missing and not partial:
+            raise TransferError(
+                f"incomplete update: {len(missing)} of {len(expected)} checkpoint tensors "
+                f"missing (e.g. {missing[:3]}); nothing was applied and the served weights are "
+                "unchanged (send every tensor, or mark the update partial=True)")
+
+    def finish_weight_update(self) -> None:
+        if not self._verified:
+            raise TransferError("finish_weight_update before a final, verified update_weights "
+                                "chunk; nothing was applied (send the last chunk with "
+                                "final=True, then finish)")
+        from vllm.model_executor.model_loader.reload import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+
+        staged, self._staged = self._staged, {}
+        self._verified = False
+        self._active = False
+        t0 = time.perf_counter()
+        try:
+            with torch.no_grad():
+                initialize_layerwise_reload(self.model)
+                self.model.load_weights(iter(staged.items()))
+                finalize_layerwise_reload(self.model, self.model_config)
+        except Exception as e:
+            log.error("unisleep weight transfer: %s (%s: %s)", RESTART_REQUIRED,
+                      type(e).__name__, e)
+            raise RuntimeError(f"{RESTART_REQUIRED} ({type(e).__name__}: {e})") from e
+        self.applied_versions.append(self.last_version)
+        log.info("unisleep weight transfer: applied %d tensors (version %s) in %.3f s",
+                 len(staged), self.last_version, time.perf_counter() - t0)
+
+    def shutdown(self) -> None:
+        group, self.group = self.group, None
+        self._staged = {}
+        self._active = self._verified = False
+        if group is not None:
+            try:
+                group.close()
+            except Exception:  # pragma: no cover
+                pass
+
+
+__all__ = ["UnisleepWeightTransferEngine", "UnisleepInitInfo", "UnisleepUpdateInfo",
+           "checkpoint_specs", "RESTART_REQUIRED"]
