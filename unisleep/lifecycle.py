@@ -82,6 +82,7 @@ class Allocation:
     saved: list[tuple[int, int]] = field(default_factory=list)  # ranges in the backup now
     digest: Any = None  # checksum of the retained full backup (skip-unchanged)
     external: bool = False  # created by the framework's allocator through pool()
+    pending_digest: Any = None  # digest taken by the sleep in progress
 
 
 def _resolve_driver(platform, device: int, options: dict) -> Driver:
@@ -356,6 +357,7 @@ class MemoryLifecycle:
             for job in saves:
                 a = self._allocs[job.key]
                 a.saved = list(job.ranges)
+                a.digest, a.pending_digest = a.pending_digest, None
             for region in discards:
                 a = self._by_va[region.va]
                 self._drop_backup(a)
@@ -513,8 +515,11 @@ class MemoryLifecycle:
             if want == OFFLOADED:
                 whole = [(0, a.region.size)]
                 skip = False
-                if self._driver.retain_backups and a.digest is not None and a.saved == whole:
-                    skip = self._driver.checksum(self._driver.view(a.region.va, a.region.size)) == a.digest
+                if self._driver.retain_backups:
+                    # digest of the bytes now; equal to the retained backup's digest => skip the copy
+                    now = self._driver.checksum(self._driver.view(a.region.va, a.region.size))
+                    skip = a.digest is not None and a.saved == whole and now == a.digest
+                    a.pending_digest = now
                 saves.append(SaveJob(a.id, a.region, whole, skip_copy=skip))
             else:
                 keep = self._preserved_ranges(a)
@@ -547,10 +552,9 @@ class MemoryLifecycle:
 
     def _after_restore(self, a: Allocation) -> None:
         full = a.saved == [(0, a.region.size)]
-        if full and self._driver.retain_backups:
-            # device bytes equal the backup now; remember its digest so an unchanged sleep skips the copy
-            a.digest = self._driver.checksum(self._driver.view(a.region.va, a.region.size))
-        else:
+        if not (full and self._driver.retain_backups and a.digest is not None):
+            # device bytes equal a retained full backup (digest taken when it was written);
+            # anything else is dropped
             self._drop_backup(a)
 
 

@@ -131,23 +131,27 @@ class PinnedArena(BackupStore):
             t.join()
             self._prep_thread = None
 
-    def _alloc(self, n: int) -> list[tuple[int, int, int]]:
-        out, left = [], n
+    def _extents(self, n: int):
+        """Yield (segment, offset, bytes) extents covering ``n`` bytes, growing the arena one
+        segment at a time so copies into earlier extents run while later ones register."""
+        left = n
         while left:
+            got = False
             for si, seg in enumerate(self._segs):
                 while seg.free and left:
                     off, sz = seg.free[0]
                     take = min(sz, left)
-                    out.append((si, off, take))
                     seg.free[0] = (off + take, sz - take)
                     if seg.free[0][1] == 0:
                         seg.free.pop(0)
                     left -= take
+                    got = True
+                    yield si, off, take
                 if not left:
-                    break
-            if left:
-                self._grow(left)
-        return out
+                    return
+            if not got:
+                with self._lock:
+                    self._grow(min(left, SEGMENT))
 
     def _release(self, extents) -> None:
         for si, off, n in extents:
@@ -181,24 +185,24 @@ class PinnedArena(BackupStore):
 
         self.wait_prepared()
         n = src.numel()
-        old = self._slots.get(key)
+        old = self._slots.pop(key, None)
         if old is not None and sum(x[2] for x in old) == n:
-            ext = old
+            extents = iter(old)  # same size as last time: reuse the slot
         else:
             if old is not None:
                 self._release(old)
-            with self._lock:
-                ext = self._alloc(n)
-        self._slots[key] = ext
+            extents = self._extents(n)
         s = self.stream()
         s.wait_stream(torch.cuda.current_stream(self.device))
+        ext, pos = [], 0
         with torch.cuda.stream(s):
-            pos = 0
-            for si, off, m in ext:
+            for si, off, m in extents:
+                ext.append((si, off, m))
                 for p in range(0, m, PIECE):
                     k = min(PIECE, m - p)
                     self._host_view(si, off + p, k).copy_(src[pos + p : pos + p + k], non_blocking=True)
                 pos += m
+        self._slots[key] = ext
 
     def load(self, key, dst) -> None:
         import torch

@@ -94,6 +94,18 @@ class CudaDriver(Driver):
         acc.flags = cuda.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
         self._access = [acc]
         self._pools = None  # created by pool()
+        self._warm_digest()
+
+    def _warm_digest(self) -> None:
+        """Compile the digest kernel now (model-load time), not inside the first sleep."""
+        import torch
+
+        from .checksum import digest
+
+        try:
+            digest(torch.zeros(4096, dtype=torch.uint8, device=self.torch_device))
+        except Exception as e:  # the chunked torch fallback still works
+            log.debug("digest warm-up failed: %s", e)
 
     # ---- primitives ------------------------------------------------------------------
     def granularity(self) -> int:

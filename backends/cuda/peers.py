@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import statistics
+import sys
 import time
 
 
@@ -30,13 +31,13 @@ def run_peer(name: str, device: int, weights_gib: float, kv_gib: float, cycles: 
 
     tms.hook_mode = "torch"
     torch.cuda.set_device(device)
+    tms.retain_cpu_backup = True
     W, K = int(weights_gib * 2**30), int(kv_gib * 2**30)
     out: dict = {"impl": name}
     with tms.region(tag="weights", enable_cpu_backup=True, cpu_backup_backend="pinned"):
         w = torch.empty(W, dtype=torch.uint8, device="cuda")
     with tms.region(tag="kv_cache"):
         kv = torch.empty(K, dtype=torch.uint8, device="cuda")
-    tms.retain_cpu_backup = True
     w.view(torch.int32).random_()
     ref = w.clone()
     out["first_sleep_s"] = _t(lambda: tms.pause())
@@ -56,7 +57,8 @@ def run_peer(name: str, device: int, weights_gib: float, kv_gib: float, cycles: 
         tms.resume()
     out["unchanged_sleep_s"] = statistics.median(un)
     out["verified"] = ok and bool(torch.equal(w, ref))
-    del w, kv, ref
+    print(f"[peer] level-1 done: {out}", file=sys.stderr, flush=True)
+    # (tensors are not freed: torch_memory_saver aborts on frees outside a region)
     # level 2: no backups anywhere
     with tms.region(tag="l2w"):
         w2 = torch.empty(W, dtype=torch.uint8, device="cuda")
@@ -69,5 +71,4 @@ def run_peer(name: str, device: int, weights_gib: float, kv_gib: float, cycles: 
         b.append(_t(lambda: tms.resume("l2kv")))
     out["l2_sleep_s"], out["l2_wake_weights_s"], out["l2_wake_kv_s"] = map(statistics.median, (s, a, b))
     out["l2_note"] = "no zeroing on resume"
-    del w2, kv2
     return out
