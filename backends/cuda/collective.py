@@ -1,0 +1,47 @@
+"""NVIDIA collective for weight transfer: a ``ProcessGroupNCCL`` built directly on a prefix store
+(no default process group), and the device identity used to detect colocation (GPU UUID, which
+is the same whatever ``CUDA_VISIBLE_DEVICES`` each process has)."""
+
+from __future__ import annotations
+
+import datetime
+
+BACKEND = "nccl"
+#: NCCL cannot connect two ranks that sit on the same GPU
+SAME_DEVICE_OK = False
+IPC_MODULE = "ipc"
+
+
+def device_key(device_index: int = 0) -> str:
+    import torch
+
+    props = torch.cuda.get_device_properties(device_index)
+    uuid = getattr(props, "uuid", None)
+    if uuid is None:  # pragma: no cover - very old torch
+        from cuda.bindings import driver as cu
+
+        cu.cuInit(0)
+        _, dev = cu.cuDeviceGet(device_index)
+        _, u = cu.cuDeviceGetUuid(dev)
+        uuid = bytes(u.bytes).hex()
+    return f"gpu:{uuid}"
+
+
+def create_backend(store, rank: int, world_size: int, timeout: datetime.timedelta, device_index: int = 0, *, host: str = ""):
+    """A ``ProcessGroupNCCL`` over ``store`` (communicator created lazily on the first collective)."""
+    import torch
+    import torch.distributed as dist
+
+    torch.cuda.set_device(device_index)
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timeout
+    return dist.ProcessGroupNCCL(store, rank, world_size, opts)
+
+
+def same_device_message(ranks) -> str:
+    return (
+        f"ranks {sorted(ranks)} of this transfer group are on the same GPU, and NCCL cannot connect two "
+        "processes on one GPU (its transports need distinct devices; it fails or hangs at init). "
+        "Use the colocated IPC path instead: WeightSender(group, path='ipc') (or path='auto', the default), "
+        "which exports the bucket memory as a POSIX file descriptor and passes it over a Unix socket."
+    )

@@ -1,0 +1,45 @@
+"""Host collective: a gloo process group built directly on a (prefix) store, plus this machine's
+identity for colocation (hostname + boot id: two processes with the same pair share memory)."""
+
+from __future__ import annotations
+
+import datetime
+import socket
+
+BACKEND = "gloo"
+#: two ranks on the same device may share a group (gloo moves host memory over sockets)
+SAME_DEVICE_OK = True
+#: module (relative to this package) with the colocated IPC buffers, or None
+IPC_MODULE = "ipc"
+
+
+def boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return "unknown-boot"
+
+
+def device_key(device_index: int = 0) -> str:
+    """Processes with equal keys can share memory by IPC (same machine, same boot)."""
+    return f"host:{socket.gethostname()}:{boot_id()}"
+
+
+def create_backend(store, rank: int, world_size: int, timeout: datetime.timedelta, device_index: int = 0, *, host: str = ""):
+    """A ``ProcessGroupGloo`` over ``store``; never touches the default process group.
+
+    On a loopback rendezvous the gloo device is bound to 127.0.0.1, so hosts whose hostname does
+    not resolve still work."""
+    import torch.distributed as dist
+
+    if host in ("127.0.0.1", "localhost", "::1"):
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timeout
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+        return dist.ProcessGroupGloo(store, rank, world_size, opts)
+    return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+
+
+def same_device_message(ranks) -> str:  # pragma: no cover - gloo allows it
+    return ""
