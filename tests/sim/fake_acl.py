@@ -1,0 +1,186 @@
+"""A SIMULATED AscendCL runtime (``libascendcl.so`` stand-in) for tests — no Ascend hardware.
+
+Functions are ctypes ``CFUNCTYPE`` callbacks with the C prototypes of ``acl_rt.h`` (pointer
+arguments arrive as raw addresses; structs are read from memory).  Contracts enforced, with
+ACL's integer error codes:
+
+* ``aclrtReserveMemAddress``: alignment must be 0 and expectPtr NULL (CANN 8);
+* ``aclrtMallocPhysical`` / ``aclrtMapMem``: sizes multiples of the granularity; the map size
+  equals the physical size, offset 0; ``aclrtPhysicalMemProp.location`` is ``{id, type}``;
+* ``aclrtUnmapMem(ptr)`` takes the start of a mapping (no size);
+* ``aclrtFreePhysical`` and ``aclrtReleaseMemAddress`` fail while still mapped;
+* ``aclrtMemcpy(dst, destMax, src, count, kind)``: count > destMax is an error; kind is
+  checked against where the pointers live; ``aclrtMemset(ptr, maxCount, value, count)`` idem;
+* mapped memory is accessible at once (no SetAccess); fresh memory holds stale bytes and
+  memset completes at ``aclrtSynchronizeDevice`` or a synchronous copy.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from ctypes import CFUNCTYPE, c_int, c_int32, c_size_t, c_uint32, c_uint64, c_void_p
+
+from .vmm import SimDevice, SimError, out_ptr, out_size_t
+
+ACL_SUCCESS = 0
+ACL_ERROR_INVALID_PARAM = 100000
+ACL_ERROR_RT_PARAM_INVALID = 107000
+ACL_ERROR_RT_INVALID_DEVICEID = 107001
+ACL_ERROR_RT_MEMORY_ALLOCATION = 207001
+ACL_ERROR_RT_MEMORY_FREE = 207002
+ACL_ERROR_INTERNAL = 500000
+
+# SimError codes from the shared device model -> ACL codes
+_CODE = {1: ACL_ERROR_RT_PARAM_INVALID, 2: ACL_ERROR_RT_MEMORY_ALLOCATION, 400: ACL_ERROR_RT_PARAM_INVALID}
+
+
+class _Loc(ctypes.Structure):
+    _fields_ = [("id", c_uint32), ("type", c_int)]
+
+
+class _Prop(ctypes.Structure):
+    _fields_ = [("handleType", c_int), ("allocationType", c_int), ("memAttr", c_int), ("location", _Loc), ("reserve", c_uint64)]
+
+
+I, SZ, P, U64 = c_int, c_size_t, c_void_p, c_uint64
+SIGNATURES = {
+    "aclrtSetDevice": [c_int32],
+    "aclrtSynchronizeDevice": [],
+    "aclrtGetMemInfo": [I, P, P],
+    "aclrtMemGetAllocationGranularity": [P, I, P],
+    "aclrtReserveMemAddress": [P, SZ, SZ, P, U64],
+    "aclrtReleaseMemAddress": [P],
+    "aclrtMallocPhysical": [P, SZ, P, U64],
+    "aclrtFreePhysical": [P],
+    "aclrtMapMem": [P, SZ, SZ, P, U64],
+    "aclrtUnmapMem": [P],
+    "aclrtMemcpy": [P, SZ, P, SZ, I],
+    "aclrtMemset": [P, SZ, c_int32, SZ],
+    "aclrtMallocHost": [P, SZ],
+    "aclrtFreeHost": [P],
+}
+
+
+class FakeAcl:
+    """SIMULATED libascendcl: pass as ``AscendDriver(lib=FakeAcl(...))``."""
+
+    SIMULATED = True
+
+    def __init__(self, **device_kw):
+        device_kw.setdefault("access_on_map", True)  # ACL grants access at map time
+        device_kw.setdefault("keeps_memory_while_reserved", False)
+        self.dev = SimDevice(**device_kw)
+        self.set_device_called = False
+        self._cbs = {}
+        for name, args in SIGNATURES.items():
+            cb = CFUNCTYPE(c_int, *args)(self._guard(name, getattr(self, "_" + name)))
+            self._cbs[name] = cb
+            setattr(self, name, cb)
+
+    def _guard(self, name, impl):
+        def call(*args):
+            with self.dev.lock:
+                self.dev.count(name, *args)
+                try:
+                    impl(*args)
+                    return ACL_SUCCESS
+                except SimError as e:
+                    code = _CODE.get(e.code, e.code)
+                    self.dev.log.append(("error", name, code, str(e)))
+                    return code
+                except BaseException as e:
+                    self.dev.internal_errors.append(e)
+                    return ACL_ERROR_INTERNAL
+
+        return call
+
+    def _need_device(self):
+        if not self.set_device_called:
+            raise SimError(ACL_ERROR_RT_INVALID_DEVICEID, "no device set in this process (aclrtSetDevice)")
+
+    def _aclrtSetDevice(self, d):
+        if not 0 <= d < self.dev.device_count:
+            raise SimError(ACL_ERROR_RT_INVALID_DEVICEID, f"no device {d}")
+        self.set_device_called = True
+
+    def _aclrtSynchronizeDevice(self):
+        self.dev.drain()
+
+    def _aclrtGetMemInfo(self, attr, free, total):
+        out_size_t(free, self.dev.total_bytes - self.dev.used_bytes)
+        out_size_t(total, self.dev.total_bytes)
+
+    def _check_prop(self, addr):
+        prop = _Prop.from_address(addr)
+        if prop.handleType != 0 or prop.allocationType != 0:
+            raise SimError(ACL_ERROR_INVALID_PARAM, "handleType/allocationType")
+        if prop.location.type != 1 or prop.location.id >= self.dev.device_count:
+            raise SimError(ACL_ERROR_INVALID_PARAM, f"location {{id={prop.location.id}, type={prop.location.type}}}")
+        if prop.memAttr not in (1, 4, 5, 10):
+            raise SimError(ACL_ERROR_INVALID_PARAM, f"memAttr {prop.memAttr}")
+
+    def _aclrtMemGetAllocationGranularity(self, prop, option, out):
+        self._check_prop(prop)
+        if option not in (0, 1):
+            raise SimError(ACL_ERROR_INVALID_PARAM, "option")
+        out_size_t(out, self.dev.granularity)
+
+    def _aclrtReserveMemAddress(self, out, size, alignment, expect, flags):
+        self._need_device()
+        if alignment != 0:
+            raise SimError(ACL_ERROR_RT_PARAM_INVALID, "alignment must be 0")
+        if expect:
+            raise SimError(ACL_ERROR_RT_PARAM_INVALID, "expectPtr must be NULL (CANN 8)")
+        out_ptr(out, self.dev.reserve(size, 0, 0))
+
+    def _aclrtReleaseMemAddress(self, va):
+        r = self.dev.reservations.get(va or 0)
+        if r is None:
+            raise SimError(ACL_ERROR_RT_PARAM_INVALID, "not a reservation")
+        self.dev.free_address(r.va, None)
+
+    def _aclrtMallocPhysical(self, out, size, prop, flags):
+        self._need_device()
+        if flags:
+            raise SimError(ACL_ERROR_INVALID_PARAM, "flags must be 0")
+        self._check_prop(prop)
+        out_ptr(out, self.dev.create(size).id)
+
+    def _aclrtFreePhysical(self, handle):
+        p = self.dev.handle(handle or 0)
+        if p.mapped_at:
+            raise SimError(ACL_ERROR_RT_MEMORY_FREE, "aclrtFreePhysical on a mapped handle: unmap first")
+        self.dev.release(p)
+
+    def _aclrtMapMem(self, va, size, offset, handle, flags):
+        if offset or flags:
+            raise SimError(ACL_ERROR_INVALID_PARAM, "offset and flags must be 0")
+        p = self.dev.handle(handle or 0)
+        if size != p.size:
+            raise SimError(ACL_ERROR_INVALID_PARAM, f"map size {size} != physical size {p.size}")
+        self.dev.map(va or 0, size, p)
+
+    def _aclrtUnmapMem(self, va):
+        self.dev.unmap(va or 0, None)
+
+    def _aclrtMemcpy(self, dst, dest_max, src, count, kind):
+        if count > dest_max:
+            raise SimError(ACL_ERROR_INVALID_PARAM, f"count {count} > destMax {dest_max}")
+        sides = {0: (False, False), 1: (True, False), 2: (False, True), 3: (True, True), 4: (None, None)}
+        if kind not in sides:
+            raise SimError(ACL_ERROR_INVALID_PARAM, f"kind {kind}")
+        self.dev.memcpy(dst or 0, src or 0, count, *sides[kind])
+
+    def _aclrtMemset(self, va, max_count, value, count):
+        if count > max_count:
+            raise SimError(ACL_ERROR_INVALID_PARAM, f"count {count} > maxCount {max_count}")
+        self.dev.memset(va or 0, value & 0xFF, count)
+
+    def _aclrtMallocHost(self, out, n):
+        out_ptr(out, self.dev.host_malloc(n))
+
+    def _aclrtFreeHost(self, va):
+        self.dev.host_free(va or 0)
+
+    def close(self):
+        self.dev.close()

@@ -1,0 +1,197 @@
+"""A SIMULATED HIP runtime (``libamdhip64.so`` stand-in) for tests — no ROCm hardware involved.
+
+Every function is a ctypes ``CFUNCTYPE`` callback with the C prototype of the real call
+(pointer arguments arrive as raw addresses; out-parameters and structs are read and written
+through memory), so the driver marshals its arguments exactly as against the real library.
+Contracts enforced, with HIP's integer error codes:
+
+* sizes, addresses multiples of the granularity; ``hipMemMap`` offset must be 0 and the
+  size the whole handle; ``hipMemUnmap`` exactly one whole mapping;
+* memory is usable only after ``hipMemSetAccess`` over a fully mapped range;
+* a handle's memory is freed only when it is unmapped AND released — and, with
+  ``keeps_memory_while_reserved`` (ROCm 6.4 / 7.2.x, ROCm/ROCm#6021), only once the address
+  range it was mapped into is freed as well;
+* fresh memory holds stale bytes; ``hipMemset`` completes at ``hipDeviceSynchronize`` or a
+  synchronous ``hipMemcpy``;
+* one file descriptor per handle (EMFILE is reported as ``hipErrorOutOfMemory``);
+* ``fail_aligned_reserve``: a reserve with non-zero alignment fails with
+  ``hipErrorOutOfMemory`` (vLLM PR #43022).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from ctypes import CFUNCTYPE, c_int, c_size_t, c_uint, c_ulonglong, c_void_p
+
+from .vmm import SimDevice, SimError, out_ptr, out_size_t
+
+hipSuccess, hipErrorInvalidValue, hipErrorOutOfMemory = 0, 1, 2
+hipErrorInvalidDevice, hipErrorUnknown = 101, 999
+
+
+class _Loc(ctypes.Structure):
+    _fields_ = [("type", c_int), ("id", c_int)]
+
+
+class _Prop(ctypes.Structure):
+    _fields_ = [("type", c_int), ("handleType", c_int), ("location", _Loc), ("win32", c_void_p), ("flags", c_uint)]
+
+
+class _Access(ctypes.Structure):
+    _fields_ = [("location", _Loc), ("flags", c_int)]
+
+
+I, SZ, P, U64 = c_int, c_size_t, c_void_p, c_ulonglong
+SIGNATURES = {
+    "hipSetDevice": [I],
+    "hipGetDeviceCount": [P],
+    "hipDeviceSynchronize": [],
+    "hipMemGetInfo": [P, P],
+    "hipMemGetAllocationGranularity": [P, P, I],
+    "hipMemAddressReserve": [P, SZ, SZ, P, U64],
+    "hipMemAddressFree": [P, SZ],
+    "hipMemCreate": [P, SZ, P, U64],
+    "hipMemMap": [P, SZ, SZ, P, U64],
+    "hipMemSetAccess": [P, SZ, P, SZ],
+    "hipMemUnmap": [P, SZ],
+    "hipMemRelease": [P],
+    "hipMemcpy": [P, P, SZ, I],
+    "hipMemset": [P, I, SZ],
+    "hipHostMalloc": [P, SZ, c_uint],
+    "hipHostFree": [P],
+}
+
+
+class FakeHip:
+    """SIMULATED libamdhip64: pass as ``RocmDriver(lib=FakeHip(...))``."""
+
+    SIMULATED = True
+
+    def __init__(self, *, fail_aligned_reserve: bool = False, unaligned_fallback: bool = False, **device_kw):
+        device_kw.setdefault("keeps_memory_while_reserved", True)
+        self.dev = SimDevice(**device_kw)
+        self.fail_aligned_reserve = fail_aligned_reserve
+        self.unaligned_fallback = unaligned_fallback
+        self._cbs = {}
+        for name, args in SIGNATURES.items():
+            impl = getattr(self, "_" + name)
+            cb = CFUNCTYPE(c_int, *args)(self._guard(name, impl))
+            self._cbs[name] = cb
+            setattr(self, name, cb)
+
+    def _guard(self, name, impl):
+        def call(*args):
+            with self.dev.lock:
+                self.dev.count(name, *args)
+                try:
+                    impl(*args)
+                    return hipSuccess
+                except SimError as e:
+                    self.dev.log.append(("error", name, e.code, str(e)))
+                    return e.code
+                except BaseException as e:  # a bug in the simulator must not read as success
+                    self.dev.internal_errors.append(e)
+                    return hipErrorUnknown
+
+        return call
+
+    # ---- device ------------------------------------------------------------------------
+    def _hipSetDevice(self, d):
+        if not 0 <= d < self.dev.device_count:
+            raise SimError(hipErrorInvalidDevice, f"no device {d}")
+        self.dev.current_device[threading.get_ident()] = d
+
+    def _hipGetDeviceCount(self, out):
+        ctypes.c_int.from_address(out).value = self.dev.device_count
+
+    def _hipDeviceSynchronize(self):
+        self.dev.drain()
+
+    def _hipMemGetInfo(self, free, total):
+        out_size_t(free, self.dev.total_bytes - self.dev.used_bytes)
+        out_size_t(total, self.dev.total_bytes)
+
+    def _check_prop(self, prop_addr):
+        prop = _Prop.from_address(prop_addr)
+        if prop.type != 1 or prop.location.type != 1:  # Pinned, Device
+            raise SimError(hipErrorInvalidValue, f"prop type {prop.type} / location type {prop.location.type}")
+        if not 0 <= prop.location.id < self.dev.device_count:
+            raise SimError(hipErrorInvalidDevice, f"prop device {prop.location.id}")
+
+    def _hipMemGetAllocationGranularity(self, out, prop, option):
+        self._check_prop(prop)
+        if option not in (0, 1):
+            raise SimError(hipErrorInvalidValue, "granularity option")
+        out_size_t(out, self.dev.granularity)
+
+    # ---- address space -------------------------------------------------------------------
+    def _hipMemAddressReserve(self, out, size, alignment, addr, flags):
+        if flags:
+            raise SimError(hipErrorInvalidValue, "flags must be 0")
+        if alignment and self.fail_aligned_reserve:
+            raise SimError(hipErrorOutOfMemory, "aligned reservation failed (simulated ROCm behaviour)")
+        va = self.dev.reserve(size, alignment, addr or 0)
+        if self.unaligned_fallback and not alignment and not addr:
+            # a reservation that is only page-aligned: move it by one page
+            r = self.dev.reservations.pop(va)
+            from unisleep.backends.host import libc
+
+            libc.munmap(va, r.size)
+            va = libc.mmap(va + 4096, r.size, libc.PROT_NONE, libc.MAP_PRIVATE | libc.MAP_ANONYMOUS | libc.MAP_NORESERVE | libc.MAP_FIXED)
+            r.va = va
+            self.dev.reservations[va] = r
+        out_ptr(out, va)
+
+    def _hipMemAddressFree(self, va, size):
+        self.dev.free_address(va or 0, size)
+
+    # ---- physical memory -----------------------------------------------------------------
+    def _hipMemCreate(self, out, size, prop, flags):
+        if flags:
+            raise SimError(hipErrorInvalidValue, "flags must be 0")
+        self._check_prop(prop)
+        out_ptr(out, self.dev.create(size).id)
+
+    def _hipMemMap(self, va, size, offset, handle, flags):
+        if offset != 0:
+            raise SimError(hipErrorInvalidValue, "hipMemMap: offset must be 0")
+        if flags:
+            raise SimError(hipErrorInvalidValue, "flags must be 0")
+        p = self.dev.handle(handle or 0)
+        if size != p.size:
+            raise SimError(hipErrorInvalidValue, f"hipMemMap maps whole handles: size {size} != {p.size}")
+        self.dev.map(va or 0, size, p)
+
+    def _hipMemSetAccess(self, va, size, desc, count):
+        if count < 1:
+            raise SimError(hipErrorInvalidValue, "no access descriptor")
+        d = _Access.from_address(desc)
+        if d.flags != 3 or d.location.type != 1:
+            raise SimError(hipErrorInvalidValue, f"access flags {d.flags}")
+        self.dev.set_access(va or 0, size)
+
+    def _hipMemUnmap(self, va, size):
+        self.dev.unmap(va or 0, size)
+
+    def _hipMemRelease(self, handle):
+        self.dev.release(self.dev.handle(handle or 0))
+
+    # ---- data ----------------------------------------------------------------------------
+    def _hipMemcpy(self, dst, src, n, kind):
+        sides = {0: (False, False), 1: (True, False), 2: (False, True), 3: (True, True), 4: (None, None)}
+        if kind not in sides:
+            raise SimError(hipErrorInvalidValue, f"memcpy kind {kind}")
+        self.dev.memcpy(dst or 0, src or 0, n, *sides[kind])
+
+    def _hipMemset(self, va, value, n):
+        self.dev.memset(va or 0, value & 0xFF, n)
+
+    def _hipHostMalloc(self, out, n, flags):
+        out_ptr(out, self.dev.host_malloc(n))
+
+    def _hipHostFree(self, va):
+        self.dev.host_free(va or 0)
+
+    def close(self):
+        self.dev.close()

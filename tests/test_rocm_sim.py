@@ -1,0 +1,379 @@
+"""ROCm backend against the SIMULATED HIP library (tests/sim/fake_hip.py) — no ROCm hardware.
+
+What these prove: the ctypes binding marshals HIP's prototypes and structs correctly for a
+library that checks them, the driver obeys HIP's virtual-memory contracts (whole-handle maps
+at offset 0, SetAccess after every map, whole-mapping unmaps, release/unmap refcounts), and
+each known ROCm trap is handled — by reproducing the trap in the simulator and showing the
+driver's workaround defeats it.  What they cannot prove: that real ROCm behaves like the
+simulator.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import resource
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from sim.fake_hip import FakeHip
+from sim.vmm import STALE_BYTE
+from unisleep import MemoryLifecycle
+from unisleep.errors import InvalidArgumentError, PlatformError, UnisleepError
+from unisleep.backends.rocm import AddressMovedError, FileLimitError, RocmDriver
+from unisleep.backends.rocm import config as rocm_config
+from unisleep.backends.rocm.hip import HipError
+
+GRAN = 64 << 10
+MiB = 1 << 20
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)
+
+
+def make(lib=None, **kw):
+    lib = lib or FakeHip(granularity=GRAN, total_bytes=64 * MiB)
+    kw.setdefault("chunk_bytes", 1 * MiB)
+    kw.setdefault("env", {})
+    return lib, RocmDriver(lib=lib, tensor_device="cpu", **kw)
+
+
+@pytest.fixture(params=["simulated"])
+def simulated(request):
+    lib, drv = make()
+    lc = MemoryLifecycle(drv)
+    yield lib, drv, lc
+    lc.close()
+    assert not lib.dev.internal_errors
+    lib.close()
+
+
+def fill(lc, tag, nbytes, seed):
+    t = lc.empty(nbytes, torch.uint8, tag=tag)
+    g = torch.Generator().manual_seed(seed)
+    t.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g))
+    return t, t.clone()
+
+
+def test_rocm_sim_level1_byte_exact_and_frees(simulated):
+    lib, drv, lc = simulated
+    w, w0 = fill(lc, "weights", 3 * MiB + 123, 1)
+    kv, _ = fill(lc, "kv_cache", 2 * MiB, 2)
+    addrs = (w.data_ptr(), kv.data_ptr())
+    used_awake = lib.dev.used_bytes
+    assert used_awake == lc.allocated_bytes() > 5 * MiB
+    for _ in range(2):
+        lc.sleep(level=1)
+        free, total = drv.memory_info()
+        assert free == total and lib.dev.used_bytes == 0 and lib.dev.live_fds == 0
+        assert lc.resident_bytes() == 0 and lc.backup_bytes() >= w0.numel()
+        lc.wake_up()
+        assert torch.equal(w, w0)
+        assert int(kv.count_nonzero()) == 0  # discarded: zero, never stale
+        assert (w.data_ptr(), kv.data_ptr()) == addrs
+        assert lib.dev.used_bytes == used_awake
+
+
+def test_rocm_sim_level2_wake_by_tag(simulated):
+    lib, drv, lc = simulated
+    w, _ = fill(lc, "weights", 2 * MiB, 3)
+    kv, _ = fill(lc, "kv_cache", 4 * MiB, 4)
+    w_bytes, kv_bytes = lc.allocated_bytes("weights"), lc.allocated_bytes("kv_cache")
+    lc.sleep(level=2)
+    assert lc.backup_bytes() == 0 and lib.dev.used_bytes == 0
+    lc.wake_up(["weights"])
+    assert lib.dev.used_bytes == w_bytes and lc.resident_bytes("kv_cache") == 0
+    assert int(w.count_nonzero()) == 0
+    new = torch.full_like(w, 7)
+    w.copy_(new)  # the "weight update" into woken memory
+    lc.wake_up(["kv_cache"])
+    assert lib.dev.used_bytes == w_bytes + kv_bytes
+    assert torch.equal(w, new) and int(kv.count_nonzero()) == 0
+
+
+def test_rocm_sim_discard_zeroes_stale_memory(simulated):
+    lib, drv, lc = simulated
+    kv, _ = fill(lc, "kv_cache", 2 * MiB, 5)
+    lc.discard(["kv_cache"])
+    assert lib.dev.used_bytes == 0
+    lc.wake_up(["kv_cache"])
+    assert int(kv.count_nonzero()) == 0
+    # the control: a driver that trusted fresh memory to be zero sees the stale bytes
+    lib2, drv2 = make()
+    drv2.fresh_memory_is_zero = True
+    with MemoryLifecycle(drv2) as lc2:
+        t = lc2.empty(1 * MiB, torch.uint8, tag="kv_cache")
+        assert int((t == STALE_BYTE).sum()) == t.numel()
+    lib2.close()
+
+
+def test_rocm_sim_zero_is_an_explicit_synchronised_step():
+    lib, drv = make()
+    with MemoryLifecycle(drv) as lc:
+        t = lc.empty(1 * MiB, torch.uint8, tag="kv_cache")
+        t.fill_(9)
+        drv.zero(t.data_ptr(), t.numel())
+        assert int(t.count_nonzero()) == 0  # memset is deferred in the simulator until a sync
+        names = [e[0] for e in lib.dev.log]
+        last_set = max(i for i, n in enumerate(names) if n == "hipMemset")
+        assert "hipDeviceSynchronize" in names[last_set + 1 :]
+    lib.close()
+
+
+def test_rocm_sim_chunking_one_handle_per_chunk_offset_zero():
+    lib, drv = make(chunk_bytes=None, env={rocm_config.CHUNK_ENV: "1"})
+    assert drv.default_chunk_bytes == 1 * MiB
+    with MemoryLifecycle(drv) as lc:
+        t = lc.empty(5 * MiB + 1, torch.uint8, tag="weights")
+        maps = [e for e in lib.dev.log if e[0] == "hipMemMap"]
+        assert len(maps) == 6 == lib.dev.calls["hipMemCreate"]
+        assert all(e[3] == 0 for e in maps)  # offset argument
+        assert sorted(e[2] for e in maps) == [64 << 10] + [MiB] * 5  # 5 MiB + 1 byte -> 5 x 1 MiB + 64 KiB
+        sets = [e for e in lib.dev.log if e[0] == "hipMemSetAccess"]
+        assert len(sets) == 1 and sets[0][1] == t.data_ptr() and sets[0][2] == 5 * MiB + GRAN
+        lc.sleep(level=2)
+        assert lib.dev.calls["hipMemUnmap"] == 6 == lib.dev.calls["hipMemRelease"]
+        lc.wake_up()
+        assert len([e for e in lib.dev.log if e[0] == "hipMemSetAccess"]) == 2  # again after remap
+    lib.close()
+
+
+@pytest.mark.parametrize("value", ["0", "3", "-4", "100", "abc", "1.5"])
+def test_rocm_sim_chunk_size_env_rejects(value):
+    with pytest.raises(InvalidArgumentError, match=rocm_config.CHUNK_ENV):
+        rocm_config.chunk_bytes_from_env({rocm_config.CHUNK_ENV: value})
+
+
+def test_rocm_sim_chunk_size_env_accepts():
+    assert rocm_config.chunk_bytes_from_env({}) == 256 * MiB
+    assert rocm_config.chunk_bytes_from_env({rocm_config.CHUNK_ENV: "64"}) == 64 * MiB
+    assert rocm_config.chunk_bytes_from_env({rocm_config.CHUNK_ENV: "0x400"}) == 1024 * MiB
+
+
+@pytest.mark.parametrize("workaround", [False, True], ids=["simulated-bug-without-workaround", "simulated-with-workaround"])
+def test_rocm_sim_memory_kept_while_reserved(workaround):
+    """ROCm/ROCm#6021: unmap+release frees nothing while the address stays reserved."""
+    lib = FakeHip(granularity=GRAN, total_bytes=10 * MiB)
+    _, drv = make(lib, rereserve_on_sleep=workaround)
+    lc = MemoryLifecycle(drv)
+    w, w0 = fill(lc, "weights", 6 * MiB, 6)
+    va = w.data_ptr()
+    lc.sleep(level=1)
+    free, total = drv.memory_info()
+    if not workaround:
+        assert total - free == 6 * MiB and lib.dev.live_fds == 6  # the bug, reproduced
+        fill(lc, "other", 2 * MiB, 1)  # fits beside it...
+        with pytest.raises(HipError, match="OutOfMemory"):
+            lc.wake_up()  # ...but the wake needs 6 MiB more: OOM although "free"
+    else:
+        assert free == total and lib.dev.live_fds == 0
+        log = [e for e in lib.dev.log if e[0] in ("hipMemAddressFree", "hipMemAddressReserve")]
+        assert log[-2][:3] == ("hipMemAddressFree", va, 6 * MiB)
+        assert log[-1][0] == "hipMemAddressReserve" and log[-1][4] == va  # re-reserved at the same address
+        fill(lc, "other", 2 * MiB, 1)
+        lc.wake_up()
+        assert torch.equal(w, w0) and w.data_ptr() == va
+    lc.close()
+    assert not lib.dev.internal_errors and not lib.dev.reservations
+    lib.close()
+
+
+def test_rocm_sim_rereserve_refuses_a_moved_address():
+    from unisleep.backends.host import libc
+
+    lib, drv = make()
+    lc = MemoryLifecycle(drv)
+    w, _ = fill(lc, "weights", 1 * MiB, 7)
+    taken = []
+
+    def intruder(va, size):  # another allocation lands on the freed range
+        taken.append(libc.mmap(va, size, libc.PROT_NONE, libc.MAP_PRIVATE | libc.MAP_ANONYMOUS | 0x100000))
+
+    lib.dev.intruder = intruder
+    with pytest.raises(AddressMovedError, match=hex(w.data_ptr())):
+        lc.sleep(level=1)
+    lib.dev.intruder = None
+    assert taken and taken[0] == w.data_ptr()
+    libc.munmap(taken[0], 1 * MiB)
+    lib.close()
+
+
+def test_rocm_sim_reserve_alignment_retry():
+    lib = FakeHip(granularity=GRAN, total_bytes=16 * MiB, fail_aligned_reserve=True)
+    _, drv = make(lib)
+    with MemoryLifecycle(drv) as lc:
+        t = lc.empty(1 * MiB, torch.uint8, tag="weights")
+        res = [e for e in lib.dev.log if e[0] == "hipMemAddressReserve"]
+        assert res[0][3] == GRAN and res[1][3] == 0  # aligned attempt failed, retried with 0
+        assert ("error", "hipMemAddressReserve", 2) == lib.dev.log[lib.dev.log.index(res[0]) + 1][:3]
+        assert t.data_ptr() % GRAN == 0
+    lib.close()
+    lib = FakeHip(granularity=GRAN, total_bytes=16 * MiB, fail_aligned_reserve=True, unaligned_fallback=True)
+    _, drv = make(lib)
+    with pytest.raises(UnisleepError, match="not aligned"):
+        drv.reserve(1 * MiB)
+    assert not lib.dev.reservations  # the misaligned range was given back
+    lib.close()
+
+
+def test_rocm_sim_file_limit_is_raised_when_allowed():
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    open_now = len(os.listdir("/proc/self/fd"))
+    low = open_now + 80
+    if hard != resource.RLIM_INFINITY and hard < low + 200:
+        pytest.skip(f"hard RLIMIT_NOFILE {hard} leaves no room for this test")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard))
+    try:
+        lib = FakeHip(granularity=GRAN, total_bytes=64 * MiB)
+        _, drv = make(lib, chunk_bytes=GRAN)
+        with MemoryLifecycle(drv) as lc:
+            lc.empty(200 * GRAN, torch.uint8, tag="kv_cache")  # 200 handles = 200 descriptors
+            assert lib.dev.live_fds == 200
+            assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] > low
+        lib.close()
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_rocm_sim_file_limit_refused_with_the_fix():
+    code = textwrap.dedent(
+        f"""
+        import json, os, resource, sys
+        sys.path.insert(0, {TESTS!r})
+        import torch
+        from sim.fake_hip import FakeHip
+        from unisleep import MemoryLifecycle
+        from unisleep.backends.rocm import RocmDriver, FileLimitError
+        n = len(os.listdir("/proc/self/fd")) + 90
+        resource.setrlimit(resource.RLIMIT_NOFILE, (n, n))
+        lib = FakeHip(granularity={GRAN}, total_bytes=64 << 20)
+        lc = MemoryLifecycle(RocmDriver(lib=lib, chunk_bytes={GRAN}, tensor_device="cpu", env={{}}))
+        try:
+            lc.empty(200 * {GRAN}, torch.uint8, tag="kv_cache")
+            print(json.dumps({{"ok": True}}))
+        except FileLimitError as e:
+            print(json.dumps({{"ok": False, "msg": str(e), "left": lib.dev.live_fds, "used": lib.dev.used_bytes}}))
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["ok"] is False
+    assert "ulimit -n" in res["msg"] and rocm_config.CHUNK_ENV in res["msg"]
+    assert res["left"] == 0 and res["used"] == 0  # the partial region was unwound
+
+
+@pytest.mark.parametrize(
+    "env,bad",
+    [
+        ({"HIP_VISIBLE_DEVICES": "0", "CUDA_VISIBLE_DEVICES": "1"}, True),
+        ({"HIP_VISIBLE_DEVICES": "0,1", "CUDA_VISIBLE_DEVICES": "0, 1"}, False),
+        ({"ROCR_VISIBLE_DEVICES": "2,3", "HIP_VISIBLE_DEVICES": "0,1"}, False),
+        ({"ROCR_VISIBLE_DEVICES": "2", "HIP_VISIBLE_DEVICES": "1"}, True),
+        ({"ROCR_VISIBLE_DEVICES": "4,5", "CUDA_VISIBLE_DEVICES": "3"}, True),
+        ({"ROCR_VISIBLE_DEVICES": "4,5"}, False),
+    ],
+)
+def test_rocm_sim_visible_device_variables(env, bad):
+    lib = FakeHip(granularity=GRAN)
+    if bad:
+        with pytest.raises(PlatformError, match="VISIBLE_DEVICES"):
+            RocmDriver(lib=lib, tensor_device="cpu", env=env)
+    else:
+        RocmDriver(lib=lib, tensor_device="cpu", env=env)
+    lib.close()
+
+
+def test_rocm_sim_simulator_is_strict():
+    """A lax simulator would prove nothing: misuse returns HIP's error codes."""
+    lib, drv = make()
+    api = drv.api
+    va = drv.reserve(4 * GRAN)
+    h = drv.create(2 * GRAN)
+    assert api.hipMemMap(va, 2 * GRAN, GRAN, h.ptr, 0) == 1  # offset must be 0
+    assert api.hipMemMap(va, GRAN, 0, h.ptr, 0) == 1  # whole handle only
+    drv.map(va, 2 * GRAN, h)
+    assert api.hipMemset(va, 0, GRAN) == 1  # no access granted yet
+    assert api.hipMemUnmap(va, GRAN) == 1  # sub-range unmap
+    drv.set_access(va, 2 * GRAN)
+    drv.release(h)  # released while mapped: memory stays until unmapped
+    assert lib.dev.used_bytes == 2 * GRAN
+    drv.unmap(va, 2 * GRAN)
+    assert lib.dev.used_bytes == 2 * GRAN  # and, on this ROCm, until the address is freed
+    drv.free_address(va, 4 * GRAN)
+    assert lib.dev.used_bytes == 0 and lib.dev.live_fds == 0
+    assert api.hipMemCreate(ctypes.byref(ctypes.c_void_p()), GRAN + 1, ctypes.byref(drv._prop), 0) == 1
+    assert not lib.dev.internal_errors
+    lib.close()
+
+
+def test_rocm_sim_no_library_gives_a_clear_error(monkeypatch):
+    monkeypatch.setenv("ROCM_PATH", "/nonexistent")
+    from unisleep.backends.rocm import hip
+
+    monkeypatch.setattr(hip, "library_candidates", lambda: ["/nonexistent/lib/libamdhip64.so"])
+    with pytest.raises(PlatformError, match="libamdhip64"):
+        RocmDriver(env={})
+
+
+def test_rocm_sim_lazy_vendor_imports():
+    code = (
+        "import sys, unisleep, unisleep.backends.host, unisleep.backends.rocm, unisleep.backends.ascend\n"
+        "maps = open('/proc/self/maps').read()\n"
+        "bad = [m for m in ('torch_npu', 'amdsmi', 'acl') if m in sys.modules]\n"
+        "bad += [l for l in ('libamdhip64', 'libascendcl', 'libamd_smi') if l in maps]\n"
+        "print(bad)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_rocm_sim_detection_survives_amdsmi_keyerror(monkeypatch):
+    """``import amdsmi`` without libamd_smi.so raises KeyError; detection must go on."""
+    import importlib.abc
+    import importlib.machinery
+
+    from unisleep import platform as plat
+
+    class Loader(importlib.abc.Loader):
+        def create_module(self, spec):
+            return None
+
+        def exec_module(self, module):
+            raise KeyError("libamd_smi.so")
+
+    class Finder(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            return importlib.machinery.ModuleSpec("amdsmi", Loader()) if name == "amdsmi" else None
+
+    monkeypatch.setattr(sys, "meta_path", [Finder()] + sys.meta_path)
+    monkeypatch.delitem(sys.modules, "amdsmi", raising=False)
+    monkeypatch.delenv(plat.ENV_OVERRIDE, raising=False)
+    monkeypatch.setattr(plat, "_torch_version_attr", lambda attr: "6.2.41133" if attr == "hip" else None)
+    monkeypatch.setattr(plat, "_probe_ascend", lambda: None)
+    real_exists = os.path.exists
+    monkeypatch.setattr(plat.os.path, "exists", lambda p: True if p == "/dev/kfd" else real_exists(p))
+    p = plat.detect_platform()  # a probe that raised would make this "host"
+    assert p.name == "rocm" and "HIP 6.2" in p.reason and "/dev/kfd" in p.reason
+
+
+def test_rocm_sim_doctor_warnings(monkeypatch):
+    from unisleep.platform import Platform, environment_warnings
+
+    rocm = Platform("rocm", "simulated")
+    for v in ("HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", rocm_config.CHUNK_ENV):
+        monkeypatch.delenv(v, raising=False)
+    assert any(rocm_config.CHUNK_ENV in w for w in environment_warnings(rocm))
+    monkeypatch.setenv(rocm_config.CHUNK_ENV, "100")
+    assert any("power of two" in w for w in environment_warnings(rocm))
+    monkeypatch.setenv(rocm_config.CHUNK_ENV, "128")
+    monkeypatch.setenv("ROCR_VISIBLE_DEVICES", "2,3")
+    monkeypatch.setenv("HIP_VISIBLE_DEVICES", "0,1")
+    assert environment_warnings(rocm) == []
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert any("disagree" in w for w in environment_warnings(rocm))
