@@ -137,7 +137,7 @@ def _amdsmi_devices() -> Optional[tuple[DeviceInfo, ...]]:
     """AMD devices through amdsmi; amdsmi raises KeyError (not ImportError) without its library."""
     try:
         import amdsmi  # type: ignore
-    except (ImportError, KeyError, OSError):
+    except Exception:  # KeyError('libamd_smi.so') without the library, ImportError, OSError...
         return None
     try:
         amdsmi.amdsmi_init()
@@ -287,13 +287,19 @@ def environment_warnings(platform: Platform) -> list[str]:
                 "(trainer + engine) need disjoint ranges, e.g. export HCCL_HOST_SOCKET_PORT_RANGE=auto HCCL_NPU_SOCKET_PORT_RANGE=auto."
             )
     if platform.name == "rocm":
-        chunk = os.environ.get("VLLM_ROCM_SLEEP_MEM_CHUNK_SIZE")
+        from .backends.rocm import config as rocm_config  # pure parsing, loads no vendor library
+
+        chunk = os.environ.get(rocm_config.CHUNK_ENV)
         if chunk is None:
-            warn.append("VLLM_ROCM_SLEEP_MEM_CHUNK_SIZE is unset: 256 MB chunks are used; tune with `unisleep bench --chunk-sweep`.")
-        vis = {v: os.environ.get(v) for v in ("HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")}
-        set_vis = {k: v for k, v in vis.items() if v is not None}
-        if len(set(set_vis.values())) > 1:
-            warn.append(f"visible-device variables disagree ({set_vis}); set only one of them.")
+            warn.append(f"{rocm_config.CHUNK_ENV} is unset: 256 MB chunks are used; tune with `unisleep bench --chunk-sweep`.")
+        else:
+            try:
+                rocm_config.chunk_bytes_from_env()
+            except ValueError as e:
+                warn.append(str(e))
+        problem = rocm_config.visible_device_problem()
+        if problem:
+            warn.append(problem)
     return warn
 
 
