@@ -1,0 +1,142 @@
+"""ctypes binding of the AscendCL runtime calls the Ascend driver uses (``libascendcl.so``).
+
+Nothing here loads a library at import time.  :class:`AclApi` re-types every function by
+address from :data:`PROTOTYPES`, so the injected object may be the real ``ctypes.CDLL`` or the
+simulated library in tests/sim/fake_acl.py.
+
+Argument orders that differ from CUDA/HIP (CANN ``acl_rt.h``):
+
+* ``aclrtMemGetAllocationGranularity(prop, option, &granularity)`` — the output comes *last*;
+* ``aclrtUnmapMem(virPtr)`` and ``aclrtReleaseMemAddress(virPtr)`` take no size;
+* ``aclrtMemcpy(dst, destMax, src, count, kind)`` — ``destMax`` is the destination's capacity
+  in bytes (we pass the real capacity, not an address as vllm-ascend does);
+* ``aclrtMemset(devPtr, maxCount, value, count)``;
+* ``aclrtMemLocation`` is ``{id, type}`` — id first, the opposite of CUDA/HIP.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+from ctypes import POINTER, c_int, c_int32, c_size_t, c_uint32, c_uint64, c_void_p
+from typing import Any
+
+from unisleep.errors import PlatformError, UnisleepError
+
+ACL_SUCCESS = 0
+ACL_ERROR_INVALID_PARAM = 100000
+ACL_ERROR_RT_PARAM_INVALID = 107000
+ACL_ERROR_RT_MEMORY_ALLOCATION = 207001
+ACL_ERROR_RT_MEMORY_FREE = 207002
+
+ERROR_NAMES = {
+    0: "ACL_SUCCESS",
+    100000: "ACL_ERROR_INVALID_PARAM",
+    107000: "ACL_ERROR_RT_PARAM_INVALID",
+    107001: "ACL_ERROR_RT_INVALID_DEVICEID",
+    207000: "ACL_ERROR_RT_FEATURE_NOT_SUPPORT",
+    207001: "ACL_ERROR_RT_MEMORY_ALLOCATION",
+    207002: "ACL_ERROR_RT_MEMORY_FREE",
+}
+
+ACL_MEM_HANDLE_TYPE_NONE = 0
+ACL_MEM_ALLOCATION_TYPE_PINNED = 0
+ACL_HBM_MEM = 1
+ACL_HBM_MEM_HUGE = 4  # 2 MiB granularity
+ACL_MEM_LOCATION_TYPE_DEVICE = 1
+ACL_RT_MEM_ALLOC_GRANULARITY_MINIMUM = 0
+
+ACL_MEMCPY_HOST_TO_HOST = 0
+ACL_MEMCPY_HOST_TO_DEVICE = 1
+ACL_MEMCPY_DEVICE_TO_HOST = 2
+ACL_MEMCPY_DEVICE_TO_DEVICE = 3
+
+
+class aclrtMemLocation(ctypes.Structure):
+    _fields_ = [("id", c_uint32), ("type", c_int)]  # id FIRST
+
+
+class aclrtPhysicalMemProp(ctypes.Structure):
+    _fields_ = [
+        ("handleType", c_int),
+        ("allocationType", c_int),
+        ("memAttr", c_int),
+        ("location", aclrtMemLocation),
+        ("reserve", c_uint64),
+    ]
+
+
+PROTOTYPES: dict[str, tuple[Any, list]] = {
+    "aclrtSetDevice": (c_int, [c_int32]),
+    "aclrtSynchronizeDevice": (c_int, []),
+    "aclrtGetMemInfo": (c_int, [c_int, POINTER(c_size_t), POINTER(c_size_t)]),
+    "aclrtMemGetAllocationGranularity": (c_int, [POINTER(aclrtPhysicalMemProp), c_int, POINTER(c_size_t)]),
+    "aclrtReserveMemAddress": (c_int, [POINTER(c_void_p), c_size_t, c_size_t, c_void_p, c_uint64]),
+    "aclrtReleaseMemAddress": (c_int, [c_void_p]),
+    "aclrtMallocPhysical": (c_int, [POINTER(c_void_p), c_size_t, POINTER(aclrtPhysicalMemProp), c_uint64]),
+    "aclrtFreePhysical": (c_int, [c_void_p]),
+    "aclrtMapMem": (c_int, [c_void_p, c_size_t, c_size_t, c_void_p, c_uint64]),
+    "aclrtUnmapMem": (c_int, [c_void_p]),
+    "aclrtMemcpy": (c_int, [c_void_p, c_size_t, c_void_p, c_size_t, c_int]),
+    "aclrtMemset": (c_int, [c_void_p, c_size_t, c_int32, c_size_t]),
+    "aclrtMallocHost": (c_int, [POINTER(c_void_p), c_size_t]),
+    "aclrtFreeHost": (c_int, [c_void_p]),
+}
+
+
+class AclError(UnisleepError):
+    def __init__(self, call: str, code: int, hint: str = ""):
+        self.call, self.code = call, code
+        super().__init__(f"{call} failed with {ERROR_NAMES.get(code, 'aclError')} ({code}){': ' + hint if hint else ''}")
+
+
+def library_candidates() -> list[str]:
+    out = []
+    if os.environ.get("UNISLEEP_ACL_LIBRARY"):
+        out.append(os.environ["UNISLEEP_ACL_LIBRARY"])
+    for root in (os.environ.get("ASCEND_TOOLKIT_HOME"), os.environ.get("ASCEND_HOME_PATH"),
+                 "/usr/local/Ascend/ascend-toolkit/latest"):
+        if root:
+            out.append(os.path.join(root, "lib64", "libascendcl.so"))
+            out += sorted(glob.glob(os.path.join(root, "*-linux", "lib64", "libascendcl.so")))
+    out.append("libascendcl.so")
+    return out
+
+
+def load_library():
+    errors = []
+    for cand in library_candidates():
+        if os.path.sep in cand and not os.path.exists(cand):
+            continue
+        try:
+            return ctypes.CDLL(cand, mode=ctypes.RTLD_GLOBAL)
+        except OSError as e:
+            errors.append(f"{cand}: {e}")
+    raise PlatformError(
+        "the Ascend backend needs libascendcl.so from the CANN toolkit, which was not found "
+        "(source set_env.sh, or set UNISLEEP_ACL_LIBRARY to its full path). Tried: "
+        + "; ".join(errors or library_candidates())
+    )
+
+
+class AclApi:
+    """The ACL function table (see :class:`unisleep.backends.rocm.hip.HipApi` for the idea)."""
+
+    def __init__(self, lib):
+        self._lib = lib
+        missing = []
+        for name, (restype, argtypes) in PROTOTYPES.items():
+            try:
+                raw = getattr(lib, name)
+            except AttributeError:
+                missing.append(name)
+                continue
+            setattr(self, name, ctypes.CFUNCTYPE(restype, *argtypes)(ctypes.cast(raw, c_void_p).value))
+        if missing:
+            raise PlatformError(f"libascendcl lacks {', '.join(missing)} (virtual memory needs CANN >= 8)")
+
+    def call(self, name: str, *args, hint: str = "") -> None:
+        rc = getattr(self, name)(*args)
+        if rc != ACL_SUCCESS:
+            raise AclError(name, rc, hint)

@@ -1,0 +1,188 @@
+"""The Ascend driver: ACL virtual memory through ctypes ``libascendcl.so``.
+
+=====================  ============================================================================
+granularity            ``aclrtMemGetAllocationGranularity(&prop, MINIMUM, &g)`` (2 MiB, ACL_HBM_MEM_HUGE)
+reserve                ``aclrtReserveMemAddress(&p, size, 0, NULL, 0)`` (alignment must be 0)
+create                 ``aclrtMallocPhysical(&h, size, &prop, 0)``
+map                    ``aclrtMapMem(va, size, 0, h, 0)`` — size equals the physical size; access is
+                       granted by the mapping (no SetAccess step)
+unmap                  ``aclrtUnmapMem(va)`` — no size
+release                ``aclrtFreePhysical(h)`` (after unmapping)
+free address           ``aclrtReleaseMemAddress(va)``
+copies                 ``aclrtMemcpy(dst, destMax, src, count, kind)`` into ``aclrtMallocHost`` buffers
+zero                   ``aclrtMemset`` + ``aclrtSynchronizeDevice`` (fresh memory is not assumed zero)
+pool(tag)              torch_npu pluggable allocator + ``torch.npu.memory.MemPool`` (backends/ascend/pool.py)
+=====================  ============================================================================
+
+The C function table is injectable (``lib=``); tests use the simulated ACL library in
+tests/sim/fake_acl.py.  No Ascend hardware run has been made with this driver.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from ctypes import byref, c_size_t, c_void_p
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+from unisleep.driver import BackupStore, Driver
+from unisleep.errors import UnisleepError
+from unisleep.platform import SPECS
+
+from . import acl
+from .store import AclHostStore
+
+log = logging.getLogger("unisleep.ascend")
+
+
+@dataclass(eq=False)
+class AclHandle:
+    ptr: int
+    size: int
+    freed: bool = False
+
+
+class AscendDriver(Driver):
+    name = "ascend"
+    fresh_memory_is_zero = False  # not documented by CANN: zero discarded memory explicitly
+    retain_backups = False
+    default_chunk_bytes = None  # one physical handle per region (map size == physical size)
+    supports_pool = True
+
+    def __init__(
+        self,
+        device: int = 0,
+        *,
+        lib: Any = None,
+        tensor_device: Any = None,
+        chunk_bytes: Optional[int] = None,
+        mem_attr: int = acl.ACL_HBM_MEM_HUGE,
+        **options: Any,
+    ):
+        super().__init__(device, **options)
+        if chunk_bytes is not None:
+            self.default_chunk_bytes = chunk_bytes
+        self.simulated = bool(getattr(lib, "SIMULATED", False))
+        self.api = acl.AclApi(lib if lib is not None else acl.load_library())
+        self._tls = threading.local()
+        self._set_device()
+        self._prop = acl.aclrtPhysicalMemProp()
+        self._prop.handleType = acl.ACL_MEM_HANDLE_TYPE_NONE
+        self._prop.allocationType = acl.ACL_MEM_ALLOCATION_TYPE_PINNED
+        self._prop.memAttr = mem_attr
+        self._prop.location.id = device
+        self._prop.location.type = acl.ACL_MEM_LOCATION_TYPE_DEVICE
+        self._prop.reserve = 0
+        g = c_size_t()
+        # (prop, option, &granularity): the output comes last, unlike CUDA/HIP
+        self.api.call(
+            "aclrtMemGetAllocationGranularity", byref(self._prop), acl.ACL_RT_MEM_ALLOC_GRANULARITY_MINIMUM, byref(g)
+        )
+        self._gran = int(g.value)
+        if self._gran <= 0:
+            raise UnisleepError(f"aclrtMemGetAllocationGranularity returned {self._gran}")
+        import torch
+
+        if tensor_device is None:
+            self._tensor_device = None  # resolved lazily: "npu" exists only once torch_npu is imported
+        else:
+            self._tensor_device = torch.device(tensor_device)
+
+    # ---- context ---------------------------------------------------------------------
+    def _set_device(self) -> None:
+        """aclrtSetDevice creates/binds the device's default context for the calling thread."""
+        if getattr(self._tls, "device", None) != self.device:
+            self.api.call("aclrtSetDevice", self.device)
+            self._tls.device = self.device
+
+    # ---- primitives ------------------------------------------------------------------
+    def granularity(self) -> int:
+        return self._gran
+
+    def reserve(self, size: int) -> int:
+        self._set_device()
+        p = c_void_p()
+        # alignment must be 0; expectPtr NULL (a user address is experimental in CANN 9 only)
+        self.api.call("aclrtReserveMemAddress", byref(p), size, 0, None, 0, hint=f"reserving {size} bytes")
+        return int(p.value)
+
+    def free_address(self, va: int, size: int) -> None:
+        self.api.call("aclrtReleaseMemAddress", va)
+
+    def create(self, size: int) -> AclHandle:
+        self._set_device()
+        h = c_void_p()
+        self.api.call("aclrtMallocPhysical", byref(h), size, byref(self._prop), 0, hint=f"{size >> 20} MiB of device memory")
+        return AclHandle(int(h.value), size)
+
+    def map(self, va: int, size: int, handle: AclHandle) -> None:
+        if size != handle.size:
+            raise UnisleepError(f"aclrtMapMem maps whole physical allocations: {size} != {handle.size}")
+        self.api.call("aclrtMapMem", va, size, 0, handle.ptr, 0)
+
+    def unmap(self, va: int, size: int) -> None:
+        self.api.call("aclrtUnmapMem", va)  # no size argument
+
+    def release(self, handle: AclHandle) -> None:
+        if not handle.freed:
+            self.api.call("aclrtFreePhysical", handle.ptr)
+            handle.freed = True
+
+    def physical_bytes(self, handle: AclHandle) -> int:
+        # ACL has no per-handle residency query; device totals come from memory_info()
+        return 0 if handle.freed else handle.size
+
+    @property
+    def torch_device(self):
+        if self._tensor_device is None:
+            import torch
+            import torch_npu  # noqa: F401  (registers the "npu" device type)
+
+            self._tensor_device = torch.device(SPECS["ascend"].torch_device_type, self.device)
+        return self._tensor_device
+
+    def view(self, va: int, nbytes: int):
+        import torch
+
+        dev = self.torch_device
+        storage = torch._C._construct_storage_from_data_pointer(va, dev, nbytes)
+        return torch.empty(0, dtype=torch.uint8, device=dev).set_(storage)
+
+    def zero(self, va: int, nbytes: int) -> None:
+        self._set_device()
+        self.api.call("aclrtMemset", va, nbytes, 0, nbytes)  # (devPtr, maxCount, value, count)
+        self.synchronize()
+
+    def synchronize(self) -> None:
+        self._set_device()
+        self.api.call("aclrtSynchronizeDevice")
+
+    def memory_info(self) -> tuple[int, int]:
+        self._set_device()
+        free, total = c_size_t(), c_size_t()
+        self.api.call("aclrtGetMemInfo", acl.ACL_HBM_MEM, byref(free), byref(total))
+        return int(free.value), int(total.value)
+
+    def new_backup_store(self, budget_bytes, spill_dir) -> BackupStore:
+        return AclHostStore(self.api, budget_bytes)
+
+    @contextlib.contextmanager
+    def pool(self, lifecycle, tag: str) -> Iterator[None]:
+        """Route torch_npu allocations made inside the block into ``tag`` (torch_npu only;
+        written against torch_npu's pluggable-allocator API, not run here)."""
+        from .pool import npu_mem_pool
+
+        with npu_mem_pool(self, lifecycle, tag):
+            yield
+
+
+def expandable_segments_problem(env: Optional[dict] = None) -> Optional[str]:
+    env = os.environ if env is None else env
+    for var in ("PYTORCH_NPU_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        val = env.get(var, "")
+        if "expandable_segments:true" in val.replace(" ", "").lower():
+            return f"{var}={val}: expandable segments break NPU sleep mode; remove expandable_segments:True."
+    return None

@@ -1,0 +1,171 @@
+"""Ascend backend against the SIMULATED ACL library (tests/sim/fake_acl.py) — no Ascend hardware.
+
+Proves the ctypes binding passes ACL's argument orders (granularity output last, unmap and
+release without a size, ``destMax`` as a byte capacity, ``{id, type}`` locations) to a library
+that checks them, and that a full MemoryLifecycle sleeps, wakes by tag, discards and restores
+byte-exactly through it.  The torch_npu ``pool(tag)`` route is not exercised (no torch_npu).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from sim.fake_acl import ACL_ERROR_INVALID_PARAM, ACL_ERROR_RT_MEMORY_FREE, ACL_ERROR_RT_PARAM_INVALID, FakeAcl
+from sim.vmm import STALE_BYTE
+from unisleep import MemoryLifecycle
+from unisleep.backends.ascend import AscendDriver
+from unisleep.errors import UnsupportedError
+
+GRAN = 2 << 20  # ACL_HBM_MEM_HUGE granularity
+MiB = 1 << 20
+
+
+def make(**kw):
+    lib = FakeAcl(granularity=GRAN, total_bytes=kw.pop("total", 64 * MiB))
+    return lib, AscendDriver(lib=lib, tensor_device="cpu", **kw)
+
+
+@pytest.fixture(params=["simulated"])
+def simulated(request):
+    lib, drv = make()
+    lc = MemoryLifecycle(drv)
+    yield lib, drv, lc
+    lc.close()
+    assert not lib.dev.internal_errors
+    assert not lib.dev.reservations and lib.dev.used_bytes == 0
+    lib.close()
+
+
+def fill(lc, tag, nbytes, seed):
+    t = lc.empty(nbytes, torch.uint8, tag=tag)
+    g = torch.Generator().manual_seed(seed)
+    t.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g))
+    return t, t.clone()
+
+
+def test_ascend_sim_level1_byte_exact_and_frees(simulated):
+    lib, drv, lc = simulated
+    w, w0 = fill(lc, "weights", 5 * MiB + 7, 1)
+    kv, _ = fill(lc, "kv_cache", 4 * MiB, 2)
+    addrs = (w.data_ptr(), kv.data_ptr())
+    awake = lib.dev.used_bytes
+    assert awake == 6 * MiB + 4 * MiB  # rounded up to the 2 MiB granularity
+    for _ in range(2):
+        lc.sleep(level=1)
+        free, total = drv.memory_info()
+        assert free == total and lib.dev.live_fds == 0
+        lc.wake_up()
+        assert torch.equal(w, w0) and int(kv.count_nonzero()) == 0
+        assert (w.data_ptr(), kv.data_ptr()) == addrs
+        assert lib.dev.used_bytes == awake
+
+
+def test_ascend_sim_level2_wake_by_tag_and_discard(simulated):
+    lib, drv, lc = simulated
+    w, _ = fill(lc, "weights", 4 * MiB, 3)
+    kv, _ = fill(lc, "kv_cache", 8 * MiB, 4)
+    lc.sleep(level=2)
+    assert lib.dev.used_bytes == 0 and lc.backup_bytes() == 0
+    lc.wake_up(["weights"])
+    assert lib.dev.used_bytes == 4 * MiB and lc.state()["kv_cache"] != "awake"
+    assert int(w.count_nonzero()) == 0  # stale device memory was zeroed
+    w.fill_(5)
+    lc.wake_up(["kv_cache"])
+    assert int(kv.count_nonzero()) == 0 and int((w == 5).sum()) == w.numel()
+    lc.discard(["kv_cache"])
+    assert lib.dev.used_bytes == 4 * MiB
+    lc.wake_up(["kv_cache"])
+    assert int(kv.count_nonzero()) == 0
+
+
+def test_ascend_sim_stale_memory_is_real_in_the_simulator():
+    lib, drv = make()
+    drv.fresh_memory_is_zero = True  # the control: trusting fresh memory shows stale bytes
+    with MemoryLifecycle(drv) as lc:
+        t = lc.empty(2 * MiB, torch.uint8, tag="kv_cache")
+        assert int((t == STALE_BYTE).sum()) == t.numel()
+    lib.close()
+
+
+def test_ascend_sim_argument_orders(simulated):
+    lib, drv, lc = simulated
+    w, _ = fill(lc, "weights", 2 * MiB, 5)
+    lc.sleep(level=1)
+    lc.wake_up()
+    log = lib.dev.log
+    cps = [e for e in log if e[0] == "aclrtMemcpy"]
+    assert {e[5] for e in cps} == {1, 2}  # HOST_TO_DEVICE and DEVICE_TO_HOST
+    assert all(e[2] == e[4] == 2 * MiB for e in cps)  # destMax is the destination capacity
+    unmaps = [e for e in log if e[0] == "aclrtUnmapMem"]
+    assert unmaps and all(len(e) == 2 for e in unmaps)  # pointer only
+    gran = [e for e in log if e[0] == "aclrtMemGetAllocationGranularity"][0]
+    assert gran[2] == 0  # (prop, MINIMUM, &out)
+    sets = [e for e in log if e[0] == "aclrtMemset"]
+    assert all(e[2] == e[4] for e in sets)  # (ptr, maxCount, value, count)
+    assert "aclrtSynchronizeDevice" in [e[0] for e in log[log.index(sets[-1]) :]]
+
+
+def test_ascend_sim_simulator_is_strict():
+    lib, drv = make()
+    api = drv.api
+    va = drv.reserve(2 * GRAN)
+    p = ctypes.c_void_p()
+    assert api.aclrtReserveMemAddress(ctypes.byref(p), GRAN, GRAN, None, 0) == ACL_ERROR_RT_PARAM_INVALID
+    h = drv.create(GRAN)
+    assert api.aclrtMapMem(va, 2 * GRAN, 0, h.ptr, 0) == ACL_ERROR_INVALID_PARAM  # size != physical
+    drv.map(va, GRAN, h)
+    assert api.aclrtFreePhysical(h.ptr) == ACL_ERROR_RT_MEMORY_FREE  # still mapped
+    assert api.aclrtReleaseMemAddress(va) == ACL_ERROR_RT_PARAM_INVALID  # still mapped
+    host = ctypes.create_string_buffer(16)
+    assert api.aclrtMemcpy(ctypes.addressof(host), 16, va, 32, 2) == ACL_ERROR_INVALID_PARAM  # count > destMax
+    assert api.aclrtMemcpy(va, GRAN, ctypes.addressof(host), 16, 2) == ACL_ERROR_RT_PARAM_INVALID  # wrong kind
+    drv.unmap(va, GRAN)
+    drv.release(h)
+    drv.free_address(va, 2 * GRAN)
+    assert lib.dev.used_bytes == 0 and not lib.dev.reservations and not lib.dev.internal_errors
+    lib.close()
+
+
+def test_ascend_sim_oom_is_reported_with_acl_code():
+    lib, drv = make(total=4 * MiB)
+    with MemoryLifecycle(drv) as lc:
+        with pytest.raises(Exception, match="ACL_ERROR_RT_MEMORY_ALLOCATION"):
+            lc.empty(6 * MiB, torch.uint8, tag="weights")
+        assert lib.dev.used_bytes == 0 and not lib.dev.reservations  # unwound
+    lib.close()
+
+
+def test_ascend_sim_pool_refuses_expandable_segments(monkeypatch):
+    lib, drv = make()
+    with MemoryLifecycle(drv) as lc:
+        monkeypatch.setenv("PYTORCH_NPU_ALLOC_CONF", "expandable_segments:True")
+        with pytest.raises(UnsupportedError, match="expandable"):
+            with lc.pool("kv_cache"):
+                pass
+        monkeypatch.delenv("PYTORCH_NPU_ALLOC_CONF")
+        try:
+            import torch_npu  # noqa: F401
+        except ImportError:
+            with pytest.raises(UnsupportedError, match="torch_npu"):
+                with lc.pool("kv_cache"):
+                    pass
+    lib.close()
+
+
+def test_ascend_sim_doctor_warnings(monkeypatch):
+    from unisleep.platform import Platform, environment_warnings
+
+    npu = Platform("ascend", "simulated")
+    for v in ("VLLM_ASCEND_ENABLE_NZ", "HCCL_HOST_SOCKET_PORT_RANGE", "HCCL_NPU_SOCKET_PORT_RANGE", "PYTORCH_NPU_ALLOC_CONF"):
+        monkeypatch.delenv(v, raising=False)
+    text = " ".join(environment_warnings(npu))
+    assert "VLLM_ASCEND_ENABLE_NZ" in text and "HCCL_HOST_SOCKET_PORT_RANGE" in text
+    monkeypatch.setenv("VLLM_ASCEND_ENABLE_NZ", "0")
+    monkeypatch.setenv("HCCL_HOST_SOCKET_PORT_RANGE", "60000-60050")
+    monkeypatch.setenv("HCCL_NPU_SOCKET_PORT_RANGE", "61000-61050")
+    assert environment_warnings(npu) == []
+    monkeypatch.setenv("PYTORCH_NPU_ALLOC_CONF", "expandable_segments:True")
+    assert any("expandable" in w for w in environment_warnings(npu))
