@@ -134,10 +134,13 @@ class MemoryLifecycle:
         self._preserve: list[str] = []
         self._ids = itertools.count(1)
         self._closed = False
+        self._shut = threading.Event()  # set by the finalizer (close, garbage collection or exit)
         self.last_report: Optional[Report] = None
         self._before_sleep: list = []
         self._after_wake: list = []
-        self._finalizer = weakref.finalize(self, MemoryLifecycle._finalize, self._driver, self._store, self._allocs)
+        self._finalizer = weakref.finalize(
+            self, MemoryLifecycle._finalize, self._driver, self._store, self._allocs, self._lock, self._shut
+        )
         atexit.register(self._finalizer)
 
     # ------------------------------------------------------------------ introspection
@@ -440,21 +443,30 @@ class MemoryLifecycle:
         self.close()
 
     @staticmethod
-    def _finalize(driver: Driver, store: BackupStore, allocs: dict) -> None:
+    def _finalize(driver: Driver, store: BackupStore, allocs: dict, lock=None, shut=None) -> None:
+        # at interpreter exit another (daemon) thread may be inside sleep/wake: wait for it to
+        # finish instead of freeing memory under it; later calls then raise "closed"
+        locked = lock.acquire(timeout=60) if lock is not None else False
         try:
-            driver.synchronize()
-        except Exception:
-            pass
-        for a in list(allocs.values()):
+            if shut is not None:
+                shut.set()
             try:
-                a.region.free(driver)
-            except Exception:  # best effort at shutdown
+                driver.synchronize()
+            except Exception:
                 pass
-        allocs.clear()
-        try:
-            store.close()
+            for a in list(allocs.values()):
+                try:
+                    a.region.free(driver)
+                except Exception:  # best effort at shutdown
+                    pass
+            allocs.clear()
+            try:
+                store.close()
+            finally:
+                driver.close()
         finally:
-            driver.close()
+            if locked:
+                lock.release()
 
     # ------------------------------------------------------------------ internals
     def _done(self, rep: Report) -> Report:
@@ -463,7 +475,7 @@ class MemoryLifecycle:
         return rep
 
     def _check_open(self) -> None:
-        if self._closed:
+        if self._closed or self._shut.is_set():
             raise InvalidTransitionError("this MemoryLifecycle is closed; create a new one")
 
     def _check_tags(self, tags: Iterable[str]) -> None:
