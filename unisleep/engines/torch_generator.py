@@ -378,11 +378,12 @@ class TorchGenerator(Engine):
             rendezvous=init_info["rendezvous"], rank=init_info.get("rank", 1),
             world_size=init_info.get("world_size", 2), timeout_s=init_info.get("timeout_s", 60.0),
         )
-        self._receiver = WeightReceiver(group, apply=self.update_weights, guard=self._transfer_guard)
+        self._receiver = WeightReceiver(group, apply=self.update_weights, guard=self.can_receive_weights)
         return self._receiver
 
-    def _transfer_guard(self, *args: Any, **kwargs: Any) -> None:
-        self._require_awake(("weights",), "receive weights")
+    def can_receive_weights(self) -> bool:
+        """True when the weights may be written now (awake, not closed): a transfer guard."""
+        return not self._closed and self.lifecycle.state().get("weights") == AWAKE
 
     def close(self) -> None:
         if self._closed:
