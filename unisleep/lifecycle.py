@@ -318,6 +318,8 @@ class MemoryLifecycle:
     def _forget_region(self, va: int) -> Optional[Region]:
         """The framework freed this region: drop its bookkeeping and backups; the caller frees it."""
         with self._lock:
+            if self._shut.is_set():  # close() already freed every region
+                return None
             alloc = self._by_va.pop(va, None)
             if alloc is None:
                 return None
