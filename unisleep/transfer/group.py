@@ -89,6 +89,7 @@ class TransferGroup:
         self._master_store = master_store  # keep the TCPStore (server on rank 0) alive
         self._collective = vendor_module(platform, "collective")
         self.closed = False
+        self._seq = 0  # updates started on this side (the same count on every member)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -188,6 +189,11 @@ class TransferGroup:
         return self._pg
 
     # ------------------------------------------------------------------ control plane
+    def _next_seq(self) -> int:
+        """Number of the next update; every sender/receiver object on this group shares it."""
+        seq, self._seq = self._seq, self._seq + 1
+        return seq
+
     def put(self, key: str, obj: Any) -> None:
         self.store.set(key, pickle.dumps(obj))
 

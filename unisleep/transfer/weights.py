@@ -161,7 +161,6 @@ class WeightSender:
         self.bucket_bytes = int(bucket_bytes) if bucket_bytes else default_bucket_bytes(group)
         self.path = path
         self.verify = verify
-        self._seq = 0
         self._last_meta_id: Optional[str] = None
         self._faults: dict[str, set] = {"skip": set(), "corrupt": set()}  # test hooks: bucket indices
         self._coll_slots: list = [None, None]
@@ -210,8 +209,7 @@ class WeightSender:
             raise InvalidArgumentError(f"duplicate tensor names in the update: {_short(dup)}")
         path = self.resolve_path()
         plans = plan_buckets(manifest.specs, self.bucket_bytes)
-        seq = self._seq
-        self._seq += 1
+        seq = g._next_seq()
         if seq:
             for k in ("hdr", "go", "abort", *(f"ack/{r}" for r in g.receivers), *(f"done/{r}" for r in g.receivers)):
                 g.drop(f"u{seq - 1}/{k}")
@@ -509,7 +507,6 @@ class WeightReceiver:
         self.staged = staged
         self.version: Any = initial_version
         self.consistent = True
-        self._seq = 0
         self._meta: dict[str, tuple] = {}
         self._sock: Optional[socket.socket] = None
         self._sock_name: Optional[str] = None
@@ -570,8 +567,7 @@ class WeightReceiver:
         holds the previous weights untouched.
         """
         g = self.group
-        seq = self._seq
-        self._seq += 1
+        seq = g._next_seq()
         t0 = time.perf_counter()
         ack_key, done_key = f"u{seq}/ack/{g.rank}", f"u{seq}/done/{g.rank}"
         try:
@@ -754,6 +750,7 @@ class _RecvState:
     def __init__(self, rx: WeightReceiver, seq: int, specs: Sequence[TensorSpec], plans: list[BucketPlan], verify: bool):
         self.rx, self.seq, self.specs, self.plans, self.verify = rx, seq, specs, plans, verify
         self.got: dict[int, Any] = {}
+        self.rejected: set[int] = set()
         self.corrupt: list[str] = []
         self.problems: list[str] = []
         self.aborted = False
@@ -765,12 +762,13 @@ class _RecvState:
             self.problems.append(f"bucket {k} is not in the manifest ({len(self.plans)} buckets)")
             return
         plan = self.plans[k]
-        if k in self.got:
+        if k in self.got or k in self.rejected:
             self.problems.append(f"bucket {k} arrived twice")
             return
         if buf.numel() != plan.total_bytes:
             self.problems.append(f"bucket {k} has {buf.numel()} bytes, the manifest says {plan.total_bytes}")
             self.corrupt += [self.specs[s.index].name for s in plan.slots]
+            self.rejected.add(k)
             return
         if self.verify:
             problem, bad = check_bucket(buf, plan, self.seq)
@@ -778,6 +776,7 @@ class _RecvState:
                 self.problems.append(problem)
             if bad:
                 self.corrupt += [self.specs[plan.slots[i].index].name for i in bad]
+                self.rejected.add(k)
                 return
         self.got[k] = buf
         if not self.rx.staged and not self.corrupt and not self.problems:
@@ -790,9 +789,8 @@ class _RecvState:
             except TransferError:
                 why = "no reason given"
             raise TransferError(f"the sender aborted update {self.seq} (version {version!r}): {why}")
-        missing_b = [p for p in self.plans if p.index not in self.got]
+        missing_b = [p for p in self.plans if p.index not in self.got and p.index not in self.rejected]
         missing = [self.specs[s.index].name for p in missing_b for s in p.slots]
-        missing = [n for n in missing if n not in self.corrupt]
         if missing or self.corrupt or self.problems:
             parts = []
             if missing:
