@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import threading
 from dataclasses import dataclass, field
 from typing import Optional
@@ -27,9 +28,21 @@ _libc = ctypes.CDLL(None)
 
 log = logging.getLogger("unisleep.cuda")
 
-SEGMENT = 1 << 30  # arena grows by at least this much
+SEGMENT = 1 << 30  # arena grows by segments of at most this size
+GRAIN = 2 << 20  # segment sizes are multiples of this
 PIECE = 256 << 20  # copy granularity
 MADV_HUGEPAGE = 14
+
+
+def _fault_in(addr: int, size: int) -> None:
+    """Touch every page of [addr, addr+size) on several threads (ctypes releases the GIL)."""
+    threads = max(1, min(16, (os.cpu_count() or 2)))
+    step = max(GRAIN, (size // threads + GRAIN - 1) // GRAIN * GRAIN)
+    ts = [threading.Thread(target=ctypes.memset, args=(addr + o, 0, min(step, size - o))) for o in range(0, size, step)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
 
 
 def _host_available() -> int:
@@ -57,9 +70,11 @@ class PinnedArena(BackupStore):
         self.where = "pinned host arena"
         self._segs: list[Segment] = []
         self._slots: dict[tuple, list[tuple[int, int, int]]] = {}  # key -> [(seg, off, n)]
-        self._lock = threading.Lock()
+        self._cv = threading.Condition()
+        self._grower: Optional[threading.Thread] = None
+        self._grow_error: Optional[BaseException] = None
+        self._pending = 0  # bytes the grower thread is still adding
         self._stream = None
-        self._prep_thread: Optional[threading.Thread] = None
 
     # ---- memory ------------------------------------------------------------------------
     @property
@@ -73,22 +88,59 @@ class PinnedArena(BackupStore):
     def _free_bytes(self) -> int:
         return sum(n for s in self._segs for _, n in s.free)
 
-    def _grow(self, nbytes: int) -> None:
-        size = max(SEGMENT, (nbytes + SEGMENT - 1) // SEGMENT * SEGMENT)
-        if self.budget is not None:
-            size = min(size, max(self.budget - self.capacity, 0))
-            if size < nbytes:
-                raise HostBudgetError(self._budget_msg(nbytes))
+    def _new_segment(self, size: int) -> Segment:
+        """Map ``size`` bytes, fault them in on several threads (registration of resident pages
+        is several times faster than letting the driver fault them), then page-lock them."""
         addr = libc.mmap(0, size, libc.PROT_READ | libc.PROT_WRITE, libc.MAP_PRIVATE | libc.MAP_ANONYMOUS)
-        _libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(size), MADV_HUGEPAGE)  # best effort
         try:
+            _libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(size), MADV_HUGEPAGE)  # best effort
+            _fault_in(addr, size)
             cu.ensure_context(self.device)
             cu.call("cuMemHostRegister", addr, size, 0)
         except BaseException:
             libc.munmap(addr, size)
             raise
-        self._segs.append(Segment(addr, size, [(0, size)]))
-        log.debug("arena grew by %.2f GiB (now %.2f GiB)", size / 2**30, self.capacity / 2**30)
+        return Segment(addr, size, [(0, size)])
+
+    def _grow(self, nbytes: int) -> None:
+        """Add segments (one at a time, each usable as soon as it is registered) until
+        ``nbytes`` more are free; runs in the grower thread."""
+        left = nbytes
+        while left > 0:
+            size = min(SEGMENT, (left + GRAIN - 1) // GRAIN * GRAIN)
+            if self.budget is not None and self.capacity + size > self.budget:
+                size = (self.budget - self.capacity) // GRAIN * GRAIN
+                if size <= 0:
+                    raise HostBudgetError(self._budget_msg(nbytes))
+            seg = self._new_segment(size)
+            with self._cv:
+                self._segs.append(seg)
+                self._pending = max(0, self._pending - size)
+                self._cv.notify_all()
+            left -= size
+        log.debug("arena now %.2f GiB", self.capacity / 2**30)
+
+    def _start_grower(self, nbytes: int) -> None:
+        def work():
+            try:
+                self._grow(nbytes)
+            except BaseException as e:  # surfaced to the thread waiting for room
+                with self._cv:
+                    self._grow_error = e
+                    self._cv.notify_all()
+            finally:
+                with self._cv:
+                    self._grower = None
+                    self._pending = 0
+                    self._cv.notify_all()
+
+        with self._cv:
+            if self._grower is not None:
+                return
+            self._grow_error = None
+            self._pending = nbytes
+            self._grower = threading.Thread(target=work, name="unisleep-arena", daemon=True)
+            self._grower.start()
 
     def _budget_msg(self, nbytes: int) -> str:
         return (
@@ -99,8 +151,7 @@ class PinnedArena(BackupStore):
         )
 
     def ensure_fits(self, nbytes: int) -> None:
-        self.wait_prepared()
-        spare = self._free_bytes()
+        spare = self._free_bytes() + self._pending
         grow = max(0, nbytes - spare)
         if grow == 0:
             return
@@ -114,30 +165,26 @@ class PinnedArena(BackupStore):
         need = nbytes - self._free_bytes()
         if need <= 0:
             return
-
-        def work():
-            with self._lock:
-                self._grow(need)
-
-        if background:
-            self._prep_thread = threading.Thread(target=work, name="unisleep-arena-prepare", daemon=True)
-            self._prep_thread.start()
-        else:
-            work()
+        self._start_grower(need)
+        if not background:
+            self.wait_prepared()
 
     def wait_prepared(self) -> None:
-        t = self._prep_thread
-        if t is not None:
-            t.join()
-            self._prep_thread = None
+        with self._cv:
+            while self._grower is not None:
+                self._cv.wait()
+            err, self._grow_error = self._grow_error, None
+        if err is not None:
+            raise err
 
     def _extents(self, n: int):
-        """Yield (segment, offset, bytes) extents covering ``n`` bytes, growing the arena one
-        segment at a time so copies into earlier extents run while later ones register."""
+        """Yield (segment, offset, bytes) extents covering ``n`` bytes.  When the arena is short,
+        a grower thread adds segments one by one and copies into the first ones start while the
+        next ones are still being registered."""
         left = n
         while left:
             got = False
-            for si, seg in enumerate(self._segs):
+            for si, seg in enumerate(list(self._segs)):
                 while seg.free and left:
                     off, sz = seg.free[0]
                     take = min(sz, left)
@@ -150,8 +197,15 @@ class PinnedArena(BackupStore):
                 if not left:
                     return
             if not got:
-                with self._lock:
-                    self._grow(min(left, SEGMENT))
+                with self._cv:
+                    count = len(self._segs)
+                    if self._grower is None:
+                        self._start_grower(left)  # the condition's lock is re-entrant
+                    while len(self._segs) == count and self._grower is not None and self._grow_error is None:
+                        self._cv.wait()
+                    if self._grow_error is not None:
+                        err, self._grow_error = self._grow_error, None
+                        raise err
 
     def _release(self, extents) -> None:
         for si, off, n in extents:
@@ -183,7 +237,6 @@ class PinnedArena(BackupStore):
     def save(self, key, src) -> None:
         import torch
 
-        self.wait_prepared()
         n = src.numel()
         old = self._slots.pop(key, None)
         if old is not None and sum(x[2] for x in old) == n:

@@ -72,3 +72,37 @@ def run_peer(name: str, device: int, weights_gib: float, kv_gib: float, cycles: 
     out["l2_sleep_s"], out["l2_wake_weights_s"], out["l2_wake_kv_s"] = map(statistics.median, (s, a, b))
     out["l2_note"] = "no zeroing on resume"
     return out
+
+
+def measure_limits(device: int, nbytes: int) -> dict:
+    """Device<->host copy speed with page-locked host memory, in the same process: the registered
+    arena unisleep uses, and (for scale) the time cudaHostAlloc-style pinning takes."""
+    import torch
+
+    from .arena import PinnedArena
+
+    torch.cuda.set_device(device)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{device}")
+    dev.fill_(7)
+    arena = PinnedArena(device, None)
+    t0 = time.perf_counter()
+    arena.prepare(nbytes, background=False)
+    register_s = time.perf_counter() - t0
+    d2h, h2d = [], []
+    for i in range(3):
+        d2h.append(_t(lambda: (arena.save(("limit", 0), dev), arena.flush())))
+        h2d.append(_t(lambda: (arena.load(("limit", 0), dev), arena.flush())))
+    arena.close()
+    t0 = time.perf_counter()
+    pinned = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
+    host_alloc_s_per_gib = time.perf_counter() - t0
+    del pinned, dev
+    return {
+        "bytes": nbytes,
+        "d2h_gbps": nbytes / min(d2h) / 1e9,
+        "h2d_gbps": nbytes / min(h2d) / 1e9,
+        "register_s": register_s,
+        "pin_memory_alloc_s_per_gib": host_alloc_s_per_gib,
+        "notes": f"arena: {nbytes / 2**30:.0f} GiB faulted in and registered in {register_s:.2f} s; "
+                 f"torch.empty(pin_memory=True) took {host_alloc_s_per_gib:.2f} s per GiB",
+    }

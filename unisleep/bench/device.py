@@ -70,6 +70,14 @@ def run_unisleep(platform: str, device: int, weights_gib: float, kv_gib: float, 
         ok = ok and bool(torch.equal(w, ref)) and not bool(kv.view(torch.int64).any())
         progress(f"unisleep cycle {i + 1}/{cycles}: sleep {sleeps[-1]:.3f}s wake {wakes[-1]:.3f}s")
     out["steady_sleep_s"], out["steady_wake_s"] = statistics.median(sleeps), statistics.median(wakes)
+    ww, wk = [], []
+    for _ in range(2):  # where the wake's time goes: the weights (map + copy) vs the KV cache (map + zero)
+        w[:4096].add_(1)
+        ref[:4096].add_(1)
+        lc.sleep(1)
+        ww.append(_timed(lambda: lc.wake_up(["weights"]), sync))
+        wk.append(_timed(lambda: lc.wake_up(["kv_cache"]), sync))
+    out["wake_weights_only_s"], out["wake_kv_only_s"] = min(ww), min(wk)
     out["sleep_all_s"], out["wake_all_s"] = sleeps, wakes
     unchanged = []
     for _ in range(max(2, cycles // 2)):
@@ -100,6 +108,10 @@ def run_unisleep(platform: str, device: int, weights_gib: float, kv_gib: float, 
     del w, kv
     lc.close()
 
+    limits = _limits(platform, device, W)
+    if limits:
+        out["limits"] = limits
+
     if sweep:
         rows = []
         lc = MemoryLifecycle(platform, device=device)
@@ -114,7 +126,8 @@ def run_unisleep(platform: str, device: int, weights_gib: float, kv_gib: float, 
                     t.fill_(3)
                 ss, ww = [], []
                 for _ in range(2):
-                    ts[0][:16].add_(1)
+                    for t in ts:  # every allocation changed: no copy may be skipped
+                        t[:16].add_(1)
                     ss.append(_timed(lambda: lc.sleep(1, offload_tags=[tag]), sync))
                     ww.append(_timed(lambda: lc.wake_up([tag]), sync))
                 rows.append({"total_gib": total_gib, "allocations": count, "sleep_s": min(ss), "wake_s": min(ww),
@@ -125,6 +138,18 @@ def run_unisleep(platform: str, device: int, weights_gib: float, kv_gib: float, 
         out["sweep"] = rows
         lc.close()
     return out
+
+
+def _limits(platform: str, device: int, nbytes: int) -> dict:
+    """The bus limits measured in the same run by the backend's peers module (if it has one)."""
+    from unisleep.platform import SPECS
+
+    try:
+        mod = importlib.import_module(SPECS[platform].driver.split(":")[0] + ".peers")
+    except (ImportError, KeyError):
+        return {}
+    fn = getattr(mod, "measure_limits", None)
+    return fn(device, nbytes) if fn else {}
 
 
 def _worker(impl: str, args) -> dict:
@@ -208,6 +233,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ["figure", "goal"] + names + ["goal met"], rows,
     )
     u = results.get("unisleep", {})
+    lim = u.get("limits")
+    if lim:
+        gb = args.weights * GiB / 1e9
+        rows = [["device->host copy (sleep)", lim.get("d2h_gbps"), gb / u["steady_sleep_s"],
+                 gb / u["steady_sleep_s"] / lim["d2h_gbps"]],
+                ["host->device copy (wake 'weights')", lim.get("h2d_gbps"), gb / u["wake_weights_only_s"],
+                 gb / u["wake_weights_only_s"] / lim["h2d_gbps"]]]
+        print_table("copy-bound limits measured in the same run (GB/s)", ["path", "limit", "unisleep", "fraction"], rows)
+        if lim.get("notes"):
+            print(lim["notes"])
+        print(f"wake split: 'weights' (map + copy) {u['wake_weights_only_s']:.4f} s, "
+              f"'kv_cache' (map + zero) {u['wake_kv_only_s']:.4f} s")
     if "freed_bytes" in u:
         print(f"freed by level-1 sleep (device free memory): {u['freed_bytes'] / GiB:.2f} GiB of "
               f"{u['pooled_bytes'] / GiB:.2f} GiB pooled ({100 * u['freed_bytes'] / u['pooled_bytes']:.1f} %); "
