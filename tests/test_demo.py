@@ -13,9 +13,9 @@ from unisleep import demo
 from unisleep.cli import main as cli_main
 
 
-def _run(tmp_path, *extra, via_cli=False):
+def _run(tmp_path, *extra, via_cli=False, plot=False):
     out = tmp_path / "out"
-    argv = ["--out", str(out), "-q", "--batch", "32", *extra]
+    argv = ["--out", str(out), "-q", "--batch", "32", "--lr", "0.01", *extra] + ([] if plot else ["--no-plot"])
     rc = cli_main(["demo", *argv]) if via_cli else demo.main(argv)
     with open(out / "demo.json") as f:
         return rc, json.load(f)
@@ -26,7 +26,7 @@ def _check(result, name):
 
 
 def test_demo_runs_end_to_end_and_its_checks_pass(tmp_path, capsys):
-    rc, res = _run(tmp_path, "--steps", "6", via_cli=True)
+    rc, res = _run(tmp_path, "--steps", "6", via_cli=True, plot=True)
     out = capsys.readouterr().out
     assert rc == 0 and res["ok"], out
     assert res["trainer_pid"] != res["engine_pid"] and res["transfer"]["backend"] == "gloo"
@@ -65,6 +65,12 @@ def test_processed_logprobs_are_reported_with_the_fix(tmp_path):
     assert _check(res, "weights arrived")["ok"] and _check(res, "memory freed")["ok"]
     gap = _check(res, "gap steady")
     assert not gap["ok"] and "--logprobs-mode raw_logprobs" in gap["detail"]
+
+
+def test_vllm_engine_option_fails_clearly(capsys):
+    assert demo.main(["--engine", "vllm", "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "--engine vllm" in err and "Handoff" in err
 
 
 def test_bad_options(capsys):

@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=64, help="rollouts per step")
     p.add_argument("--max-tokens", type=int, default=8, help="tokens generated per rollout")
     p.add_argument("--target", type=int, default=7, help="the token the reward asks for")
-    p.add_argument("--lr", type=float, default=0.01, help="trainer learning rate (Adam)")
+    p.add_argument("--lr", type=float, default=0.003, help="trainer learning rate (Adam; default 0.003)")
     p.add_argument("--top-p", type=float, default=1.0, help="sampling top-p of the engine")
     p.add_argument("--logprobs-mode", choices=("raw_logprobs", "processed_logprobs"), default="raw_logprobs",
                    help="what the engine returns; processed + --top-p < 1 shows the gap monitor's offset finding")
@@ -280,7 +280,7 @@ def _plot(steps: list[DemoStep], path: str) -> Optional[str]:
     ax1.set_ylabel("KiB")
     ax1.set_title("engine memory handed to the trainer each step")
     ax1.legend(fontsize=8)
-    ax2.plot(xs, [max(s.gap, 1e-9) for s in steps], "o-", label="rollout gap: median |engine − trainer| logprob")
+    ax2.plot(xs, [max(s.gap, 1e-9) for s in steps], "o-", label="rollout gap: median |engine − trainer| logprob (0 drawn at 1e-9)")
     ax2.plot(xs, [max(s.probe_gap, 1e-9) for s in steps], "x--", label="probe gap after reacquire (max)")
     ax2.set_yscale("log")
     ax2.set_ylabel("|Δ logprob|")
@@ -487,9 +487,14 @@ def run_vllm(args) -> int:
     if missing:
         print(f"unisleep demo --engine vllm: the adapters {missing} are missing from this install.", file=sys.stderr)
         return 2
-    print("unisleep demo --engine vllm: the vLLM variant of the demo loop is not wired up in this release; "
-          "use unisleep.loop.Handoff with unisleep.engines.vllm_http.VLLMHTTPEngine directly "
-          "(docs/rl-loop.md shows the order).", file=sys.stderr)
+    platform = _platform_for(args.device)
+    why = ("vLLM refuses sleep mode on a CPU-only machine, so the release half cannot run here; "
+           if not platform.is_accelerator else "")
+    print("unisleep demo --engine vllm: not available in this release — " + why +
+          "the vLLM variant of the demo (an HF trainer process pushing weights through vLLM's weight-transfer "
+          "backend) is not wired up yet. Drive a vLLM engine with unisleep.loop.Handoff and "
+          "unisleep.engines.vllm_http.VLLMHTTPEngine / vllm_inprocess.VLLMEngine directly (docs/rl-loop.md), "
+          "or run the demo without --engine for the embedded TorchGenerator.", file=sys.stderr)
     return 2
 
 
