@@ -377,3 +377,27 @@ def test_rocm_sim_doctor_warnings(monkeypatch):
     assert environment_warnings(rocm) == []
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
     assert any("disagree" in w for w in environment_warnings(rocm))
+
+
+def test_chunk_sweep_host_cli(tmp_path, capsys):
+    """The tuning tool for the chunk size runs the shared policy on a real driver (host here)."""
+    from unisleep.bench import chunk_sweep
+
+    out = tmp_path / "sweep.json"
+    rc = chunk_sweep.main(["--platform", "host", "--total", "16MiB", "--chunks", "1,4,one", "--repeat", "1",
+                           "--json", str(out)])
+    assert rc == 0
+    rows = json.loads(out.read_text())["results"]["rows"]
+    assert [r["chunks"] for r in rows] == [16, 4, 1]
+    assert all(r["map_s"] > 0 and r["unmap_s"] > 0 for r in rows)
+    assert "handles" in capsys.readouterr().out
+
+
+def test_rocm_sim_chunk_sweep_on_simulated_driver():
+    from unisleep.bench.chunk_sweep import sweep_one
+
+    lib, drv = make()
+    r = sweep_one(drv, 8 * MiB, 1 * MiB, 2)
+    assert r["chunks"] == 8 and lib.dev.calls["hipMemCreate"] == 16 and lib.dev.used_bytes == 0
+    assert not lib.dev.reservations and not lib.dev.internal_errors
+    lib.close()
