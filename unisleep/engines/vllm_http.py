@@ -114,6 +114,7 @@ class VLLMHTTPEngine(Engine):
         # What this adapter itself did.  vLLM's HTTP API reports only "sleeping or not", not
         # which tags sleep, so the weight-update guard combines the report with this record.
         self._asleep: Optional[set[str]] = set()  # None = unknown (someone else may have slept)
+        self._paused_by_me = False                 # this adapter paused or slept the engine
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:  # never shows the api key
@@ -223,9 +224,11 @@ class VLLMHTTPEngine(Engine):
         if mode not in PAUSE_MODES:
             raise InvalidArgumentError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
         self._post("/pause", params={"mode": mode})
+        self._paused_by_me = True
 
     def resume(self) -> None:
         self._post("/resume")
+        self._paused_by_me = False
 
     def is_paused(self) -> bool:
         return bool(self._get("/is_paused")["is_paused"])
@@ -238,6 +241,7 @@ class VLLMHTTPEngine(Engine):
             raise InvalidArgumentError(f"sleep mode must be one of {PAUSE_MODES}, got {mode!r}")
         self._post("/sleep", params={"level": level, "mode": mode})
         with self._lock:
+            self._paused_by_me = True
             if level >= 1 and self._asleep is not None and "weights" not in self._asleep:
                 # vLLM ignores a sleep while the weights already sleep (executor no-op)
                 self._asleep |= set(SLEEP_TAGS)
@@ -264,6 +268,7 @@ class VLLMHTTPEngine(Engine):
         if awake:
             with self._lock:
                 self._asleep = set()
+                self._paused_by_me = False
         return awake
 
     def is_sleeping(self) -> bool:
@@ -279,6 +284,7 @@ class VLLMHTTPEngine(Engine):
         """Mark the sleeping tags unknown (another client may have changed them)."""
         with self._lock:
             self._asleep = None
+            self._paused_by_me = False
 
     def release_kv_cache_memory(self) -> None:
         """``POST /release_kv_cache_memory`` (after ``sleep(level=0)``).  Not on CPU vLLM."""
@@ -316,25 +322,19 @@ class VLLMHTTPEngine(Engine):
     def check_weights_awake(self) -> None:
         """Raise :class:`InvalidTransitionError` unless the weights are known to be awake.
 
-        Asks the engine (``/is_sleeping``) first; when it reports sleeping, the weights count
-        as awake only if this adapter put them to sleep and woke them itself (vLLM's HTTP API
-        does not say which tags sleep; ``/is_sleeping`` is also true while paused).
+        Asks the engine (``/is_sleeping``) first.  When it reports sleeping, the weights count
+        as awake only if this adapter itself explains that state: it paused the engine, or put
+        it to sleep and woke the weights (vLLM's HTTP API does not say which tags sleep, and
+        ``/is_sleeping`` is also true while paused).  A state some other client caused is
+        refused: the safe answer when unsure.
         """
         if not self.is_sleeping():
             return
         with self._lock:
-            known = self._asleep
-        if known is None or "weights" in known:
+            known = None if self._asleep is None else set(self._asleep)
+            mine = self._paused_by_me
+        if known is None or "weights" in known or not mine:
             raise InvalidTransitionError(WAKE_WEIGHTS_FIRST)
-        if not known and not self._paused_by_report():
-            # sleeping per the engine, yet neither our record nor a pause explains it
-            raise InvalidTransitionError(WAKE_WEIGHTS_FIRST)
-
-    def _paused_by_report(self) -> bool:
-        try:
-            return self.is_paused()
-        except EngineError:
-            return False
 
     def init_weight_transfer(self, init_info: dict) -> Any:
         return self._post("/init_weight_transfer_engine", json={"init_info": dict(init_info)})

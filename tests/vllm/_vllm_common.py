@@ -1,0 +1,24 @@
+"""Constants and helpers shared by the vLLM tests (import as ``from _vllm_common import ...``)."""
+
+from __future__ import annotations
+
+PROMPTS = [[0, 5, 17, 42, 99, 300], [0, 7, 7, 300, 12], [0, 900, 1, 2, 3, 4, 5, 6]]
+SERVER_ARGS = ["--enforce-eager", "--max-model-len", "512", "--max-num-seqs", "8",
+               "--kv-cache-memory-bytes", "268435456", "--dtype", "bfloat16", "--seed", "0",
+               "--weight-transfer-config", '{"backend": "unisleep"}']
+INPROCESS_KW = dict(dtype="bfloat16", enforce_eager=True, max_model_len=512, max_num_seqs=8,
+                    kv_cache_memory_bytes=256 << 20, seed=0,
+                    weight_transfer_config={"backend": "unisleep"})
+
+
+def greedy(eng, n: int = 12):
+    return [g.token_ids for g in eng.generate(PROMPTS, max_tokens=n)]
+
+
+def transfer_api_missing():
+    """Why unisleep.transfer cannot carry weights yet (None when it can)."""
+    try:
+        from unisleep.transfer import TransferGroup, WeightReceiver, WeightSender  # noqa: F401
+    except Exception as e:
+        return f"unisleep.transfer has no WeightSender/WeightReceiver/TransferGroup yet ({e})"
+    return None

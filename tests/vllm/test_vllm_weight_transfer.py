@@ -1,0 +1,108 @@
+"""vLLM's init/start/update/finish protocol through unisleep's weight-transfer engine (gloo on
+CPU), over HTTP against the session server and in process."""
+
+from __future__ import annotations
+
+import pytest
+
+from unisleep.errors import InvalidTransitionError, TransferError
+
+from _vllm_common import PROMPTS, greedy, transfer_api_missing  # noqa: F401
+
+pytestmark = [pytest.mark.vllm,
+              pytest.mark.skipif(transfer_api_missing() is not None,
+                                 reason=str(transfer_api_missing()))]
+
+
+
+@pytest.fixture(scope="module")
+def state_b():
+    from unisleep.engines.tiny_model import tiny_state_dict
+
+    return tiny_state_dict(seed=1)
+
+
+@pytest.fixture(scope="module")
+def state_a():
+    from unisleep.engines.tiny_model import tiny_state_dict
+
+    return tiny_state_dict(seed=0)
+
+
+@pytest.fixture
+def pusher(http_engine):
+    from unisleep.engines.vllm_trainer import VLLMWeightPusher
+
+    p = VLLMWeightPusher(http_engine, timeout_s=60).init()
+    yield p
+    p.close()
+
+
+def test_push_over_http_changes_and_restores(http_engine, pusher, tiny_models, baseline_a,
+                                             state_a, state_b):
+    http_engine.reload_weights(tiny_models[1])
+    want_b = greedy(http_engine)
+    http_engine.reload_weights(tiny_models[0])
+    assert want_b != baseline_a
+
+    http_engine.pause()
+    rep = pusher.push(state_b.items(), version="B-1", chunks=2)
+    http_engine.resume()
+    assert rep.tensors == len(state_b) and rep.chunks == 2
+    assert http_engine.weight_version() == "B-1"
+    assert greedy(http_engine) == want_b
+
+    pusher.push(state_a.items(), version="A-2")
+    assert greedy(http_engine) == baseline_a and http_engine.weight_version() == "A-2"
+
+
+def test_incomplete_update_refused_and_engine_keeps_serving(http_engine, pusher, baseline_a,
+                                                            state_a, state_b):
+    partial = [(n, t) for n, t in state_b.items() if "layers.1." not in n]
+    with pytest.raises(TransferError, match="incomplete update"):
+        pusher.push(partial, version="B-partial")
+    assert greedy(http_engine) == baseline_a                 # nothing was applied
+    assert http_engine.weight_version() != "B-partial"
+    # the engine is still usable: a complete update goes through
+    pusher.push(state_a.items(), version="A-after-refusal")
+    assert greedy(http_engine) == baseline_a
+
+
+def test_wrong_shape_refused(http_engine, pusher, baseline_a, state_b):
+    bad = dict(state_b)
+    name = next(n for n in bad if n.endswith("embed_tokens.weight"))
+    bad[name] = bad[name][:-1].clone()
+    with pytest.raises(TransferError, match="wrong shape"):
+        pusher.push(bad.items(), version="bad-shape")
+    assert greedy(http_engine) == baseline_a
+
+
+def test_transfer_refused_while_asleep(http_engine, pusher, baseline_a, state_b):
+    http_engine.pause()
+    http_engine.sleep(1)
+    with pytest.raises(InvalidTransitionError, match="wake the weights first"):
+        pusher.push(state_b.items(), version="B-asleep")
+    http_engine.wake_up()
+    http_engine.resume()
+    assert greedy(http_engine) == baseline_a
+    assert http_engine.weight_version() != "B-asleep"
+
+
+def test_push_in_process(vllm_inprocess, state_a, state_b):
+    from unisleep.engines.vllm_trainer import VLLMWeightPusher
+
+    eng = vllm_inprocess
+    base = greedy(eng)
+    with VLLMWeightPusher(eng, timeout_s=60) as p:
+        eng.sleep(1)
+        with pytest.raises(InvalidTransitionError):
+            p.push(state_b.items(), version="B")
+        assert eng.wake_up(["weights"]) is False
+        assert eng.sleeping_tags() == {"kv_cache"}
+        p.push(state_b.items(), version="B")                # weights awake: allowed
+        assert eng.wake_up(["kv_cache"]) is True
+        assert eng.weight_version() == "B"
+        out_b = greedy(eng)
+        assert out_b != base
+        p.push(state_a.items(), version="A")
+        assert greedy(eng) == base
