@@ -1,0 +1,281 @@
+"""``unisleep bench`` (host): sleep/wake throughput of the host backend beside its limits,
+all measured in the same run on the same bytes and the same filesystem.
+
+=============================  =====================================================  ===========
+ours                           limit                                                  goal
+=============================  =====================================================  ===========
+level-1 sleep (backup+free)    write the same bytes to a file in the spill directory  >= 80 %
+wake from level 1 (restore)    read that file back into fresh memory                  >= 80 %
+level-2 sleep (free only)      kernel: munmap + close of a touched memfd, same size   <= 5 ms
+wake from level 2 (zeroed)     kernel: memfd_create + fallocate + mmap, same size     >= 80 %
+-                              plain memcpy of the same size, for scale               -
+=============================  =====================================================  ===========
+
+Each cycle runs every "ours" next to its limit, alternating which goes first, so that drift on
+a shared machine cancels; the table shows medians over the cycles.  Progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import mmap
+import os
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from typing import Callable, Optional, Sequence
+
+from .common import print_table, progress, write_json
+
+GOAL_RATIO = 0.8
+GOAL_L2_SLEEP_S = 0.005
+
+
+def parse_size(text: str) -> int:
+    """``512M``, ``1G``, ``1GiB``, ``64MB``, ``4096`` -> bytes (binary units)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?b)?\s*", str(text), re.IGNORECASE)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512M, 1G, 1073741824)")
+    mult = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}[m.group(2).lower()]
+    n = int(float(m.group(1)) * mult)
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
+    return n
+
+
+def _human(n: int) -> str:
+    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= div:
+            return f"{n / div:g} {unit}"
+    return f"{n} B"
+
+
+def _ptr(buf) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(buf))
+
+
+def _write_file(path: str, src_ptr: int, n: int) -> float:
+    """The level-1 sleep's limit: the same pwrite loop into a new file, timed from open to close."""
+    mv = memoryview((ctypes.c_char * n).from_address(src_ptr)).cast("B")
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        done = 0
+        while done < n:
+            done += os.pwrite(fd, mv[done:], done)
+    finally:
+        os.close(fd)
+    return time.perf_counter() - t0
+
+
+def _read_file_fresh(path: str, n: int) -> float:
+    """The wake's limit: read the file into freshly allocated (never touched) memory."""
+    t0 = time.perf_counter()
+    buf = mmap.mmap(-1, n)
+    mv = memoryview(buf)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        done = 0
+        while done < n:
+            got = os.preadv(fd, [mv[done:]], done)
+            if got <= 0:
+                raise OSError(f"{path} ended after {done} of {n} bytes")
+            done += got
+    finally:
+        os.close(fd)
+    dt = time.perf_counter() - t0
+    mv.release()
+    buf.close()
+    return dt
+
+
+def _kernel_release(n: int) -> float:
+    """Level-2 sleep's floor: what the kernel takes to unmap and free a touched memfd of n bytes."""
+    from ..backends.host import libc
+
+    fd = os.memfd_create("unisleep-bench", os.MFD_CLOEXEC)
+    os.ftruncate(fd, n)
+    os.posix_fallocate(fd, 0, n)
+    va = libc.mmap(0, n, libc.PROT_READ | libc.PROT_WRITE, libc.MAP_SHARED, fd, 0)
+    ctypes.memset(va, 1, n)  # touched through the mapping, like memory that was in use
+    t0 = time.perf_counter()
+    libc.munmap(va, n)
+    os.close(fd)
+    return time.perf_counter() - t0
+
+
+def _kernel_create(n: int) -> float:
+    """Level-2 wake's floor: the same kernel calls our host driver makes, without unisleep."""
+    from ..backends.host import libc
+
+    reserve = libc.mmap(0, n, libc.PROT_NONE, libc.MAP_PRIVATE | libc.MAP_ANONYMOUS | libc.MAP_NORESERVE)
+    t0 = time.perf_counter()
+    fd = os.memfd_create("unisleep-bench", os.MFD_CLOEXEC)
+    os.ftruncate(fd, n)
+    os.posix_fallocate(fd, 0, n)
+    libc.mmap(reserve, n, libc.PROT_READ | libc.PROT_WRITE, libc.MAP_SHARED | libc.MAP_FIXED, fd, 0)
+    dt = time.perf_counter() - t0
+    libc.munmap(reserve, n)
+    os.close(fd)
+    return dt
+
+
+def _pair(first_ours: bool, ours: Callable[[], float], limit: Callable[[], float]) -> tuple[float, float]:
+    if first_ours:
+        a = ours()
+        return a, limit()
+    b = limit()
+    return ours(), b
+
+
+def run(size: int, cycles: int, spill_dir: Optional[str]) -> dict:
+    import torch
+
+    from ..backends.host.spill import default_spill_parent, filesystem_type
+    from ..lifecycle import MemoryLifecycle
+
+    parent = spill_dir or default_spill_parent()
+    os.makedirs(parent, exist_ok=True)
+    limit_dir = tempfile.mkdtemp(prefix="unisleep-bench-limit-", dir=parent)
+    limit_file = os.path.join(limit_dir, "limit.bin")
+    samples: dict[str, list[float]] = {k: [] for k in (
+        "sleep1", "write", "wake1", "read", "memcpy", "sleep2", "kernel_release", "wake2", "kernel_create")}
+    lc = MemoryLifecycle("host", spill_dir=parent)
+    try:
+        progress(f"host bench: {_human(size)} x {cycles} cycles, spill dir {parent} ({filesystem_type(parent)})")
+        w = lc.empty((size,), torch.uint8, tag="weights")
+        pattern = torch.arange(size // 8, dtype=torch.int64)
+        pattern.mul_(0x9E3779B97F4A7C15 & 0x7FFFFFFFFFFFFFFF).bitwise_xor_(0x5DEECE66D)
+        w[: size // 8 * 8].view(torch.int64).copy_(pattern)
+        del pattern
+        ref = w.clone()  # the same bytes in ordinary memory: the limits' source, the memcpy target
+        ref_ptr = ref.data_ptr()
+
+        def ours_sleep1() -> float:
+            t0 = time.perf_counter()
+            lc.sleep(1)
+            return time.perf_counter() - t0
+
+        def ours_wake() -> float:
+            t0 = time.perf_counter()
+            lc.wake_up()
+            return time.perf_counter() - t0
+
+        def ours_sleep2() -> float:
+            t0 = time.perf_counter()
+            lc.sleep(2)
+            return time.perf_counter() - t0
+
+        for c in range(cycles):
+            first = c % 2 == 0
+            progress(f"cycle {c + 1}/{cycles}: level 1 ({'ours' if first else 'limit'} first)")
+            if first:
+                s1 = ours_sleep1()
+                wr = _write_file(limit_file, ref_ptr, size)
+                wk = ours_wake()
+                rd = _read_file_fresh(limit_file, size)
+            else:
+                wr = _write_file(limit_file, ref_ptr, size)
+                s1 = ours_sleep1()
+                rd = _read_file_fresh(limit_file, size)
+                wk = ours_wake()
+            os.unlink(limit_file)
+            if not torch.equal(w, ref):
+                raise RuntimeError("level-1 wake did not restore the bytes exactly")
+            samples["sleep1"].append(s1)
+            samples["write"].append(wr)
+            samples["wake1"].append(wk)
+            samples["read"].append(rd)
+
+            t0 = time.perf_counter()
+            w.copy_(ref)  # also touches every page, as memory in use would be
+            samples["memcpy"].append(time.perf_counter() - t0)
+
+            progress(f"cycle {c + 1}/{cycles}: level 2")
+            s2, kr = _pair(first, ours_sleep2, lambda: _kernel_release(size))
+            samples["sleep2"].append(s2)
+            samples["kernel_release"].append(kr)
+            w2, kc = _pair(not first, ours_wake, lambda: _kernel_create(size))
+            samples["wake2"].append(w2)
+            samples["kernel_create"].append(kc)
+            if w[:: max(1, size // 4096)].count_nonzero().item():
+                raise RuntimeError("level-2 wake did not come back zeroed")
+            w.copy_(ref)
+    finally:
+        lc.close()
+        shutil.rmtree(limit_dir, ignore_errors=True)
+
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    gbps = {k: size / v / 1e9 for k, v in med.items()}
+    rows = [
+        {"operation": "level-1 sleep (backup + free)", "ours_gbps": gbps["sleep1"], "ours_ms": med["sleep1"] * 1e3,
+         "limit": "write same bytes to a file in spill dir", "limit_gbps": gbps["write"],
+         "limit_ms": med["write"] * 1e3, "ratio": med["write"] / med["sleep1"], "goal": f">= {GOAL_RATIO:.0%}",
+         "met": med["write"] / med["sleep1"] >= GOAL_RATIO},
+        {"operation": "wake from level 1 (restore)", "ours_gbps": gbps["wake1"], "ours_ms": med["wake1"] * 1e3,
+         "limit": "read the file into fresh memory", "limit_gbps": gbps["read"], "limit_ms": med["read"] * 1e3,
+         "ratio": med["read"] / med["wake1"], "goal": f">= {GOAL_RATIO:.0%}",
+         "met": med["read"] / med["wake1"] >= GOAL_RATIO},
+        {"operation": "level-2 sleep (free only)", "ours_gbps": None, "ours_ms": med["sleep2"] * 1e3,
+         "limit": "kernel: munmap + close touched memfd", "limit_gbps": None,
+         "limit_ms": med["kernel_release"] * 1e3, "ratio": med["kernel_release"] / med["sleep2"],
+         "goal": f"<= {GOAL_L2_SLEEP_S * 1e3:g} ms", "met": med["sleep2"] <= GOAL_L2_SLEEP_S},
+        {"operation": "wake from level 2 (zeroed)", "ours_gbps": None, "ours_ms": med["wake2"] * 1e3,
+         "limit": "kernel: memfd + fallocate + mmap", "limit_gbps": None, "limit_ms": med["kernel_create"] * 1e3,
+         "ratio": med["kernel_create"] / med["wake2"], "goal": f">= {GOAL_RATIO:.0%}",
+         "met": med["kernel_create"] / med["wake2"] >= GOAL_RATIO},
+        {"operation": "memcpy (for scale)", "ours_gbps": None, "ours_ms": None, "limit": "torch copy_ between buffers",
+         "limit_gbps": gbps["memcpy"], "limit_ms": med["memcpy"] * 1e3, "ratio": None, "goal": "-", "met": None},
+    ]
+    return {"size_bytes": size, "cycles": cycles, "spill_dir": parent, "filesystem": filesystem_type(parent),
+            "rows": rows, "samples_s": samples, "medians_s": med}
+
+
+def _table(res: dict) -> None:
+    def num(v, fmt):
+        return "-" if v is None else format(v, fmt)
+
+    rows = []
+    for r in res["rows"]:
+        ours = "-" if r["ours_ms"] is None else (
+            f"{num(r['ours_gbps'], '.2f')} GB/s ({r['ours_ms']:.1f} ms)" if r["ours_gbps"] else f"{r['ours_ms']:.1f} ms")
+        lim = f"{num(r['limit_gbps'], '.2f')} GB/s ({r['limit_ms']:.1f} ms)" if r["limit_gbps"] else f"{r['limit_ms']:.1f} ms"
+        met = "-" if r["met"] is None else ("yes" if r["met"] else "NO")
+        rows.append([r["operation"], ours, r["limit"], lim, "-" if r["ratio"] is None else f"{r['ratio']:.0%}",
+                     r["goal"], met])
+    print_table(
+        f"unisleep host sleep/wake, {_human(res['size_bytes'])}, median of {res['cycles']} cycles, "
+        f"spill dir {res['spill_dir']} ({res['filesystem']})",
+        ["operation", "ours", "limit (same run)", "limit", "ours/limit", "goal", "met"],
+        rows,
+    )
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(prog="unisleep bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--backend", default="host", help="host (this benchmark)")
+    ap.add_argument("--size", type=parse_size, default=parse_size("1G"), help="bytes per tag, e.g. 512M, 1G (default 1G)")
+    ap.add_argument("--cycles", type=int, default=3, help="sleep/wake cycles; the table shows medians (default 3)")
+    ap.add_argument("--spill-dir", default=None, help="where level-1 backups go (default: unisleep's default)")
+    ap.add_argument("--out", default=None, help="directory for the JSON (default: the current directory)")
+    ap.add_argument("--json", default=None, help="JSON path (default: bench-host.json in --out or the cwd)")
+    args = ap.parse_args(argv)
+    if args.backend != "host":
+        ap.error(f"this is the host benchmark; --backend {args.backend} is served by unisleep.bench.device")
+    if args.cycles < 1:
+        ap.error("--cycles must be >= 1")
+    res = run(args.size, args.cycles, args.spill_dir)
+    _table(res)
+    path = args.json or os.path.join(args.out or os.getcwd(), "bench-host.json")
+    write_json(path, "host", res, argv)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
