@@ -169,3 +169,37 @@ def test_ascend_sim_doctor_warnings(monkeypatch):
     assert environment_warnings(npu) == []
     monkeypatch.setenv("PYTORCH_NPU_ALLOC_CONF", "expandable_segments:True")
     assert any("expandable" in w for w in environment_warnings(npu))
+
+
+def _ascend_present() -> bool:
+    from unisleep.platform import detect_platform
+
+    try:
+        return detect_platform().name == "ascend"
+    except Exception:
+        return False
+
+
+@pytest.mark.ascend
+@pytest.mark.skipif(not _ascend_present(), reason="needs an Ascend NPU with torch_npu (ci/ascend.yml runs it on a self-hosted runner)")
+def test_ascend_hardware_lifecycle():
+    """NOT RUN in this project so far: the same scenario on a real Ascend NPU."""
+    lc = MemoryLifecycle("ascend")
+    try:
+        dev = lc.torch_device
+        w = lc.empty((64 * MiB,), torch.uint8, tag="weights")
+        w.copy_(torch.randint(0, 256, w.shape, dtype=torch.uint8).to(dev))
+        w0 = w.cpu()
+        kv = lc.empty((256 * MiB,), torch.uint8, tag="kv_cache")
+        kv.fill_(9)
+        ptrs = (w.data_ptr(), kv.data_ptr())
+        free_awake, _ = lc.driver.memory_info()
+        lc.sleep(level=1)
+        free_asleep, _ = lc.driver.memory_info()
+        assert free_asleep - free_awake >= 0.9 * lc.allocated_bytes()
+        lc.wake_up(["weights"])
+        assert torch.equal(w.cpu(), w0)
+        lc.wake_up(["kv_cache"])
+        assert int(kv.count_nonzero()) == 0 and (w.data_ptr(), kv.data_ptr()) == ptrs
+    finally:
+        lc.close()

@@ -401,3 +401,38 @@ def test_rocm_sim_chunk_sweep_on_simulated_driver():
     assert r["chunks"] == 8 and lib.dev.calls["hipMemCreate"] == 16 and lib.dev.used_bytes == 0
     assert not lib.dev.reservations and not lib.dev.internal_errors
     lib.close()
+
+
+def _rocm_present() -> bool:
+    from unisleep.platform import detect_platform
+
+    try:
+        return detect_platform().name == "rocm"
+    except Exception:
+        return False
+
+
+@pytest.mark.rocm
+@pytest.mark.skipif(not _rocm_present(), reason="needs an AMD GPU with ROCm (ci/rocm.yml runs it on a self-hosted runner)")
+def test_rocm_hardware_lifecycle():
+    """NOT RUN in this project so far: the same scenario on a real AMD GPU, with the ROCm
+    trap checked where it matters — hipMemGetInfo must show the memory returned."""
+    lc = MemoryLifecycle("rocm")
+    try:
+        dev = lc.torch_device
+        w = lc.empty((64 * MiB,), torch.uint8, tag="weights")
+        w.copy_(torch.randint(0, 256, w.shape, dtype=torch.uint8, device=dev))
+        w0 = w.clone()
+        kv = lc.empty((256 * MiB,), torch.uint8, tag="kv_cache")
+        kv.fill_(9)
+        ptrs = (w.data_ptr(), kv.data_ptr())
+        free_awake, _ = lc.driver.memory_info()
+        lc.sleep(level=1)
+        free_asleep, _ = lc.driver.memory_info()
+        assert free_asleep - free_awake >= 0.9 * lc.allocated_bytes()
+        lc.wake_up(["weights"])
+        assert torch.equal(w, w0)
+        lc.wake_up(["kv_cache"])
+        assert int(kv.count_nonzero()) == 0 and (w.data_ptr(), kv.data_ptr()) == ptrs
+    finally:
+        lc.close()
