@@ -719,18 +719,16 @@ class WeightReceiver:
                 slot_of[msg["id"]] = msg["slot"]
             elif op == "bucket":
                 src = self._imports[msg["id"]].tensor[: msg["nbytes"]]
-                if self.staged:
+                if self.staged:  # copy out, hand the memory back, verify the copy
                     buf = torch.empty(msg["nbytes"], dtype=torch.uint8, device=dev)
-                else:
-                    slot = msg["slot"]
-                    cur = self._rot[slot]
-                    if cur is None or cur.numel() < msg["nbytes"]:
-                        cur = self._rot[slot] = torch.empty(msg["nbytes"], dtype=torch.uint8, device=dev)
-                    buf = cur[: msg["nbytes"]]
-                buf.copy_(src)
-                ipc.synchronize(self.group.device_index)
-                _send_msg(sock, {"op": "free", "slot": msg["slot"]})
-                st.take(msg["k"], buf)
+                    buf.copy_(src)
+                    ipc.synchronize(self.group.device_index)
+                    _send_msg(sock, {"op": "free", "slot": msg["slot"]})
+                    st.take(msg["k"], buf)
+                else:  # verify and apply straight from the shared memory, then hand it back
+                    st.take(msg["k"], src)
+                    ipc.synchronize(self.group.device_index)
+                    _send_msg(sock, {"op": "free", "slot": msg["slot"]})
             elif op == "end":
                 st.aborted = bool(msg["abort"])
                 return

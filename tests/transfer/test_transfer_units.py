@@ -1,0 +1,172 @@
+"""Fast checks of the transfer pieces: bucket plans, checksums, argument errors, and a sender and
+receiver on two threads of this process (real gloo over 127.0.0.1, real memfd)."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import threading
+
+import pytest
+import torch
+
+from unisleep.errors import InvalidArgumentError, InvalidTransitionError, TransferError
+from unisleep.transfer import TensorSpec, TransferGroup, WeightReceiver, WeightSender
+from unisleep.transfer.manifest import ALIGN, checksum, plan_buckets
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_plan_buckets_cuts_aligns_and_gives_big_tensors_their_own():
+    specs = [TensorSpec("a", (10,), "float32"), TensorSpec("b", (3,), "bfloat16"),
+             TensorSpec("big", (1000,), "float32"), TensorSpec("c", (5,), "int64")]
+    plans = plan_buckets(specs, 256)
+    assert [[specs[s.index].name for s in p.slots] for p in plans] == [["a", "b"], ["big"], ["c"]]
+    for p in plans:
+        assert all(s.offset % ALIGN == 0 for s in p.slots)
+        assert p.data_bytes % 8 == 0 and p.total_bytes == p.data_bytes + 8 * (3 + len(p.slots))
+    assert plans[1].slots[0].nbytes == 4000  # larger than the bucket: alone, not refused
+
+
+def test_checksum_sees_every_kind_of_damage():
+    g = torch.Generator().manual_seed(0)
+    b = torch.randint(0, 256, (3 * 4096 + 13,), dtype=torch.uint8, generator=g)
+    ref = int(checksum(b))
+    assert int(checksum(b.clone())) == ref
+    for i in (0, 4095, 4096 * 2 + 7, b.numel() - 1):  # one flipped bit anywhere, tail included
+        c = b.clone()
+        c[i] ^= 1
+        assert int(checksum(c)) != ref, i
+    rows = b[: 3 * 4096].view(3, 4096)
+    assert int(checksum(torch.cat([rows[[1, 0, 2]].reshape(-1), b[3 * 4096:]]))) != ref  # rows swapped
+    assert int(checksum(torch.zeros_like(b))) != ref
+    assert int(checksum(b[:-1])) != ref  # truncated
+
+
+def test_no_vendor_names_in_the_core_transfer_code():
+    words = re.compile(r"cuda|nccl|npu|hccl|rccl|\bhip\b", re.I)
+    for rel in ("unisleep/transfer", "unisleep/bench/transfer.py"):
+        path = os.path.join(ROOT, rel)
+        files = [os.path.join(path, f) for f in os.listdir(path) if f.endswith(".py")] if os.path.isdir(path) else [path]
+        for f in files:
+            for n, line in enumerate(open(f), 1):
+                assert not words.search(line), f"{f}:{n}: {line.strip()}"
+
+
+def test_bad_arguments():
+    with pytest.raises(InvalidArgumentError):
+        TransferGroup.create("tcp://127.0.0.1:1", 0, 1, platform="host")
+    with pytest.raises(InvalidArgumentError):
+        TransferGroup.create("http://x", 0, 2, platform="host")
+
+
+# ---------------------------------------------------------------------------- two threads
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _pair():
+    addr = f"tcp://127.0.0.1:{_port()}"
+    out = {}
+
+    def mk(r):
+        out[r] = TransferGroup.create(addr, r, 2, platform="host", timeout_s=20)
+
+    ts = [threading.Thread(target=mk, args=(r,)) for r in (0, 1)]
+    [t.start() for t in ts]
+    [t.join(30) for t in ts]
+    return out[0], out[1]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    g0, g1 = _pair()
+    yield g0, g1
+    g0.close(), g1.close()
+
+
+def _both(send, recv):
+    res = {}
+
+    def run(k, f):
+        try:
+            res[k] = f()
+        except Exception as e:  # noqa: BLE001
+            res[k] = e
+
+    ts = [threading.Thread(target=run, args=("s", send)), threading.Thread(target=run, args=("r", recv))]
+    [t.start() for t in ts]
+    [t.join(60) for t in ts]
+    return res["s"], res["r"]
+
+
+def _weights(v):
+    g = torch.Generator().manual_seed(v)
+    return {"w": torch.randn(300, 70, generator=g), "b": torch.randn(7, generator=g).to(torch.bfloat16),
+            "n": torch.arange(5) * v}
+
+
+@pytest.mark.parametrize("path", ["collective", "ipc"])
+def test_apply_callback_and_module_target(pair, path):
+    g0, g1 = pair
+    got = []
+    rx = WeightReceiver(g1, apply=lambda pairs: got.extend((n, t.clone()) for n, t in pairs))
+    tx = WeightSender(g0, bucket_bytes=4096, path=path)
+    s, r = _both(lambda: tx.send(_weights(1), "step-1"), rx.receive)
+    assert not isinstance(r, Exception), r
+    assert r.version == "step-1" and r.path == path and rx.version == "step-1"
+    assert dict(got).keys() == _weights(1).keys()
+    assert all(torch.equal(dict(got)[k], v) for k, v in _weights(1).items())
+    # nn.Module as the target, parameters updated in place (same objects)
+    m = torch.nn.Linear(70, 300)
+    ptr = m.weight.data_ptr()
+    rx2 = WeightReceiver(g1, target=m)
+    src = {"weight": torch.randn(300, 70), "bias": torch.randn(300)}
+    s, r = _both(lambda: tx.send(src, 2), rx2.receive)
+    assert not isinstance(r, Exception), r
+    assert torch.equal(m.weight, src["weight"]) and torch.equal(m.bias, src["bias"]) and m.weight.data_ptr() == ptr
+
+
+def test_target_that_does_not_fit_is_refused_before_bytes_move(pair):
+    g0, g1 = pair
+    tgt = {"w": torch.zeros(300, 70), "b": torch.zeros(7, dtype=torch.bfloat16)}  # no "n"
+    rx = WeightReceiver(g1, target=tgt)
+    s, r = _both(lambda: WeightSender(g0, path="collective").send(_weights(3), 3), rx.receive)
+    assert isinstance(r, TransferError) and "not in the target: n" in str(r)
+    assert isinstance(s, TransferError) and "nothing was sent" in str(s)
+    assert torch.count_nonzero(tgt["w"]) == 0 and rx.version is None
+
+
+def test_guard_callable(pair):
+    g0, g1 = pair
+    tgt = {k: torch.zeros_like(v) for k, v in _weights(4).items()}
+    awake = {"v": False}
+    rx = WeightReceiver(g1, target=tgt, guard=lambda: awake["v"])
+    tx = WeightSender(g0, path="collective")
+    s, r = _both(lambda: tx.send(_weights(4), 4), rx.receive)
+    assert isinstance(r, InvalidTransitionError) and "wake the weights first" in str(r)
+    assert isinstance(s, InvalidTransitionError)
+    awake["v"] = True
+    s, r = _both(lambda: tx.send(_weights(4), 4), rx.receive)
+    assert not isinstance(r, Exception), r
+    assert all(torch.equal(tgt[k], v) for k, v in _weights(4).items())
+
+
+def test_streaming_mode_and_generator_with_specs(pair):
+    g0, g1 = pair
+    w = _weights(5)
+    tgt = {k: torch.zeros_like(v) for k, v in w.items()}
+    rx = WeightReceiver(g1, target=tgt, staged=False)
+    specs = [(k, tuple(v.shape), v.dtype) for k, v in w.items()]
+    tx = WeightSender(g0, bucket_bytes=1024, path="collective")
+    s, r = _both(lambda: tx.send(((k, v) for k, v in w.items()), 5, specs=specs), rx.receive)
+    assert not isinstance(r, Exception), r
+    assert all(torch.equal(tgt[k], v) for k, v in w.items())
+    # a generator that does not match its specs: the sender aborts, the receiver keeps version 5
+    bad = ((k, v.double() if k == "n" else v) for k, v in _weights(6).items())
+    s, r = _both(lambda: tx.send(bad, 6, specs=specs), rx.receive)
+    assert isinstance(s, TransferError) and "specs say" in str(s)
+    assert isinstance(r, TransferError) and "aborted" in str(r) and rx.version == 5

@@ -1,0 +1,252 @@
+"""``unisleep bench --transfer``: weight-transfer time and throughput by path.
+
+Paths (each a sender process and a receiver process, spawned fresh):
+
+=================  ==========================================================================
+``gloo``           host memory over a gloo group on 127.0.0.1 (the collective path on CPU)
+``host-ipc``       host memory shared through a memfd passed over a Unix socket
+``device-ipc``     two processes on one accelerator, colocated IPC (when the platform has it)
+``device-coll``    two accelerators, the platform's collective (when >= 2 devices)
+``allreduce``      all-reduce bus bandwidth of the same collective, the reference for device-coll
+=================  ==========================================================================
+
+The sender streams the update from a generator (one source chunk reused under many names), so an
+8 GiB update never needs 8 GiB on the sender; the receiver verifies every bucket against the
+manifest and lands it in its own memory (``staged=False``, an apply callback that keeps nothing),
+so memory stays at a few buckets per process; the callback copies every tensor into one
+receiver-owned tensor, as ``model.load_weights`` copies into parameters.  Each size runs one warm-up update, then
+``--repeat`` timed updates; the best is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import socket
+import time
+import traceback
+from typing import Any, Optional
+
+from .common import print_table, progress, write_json
+
+GiB = 2**30
+MiB = 2**20
+PATHS = ("gloo", "host-ipc", "device-ipc", "device-coll", "allreduce")
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _mem_available() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for ln in f:
+                if ln.startswith("MemAvailable:"):
+                    return int(ln.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _worker(rank: int, port: int, job: dict, q) -> None:
+    try:
+        q.put(_run_side(rank, port, job))
+    except BaseException:
+        q.put({"rank": rank, "error": traceback.format_exc()})
+
+
+def _run_side(rank: int, port: int, job: dict) -> dict:
+    import torch
+
+    from ..platform import detect_platform
+    from ..transfer import TransferGroup, WeightReceiver, WeightSender
+
+    plat = detect_platform(job["platform"])
+    dev_index = job["devices"][rank]
+    if plat.is_accelerator:
+        torch.accelerator.set_device_index(dev_index)
+    device = torch.device(plat.torch_device(dev_index))
+    if job["path"] == "allreduce":
+        return _allreduce(rank, port, job, plat, device)
+    g = TransferGroup.create(f"tcp://127.0.0.1:{port}", rank, 2, platform=plat, timeout_s=600, device=dev_index)
+    chunk = job["chunk_bytes"]
+    sizes = job["sizes"]
+    out: dict[str, Any] = {"rank": rank, "colocated": g.colocated, "backend": g.backend, "results": []}
+    if rank == 0:
+        src = torch.randint(0, 2**15, (chunk // 2,), dtype=torch.int16, device=device).view(torch.bfloat16)
+        path = "ipc" if job["path"].endswith("ipc") else "collective"
+        tx = WeightSender(g, bucket_bytes=job["bucket_bytes"], path=path, verify=job["verify"])
+        for size in sizes:
+            n = max(1, size // chunk)
+            specs = [(f"layer.{i}.weight", (chunk // 2,), "bfloat16") for i in range(n)]
+            times = []
+            for rep in range(job["repeat"] + 1):
+                gen = ((name, src) for name, _, _ in specs)
+                t0 = time.perf_counter()
+                rep_ = tx.send(gen, rep, specs=specs)
+                dt = time.perf_counter() - t0
+                if rep:
+                    times.append((dt, rep_.phases))
+                progress(f"{job['path']}: {n * chunk / GiB:.2f} GiB {'warm-up' if not rep else f'run {rep}'}: {dt:.3f} s")
+            best = min(times, key=lambda x: x[0])
+            out["results"].append({"bytes": n * chunk, "seconds": best[0], "all_seconds": [t for t, _ in times],
+                                   "phases": best[1], "buckets": rep_.buckets})
+    else:
+        landed = {"bytes": 0}
+        dst = torch.empty(chunk // 2, dtype=torch.bfloat16, device=device)  # the "model" copy lands here
+
+        def apply(pairs):  # what load_weights does: copy each tensor into the engine's parameter
+            for _, t in pairs:
+                dst[: t.numel()].copy_(t.view(-1))
+                landed["bytes"] += t.numel() * t.element_size()
+
+        rx = WeightReceiver(g, apply=apply, staged=False)
+        for size in sizes:
+            for rep in range(job["repeat"] + 1):
+                landed["bytes"] = 0
+                r = rx.receive(timeout_s=600)
+                out["results"].append({"bytes": landed["bytes"], "seconds": r.seconds})
+    g.close()
+    return out
+
+
+def _allreduce(rank: int, port: int, job: dict, plat, device) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group(plat.collective_backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        x = torch.ones(job["allreduce_bytes"] // 4, dtype=torch.float32, device=device)
+        for _ in range(3):
+            dist.all_reduce(x)
+        torch.accelerator.synchronize()
+        best = float("inf")
+        for _ in range(job["repeat"] + 4):
+            t0 = time.perf_counter()
+            dist.all_reduce(x)
+            torch.accelerator.synchronize()
+            best = min(best, time.perf_counter() - t0)
+        n = 2
+        busbw = x.numel() * 4 / best * 2 * (n - 1) / n
+        return {"rank": rank, "seconds": best, "bytes": x.numel() * 4, "busbw": busbw}
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(job: dict, timeout: float) -> dict:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _port()
+    ps = [ctx.Process(target=_worker, args=(r, port, job, q)) for r in (0, 1)]
+    for p in ps:
+        p.start()
+    out: dict[int, dict] = {}
+    try:
+        deadline = time.monotonic() + timeout
+        while len(out) < 2:
+            res = q.get(timeout=max(1.0, deadline - time.monotonic()))
+            out[res["rank"]] = res
+            if "error" in res:
+                break
+    finally:
+        for p in ps:
+            p.join(5 if "error" in str(out) else 60)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return out
+
+
+def main(argv: Optional[list] = None) -> int:
+    ap = argparse.ArgumentParser(prog="unisleep bench --transfer", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="1,8", help="update sizes in GiB, comma-separated (default 1,8)")
+    ap.add_argument("--paths", default=",".join(PATHS), help=f"subset of {','.join(PATHS)}")
+    ap.add_argument("--bucket-mib", type=int, default=512, help="bucket size in MiB (default 512)")
+    ap.add_argument("--chunk-mib", type=int, default=256, help="tensor size in MiB in the synthetic update (default 256)")
+    ap.add_argument("--repeat", type=int, default=2, help="timed updates per size after one warm-up (default 2)")
+    ap.add_argument("--no-verify", action="store_true", help="skip the per-tensor checksums")
+    ap.add_argument("--platform", default=None, help="platform for the device paths (default: detected)")
+    ap.add_argument("--json", default=None, help="write the results here")
+    args = ap.parse_args(argv)
+
+    from ..platform import detect_platform
+
+    plat = detect_platform(args.platform)
+    sizes = [int(float(s) * GiB) for s in args.sizes.split(",") if s.strip()]
+    paths = [p.strip() for p in args.paths.split(",") if p.strip()]
+    bad = [p for p in paths if p not in PATHS]
+    if bad:
+        ap.error(f"unknown path(s) {bad}; choose from {PATHS}")
+    chunk = args.chunk_mib * MiB
+    bucket = args.bucket_mib * MiB
+    ndev = len(plat.devices) if plat.is_accelerator else 0
+    progress(f"platform {plat}; {ndev} device(s); sizes {args.sizes} GiB; bucket {args.bucket_mib} MiB")
+    rows, results = [], []
+    busbw = None
+
+    def skip(path, why):
+        progress(f"{path}: skipped: {why}")
+        rows.append([path, "-", None, None, None, f"skipped: {why}"])
+        results.append({"path": path, "skipped": why})
+
+    for path in paths:
+        host = path in ("gloo", "host-ipc")
+        if not host and not plat.is_accelerator:
+            skip(path, "no accelerator on this machine")
+            continue
+        if path in ("device-coll", "allreduce") and ndev < 2:
+            skip(path, f"needs 2 devices, found {ndev}")
+            continue
+        devices = [0, 0] if path in ("gloo", "host-ipc", "device-ipc") else [0, 1]
+        job = {"path": path, "platform": "host" if host else plat.name, "devices": devices, "sizes": sizes,
+               "chunk_bytes": chunk, "bucket_bytes": bucket, "repeat": max(1, args.repeat),
+               "verify": not args.no_verify, "allreduce_bytes": 1 * GiB}
+        if host:
+            need = chunk + 6 * (bucket + 4096) + 1 * GiB  # source, 2 send + 2 receive buffers, two interpreters
+            free = _mem_available()
+            if free < need:
+                skip(path, f"needs ~{need / GiB:.1f} GiB free host memory, {free / GiB:.1f} GiB available")
+                continue
+        progress(f"{path}: starting two processes")
+        out = _spawn(job, timeout=3600)
+        err = next((o["error"] for o in out.values() if "error" in o), None)
+        if err or len(out) < 2:
+            why = (err or "a process did not answer").strip().splitlines()[-1]
+            skip(path, f"failed: {why}")
+            progress(err or "")
+            continue
+        if path == "allreduce":
+            busbw = out[0]["busbw"]
+            rows.append([path, f"{out[0]['bytes'] / GiB:.0f}", out[0]["seconds"], None, busbw / 1e9,
+                         f"bus bandwidth of {plat.collective_backend} all-reduce, 2 ranks"])
+            results.append({"path": path, **out[0]})
+            continue
+        for r in out[0]["results"]:
+            gbps = r["bytes"] / r["seconds"] / 1e9
+            note = f"{r['buckets']} buckets"
+            if path == "device-ipc" and r["bytes"] >= 8 * GiB:
+                note += f"; goal 8 GiB <= 20 ms: {'met' if r['seconds'] <= 0.020 else 'not met'}"
+            rows.append([path, f"{r['bytes'] / GiB:.2f}", r["seconds"], r["bytes"] / r["seconds"] / GiB, gbps, note])
+            results.append({"path": path, "backend": out[0]["backend"], "colocated": out[0]["colocated"],
+                            "bucket_bytes": bucket, "verify": not args.no_verify, **r})
+    if busbw:
+        for row, res in zip(rows, results):
+            if res.get("path") == "device-coll" and "seconds" in res:
+                frac = res["bytes"] / res["seconds"] / busbw
+                res["fraction_of_allreduce_busbw"] = frac
+                row[5] += f"; {frac * 100:.0f}% of all-reduce busbw (goal >= 80%)"
+    print_table(f"weight transfer ({plat.name}; bucket {args.bucket_mib} MiB; checksums {'off' if args.no_verify else 'on'})",
+                ["path", "GiB", "seconds", "GiB/s", "GB/s", "note"], rows)
+    write_json(args.json, "transfer", results, ["--transfer"] + list(argv if argv is not None else []))
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    import sys
+
+    sys.exit(main(sys.argv[1:]))
