@@ -25,6 +25,9 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import logging
+import os
+import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
@@ -177,9 +180,11 @@ class Driver(abc.ABC):
     def suspend(self, saves: list[SaveJob], discards: list[Region], store: BackupStore) -> tuple[int, int]:
         """Back up ``saves``, then release their regions and ``discards``.
 
-        Returns (bytes released, bytes copied).  The default copies everything first, waits, and
-        then releases; nothing is released if a copy fails.
+        Returns (bytes released, bytes copied).  Every copy is queued first (a failure to queue
+        one — e.g. no backup room — raises with nothing released); the discarded regions are
+        released while those copies run; the saved regions once their copies are done.
         """
+        tr = _Trace("suspend")
         copied = 0
         for job in saves:
             if job.skip_copy:
@@ -187,27 +192,66 @@ class Driver(abc.ABC):
             for off, n in job.ranges:
                 store.save((job.key, off), self.view(job.region.va + off, n))
                 copied += n
-        store.flush()
-        self.synchronize()
+        tr.mark("queue copies")
         released = 0
-        for job in saves:
-            released += job.region.release(self)
         for region in discards:
             released += region.release(self)
+        tr.mark("release discarded")
+        store.flush()
+        self.synchronize()
+        tr.mark("wait copies")
+        for job in saves:
+            released += job.region.release(self)
+        tr.mark("release saved")
+        tr.done(copied)
         return released, copied
 
     def resume(self, jobs: list[RestoreJob], store: BackupStore) -> int:
         """Map every job's region again (same addresses), restore saved ranges, zero the rest.
-        Returns bytes copied back."""
+        Restores are mapped and queued first so their copies run while the rest is mapped and
+        zeroed.  Returns bytes copied back."""
+        tr = _Trace("resume")
         copied = 0
-        for job in jobs:
+        restores = [j for j in jobs if j.ranges]
+        for job in restores:
             job.region.map(self)
-        for job in jobs:
             if job.zero and not self.fresh_memory_is_zero:
                 self.zero(job.region.va, job.region.size)
             for off, n in job.ranges:
                 store.load((job.key, off), self.view(job.region.va + off, n))
                 copied += n
+        tr.mark("map + queue copies")
+        for job in jobs:
+            if job.ranges:
+                continue
+            job.region.map(self)
+            if job.zero and not self.fresh_memory_is_zero:
+                self.zero(job.region.va, job.region.size)
+        tr.mark("map + zero the rest")
         store.flush()
         self.synchronize()
+        tr.mark("wait")
+        tr.done(copied)
         return copied
+
+
+class _Trace:
+    """Per-phase timings of a sleep/wake, logged when ``UNISLEEP_TRACE=1`` (logger ``unisleep.trace``)."""
+
+    def __init__(self, what: str):
+        self.on = os.environ.get("UNISLEEP_TRACE", "") not in ("", "0")
+        if self.on:
+            self.what, self.t0, self.last, self.parts = what, time.perf_counter(), time.perf_counter(), []
+
+    def mark(self, phase: str) -> None:
+        if self.on:
+            now = time.perf_counter()
+            self.parts.append(f"{phase} {1e3 * (now - self.last):.2f} ms")
+            self.last = now
+
+    def done(self, copied: int) -> None:
+        if self.on:
+            total = time.perf_counter() - self.t0
+            logging.getLogger("unisleep.trace").warning(
+                "%s %.2f ms (%s; %.2f GiB copied)", self.what, 1e3 * total, ", ".join(self.parts), copied / 2**30
+            )
