@@ -185,8 +185,9 @@ class UnisleepWeightTransferEngine(WeightTransferEngine[UnisleepInitInfo, Unisle
             raise TransferError(f"the sender sent version {got!r}, the update announced "
                                 f"{update_info.version!r}; nothing was applied")
         self.last_version = None if got is None else str(got)
-        log.info("unisleep weight transfer: staged %d tensors (version %s) in %.3f s",
-                 len(self._staged), self.last_version, time.perf_counter() - t0)
+        log.info("unisleep weight transfer: staged %d tensors (version %s) over %s in %.3f s",
+                 len(self._staged), self.last_version, getattr(report, "path", "?"),
+                 time.perf_counter() - t0)
         if update_info.final:
             self._verify_coverage(update_info.partial)
             self._verified = True
