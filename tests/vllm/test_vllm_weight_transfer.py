@@ -29,11 +29,12 @@ def state_a():
     return tiny_state_dict(seed=0)
 
 
-@pytest.fixture
-def pusher(http_engine):
+@pytest.fixture(params=["auto", "collective"])
+def pusher(http_engine, request):
+    """auto = IPC through a shared fd when colocated on host; collective = gloo."""
     from unisleep.engines.vllm_trainer import VLLMWeightPusher
 
-    p = VLLMWeightPusher(http_engine, timeout_s=60).init()
+    p = VLLMWeightPusher(http_engine, timeout_s=60, path=request.param).init()
     yield p
     p.close()
 

@@ -59,12 +59,14 @@ class VLLMWeightPusher:
     """Sends weights from this (trainer) process into a vLLM engine using the unisleep backend."""
 
     def __init__(self, engine, *, rendezvous: Optional[str] = None, host: str = "127.0.0.1",
-                 timeout_s: float = 120.0, world_size: int = 2, group_name: str = "vllm") -> None:
+                 timeout_s: float = 120.0, world_size: int = 2, group_name: str = "vllm",
+                 path: str = "auto") -> None:
         self.engine = engine
         self.rendezvous = rendezvous or f"tcp://{host}:{free_port(host)}"
         self.timeout_s = float(timeout_s)
         self.world_size = int(world_size)
         self.group_name = group_name
+        self.path = path   # WeightSender path: "auto" (IPC when colocated), "collective", "ipc"
         self.group = None
 
     # ---- setup -----------------------------------------------------------------------
@@ -116,7 +118,7 @@ class VLLMWeightPusher:
         self.engine.start_weight_update()
         phases["start"] = time.perf_counter() - t0
         parts = _split(items, chunks)
-        sender = WeightSender(self.group)
+        sender = WeightSender(self.group, path=self.path)
         for i, part in enumerate(parts):
             final = i == len(parts) - 1
             call = _Call(self.engine.update_weights,
