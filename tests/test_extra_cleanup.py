@@ -142,7 +142,7 @@ def test_extra_cleanup_gloo_two_processes_groups_and_recapture():
         assert s["sleep2"]["release"] == 1 and s["sleep2"]["graph_empty"]
         assert s["sleep2"]["sockets"] == base and s["sleep2"]["asleep_access"] is False
         # weights-only wake: group back and working, graphs NOT recaptured
-        assert s["wake_weights"]["sum"] == 3.0 and s["wake_weights"]["sockets"] == s["start"]["sockets"]
+        assert s["wake_weights"]["sum"] == 3.0 and s["wake_weights"]["sockets"] > base  # a new group, connected
         assert s["wake_weights"]["capture"] == 1 and s["wake_weights"]["graph_empty"]
         # kv wake: recaptured once, against the same KV address
         assert s["wake_kv"]["capture"] == 2 and s["wake_kv"]["kv_ptr_ok"] and s["wake_kv"]["sum"] == 3.0
