@@ -80,7 +80,7 @@ def _side(rank: int, port: int, q, use_lifecycle: bool) -> None:
                 lc = MemoryLifecycle()
                 lc.adopt(src, tag="weights")
             try:
-                WeightSender(g, path="collective")
+                WeightSender(g, path="collective").resolve_path()
                 res["collective_refusal"] = None
             except UnsupportedError as e:
                 res["collective_refusal"] = str(e)
