@@ -90,14 +90,16 @@ class Region:
 
     def release(self, driver: "Driver") -> int:
         """Unmap (keeping the address) and release every mapped chunk; returns bytes released."""
-        freed = 0
-        for c in self.chunks:
-            if c.handle is None:
-                continue
-            freed += driver.physical_bytes(c.handle)
-            driver.unmap(self.va + c.offset, c.size)
-            driver.release(c.handle)
-            c.handle = None
+        return sum(self.release_chunk(driver, c) for c in self.chunks)
+
+    def release_chunk(self, driver: "Driver", c: Chunk) -> int:
+        """Unmap and release one chunk (its own mapping); returns bytes released."""
+        if c.handle is None:
+            return 0
+        freed = driver.physical_bytes(c.handle)
+        driver.unmap(self.va + c.offset, c.size)
+        driver.release(c.handle)
+        c.handle = None
         return freed
 
     def physical_bytes(self, driver: "Driver") -> int:

@@ -234,7 +234,9 @@ class PinnedArena(BackupStore):
         buf = (ctypes.c_char * n).from_address(self._segs[si].addr + off)
         return torch.frombuffer(buf, dtype=torch.uint8)
 
-    def save(self, key, src) -> None:
+    def save(self, key, src, track: bool = False):
+        """Queue the copy of ``src`` into the arena.  With ``track``, return [(bytes done, event)]
+        marks so a caller can release memory piece by piece as its copy completes."""
         import torch
 
         n = src.numel()
@@ -247,15 +249,20 @@ class PinnedArena(BackupStore):
             extents = self._extents(n)
         s = self.stream()
         s.wait_stream(torch.cuda.current_stream(self.device))
-        ext, pos = [], 0
+        ext, pos, marks = [], 0, []
         with torch.cuda.stream(s):
             for si, off, m in extents:
                 ext.append((si, off, m))
                 for p in range(0, m, PIECE):
                     k = min(PIECE, m - p)
                     self._host_view(si, off + p, k).copy_(src[pos + p : pos + p + k], non_blocking=True)
+                    if track:
+                        ev = torch.cuda.Event()
+                        ev.record(s)
+                        marks.append((pos + p + k, ev))
                 pos += m
         self._slots[key] = ext
+        return marks
 
     def load(self, key, dst) -> None:
         import torch

@@ -21,7 +21,7 @@ import logging
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
-from unisleep.driver import BackupStore, Driver
+from unisleep.driver import BackupStore, Driver, _Trace
 
 from . import cu
 from .arena import PinnedArena
@@ -49,8 +49,10 @@ class CudaDriver(Driver):
     fresh_memory_is_zero = False
     retain_backups = True
     supports_pool = True
+    #: 1 GiB physical chunks: a backed-up chunk is released as soon as its copy is done
+    default_chunk_bytes = 1 << 30
 
-    def __init__(self, device: int = 0, **options):
+    def __init__(self, device: int = 0, exportable: bool = False, **options):
         super().__init__(device, **options)
         cuda = cu.driver()
         cu.ensure_context(device)
@@ -77,9 +79,9 @@ class CudaDriver(Driver):
             )
         except cu.CudaError:
             fd_ok = 0
-        if fd_ok:  # lets colocated weight transfer export the memory as a POSIX fd
+        if fd_ok and exportable:  # POSIX-fd exportable handles (costlier to release); off by default
             prop.requestedHandleTypes = cuda.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-        self.exportable = bool(fd_ok)
+        self.exportable = bool(fd_ok and exportable)
         self._prop = prop
         self._gran = int(
             cu.call(
@@ -192,8 +194,38 @@ class CudaDriver(Driver):
 
     # ---- composite ---------------------------------------------------------------------
     def suspend(self, saves, discards, store):
+        """Queue every backup copy, release discarded memory under them, then release each
+        backed-up chunk as soon as the copy covering it has completed."""
         self.synchronize()  # nothing in flight may touch memory we are about to unmap
-        return super().suspend(saves, discards, store)
+        if not isinstance(store, PinnedArena):
+            return super().suspend(saves, discards, store)
+        tr = _Trace("suspend")
+        copied, tracked = 0, []
+        for job in saves:
+            if job.skip_copy:
+                continue
+            for off, n in job.ranges:
+                marks = store.save((job.key, off), self.view(job.region.va + off, n), track=True)
+                if (off, n) == (0, job.region.size):
+                    tracked.append((job, marks))
+                copied += n
+        tr.mark("queue copies")
+        released = sum(r.release(self) for r in discards)
+        tr.mark("release discarded")
+        for job, marks in tracked:
+            for c in job.region.chunks:
+                end = c.offset + c.size
+                ev = next(e for done, e in marks if done >= end)
+                ev.synchronize()
+                released += job.region.release_chunk(self, c)
+        tr.mark("release copied chunks")
+        store.flush()
+        self.synchronize()
+        for job in saves:
+            released += job.region.release(self)
+        tr.mark("release the rest")
+        tr.done(copied)
+        return released, copied
 
     # ---- framework allocations ---------------------------------------------------------
     @contextlib.contextmanager
