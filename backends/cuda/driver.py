@@ -105,7 +105,7 @@ class CudaDriver(Driver):
         from .checksum import digest
 
         try:
-            digest(torch.zeros(4096, dtype=torch.uint8, device=self.torch_device))
+            digest(torch.zeros(1 << 17, dtype=torch.uint8, device=self.torch_device))  # >= one full program
         except Exception as e:  # the chunked torch fallback still works
             log.debug("digest warm-up failed: %s", e)
 
