@@ -112,7 +112,9 @@ def _trainer_main(conn, rendezvous: str, cfg: dict, platform_name: str, lr: floa
     model = TinyLM(TinyLMConfig(**cfg)).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     group = TransferGroup.create(rendezvous, rank=0, world_size=2, platform=plat, timeout_s=timeout_s)
-    sender = WeightSender(group, bucket_bytes=BUCKET_BYTES, path="collective")
+    # host: the collective (gloo) path, as the demo is meant to show; an accelerator: "auto", which
+    # picks IPC when both processes share one device (NCCL cannot join two processes on one GPU)
+    sender = WeightSender(group, bucket_bytes=BUCKET_BYTES, path="auto" if plat.is_accelerator else "collective")
     conn.send(("ready", os.getpid()))
     try:
         while True:
