@@ -173,13 +173,19 @@ def run(size: int, cycles: int, spill_dir: Optional[str]) -> dict:
         for c in range(cycles):
             first = c % 2 == 0
             progress(f"cycle {c + 1}/{cycles}: level 1 ({'ours' if first else 'limit'} first)")
+            # os.sync() before each timed write: dirty pages left by the previous one would
+            # otherwise throttle whichever runs second
             if first:
+                os.sync()
                 s1 = ours_sleep1()
+                os.sync()
                 wr = _write_file(limit_file, ref_ptr, size)
                 wk = ours_wake()
                 rd = _read_file_fresh(limit_file, size)
             else:
+                os.sync()
                 wr = _write_file(limit_file, ref_ptr, size)
+                os.sync()
                 s1 = ours_sleep1()
                 rd = _read_file_fresh(limit_file, size)
                 wk = ours_wake()
