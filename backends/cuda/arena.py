@@ -17,6 +17,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Optional
 
+from unisleep.backup import host_available_bytes
 from unisleep.driver import BackupStore
 from unisleep.errors import HostBudgetError
 
@@ -43,17 +44,6 @@ def _fault_in(addr: int, size: int) -> None:
         t.start()
     for t in ts:
         t.join()
-
-
-def _host_available() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 @dataclass
@@ -146,7 +136,7 @@ class PinnedArena(BackupStore):
         return (
             f"a level-1 backup of {nbytes / 2**30:.2f} GiB does not fit in the pinned host arena "
             f"(budget {'unlimited' if self.budget is None else f'{self.budget / 2**30:.2f} GiB'}, "
-            f"{self.held_bytes / 2**30:.2f} GiB held, {_host_available() / 2**30:.2f} GiB of host memory available). "
+            f"{self.held_bytes / 2**30:.2f} GiB held, {host_available_bytes() / 2**30:.2f} GiB of host memory available). "
             "Raise host_budget_bytes, free host memory, or sleep at level 2. Nothing was released."
         )
 
@@ -157,7 +147,7 @@ class PinnedArena(BackupStore):
             return
         if self.budget is not None and self.capacity + grow > self.budget:
             raise HostBudgetError(self._budget_msg(nbytes))
-        if grow + (1 << 30) > _host_available():
+        if grow + (1 << 30) > host_available_bytes():
             raise HostBudgetError(self._budget_msg(nbytes))
 
     def prepare(self, nbytes: int, background: bool = True) -> None:

@@ -7,11 +7,12 @@ with a POSIX fd, like backends/cuda/ipc.py)."""
 
 from __future__ import annotations
 
-import datetime
-
 BACKEND = "nccl"  # RCCL on ROCm builds of torch
 SAME_DEVICE_OK = False
 IPC_MODULE = None
+
+# the group itself is torch's ProcessGroupNCCL, exactly as on NVIDIA
+from unisleep.backends.cuda.collective import create_backend  # noqa: E402,F401
 
 
 def device_key(device_index: int = 0) -> str:
@@ -20,16 +21,6 @@ def device_key(device_index: int = 0) -> str:
     props = torch.cuda.get_device_properties(device_index)
     uuid = getattr(props, "uuid", None)
     return f"gpu:{uuid if uuid is not None else device_index}"
-
-
-def create_backend(store, rank: int, world_size: int, timeout: datetime.timedelta, device_index: int = 0, *, host: str = ""):
-    import torch
-    import torch.distributed as dist
-
-    torch.cuda.set_device(device_index)
-    opts = dist.ProcessGroupNCCL.Options()
-    opts._timeout = timeout
-    return dist.ProcessGroupNCCL(store, rank, world_size, opts)
 
 
 def same_device_message(ranks) -> str:

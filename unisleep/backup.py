@@ -1,0 +1,97 @@
+"""Shared pieces of level-1 backup stores: how much host memory is available, and a store of
+one page-locked host buffer per backed-up range whose vendor part is four calls (allocate, free,
+copy device→host, copy host→device)."""
+
+from __future__ import annotations
+
+import abc
+from typing import Optional
+
+from .driver import BackupStore
+from .errors import HostBudgetError
+
+
+def host_available_bytes() -> int:
+    """MemAvailable from /proc/meminfo (0 when it cannot be read)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class HostBufferStore(BackupStore):
+    """One pinned host buffer per key, reused while the size stays the same."""
+
+    #: host memory left free after a backup
+    headroom = 256 << 20
+
+    def __init__(self, budget_bytes: Optional[int], where: str):
+        self.budget = budget_bytes
+        self.where = where
+        self._bufs: dict[tuple[int, int], tuple[int, int]] = {}  # key -> (host pointer, capacity)
+
+    # the vendor part ------------------------------------------------------------------
+    @abc.abstractmethod
+    def _alloc_host(self, nbytes: int) -> int: ...
+
+    @abc.abstractmethod
+    def _free_host(self, ptr: int) -> None: ...
+
+    @abc.abstractmethod
+    def _to_host(self, dst: int, capacity: int, src: int, nbytes: int) -> None: ...
+
+    @abc.abstractmethod
+    def _to_device(self, dst: int, capacity: int, src: int, nbytes: int) -> None: ...
+
+    # the store --------------------------------------------------------------------------
+    @property
+    def held_bytes(self) -> int:
+        return sum(n for _, n in self._bufs.values())
+
+    def ensure_fits(self, nbytes: int) -> None:
+        if self.budget is not None and self.held_bytes + nbytes > self.budget:
+            raise HostBudgetError(
+                f"a level-1 backup of {nbytes / 2**30:.2f} GiB would exceed host_budget_bytes="
+                f"{self.budget / 2**30:.2f} GiB ({self.held_bytes / 2**30:.2f} GiB held). Raise the budget or "
+                "sleep at level 2. Nothing was released."
+            )
+        avail = host_available_bytes()
+        if nbytes + self.headroom > avail:
+            raise HostBudgetError(
+                f"a level-1 backup of {nbytes / 2**30:.2f} GiB does not fit in host memory "
+                f"({avail / 2**30:.2f} GiB available). Sleep at level 2. Nothing was released."
+            )
+
+    def save(self, key, src) -> None:
+        n = src.numel()
+        old = self._bufs.get(key)
+        if old is None or old[1] != n:
+            self.drop(key)
+            self._bufs[key] = (self._alloc_host(n), n)
+        ptr, cap = self._bufs[key]
+        self._to_host(ptr, cap, src.data_ptr(), n)
+
+    def load(self, key, dst) -> None:
+        ptr, n = self._bufs[key]
+        if dst.numel() != n:
+            raise ValueError(f"backup {key} holds {n} bytes, destination has {dst.numel()}")
+        self._to_device(dst.data_ptr(), dst.numel(), ptr, n)
+
+    def has(self, key) -> bool:
+        return key in self._bufs
+
+    def drop(self, key) -> None:
+        entry = self._bufs.pop(key, None)
+        if entry:
+            self._free_host(entry[0])
+
+    def close(self) -> None:
+        for key in list(self._bufs):
+            try:
+                self.drop(key)
+            except Exception:
+                pass
