@@ -29,7 +29,6 @@ from .errors import (
     InvalidArgumentError,
     InvalidTransitionError,
     UnknownTagError,
-    UnisleepError,
 )
 from .region import Region, round_up
 

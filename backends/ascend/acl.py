@@ -22,6 +22,7 @@ import os
 from ctypes import POINTER, c_int, c_int32, c_size_t, c_uint32, c_uint64, c_void_p
 from typing import Any
 
+from unisleep.backends._native import load_first
 from unisleep.errors import PlatformError, UnisleepError
 
 ACL_SUCCESS = 0
@@ -105,18 +106,11 @@ def library_candidates() -> list[str]:
 
 
 def load_library():
-    errors = []
-    for cand in library_candidates():
-        if os.path.sep in cand and not os.path.exists(cand):
-            continue
-        try:
-            return ctypes.CDLL(cand, mode=ctypes.RTLD_GLOBAL)
-        except OSError as e:
-            errors.append(f"{cand}: {e}")
-    raise PlatformError(
+    """The real runtime library, or a PlatformError that says what to install/set."""
+    return load_first(
+        library_candidates(),
         "the Ascend backend needs libascendcl.so from the CANN toolkit, which was not found "
-        "(source set_env.sh, or set UNISLEEP_ACL_LIBRARY to its full path). Tried: "
-        + "; ".join(errors or library_candidates())
+        "(source set_env.sh, or set UNISLEEP_ACL_LIBRARY to its full path).",
     )
 
 

@@ -96,7 +96,7 @@ def measure_limits(device: int, nbytes: int) -> dict:
     t0 = time.perf_counter()
     pinned = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
     host_alloc_s_per_gib = time.perf_counter() - t0
-    del pinned, dev
+    del pinned
     return {
         "bytes": nbytes,
         "d2h_gbps": nbytes / min(d2h) / 1e9,

@@ -17,6 +17,7 @@ import os
 from ctypes import POINTER, c_int, c_size_t, c_uint, c_ulonglong, c_void_p
 from typing import Any
 
+from unisleep.backends._native import load_first
 from unisleep.errors import PlatformError, UnisleepError
 
 # ---- enums (hip_runtime_api.h) ---------------------------------------------------------------
@@ -134,18 +135,11 @@ def library_candidates() -> list[str]:
 
 
 def load_library():
-    """The real HIP runtime, or a PlatformError that says what to install/set."""
-    errors = []
-    for cand in library_candidates():
-        if os.path.sep in cand and not os.path.exists(cand):
-            continue
-        try:
-            return ctypes.CDLL(cand, mode=ctypes.RTLD_GLOBAL)
-        except OSError as e:
-            errors.append(f"{cand}: {e}")
-    raise PlatformError(
+    """The real runtime library, or a PlatformError that says what to install/set."""
+    return load_first(
+        library_candidates(),
         "the ROCm backend needs the HIP runtime libamdhip64.so, which was not found "
-        "(set ROCM_PATH, or UNISLEEP_HIP_LIBRARY to its full path). Tried: " + "; ".join(errors or library_candidates())
+        "(set ROCM_PATH, or UNISLEEP_HIP_LIBRARY to its full path).",
     )
 
 

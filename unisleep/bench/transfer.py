@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import os
 import socket
 import time
 import traceback

@@ -28,7 +28,7 @@ import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 from ..errors import InvalidArgumentError, InvalidTransitionError, TransferError, UnisleepError
 from .group import TransferGroup
