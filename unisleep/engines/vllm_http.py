@@ -28,7 +28,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 from urllib.parse import urlsplit
 
 from ..errors import EngineError, InvalidArgumentError, InvalidTransitionError
@@ -44,6 +44,17 @@ WAKE_WEIGHTS_FIRST = (
     "to be awake; sending weights into sleeping memory kills the engine (vLLM #57853). "
     "Call wake_up(['weights']) (POST /wake_up?tags=weights) before the weight update."
 )
+
+#: the answer of the unisleep transfer engine to ``/update_weights {"abort": true}``
+UPDATE_ABORTED = "unisleep weight update aborted on request"
+#: vLLM's worker answer when no update session is open
+NO_UPDATE_SESSION = "start_weight_update must be called before update_weights"
+
+
+def abort_answer_closed_session(message: str) -> bool:
+    """True when an error answer to ``update_weights({"abort": true})`` shows that no update
+    session is left open: the unisleep engine aborted it, or none was open."""
+    return UPDATE_ABORTED in message or NO_UPDATE_SESSION in message
 
 
 class RemoteEngineRefusedError(InvalidArgumentError):
@@ -101,8 +112,12 @@ class VLLMHTTPEngine(Engine):
 
     def __init__(self, base_url: str, *, allow_remote: bool = False, timeout: float = 120.0,
                  api_key: Optional[str] = None, model: Optional[str] = None,
-                 session: Any = None) -> None:
+                 session: Any = None,
+                 memory_probe: Optional[Callable[[], Optional[int]]] = None) -> None:
         self.base_url = check_engine_url(base_url, allow_remote=allow_remote)
+        # vLLM's HTTP API reports no memory figures; a caller that can read the server's device
+        # memory (e.g. from the accelerator's management library) passes it here
+        self.memory_probe = memory_probe
         self.timeout = float(timeout)
         self._api_key = api_key
         self._model = model
@@ -122,13 +137,17 @@ class VLLMHTTPEngine(Engine):
 
     # ---- transport -----------------------------------------------------------------
     def _headers(self) -> dict[str, str]:
-        h = {"Accept": "application/json"}
+        # one connection per request: a kept-alive connection that the server closed while idle
+        # (uvicorn's keep-alive timeout) would turn the next control call into a reset whose
+        # effect on the engine is unknown; on loopback a new connection costs well under 1 ms
+        h = {"Accept": "application/json", "Connection": "close"}
         if self._api_key:
             h["Authorization"] = f"Bearer {self._api_key}"
         return h
 
     def request(self, method: str, route: str, *, params: Any = None, json: Any = None,
-                timeout: Optional[float] = None, expect_json: bool = True) -> Any:
+                timeout: Optional[float] = None, expect_json: bool = True,
+                text: bool = False) -> Any:
         """Send one request; returns the decoded JSON body (None when empty).
 
         Any transport error or non-2xx answer raises :class:`EngineError` naming the route,
@@ -148,6 +167,8 @@ class VLLMHTTPEngine(Engine):
         if not (200 <= r.status_code < 300):
             raise EngineError(f"{method} {route} -> HTTP {r.status_code}: "
                               f"{_redact(_clip(body), self._api_key)}")
+        if text:
+            return body
         if not expect_json or not body.strip():
             return None
         try:
@@ -280,6 +301,26 @@ class VLLMHTTPEngine(Engine):
         with self._lock:
             return None if self._asleep is None else set(self._asleep)
 
+    def sleep_state(self) -> Optional[dict[str, int]]:
+        """vLLM's own sleep gauge from ``GET /metrics`` (``vllm:engine_sleep_state``):
+        ``{"awake": 0|1, "weights_offloaded": 0|1, "discard_all": 0|1}`` — level 1 sets
+        ``weights_offloaded``, level 2 ``discard_all``.  Unlike ``/is_sleeping`` it is not set by a
+        mere pause.  vLLM updates it after a sleep and after a *full* wake only.  None when the
+        server exposes no such gauge (metrics off, other version)."""
+        try:
+            text = self.request("GET", "/metrics", text=True, timeout=min(self.timeout, 10.0))
+        except EngineError:
+            return None
+        return parse_sleep_state(text)
+
+    def resident_bytes(self) -> Optional[int]:
+        """The engine's releasable memory from ``memory_probe`` (None without one: vLLM's HTTP API
+        reports no memory figures)."""
+        if self.memory_probe is None:
+            return None
+        n = self.memory_probe()
+        return None if n is None else int(n)
+
     def forget_state(self) -> None:
         """Mark the sleeping tags unknown (another client may have changed them)."""
         with self._lock:
@@ -353,11 +394,42 @@ class VLLMHTTPEngine(Engine):
         body = {} if version is None else {"weight_version": str(version)}
         self._post("/finish_weight_update", json=body)
 
+    def abort_weight_update(self) -> bool:
+        """Close an update session left open by a failed send (vLLM has no abort route).
+
+        Sends ``/update_weights {"abort": true}``: the unisleep transfer engine drops its staging
+        and answers with an error, upon which vLLM's worker closes the session.  Returns True when
+        the answer shows no session is left open (aborted, or none was open), False otherwise
+        (e.g. another transfer engine, which rejects the field — vLLM closes the session then
+        too, but its model may be half-loaded)."""
+        try:
+            self._post("/update_weights", json={"update_info": {"abort": True}})
+        except EngineError as e:
+            return abort_answer_closed_session(str(e))
+        return False
+
     def close(self) -> None:
         try:
             self._session.close()
         except Exception:  # pragma: no cover
             pass
+
+
+def parse_sleep_state(metrics_text: Optional[str]) -> Optional[dict[str, int]]:
+    """``{"awake": .., "weights_offloaded": .., "discard_all": ..}`` from Prometheus text (the
+    first engine's values), or None when the gauge is absent."""
+    out: dict[str, int] = {}
+    for line in (metrics_text or "").splitlines():
+        if not line.startswith("vllm:engine_sleep_state{"):
+            continue
+        labels, _, value = line.rpartition("}")
+        for key in ("awake", "weights_offloaded", "discard_all"):
+            if f'sleep_state="{key}"' in labels and key not in out:
+                try:
+                    out[key] = int(float(value.strip()))
+                except ValueError:
+                    pass
+    return out or None
 
 
 def _clip(text: str, n: int = 2000) -> str:
@@ -374,6 +446,26 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def process_tree_rss(pid: int) -> Optional[int]:
+    """Resident host memory (RSS, bytes) of ``pid`` and its descendants; None if unreadable."""
+    try:
+        import psutil
+    except ImportError:
+        return None
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return None
+    total = 0
+    for p in procs:
+        try:
+            total += p.memory_info().rss
+        except psutil.Error:
+            pass
+    return total
 
 
 class VLLMServer:
@@ -401,6 +493,11 @@ class VLLMServer:
 
     def engine(self, **kw) -> VLLMHTTPEngine:
         return VLLMHTTPEngine(self.base_url, **kw)
+
+    def rss(self) -> Optional[int]:
+        """Host RSS of the server and its engine/worker processes (bytes).  On CPU this is
+        where the weights and KV cache live; on accelerators it is not the device memory."""
+        return process_tree_rss(self.pid)
 
     def stop(self, grace_s: float = 15.0) -> None:
         """SIGTERM the server's process group (by PID), then SIGKILL what is left."""
@@ -504,4 +601,5 @@ def launch_vllm_server(model_dir: str, *, port: Optional[int] = None,
 
 
 __all__ = ["VLLMHTTPEngine", "VLLMServer", "launch_vllm_server", "check_engine_url",
-           "is_loopback_host", "RemoteEngineRefusedError", "free_port", "WAKE_WEIGHTS_FIRST"]
+           "is_loopback_host", "RemoteEngineRefusedError", "free_port", "WAKE_WEIGHTS_FIRST",
+           "UPDATE_ABORTED", "NO_UPDATE_SESSION", "parse_sleep_state", "process_tree_rss"]
