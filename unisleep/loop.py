@@ -119,9 +119,10 @@ class Handoff:
         if fn is None:
             return None
         try:
-            return int(fn())
+            n = fn()
         except NotImplementedError:
             return None
+        return None if n is None else int(n)
 
     def reported_asleep(self) -> Optional[set[str]]:
         tags = self.engine.sleeping_tags()
@@ -222,16 +223,17 @@ class Handoff:
             phase = "finish_weight_update"
             self._timed("finish_update", lambda: eng.finish_weight_update(version))
         except Exception as e:
+            aborted = False
             if phase != "finish_weight_update":
                 abort = getattr(eng, "abort_weight_update", None)
                 if abort is not None:
                     try:
-                        abort()
+                        aborted = abort() is True
                     except Exception:  # the original error is the one to report
                         log.debug("abort_weight_update failed", exc_info=True)
             raise TransferError(
                 f"weight update to version {version!r} failed while {phase}: {e}. "
-                + self._restart_advice()
+                + self._restart_advice(aborted)
             ) from e
         got = eng.weight_version()
         if str(got) != version:
@@ -245,8 +247,14 @@ class Handoff:
             self.current.version = version
         return dt
 
-    def _restart_advice(self) -> str:
+    def _restart_advice(self, aborted: bool = False) -> str:
         if self.engine.kind.startswith("vllm"):
+            if aborted:
+                return ("The engine reports no update session left open. It stays paused with its KV cache "
+                        "asleep: with the atomic unisleep transfer engine nothing was applied and it still "
+                        "serves the previous weights (wake_kv_cache() + resume(), or reacquire() again with the "
+                        "full set); with vLLM's built-in transfer engines a failed update leaves the model "
+                        "half-loaded and the engine must be restarted.")
             return ("The vLLM engine holds a partial update and must be restarted; it stays paused and "
                     "must not serve rollouts.")
         return ("The engine stays paused with its KV cache asleep; re-send the full set of weights "

@@ -61,6 +61,12 @@ class Engine(abc.ABC):
     def reset_prefix_cache(self) -> bool:
         return True
 
+    def resident_bytes(self) -> Optional[int]:
+        """Bytes of the engine's memory that a sleep can release, as the engine (or its memory
+        backend) reports them — not this process's bookkeeping.  ``None`` (the default) means the
+        engine cannot tell; :class:`~unisleep.loop.Handoff` then skips its memory check."""
+        return None
+
     # ---- weights -------------------------------------------------------------------
     @abc.abstractmethod
     def weight_version(self) -> str: ...
@@ -79,6 +85,13 @@ class Engine(abc.ABC):
 
     def finish_weight_update(self, version: Optional[str] = None) -> None:
         raise NotImplementedError
+
+    def abort_weight_update(self) -> bool:
+        """Abandon an update begun with :meth:`start_weight_update` (a send failed part way).
+
+        Returns True when the engine confirmed that no update session is left open (the next
+        ``start_weight_update`` is accepted); False (the default) when it cannot tell."""
+        return False
 
     # ---- speculative decoding (optional) --------------------------------------------
     def has_draft_model(self) -> bool:

@@ -147,6 +147,25 @@ class VLLMEngine(Engine):
             return set(tags)
         return set(self._asleep)
 
+    def resident_bytes(self) -> Optional[int]:
+        """Bytes vLLM's sleep-mode allocator holds awake (its pools, all tags), read from the
+        allocator in this process.  None when it cannot tell: the engine core runs in another
+        process, or sleep mode is off (always on CPU, where vLLM refuses it — and its CPU worker
+        frees nothing on sleep)."""
+        llm = self.llm
+        if llm is None or self._executor() is None:
+            return None
+        cfg = getattr(getattr(llm, "llm_engine", None), "model_config", None)
+        if not getattr(cfg, "enable_sleep_mode", False):
+            return None
+        try:
+            from vllm.device_allocator import get_mem_allocator_instance
+
+            data = list(get_mem_allocator_instance().pointer_to_data.values())
+        except Exception:
+            return None
+        return sum(int(d.handle[1]) for d in data if not getattr(d, "is_asleep", False))
+
     def release_kv_cache_memory(self) -> None:
         self._call("release_kv_cache_memory", self.llm.release_kv_cache_memory)
 
@@ -193,6 +212,17 @@ class VLLMEngine(Engine):
 
     def finish_weight_update(self, version: Optional[str] = None) -> None:
         self._call("finish_weight_update", self.llm.finish_weight_update, version)
+
+    def abort_weight_update(self) -> bool:
+        """Close an update session left open by a failed send: ``update_weights({"abort":
+        true})`` (see :meth:`VLLMHTTPEngine.abort_weight_update`)."""
+        from .vllm_http import abort_answer_closed_session
+
+        try:
+            self.llm.update_weights({"update_info": {"abort": True}})
+        except Exception as e:
+            return abort_answer_closed_session(str(e))
+        return False
 
     def close(self) -> None:
         llm, self.llm = self.llm, None

@@ -102,21 +102,63 @@ class VLLMWeightPusher:
         message carries the route, status and body).  ``chunks`` splits the update into several
         ``/update_weights`` calls (the last one is marked final).
         """
-        if self.group is None:
-            raise InvalidArgumentError("call init() before push()")
-        items = [(str(n), t) for n, t in named_tensors]
-        if not items:
-            raise InvalidArgumentError("nothing to send")
-        if chunks < 1:
-            raise InvalidArgumentError(f"chunks must be >= 1, got {chunks}")
-        from ..transfer import WeightSender
-
+        items = self._items(named_tensors, chunks)
         t0 = time.perf_counter()
         phases: dict[str, float] = {}
         if check_awake:
             self.engine.check_weights_awake()  # InvalidTransitionError: "wake the weights first"
         self.engine.start_weight_update()
         phases["start"] = time.perf_counter() - t0
+        try:
+            n_parts = self._send_chunks(items, str(version), chunks, partial)
+        except BaseException:
+            self._abort()
+            raise
+        phases["update"] = time.perf_counter() - t0 - phases["start"]
+        self.engine.finish_weight_update(str(version))
+        phases["finish"] = time.perf_counter() - t0 - phases["start"] - phases["update"]
+        nbytes = sum(int(t.numel()) * t.element_size() for _, t in items)
+        return PushReport(str(version), len(items), nbytes, n_parts,
+                          time.perf_counter() - t0, phases)
+
+    def send(self, named_tensors: Iterable, version: str, *, chunks: int = 1,
+             partial: bool = False) -> PushReport:
+        """Only the middle of the protocol: the ``/update_weights`` chunks and their bytes, for a
+        caller that runs start/finish itself — :class:`unisleep.loop.Handoff`::
+
+            handoff.reacquire(lambda eng: pusher.send(model.named_parameters(), "7"), version="7")
+
+        (Handoff checks the weights are awake, calls ``start_weight_update``, this, then
+        ``finish_weight_update("7")``, and aborts the session if this raises.)"""
+        items = self._items(named_tensors, chunks)
+        t0 = time.perf_counter()
+        n_parts = self._send_chunks(items, str(version), chunks, partial)
+        dt = time.perf_counter() - t0
+        nbytes = sum(int(t.numel()) * t.element_size() for _, t in items)
+        return PushReport(str(version), len(items), nbytes, n_parts, dt, {"update": dt})
+
+    def _items(self, named_tensors: Iterable, chunks: int) -> list:
+        if self.group is None:
+            raise InvalidArgumentError("call init() before sending")
+        items = [(str(n), t.detach() if hasattr(t, "detach") else t) for n, t in named_tensors]
+        if not items:
+            raise InvalidArgumentError("nothing to send")
+        if chunks < 1:
+            raise InvalidArgumentError(f"chunks must be >= 1, got {chunks}")
+        return items
+
+    def _abort(self) -> None:
+        abort = getattr(self.engine, "abort_weight_update", None)
+        if abort is None:
+            return
+        try:
+            abort()
+        except Exception:  # the original error is the one to report
+            log.debug("abort_weight_update failed", exc_info=True)
+
+    def _send_chunks(self, items: list, version: str, chunks: int, partial: bool) -> int:
+        from ..transfer import WeightSender
+
         parts = _split(items, chunks)
         sender = WeightSender(self.group, path=self.path)
         for i, part in enumerate(parts):
@@ -141,12 +183,7 @@ class VLLMWeightPusher:
                 raise err
             if send_error is not None:
                 raise send_error
-        phases["update"] = time.perf_counter() - t0 - phases["start"]
-        self.engine.finish_weight_update(str(version))
-        phases["finish"] = time.perf_counter() - t0 - phases["start"] - phases["update"]
-        nbytes = sum(int(t.numel()) * t.element_size() for _, t in items)
-        return PushReport(str(version), len(items), nbytes, len(parts),
-                          time.perf_counter() - t0, phases)
+        return len(parts)
 
     def close(self) -> None:
         group, self.group = self.group, None

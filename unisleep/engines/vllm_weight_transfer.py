@@ -24,7 +24,10 @@ Differences from vLLM's built-in engines, on purpose:
 
 init_info: ``{"rendezvous": "tcp://127.0.0.1:PORT", "rank_offset": 1, "world_size": 2,
 "timeout_s": 300}`` — worker rank = ``rank_offset + dp_index * tp_pp_size + worker rank``; the
-trainer is rank 0.  update_info: ``{"version": str|None, "final": true, "partial": false}``.
+trainer is rank 0.  update_info: ``{"version": str|None, "final": true, "partial": false}``;
+``{"abort": true}`` drops what was staged and closes vLLM's update session (vLLM has no abort
+route: the call answers with an error naming :data:`ABORTED`, and the worker closes the session
+as it does for every failed chunk).
 The apply step uses vLLM's ``initialize_layerwise_reload`` → ``model.load_weights`` →
 ``finalize_layerwise_reload``, as its own checkpoint-format engines do.
 """
@@ -49,6 +52,10 @@ from ..errors import InvalidTransitionError, TransferError
 
 log = logging.getLogger(__name__)
 
+#: raised by ``update_weights`` for ``{"abort": true}``: vLLM's worker then closes its update
+#: session (it does so for any error in update_weights), and the staging is dropped
+from .vllm_http import UPDATE_ABORTED as ABORTED  # noqa: E402  (the adapters look for it)
+
 RESTART_REQUIRED = ("the vLLM engine must be restarted: applying the verified update failed "
                     "after the model entered layerwise-reload state")
 
@@ -67,6 +74,7 @@ class UnisleepUpdateInfo(WeightTransferUpdateInfo):
     version: Optional[str] = None   # expected version of this chunk (checked against the sender)
     final: bool = True              # last chunk: check coverage now
     partial: bool = False           # allow an update that covers only some tensors
+    abort: bool = False             # drop the staged tensors and close the session; receives nothing
 
 
 def checkpoint_specs(model_path: str) -> Optional[dict[str, tuple[int, ...]]]:
@@ -159,6 +167,12 @@ class UnisleepWeightTransferEngine(WeightTransferEngine[UnisleepInitInfo, Unisle
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # the base class would call torch.accelerator.synchronize(), which raises on host
         typed = self.parse_update_info(update_info)
+        if typed.abort:
+            self._staged = {}
+            self._verified = False
+            self._active = False
+            # vLLM has no abort route; an error here makes the worker close the session
+            raise RuntimeError(f"{ABORTED}; nothing was applied and the served weights are unchanged")
         try:
             self.receive_weights(typed)
         except BaseException:
@@ -253,4 +267,4 @@ class UnisleepWeightTransferEngine(WeightTransferEngine[UnisleepInitInfo, Unisle
 
 
 __all__ = ["UnisleepWeightTransferEngine", "UnisleepInitInfo", "UnisleepUpdateInfo",
-           "checkpoint_specs", "RESTART_REQUIRED"]
+           "checkpoint_specs", "RESTART_REQUIRED", "ABORTED"]
