@@ -19,10 +19,12 @@ from __future__ import annotations
 import ctypes
 import mmap as _mmap
 import os
+import queue
+import threading
 from dataclasses import dataclass
 from typing import Optional
 
-from unisleep.driver import BackupStore, Driver
+from unisleep.driver import BackupStore, Driver, _Trace
 
 from . import libc
 from .spill import SpillStore
@@ -39,7 +41,12 @@ class HostDriver(Driver):
     fresh_memory_is_zero = True
     retain_backups = False
 
-    def __init__(self, device: int = 0, granularity: Optional[int] = None, chunk_bytes: Optional[int] = None, **options):
+    #: physical chunks of a region: a chunk already written to the spill file is released (on a
+    #: second thread) while the next one is written
+    CHUNK = 256 << 20
+
+    def __init__(self, device: int = 0, granularity: Optional[int] = None, chunk_bytes: Optional[int] = CHUNK,
+                 **options):
         super().__init__(device, **options)
         page = _mmap.PAGESIZE
         gran = granularity or page
@@ -123,3 +130,79 @@ class HostDriver(Driver):
         import zlib
 
         return zlib.crc32(memoryview((ctypes.c_char * src.numel()).from_address(src.data_ptr())))
+
+    # ---- composite: write each chunk, release it on another thread while the next is written
+    def suspend(self, saves, discards, store: BackupStore):
+        if not isinstance(store, SpillStore):
+            return super().suspend(saves, discards, store)
+        tr = _Trace("suspend")
+        releaser = _Background()
+        copied = 0
+        try:
+            for r in discards:
+                releaser.submit(r.release, self)
+            for job in saves:
+                if job.skip_copy:
+                    continue
+                region = job.region
+                if job.ranges == [(0, region.size)]:
+                    todo = list(region.chunks)
+
+                    def written(end, todo=todo, region=region):
+                        while todo and todo[0].offset + todo[0].size <= end:
+                            releaser.submit(region.release_chunk, self, todo.pop(0))
+
+                    store.save_progressively((job.key, 0), self.view(region.va, region.size), self.CHUNK, written)
+                    copied += region.size
+                else:
+                    for off, n in job.ranges:
+                        store.save((job.key, off), self.view(region.va + off, n))
+                        copied += n
+            tr.mark("write (releasing under it)")
+        finally:
+            released = releaser.join()
+        tr.mark("wait releases")
+        released += sum(job.region.release(self) for job in saves)
+        tr.mark("release the rest")
+        tr.done(copied)
+        return released, copied
+
+
+class _Background:
+    """Runs calls in order on one helper thread (inline when no thread can be started, e.g. at
+    interpreter shutdown); :meth:`join` waits, re-raises the first error, returns the summed results."""
+
+    def __init__(self):
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._results: list = []
+        self._error: Optional[BaseException] = None
+        try:
+            self._t: Optional[threading.Thread] = threading.Thread(target=self._run, name="unisleep-release", daemon=True)
+            self._t.start()
+        except RuntimeError:
+            self._t = None
+
+    def submit(self, fn, *args) -> None:
+        if self._t is None:
+            self._results.append(fn(*args))
+        else:
+            self._q.put((fn, args))
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            fn, args = item
+            try:
+                self._results.append(fn(*args))
+            except BaseException as e:  # reported by join()
+                self._error = self._error or e
+
+    def join(self) -> int:
+        if self._t is not None:
+            self._q.put(None)
+            self._t.join()
+        if self._error is not None:
+            raise self._error
+        return sum(self._results)

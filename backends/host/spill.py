@@ -119,6 +119,23 @@ class SpillStore(BackupStore):
             os.close(fd)
         self._files[key] = (path, n)
 
+    def save_progressively(self, key, src, piece: int, on_written) -> None:
+        """Like :meth:`save`, in ``piece``-byte writes; ``on_written(end)`` is called after each one
+        so the caller can release memory that is already safe on disk."""
+        n = src.numel()
+        path = self._path(key)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            mv, done = _buffer(src.data_ptr(), n), 0
+            while done < n:
+                end = min(n, done + piece)
+                while done < end:
+                    done += os.pwrite(fd, mv[done:end], done)
+                on_written(done)
+        finally:
+            os.close(fd)
+        self._files[key] = (path, n)
+
     def load(self, key, dst) -> None:
         path, n = self._files[key]
         if dst.numel() != n:
