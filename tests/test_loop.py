@@ -312,3 +312,22 @@ def test_failed_send_aborts_and_the_advice_follows_the_engines_answer(lifecycle)
         assert eng.weight_version() == "2"
     finally:
         eng.close()
+
+
+class SleepingOnlyByPause(TorchGenerator):
+    """Like vLLM's /is_sleeping: true while merely paused; its sleep releases nothing."""
+
+    def sleep(self, level=1):
+        pass
+
+    def is_sleeping(self):
+        return self.is_paused() or super().is_sleeping()
+
+
+def test_an_engine_sleeping_only_by_pause_is_caught(lifecycle):
+    eng = SleepingOnlyByPause(lifecycle=lifecycle)
+    try:
+        with pytest.raises(EngineError, match="reports no memory asleep .* nothing was released"):
+            Handoff(eng).release(level=2)
+    finally:
+        eng.close()

@@ -171,6 +171,11 @@ class Handoff:
         if tags is not None:
             # both levels release the weights (level 1 backs them up) and the KV cache
             missing = [t for t in MEMORY_TAGS if t not in tags]
+            if not tags:
+                raise EngineError(
+                    f"{eng.kind} engine reports no memory asleep after sleep(level={level}) (it says it is "
+                    "sleeping, e.g. only because it is paused): nothing was released for the trainer."
+                )
             if missing:
                 raise EngineError(
                     f"{eng.kind} engine reports {sorted(tags)} asleep after sleep(level={level}); "

@@ -119,3 +119,21 @@ def test_plugin_entry_point_is_installed():
 
     eps = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
     assert eps.get("unisleep") == "unisleep.vllm_plugin:register"
+
+
+def test_parse_sleep_state_and_abort_answers():
+    from unisleep.engines.vllm_http import (
+        NO_UPDATE_SESSION, UPDATE_ABORTED, abort_answer_closed_session, parse_sleep_state)
+
+    text = "\n".join([
+        "# HELP vllm:engine_sleep_state Engine sleep state",
+        'vllm:engine_sleep_state{engine="0",model_name="m",sleep_state="awake"} 0.0',
+        'vllm:engine_sleep_state{engine="0",model_name="m",sleep_state="weights_offloaded"} 0.0',
+        'vllm:engine_sleep_state{engine="0",model_name="m",sleep_state="discard_all"} 1.0',
+        'vllm:engine_sleep_state{engine="1",model_name="m",sleep_state="awake"} 1.0',
+    ])
+    assert parse_sleep_state(text) == {"awake": 0, "weights_offloaded": 0, "discard_all": 1}
+    assert parse_sleep_state("vllm:num_requests_running 0") is None and parse_sleep_state(None) is None
+    assert abort_answer_closed_session(f"POST /update_weights -> HTTP 500: ... {UPDATE_ABORTED} ...")
+    assert abort_answer_closed_session(f"... '{NO_UPDATE_SESSION}.' ...")
+    assert not abort_answer_closed_session("Invalid update_info: unexpected keyword argument 'abort'")

@@ -297,9 +297,20 @@ class VLLMHTTPEngine(Engine):
         return bool(self._get("/is_sleeping")["is_sleeping"])
 
     def sleeping_tags(self) -> Optional[set[str]]:
-        """Memory tags asleep according to this adapter's own calls (None = unknown)."""
+        """Memory tags asleep (None = unknown).
+
+        vLLM's HTTP API does not say which tags sleep, so the tags come from this adapter's own
+        calls — checked against vLLM's own sleep gauge (``/metrics``, :meth:`sleep_state`): when
+        the record says something sleeps but the engine reports itself fully awake (a sleep that
+        did not happen, or someone else woke it), the engine's report wins and this returns an
+        empty set.  Without the gauge (metrics off) the record alone answers."""
         with self._lock:
-            return None if self._asleep is None else set(self._asleep)
+            known = None if self._asleep is None else set(self._asleep)
+        if known:
+            gauge = self.sleep_state()
+            if gauge is not None and gauge.get("awake") == 1:
+                return set()
+        return known
 
     def sleep_state(self) -> Optional[dict[str, int]]:
         """vLLM's own sleep gauge from ``GET /metrics`` (``vllm:engine_sleep_state``):
