@@ -15,6 +15,18 @@ private transfer group (gloo on host).  Each step:
 
 At the end: a table per step, ``demo.json`` and ``demo.png`` in ``--out``, and the checks
 (weights arrived, memory freed, gap steady).  Exit 0 only when every check passed.
+
+``--engine vllm`` runs the same loop against a real vLLM server: a tiny Llama built with
+:mod:`~unisleep.engines.tiny_model` is served by ``launch_vllm_server`` (127.0.0.1, float32, the
+``unisleep`` weight-transfer engine), driven by :class:`~unisleep.engines.vllm_http.VLLMHTTPEngine`
+and :class:`~unisleep.loop.Handoff`; the trainer is the same checkpoint as a Hugging Face
+``LlamaForCausalLM`` in this process, and each step pushes its weights through
+:class:`~unisleep.engines.vllm_trainer.VLLMWeightPusher` with a version.  Its checks: weights
+arrived (greedy probe logprobs from ``/v1/completions`` = the trainer's full-vocabulary logprobs of
+the new weights), weights changed (and differ from the previous ones), version recorded
+(``/weight_info``), engine slept (``/is_sleeping`` and vLLM's ``vllm:engine_sleep_state`` gauge),
+gap steady, and memory freed — reported as not observable (SKIP, not a failure) where vLLM frees
+nothing on sleep (its CPU worker ignores sleep) or reports no memory figures.
 """
 
 from __future__ import annotations
