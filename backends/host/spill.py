@@ -151,6 +151,23 @@ class SpillStore(BackupStore):
         finally:
             os.close(fd)
 
+    def load_range(self, key, offset: int, dst) -> None:
+        """Read ``dst.numel()`` bytes of backup ``key`` starting at ``offset`` into ``dst``."""
+        path, total = self._files[key]
+        n = dst.numel()
+        if offset + n > total:
+            raise ValueError(f"backup {key} holds {total} bytes; cannot read {n} at {offset}")
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            mv, done = _buffer(dst.data_ptr(), n), 0
+            while done < n:
+                got = os.preadv(fd, [mv[done:]], offset + done)
+                if got <= 0:
+                    raise OSError(f"spill file {path} ended after {offset + done} of {total} bytes")
+                done += got
+        finally:
+            os.close(fd)
+
     def path(self, key) -> str:
         return self._files[key][0]
 
