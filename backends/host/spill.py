@@ -137,19 +137,10 @@ class SpillStore(BackupStore):
         self._files[key] = (path, n)
 
     def load(self, key, dst) -> None:
-        path, n = self._files[key]
+        n = self._files[key][1]
         if dst.numel() != n:
             raise ValueError(f"backup {key} holds {n} bytes, destination has {dst.numel()}")
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            mv, done = _buffer(dst.data_ptr(), n), 0
-            while done < n:
-                got = os.preadv(fd, [mv[done:]], done)
-                if got <= 0:
-                    raise OSError(f"spill file {path} ended after {done} of {n} bytes")
-                done += got
-        finally:
-            os.close(fd)
+        self.load_range(key, 0, dst)
 
     def load_range(self, key, offset: int, dst) -> None:
         """Read ``dst.numel()`` bytes of backup ``key`` starting at ``offset`` into ``dst``."""

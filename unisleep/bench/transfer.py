@@ -27,6 +27,7 @@ import time
 import traceback
 from typing import Any, Optional
 
+from ..backup import host_available_bytes
 from .common import print_table, progress, write_json
 
 GiB = 2**30
@@ -38,17 +39,6 @@ def _port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _mem_available() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for ln in f:
-                if ln.startswith("MemAvailable:"):
-                    return int(ln.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 def _worker(rank: int, port: int, job: dict, q) -> None:
@@ -207,7 +197,7 @@ def main(argv: Optional[list] = None) -> int:
                "verify": not args.no_verify, "allreduce_bytes": 1 * GiB}
         if host:
             need = chunk + 6 * (bucket + 4096) + 1 * GiB  # source, 2 send + 2 receive buffers, two interpreters
-            free = _mem_available()
+            free = host_available_bytes()
             if free < need:
                 skip(path, f"needs ~{need / GiB:.1f} GiB free host memory, {free / GiB:.1f} GiB available")
                 continue

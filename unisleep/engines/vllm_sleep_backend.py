@@ -27,23 +27,13 @@ from typing import Optional
 
 from vllm.device_allocator.sleep_mode_backend import CuMemBackend
 
+from ..backup import host_available_bytes
 from ..errors import HostBudgetError, InvalidArgumentError, InvalidTransitionError
 
 log = logging.getLogger(__name__)
 
 #: tags whose contents vLLM never backs up (their memory is simply released)
 _DISCARDED_ALWAYS = ("kv_cache", "workspace", "default")
-
-
-def _host_available_bytes() -> Optional[int]:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 class UnisleepSleepBackend(CuMemBackend):
@@ -91,7 +81,7 @@ class UnisleepSleepBackend(CuMemBackend):
             raise InvalidTransitionError(
                 f"already asleep at level {self.level}; wake fully before a level-{level} sleep")
         backup, release = self._plan(level)
-        avail = _host_available_bytes()
+        avail = host_available_bytes() or None  # 0 = could not be read
         if avail is not None and backup > self.host_fraction * avail:
             raise HostBudgetError(
                 f"level-{level} sleep needs {backup / 2**30:.2f} GiB of host backups but only "
