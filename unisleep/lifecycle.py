@@ -348,7 +348,7 @@ class MemoryLifecycle:
                         f"Wake it first (wake_up([{tag!r}])) — nothing was changed."
                     )
             t0 = time.perf_counter()
-            saves, discards, _ = self._plan_sleep(plan)
+            saves, discards = self._plan_sleep(plan)
             for job in saves:  # a retained backup of bytes that changed since is stale
                 if not job.skip_copy and self._allocs[job.key].saved:
                     self._drop_backup(self._allocs[job.key])
@@ -413,11 +413,8 @@ class MemoryLifecycle:
                     continue
                 full = a.saved == [(0, a.region.size)]
                 jobs.append(RestoreJob(a.id, a.region, list(a.saved), zero=not full))
-            try:
-                copied = self._driver.resume(jobs, self._store)
-            except BaseException:
-                # what got mapped stays mapped and usable; the tags stay asleep so a retry completes
-                raise
+            # on failure what got mapped stays mapped; the tags stay asleep, so a retry completes
+            copied = self._driver.resume(jobs, self._store)
             for a in self._allocs.values():
                 if a.tag in todo:
                     self._after_restore(a)
@@ -541,7 +538,7 @@ class MemoryLifecycle:
                     saves.append(SaveJob(a.id, a.region, keep))
                 else:
                     discards.append(a.region)
-        return saves, discards, None
+        return saves, discards
 
     def _ensure_backup_fits(self, need: int, keep_ids: set[int]) -> None:
         if need <= 0:
