@@ -57,7 +57,7 @@ def tiny_models(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def vllm_server(tiny_models, tmp_path_factory):
-    from unisleep.engines.vllm_http import launch_vllm_server
+    from unisleep.engines.vllm_server import launch_vllm_server
 
     log_path = str(tmp_path_factory.mktemp("vllm-server") / "server.log")
     server = launch_vllm_server(tiny_models[0], extra_args=SERVER_ARGS, log_path=log_path,

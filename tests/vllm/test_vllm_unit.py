@@ -63,7 +63,7 @@ def test_local_argument_checks_send_nothing():
 
 
 def test_launcher_refuses_host_override(tmp_path):
-    from unisleep.engines.vllm_http import launch_vllm_server
+    from unisleep.engines.vllm_server import launch_vllm_server
 
     with pytest.raises(InvalidArgumentError):
         launch_vllm_server(str(tmp_path), extra_args=["--host", "0.0.0.0"])

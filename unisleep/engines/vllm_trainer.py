@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Sequence
 
 from ..errors import EngineError, InvalidArgumentError, TransferError
-from .vllm_http import free_port
+from .vllm_server import free_port
 
 log = logging.getLogger(__name__)
 
