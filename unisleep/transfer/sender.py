@@ -1,0 +1,223 @@
+"""``WeightSender``: the trainer's side of an update (rank 0 of the group) — header,
+acknowledgements, buckets streamed double buffered, then every receiver's commit — and
+:func:`default_bucket_bytes`, the bucket size the free memory allows."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any, Iterator, Optional, Sequence
+
+from ..errors import InvalidArgumentError, InvalidTransitionError, TransferError, UnisleepError
+from .channels import CollectiveSendChannel, IpcSenderState, IpcSendChannel
+from .group import TransferGroup
+from .manifest import BucketPlan, Manifest, TensorSpec, bucket_checksums, plan_buckets, write_trailer
+from .names import short_names, tensor_pairs
+from .report import TransferReport
+
+MiB = 2**20
+PATHS = ("auto", "collective", "ipc")
+
+
+def default_bucket_bytes(group: TransferGroup) -> int:
+    """Two send buffers take at most 1/8 of the free memory of the group's device; clamped to
+    [16 MiB, 1 GiB]."""
+    free = None
+    if group.platform.is_accelerator:
+        try:
+            import torch
+
+            free = int(torch.accelerator.get_memory_info(group.device_index)[0])
+        except Exception:
+            devs = group.platform.devices
+            if group.device_index < len(devs):
+                free = devs[group.device_index].free_bytes
+    else:
+        try:
+            with open("/proc/meminfo") as f:
+                info = {ln.split(":")[0]: int(ln.split()[1]) * 1024 for ln in f if ln.strip()}
+            free = info.get("MemAvailable")
+        except OSError:
+            pass
+    if not free:
+        return 256 * MiB
+    return max(16 * MiB, min(1024 * MiB, free // 16 // MiB * MiB))
+
+
+class WeightSender:
+    """Trainer side (rank 0 of ``group``).
+
+    ``bucket_bytes``: tensor bytes per bucket (``None``: sized from free memory, see
+    :func:`default_bucket_bytes`); a larger tensor gets a bucket of its own.  ``path``:
+    ``"auto"`` (IPC when every receiver shares the sender's device, else the collective),
+    ``"collective"`` or ``"ipc"``.  ``verify``: compute per-tensor checksums (on by default;
+    the receiver refuses an update whose bytes do not match them).
+    """
+
+    def __init__(self, group: TransferGroup, *, bucket_bytes: Optional[int] = None, path: str = "auto",
+                 verify: bool = True):
+        if not group.is_sender:
+            raise InvalidArgumentError(f"WeightSender needs rank 0 of the group; this is rank {group.rank}")
+        if path not in PATHS:
+            raise InvalidArgumentError(f"path must be one of {PATHS}, got {path!r}")
+        if bucket_bytes is not None and bucket_bytes <= 0:
+            raise InvalidArgumentError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+        self.group = group
+        self.bucket_bytes = int(bucket_bytes) if bucket_bytes else default_bucket_bytes(group)
+        self.path = path
+        self.verify = verify
+        self._last_meta_id: Optional[str] = None
+        self._faults: dict[str, set] = {"skip": set(), "corrupt": set()}  # test hooks: bucket indices
+        self._coll_slots: list = [None, None]
+        self._ipc: Optional[IpcSenderState] = None
+        self.last_report: Optional[TransferReport] = None
+        self.version: Any = None
+
+    def resolve_path(self) -> str:
+        g = self.group
+        if self.path == "ipc":
+            g.ipc_module()  # raises with the reason when there is none
+            if not g.colocated:
+                raise InvalidArgumentError("path='ipc' needs every receiver on the sender's device (same machine on host)")
+            return "ipc"
+        if self.path == "collective":
+            g.process_group()  # raises when the vendor collective cannot connect these ranks
+            return "collective"
+        return "ipc" if g.ipc_available else "collective"
+
+    def send(self, named_tensors, version: Any, *, specs: Optional[Sequence] = None) -> TransferReport:
+        """Send one update and return once every receiver has verified and committed it.
+
+        ``named_tensors``: an ``nn.Module`` (parameters and buffers), a mapping name → tensor, or
+        an iterable of ``(name, tensor)`` pairs.  With ``specs`` (a list of :class:`TensorSpec`
+        or ``(name, shape, dtype)``) the iterable may be a lazy generator that produces the
+        tensors in that order, so the whole model never has to exist at once.
+        ``version``: any picklable tag (an int step is typical) recorded by the receiver.
+
+        Raises :class:`InvalidTransitionError` when a receiver's memory is asleep (nothing was
+        sent), :class:`TransferError` when a receiver refused or rejected the update.
+        """
+        g = self.group
+        t0 = time.perf_counter()
+        if specs is not None:
+            manifest = Manifest(tuple(s if isinstance(s, TensorSpec) else
+                                      TensorSpec(s[0], tuple(int(x) for x in s[1]), str(s[2]).replace("torch.", ""))
+                                      for s in specs))
+            items: Iterator = iter(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+        else:
+            pairs = tensor_pairs(named_tensors)
+            manifest = Manifest.of(pairs)
+            items = iter(pairs)
+        names = manifest.names
+        if len(set(names)) != len(names):
+            dup = sorted({n for n in names if names.count(n) > 1})
+            raise InvalidArgumentError(f"duplicate tensor names in the update: {short_names(dup)}")
+        path = self.resolve_path()
+        plans = plan_buckets(manifest.specs, self.bucket_bytes)
+        seq = g._next_seq()
+        if seq:
+            for k in ("hdr", "go", "abort", *(f"ack/{r}" for r in g.receivers), *(f"done/{r}" for r in g.receivers)):
+                g.drop(f"u{seq - 1}/{k}")
+        reuse = manifest.meta_id == self._last_meta_id
+        ipc_name = None
+        if path == "ipc":
+            if self._ipc is None:
+                self._ipc = IpcSenderState(g)
+            ipc_name = self._ipc.name
+        header = {
+            "seq": seq, "version": version, "previous_version": self.version, "meta_id": manifest.meta_id,
+            "specs": None if reuse else manifest.specs, "bucket_bytes": self.bucket_bytes, "path": path,
+            "buckets": len(plans), "bytes": manifest.nbytes, "ipc": ipc_name, "verify": self.verify,
+        }
+        g.put(f"u{seq}/hdr", header)
+        # ---- acknowledgements: nothing moves before every receiver said yes
+        refusals, connect = [], []
+        for r in g.receivers:
+            ack = g.take(f"u{seq}/ack/{r}", what=f"receiver rank {r} to accept update {seq} (version {version!r}); is receive() running?")
+            if ack[0] != "ok":
+                refusals.append((r, ack))
+            elif ack[1].get("connected"):
+                connect.append(r)
+        if refusals:
+            g.put(f"u{seq}/go", ("abort", "a receiver refused"))
+            r, (_, kind, msg) = refusals[0]
+            if any(a[1] == "metadata" for _, a in refusals):
+                self._last_meta_id = None
+            cls = InvalidTransitionError if kind == "asleep" else TransferError
+            raise cls(f"receiver rank {r} refused update {seq} (version {version!r}); nothing was sent: {msg}")
+        t_ack = time.perf_counter()
+        if path == "ipc":
+            self._ipc.accept(connect)
+        g.put(f"u{seq}/go", ("go",))
+        # ---- stream the buckets
+        chan = IpcSendChannel(self, seq) if path == "ipc" else CollectiveSendChannel(self, seq)
+        try:
+            self._stream(items, manifest, plans, seq, chan)
+        except Exception as e:  # the generator, a spec mismatch, the transport...
+            try:
+                g.put(f"u{seq}/abort", f"{type(e).__name__}: {e}")
+                chan.end(abort=True)
+            except Exception:
+                pass
+            if path == "ipc":
+                self._drop_ipc()
+            if isinstance(e, UnisleepError):
+                raise
+            raise TransferError(f"update {seq} (version {version!r}) aborted on the sender: {type(e).__name__}: {e}") from e
+        t_sent = time.perf_counter()
+        # ---- every receiver verified and committed?
+        errors = []
+        for r in g.receivers:
+            done = g.take(f"u{seq}/done/{r}", what=f"receiver rank {r} to verify and commit version {version!r}")
+            if done[0] != "ok":
+                errors.append(f"rank {r}: {done[1]}")
+        if errors:
+            raise TransferError(f"update {seq} (version {version!r}) was rejected; receivers keep their previous version: "
+                                + "; ".join(errors))
+        prev, self.version = self.version, version
+        self._last_meta_id = manifest.meta_id
+        t1 = time.perf_counter()
+        self.last_report = TransferReport(version, prev, path, len(manifest.specs), manifest.nbytes, len(plans), t1 - t0,
+                                          metadata_reused=reuse, verified=self.verify,
+                                          phases={"handshake": t_ack - t0, "stream": t_sent - t_ack, "commit_wait": t1 - t_sent})
+        return self.last_report
+
+    def _stream(self, items: Iterator, manifest: Manifest, plans: list[BucketPlan], seq: int, chan) -> None:
+        import torch
+
+        specs = manifest.specs
+        for plan in plans:
+            buf = chan.buffer(plan.index % 2, plan.total_bytes)
+            with torch.no_grad():
+                for s in plan.slots:
+                    spec = specs[s.index]
+                    try:
+                        name, t = next(items)
+                    except StopIteration:
+                        raise TransferError(f"the tensors ran out at {spec.name!r} (#{s.index}); the specs list {len(specs)}") from None
+                    if name != spec.name or tuple(t.shape) != spec.shape or str(t.dtype).replace("torch.", "") != spec.dtype:
+                        raise TransferError(f"tensor #{s.index} is {name!r} {tuple(t.shape)} {t.dtype}, "
+                                            f"the specs say {spec.name!r} {spec.shape} {spec.dtype}")
+                    if s.nbytes:
+                        buf[s.offset: s.offset + s.nbytes].view(t.dtype).view(t.shape).copy_(t)
+                sums = bucket_checksums(buf, plan) if self.verify else torch.zeros(len(plan.slots), dtype=torch.int64, device=buf.device)
+                write_trailer(buf, plan, seq, sums)
+            if plan.index in self._faults["corrupt"] and plan.slots:
+                o = plan.slots[0].offset
+                buf[o: o + 1].bitwise_not_()
+            if plan.index in self._faults["skip"]:
+                continue
+            chan.post(plan.index % 2, plan, buf)
+        chan.end(abort=False)
+
+    def _drop_ipc(self) -> None:
+        if self._ipc is not None:
+            self._ipc.close()
+            self._ipc = None
+
+    def close(self) -> None:
+        self._drop_ipc()
+        self._coll_slots = [None, None]
+
+
+__all__ = ["WeightSender", "default_bucket_bytes", "PATHS"]

@@ -1,0 +1,109 @@
+"""The receiver's buckets of one update as they arrive (:class:`RecvState`): checked against the
+manifest, then staged until the whole update is good (or applied at once when not staged)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+from ..errors import TransferError
+from .manifest import BucketPlan, TensorSpec, check_bucket
+from .names import short_names
+
+if TYPE_CHECKING:
+    from .receiver import WeightReceiver
+
+
+class VerifyError(TransferError):
+    """The update's bytes fail the manifest (missing, corrupt, out of place): refused, the IPC
+    socket is still in step."""
+
+
+class RecvState:
+    """Buckets of one update as they arrive: verified, then staged (or applied at once)."""
+
+    def __init__(self, rx: WeightReceiver, seq: int, specs: Sequence[TensorSpec], plans: list[BucketPlan], verify: bool):
+        self.rx, self.seq, self.specs, self.plans, self.verify = rx, seq, specs, plans, verify
+        self.got: dict[int, Any] = {}
+        self.rejected: set[int] = set()
+        self.corrupt: list[str] = []
+        self.problems: list[str] = []
+        self.aborted = False
+        self.applied = 0
+        self._tmap: Optional[dict] = None
+
+    def take(self, k: int, buf) -> None:
+        if not 0 <= k < len(self.plans):
+            self.problems.append(f"bucket {k} is not in the manifest ({len(self.plans)} buckets)")
+            return
+        plan = self.plans[k]
+        if k in self.got or k in self.rejected:
+            self.problems.append(f"bucket {k} arrived twice")
+            return
+        if buf.numel() != plan.total_bytes:
+            self.problems.append(f"bucket {k} has {buf.numel()} bytes, the manifest says {plan.total_bytes}")
+            self.corrupt += [self.specs[s.index].name for s in plan.slots]
+            self.rejected.add(k)
+            return
+        if self.verify:
+            problem, bad = check_bucket(buf, plan, self.seq)
+            if problem:
+                self.problems.append(problem)
+            if bad:
+                self.corrupt += [self.specs[plan.slots[i].index].name for i in bad]
+                self.rejected.add(k)
+                return
+        self.got[k] = buf
+        if not self.rx.staged and not self.corrupt and not self.problems:
+            self._apply(plan, buf)
+
+    def finish(self, version) -> None:
+        if self.aborted:
+            try:
+                why = self.rx.group.take(f"u{self.seq}/abort", 5.0, what="the sender's reason")
+            except TransferError:
+                why = "no reason given"
+            raise TransferError(f"the sender aborted update {self.seq} (version {version!r}): {why}")
+        missing_b = [p for p in self.plans if p.index not in self.got and p.index not in self.rejected]
+        missing = [self.specs[s.index].name for p in missing_b for s in p.slots]
+        if missing or self.corrupt or self.problems:
+            parts = []
+            if missing:
+                parts.append(f"incomplete: {len(missing)} tensor(s) never arrived (buckets "
+                             f"{short_names([str(p.index) for p in missing_b])}): {short_names(missing)}")
+            if self.corrupt:
+                parts.append(f"corrupt: {len(self.corrupt)} tensor(s) fail the manifest checksum: {short_names(self.corrupt)}")
+            if self.problems:
+                parts.append("; ".join(self.problems[:4]))
+            tail = (f"the target was partly updated ({self.applied} buckets applied) and is now inconsistent"
+                    if self.applied else f"still serving version {self.rx.version!r}")
+            raise VerifyError(f"update {self.seq} (version {version!r}) refused: " + "; ".join(parts) + f"; {tail}")
+
+    def _views(self, plan: BucketPlan, buf) -> list:
+        out = []
+        for s in plan.slots:
+            spec = self.specs[s.index]
+            v = buf[s.offset: s.offset + s.nbytes].view(spec.torch_dtype()).view(spec.shape)
+            out.append((spec.name, v))
+        return out
+
+    def _apply(self, plan: BucketPlan, buf) -> None:
+        import torch
+
+        pairs = self._views(plan, buf)
+        if self.rx.apply is not None:
+            self.rx.apply(pairs)
+        else:
+            if self._tmap is None:
+                self._tmap = self.rx._target_map()
+            tmap = self._tmap
+            with torch.no_grad():
+                for name, v in pairs:
+                    tmap[name].copy_(v)
+        self.applied += 1
+
+    def commit(self) -> None:
+        if not self.rx.staged:
+            return
+        for plan in self.plans:
+            self._apply(plan, self.got[plan.index])
+        self.got.clear()
