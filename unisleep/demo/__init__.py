@@ -1,0 +1,45 @@
+"""``unisleep demo``: a colocated RL loop, end to end, with the guarded release -> train ->
+reacquire order; a table per step, ``demo.json`` (and ``demo.png``) in ``--out``, and checks.
+Exit 0 only when every check passed.
+
+* :mod:`.cli` — the options, and which platform ``--device`` names;
+* :mod:`.embedded` — the loop on the embedded :class:`~unisleep.engines.torch_generator.TorchGenerator`,
+  with its trainer in another process (:mod:`.trainer_process`);
+* :mod:`.vllm` — ``--engine vllm``: the loop against a real vLLM server, its trainer a Hugging Face
+  Llama in this process (:mod:`.hf_policy`);
+* :mod:`.steps` — what each step records; :mod:`.checks` — the verdicts; :mod:`.report` — the
+  progress line, tables, ``demo.json``, ``demo.png``; :mod:`.constants` — the fixed numbers.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from .checks import Check
+from .cli import build_parser
+from .constants import (BUCKET_BYTES, DEFAULT_LR, DEFAULT_STEPS, PROBE_PROMPTS, PROBE_TOL, RELEASED_MIN, SABOTAGES,
+                        VLLM_KV_BYTES, VLLM_PROBE_PROMPTS, VLLM_PROBE_TOL, VLLM_REWARD_MOD, MiB)
+from .embedded import run_torch
+from .report import format_table, format_table_vllm
+from .steps import DemoStep, VLLMDemoStep
+from .vllm import run_vllm
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.steps is None:
+        args.steps = DEFAULT_STEPS[args.engine]
+    if args.lr is None:
+        args.lr = DEFAULT_LR[args.engine]
+    if args.steps < 1:
+        print("--steps must be >= 1", file=sys.stderr)
+        return 2
+    if args.engine == "vllm":
+        return run_vllm(args)
+    return run_torch(args)
+
+
+__all__ = ["main", "build_parser", "run_torch", "run_vllm", "Check", "DemoStep", "VLLMDemoStep", "format_table",
+           "format_table_vllm", "BUCKET_BYTES", "DEFAULT_LR", "DEFAULT_STEPS", "PROBE_PROMPTS", "PROBE_TOL",
+           "RELEASED_MIN", "SABOTAGES", "VLLM_KV_BYTES", "VLLM_PROBE_PROMPTS", "VLLM_PROBE_TOL", "VLLM_REWARD_MOD",
+           "MiB"]

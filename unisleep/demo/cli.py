@@ -1,0 +1,64 @@
+"""The options of ``unisleep demo`` (:func:`build_parser`) and what ``--device`` names
+(:func:`platform_for`)."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..platform import PLATFORM_NAMES, SPECS, detect_platform
+from .constants import DEFAULT_LR, DEFAULT_STEPS, SABOTAGES
+
+
+def _device_choices() -> list[str]:
+    """Platform names and the torch device types they use (e.g. the host's "cpu")."""
+    out = ["auto", *PLATFORM_NAMES]
+    for spec in SPECS.values():
+        if spec.torch_device_type not in out:
+            out.append(spec.torch_device_type)
+    return out
+
+
+def platform_for(device: str):
+    if device == "auto":
+        return detect_platform()
+    if device in SPECS:
+        return detect_platform(device)
+    for name, spec in SPECS.items():  # a torch device type: the first platform that uses it
+        if spec.torch_device_type == device:
+            return detect_platform(name)
+    raise SystemExit(f"unknown device {device!r}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="unisleep demo",
+        description="A colocated RL loop (engine here, trainer in another process) with the guarded "
+                    "release -> train -> reacquire order; prints a table per step and checks the result.",
+    )
+    p.add_argument("--steps", type=int, default=None,
+                   help=f"RL steps (default {DEFAULT_STEPS['torch']}; {DEFAULT_STEPS['vllm']} with --engine vllm)")
+    p.add_argument("--level", type=int, choices=(1, 2), default=2, help="sleep level (default 2: RL drops weights)")
+    p.add_argument("--out", default="unisleep-demo", help="folder for demo.json and demo.png (default ./unisleep-demo)")
+    p.add_argument("--engine", choices=("torch", "vllm"), default="torch",
+                   help="torch: the embedded TorchGenerator (default); vllm: a real vLLM server on 127.0.0.1 "
+                        "serving a tiny Llama, the trainer (HF LlamaForCausalLM) in this process")
+    p.add_argument("--device", choices=_device_choices(), default="cpu",
+                   help="where the engine's memory lives: a platform name, a torch device type, or auto "
+                        "(default: cpu = host memory)")
+    p.add_argument("--batch", type=int, default=64, help="rollouts per step")
+    p.add_argument("--max-tokens", type=int, default=8, help="tokens generated per rollout")
+    p.add_argument("--target", type=int, default=7, help="the token the reward asks for")
+    p.add_argument("--lr", type=float, default=None,
+                   help=f"trainer learning rate (Adam; default {DEFAULT_LR['torch']}, {DEFAULT_LR['vllm']} with "
+                        "--engine vllm)")
+    p.add_argument("--top-p", type=float, default=1.0, help="sampling top-p of the engine")
+    p.add_argument("--logprobs-mode", choices=("raw_logprobs", "processed_logprobs"), default="raw_logprobs",
+                   help="what the engine returns; processed + --top-p < 1 shows the gap monitor's offset finding")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the trainer process")
+    p.add_argument("--sabotage", choices=SABOTAGES, default="none",
+                   help="break the loop on purpose to see the checks fail: drop-weights (the engine ignores "
+                        "the tensors it receives), skip-sleep (the engine's sleep frees nothing)")
+    p.add_argument("--no-plot", action="store_true", help="skip demo.png")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress line")
+    return p
