@@ -29,7 +29,7 @@ from ..errors import UnisleepError
 from .checks import embedded_checks, max_logprob_gap
 from .cli import platform_for
 from .constants import PROBE_PROMPTS
-from .report import format_table, kib, plot_steps, print_checks, progress, verdict, write_json
+from .report import format_table, kib, plot_steps, print_checks, step_progress, verdict, write_json
 from .steps import DemoStep
 from .trainer_process import TrainerProcess, free_port, trainer_main
 
@@ -137,11 +137,8 @@ def run_torch(args) -> int:
                 findings=[str(f) for f in gs.findings],
             )
             steps.append(ds)
-            progress(args, f"step {step + 1}/{args.steps}  v{version}  released {kib(ds.released)} KiB  "
-                           f"handoff {ds.handoff_ms:.1f} ms  gap {ds.gap:.1e}  probe {ds.probe_gap:.1e}  "
-                           f"reward {ds.reward:.2f}", final=step + 1 == args.steps)
-            for f in gs.findings:
-                progress(args, f"  ! {f}", final=True)
+            step_progress(args, step, f"v{version}  released {kib(ds.released)} KiB  handoff {ds.handoff_ms:.1f} ms  "
+                                      f"gap {ds.gap:.1e}  probe {ds.probe_gap:.1e}  reward {ds.reward:.2f}", gs.findings)
     except (UnisleepError, OSError) as e:
         failure = f"{type(e).__name__}: {e}"
     finally:

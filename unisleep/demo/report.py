@@ -22,6 +22,14 @@ def progress(args, text: str, final: bool = False) -> None:
     sys.stdout.flush()
 
 
+def step_progress(args, step: int, text: str, findings) -> None:
+    """The progress line of a finished step (``step`` counts from 0; the last one ends the line),
+    then one line per gap finding."""
+    progress(args, f"step {step + 1}/{args.steps}  {text}", final=step + 1 == args.steps)
+    for f in findings:
+        progress(args, f"  ! {f}", final=True)
+
+
 def kib(n: Optional[int]) -> str:
     return "n/a" if n is None else f"{n / 1024:,.0f}"
 

@@ -7,8 +7,25 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 
+class _StepRecord:
+    """What both records share: the handoff time (release + reacquire) and ``as_dict``, the
+    fields followed by the derived figures named in ``_derived``."""
+
+    _derived: tuple = ("handoff_ms",)
+
+    @property
+    def handoff_ms(self) -> float:
+        return self.release_ms + self.reacquire_ms
+
+    def as_dict(self) -> dict:
+        d = dict(self.__dict__)
+        for name in self._derived:
+            d[name] = getattr(self, name)
+        return d
+
+
 @dataclass
-class DemoStep:
+class DemoStep(_StepRecord):
     step: int
     version: str
     level: int
@@ -23,25 +40,17 @@ class DemoStep:
     reward: float
     findings: list[str] = field(default_factory=list)
 
+    _derived = ("released", "handoff_ms")
+
     @property
     def released(self) -> Optional[int]:
         if self.resident_before is None or self.resident_asleep is None:
             return None
         return self.resident_before - self.resident_asleep
 
-    @property
-    def handoff_ms(self) -> float:
-        return self.release_ms + self.reacquire_ms
-
-    def as_dict(self) -> dict:
-        d = dict(self.__dict__)
-        d["released"] = self.released
-        d["handoff_ms"] = self.handoff_ms
-        return d
-
 
 @dataclass
-class VLLMDemoStep:
+class VLLMDemoStep(_StepRecord):
     step: int
     version: str  # as /weight_info reports it after the reacquire
     level: int
@@ -62,12 +71,3 @@ class VLLMDemoStep:
     greedy_changed: int  # probe prompts whose greedy tokens differ from version 0's
     reward: float
     findings: list[str] = field(default_factory=list)
-
-    @property
-    def handoff_ms(self) -> float:
-        return self.release_ms + self.reacquire_ms
-
-    def as_dict(self) -> dict:
-        d = dict(self.__dict__)
-        d["handoff_ms"] = self.handoff_ms
-        return d

@@ -28,7 +28,7 @@ from ..platform import detect_platform
 from .checks import max_logprob_gap, vllm_checks
 from .constants import VLLM_KV_BYTES, VLLM_PROBE_PROMPTS, VLLM_REWARD_MOD
 from .hf_policy import HFPolicy
-from .report import asleep_label, format_table_vllm, print_checks, progress, verdict, write_json
+from .report import asleep_label, format_table_vllm, print_checks, step_progress, verdict, write_json
 from .steps import VLLMDemoStep
 
 
@@ -175,11 +175,9 @@ def run_vllm(args) -> int:
                     findings=[str(f) for f in gs.findings],
                 )
                 steps.append(ds)
-                progress(args, f"step {step + 1}/{args.steps}  v{reported}  asleep {asleep_label(ds)}  "
-                               f"handoff {ds.handoff_ms:.0f} ms  gap {ds.gap:.1e}  probe {ds.probe_gap:.1e}  "
-                               f"stale {ds.stale_gap:.1e}  reward {ds.reward:.2f}", final=step + 1 == args.steps)
-                for f in gs.findings:
-                    progress(args, f"  ! {f}", final=True)
+                step_progress(args, step, f"v{reported}  asleep {asleep_label(ds)}  handoff {ds.handoff_ms:.0f} ms  "
+                                          f"gap {ds.gap:.1e}  probe {ds.probe_gap:.1e}  stale {ds.stale_gap:.1e}  "
+                                          f"reward {ds.reward:.2f}", gs.findings)
         finally:
             pusher.close()
             eng.close()
