@@ -20,12 +20,23 @@ from typing import Any, Optional, Sequence
 
 from ..errors import EngineError, InvalidArgumentError, InvalidTransitionError
 from .base import Engine, Generation
+from .vllm_common import (  # noqa: F401  (SLEEP_TAGS, WAKE_TAGS, PAUSE_MODES: re-exported)
+    PAUSE_MODES,
+    SLEEP_TAGS,
+    WAKE_TAGS,
+    allocator_resident_bytes,
+    check_level,
+    check_mode,
+    check_wake_tags,
+    import_error,
+    record_sleep,
+    record_wake,
+    sampling_params,
+    to_generation,
+    vllm_version,
+)
 
 log = logging.getLogger(__name__)
-
-SLEEP_TAGS = ("weights", "kv_cache")
-WAKE_TAGS = ("weights", "kv_cache", "scheduling")
-PAUSE_MODES = ("abort", "wait", "keep")
 
 
 class VLLMEngine(Engine):
@@ -40,8 +51,7 @@ class VLLMEngine(Engine):
             try:
                 from vllm import LLM
             except Exception as e:  # ImportError, or a broken install
-                raise EngineError(f"cannot import vllm ({type(e).__name__}: {e}); "
-                                  "pip install 'unisleep[vllm]'") from e
+                raise import_error("vllm", e) from e
             llm_kwargs.setdefault("seed", 0)
             try:
                 llm = LLM(model=model, **llm_kwargs)
@@ -67,37 +77,21 @@ class VLLMEngine(Engine):
         return getattr(inner, "model_executor", None)
 
     def version(self) -> str:
-        import vllm
-
-        return str(vllm.__version__)
+        return vllm_version()
 
     # ---- generation ----------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], *, max_tokens: int = 16,
                  temperature: float = 0.0, top_p: float = 1.0, seed: Optional[int] = None,
                  logprobs: bool = True, ignore_eos: bool = False) -> list[Generation]:
-        from vllm import SamplingParams
-
-        sp = SamplingParams(max_tokens=int(max_tokens), temperature=float(temperature),
-                            top_p=float(top_p), seed=seed, logprobs=0 if logprobs else None,
-                            ignore_eos=bool(ignore_eos))
+        sp = sampling_params(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                             seed=seed, logprobs=logprobs, ignore_eos=ignore_eos)
         reqs = [{"prompt_token_ids": list(map(int, p))} for p in prompts]
         outs = self._call("generate", self.llm.generate, reqs, sp, use_tqdm=False)
-        gens = []
-        for p, o in zip(prompts, outs):
-            c = o.outputs[0]
-            lps: list[float] = []
-            if logprobs and c.logprobs:
-                for tok, d in zip(c.token_ids, c.logprobs):
-                    lp = d.get(tok)
-                    lps.append(float("-inf") if lp is None else float(lp.logprob))
-            gens.append(Generation(prompt_ids=list(p), token_ids=list(c.token_ids),
-                                   logprobs=lps, text=c.text))
-        return gens
+        return [to_generation(p, o, logprobs) for p, o in zip(prompts, outs)]
 
     # ---- pause / resume (offline: sleep level 0 / wake scheduling) -------------------
     def pause(self, mode: str = "abort") -> None:
-        if mode not in PAUSE_MODES:
-            raise InvalidArgumentError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        check_mode(mode)
         self._call("sleep(level=0)", self.llm.sleep, level=0, mode=mode)
         self._paused = True
 
@@ -113,28 +107,17 @@ class VLLMEngine(Engine):
 
     # ---- memory ----------------------------------------------------------------------
     def sleep(self, level: int = 1, mode: str = "abort") -> None:
-        if isinstance(level, bool) or level not in (0, 1, 2):
-            raise InvalidArgumentError(f"sleep level must be 0, 1 or 2, got {level!r}")
+        check_level(level)
         self._call(f"sleep(level={level})", self.llm.sleep, level=level, mode=mode)
-        if level >= 1 and "weights" not in self._asleep:
-            self._asleep |= set(SLEEP_TAGS)
+        record_sleep(self._asleep, level)
         self._paused = True
 
     def wake_up(self, tags: Optional[Sequence[str]] = None) -> bool:
-        if tags is not None:
-            tags = list(tags)
-            bad = [t for t in tags if t not in WAKE_TAGS]
-            if bad or not tags:
-                raise InvalidArgumentError(
-                    f"wake_up tags must be a non-empty subset of {WAKE_TAGS}, got {tags!r}")
+        tags = check_wake_tags(tags)
         awake = bool(self._call("wake_up", self.llm.wake_up, tags))
+        record_wake(self._asleep, tags, awake)
         if tags is None or awake:
-            self._asleep.clear()
             self._paused = False
-        else:
-            mem = [t for t in tags if t in SLEEP_TAGS]
-            if all(t in self._asleep for t in mem):
-                self._asleep -= set(mem)
         return awake
 
     def is_sleeping(self) -> bool:
@@ -158,13 +141,7 @@ class VLLMEngine(Engine):
         cfg = getattr(getattr(llm, "llm_engine", None), "model_config", None)
         if not getattr(cfg, "enable_sleep_mode", False):
             return None
-        try:
-            from vllm.device_allocator import get_mem_allocator_instance
-
-            data = list(get_mem_allocator_instance().pointer_to_data.values())
-        except Exception:
-            return None
-        return sum(int(d.handle[1]) for d in data if not getattr(d, "is_asleep", False))
+        return allocator_resident_bytes()
 
     def release_kv_cache_memory(self) -> None:
         self._call("release_kv_cache_memory", self.llm.release_kv_cache_memory)

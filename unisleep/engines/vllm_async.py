@@ -1,0 +1,579 @@
+"""vLLM's ``AsyncLLM`` in process: the :class:`~unisleep.engines.base.Engine` verbs over
+``vllm.v1.engine.async_llm.AsyncLLM`` (the engine client behind vLLM's API server).
+
+    from unisleep.engines.vllm_async import VLLMAsyncEngine
+    eng = VLLMAsyncEngine(model_dir, enforce_eager=True, max_model_len=512,
+                          kv_cache_memory_bytes=256 << 20)
+    eng.generate([[0, 5, 17]], max_tokens=8)          # synchronous, like every adapter
+    await eng.agenerate([[0, 5, 17]], max_tokens=8)   # the same verb for asyncio callers
+
+**Threads and loops.**  ``AsyncLLM`` lives on one asyncio event loop (its output handler task and
+its ZMQ sockets belong to that loop).  By default this adapter starts a private loop in a daemon
+thread (``unisleep-asyncllm``), builds the ``AsyncLLM`` on it, and every synchronous verb submits
+a coroutine there (``asyncio.run_coroutine_threadsafe``) and waits at most ``timeout_s``.  Each
+verb also exists as a coroutine named with an ``a`` prefix (``agenerate``, ``apause``, ``asleep``,
+``awake_up``, ``astart_weight_update``, ...): await them from any event loop; they hop to the
+engine's loop when called from another one.  A synchronous verb called *on* the engine's loop
+would deadlock, so it raises :class:`~unisleep.errors.InvalidTransitionError` instead.
+
+To wrap an ``AsyncLLM`` that already runs on your loop, pass ``llm=`` and ``loop=`` (a loop running
+in another thread than the synchronous callers); an ``AsyncLLM`` built outside any loop and not
+used yet can be passed without ``loop=`` and is then driven by the private loop.
+
+**How it differs from** :class:`~unisleep.engines.vllm_inprocess.VLLMEngine` (``vllm.LLM``):
+
+* real pause verbs: ``pause_generation(mode=, clear_cache=)`` / ``resume_generation()`` /
+  ``is_paused()`` (``LLM`` has to use ``sleep(level=0)`` / ``wake_up(["scheduling"])``);
+* ``init_weight_transfer_engine`` / ``update_weights`` take vLLM's request dataclasses
+  (``WeightTransferInitRequest`` / ``WeightTransferUpdateRequest``), not dicts;
+* the engine core always runs in a child process (``AsyncMPClient``; with
+  ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` the worker shares that process instead of a third one), so
+  the executor's exact sleeping tags are out of reach: :meth:`VLLMAsyncEngine.sleeping_tags` is
+  this adapter's own record, overruled by the engine when it reports itself awake, and the
+  weight-update guard refuses whenever the engine reports sleeping and the record cannot show
+  that this adapter itself caused that state with the weights awake (as the HTTP adapter does);
+* :meth:`VLLMAsyncEngine.resident_bytes` reads vLLM's sleep-mode allocator in the worker through
+  ``collective_rpc`` — only possible with sleep mode on and ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``
+  (callables over ZMQ); otherwise None (always on CPU, where vLLM refuses sleep mode).
+
+Scripts need an ``if __name__ == "__main__":`` guard (vLLM spawns the engine core).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import threading
+import uuid
+from typing import Any, Awaitable, Optional, Sequence
+
+from ..errors import EngineError, InvalidArgumentError, InvalidTransitionError, UnisleepError
+from .base import Engine, Generation
+from .vllm_common import (
+    allocator_resident_bytes,
+    check_level,
+    check_mode,
+    check_wake_tags,
+    import_error,
+    record_sleep,
+    record_wake,
+    sampling_params,
+    to_generation,
+    vllm_version,
+)
+
+log = logging.getLogger(__name__)
+
+#: name of the private event-loop thread (tests look for leftovers by it)
+LOOP_THREAD_NAME = "unisleep-asyncllm"
+
+
+def _worker_resident_bytes(worker) -> Optional[int]:
+    """Runs in a vLLM worker (``collective_rpc``): its sleep-mode allocator's awake bytes."""
+    return allocator_resident_bytes()
+
+
+class _LoopThread:
+    """A private asyncio loop running forever in a daemon thread."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self._run, name=LOOP_THREAD_NAME, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_forever()
+        finally:
+            try:
+                pending = [t for t in asyncio.all_tasks(self.loop) if not t.done()]
+                for t in pending:
+                    t.cancel()
+                if pending:
+                    self.loop.run_until_complete(
+                        asyncio.gather(*pending, return_exceptions=True))
+                self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+            finally:
+                self.loop.close()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self.loop.is_closed():
+            return
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout)
+
+
+class VLLMAsyncEngine(Engine):
+    """A ``vllm`` ``AsyncLLM`` in this process, driven from synchronous or asyncio code.
+
+    Build it from a model directory plus ``AsyncEngineArgs`` fields (``**engine_kwargs``), from an
+    ``engine_args=AsyncEngineArgs(...)``, or wrap an existing ``llm=AsyncLLM`` (with ``loop=`` when
+    it already runs on a loop of yours).  ``timeout_s`` bounds every synchronous verb (generation
+    included), ``start_timeout_s`` the engine start.  :meth:`close` shuts the ``AsyncLLM`` down
+    (wrapped ones too, as :class:`VLLMEngine` does) and stops the private loop.
+    """
+
+    kind = "vllm-async"
+
+    def __init__(self, model: Optional[str] = None, *, llm: Any = None, engine_args: Any = None,
+                 loop: Optional[asyncio.AbstractEventLoop] = None, timeout_s: float = 300.0,
+                 start_timeout_s: float = 600.0, **engine_kwargs) -> None:
+        self.timeout_s = float(timeout_s)
+        self.llm: Any = None
+        self._thread: Optional[_LoopThread] = None
+        self._asleep: Optional[set[str]] = set()   # own record; None = unknown
+        self._mine = False      # the current paused/sleeping state was caused by this adapter
+        if llm is not None and (model is not None or engine_args is not None or engine_kwargs):
+            raise InvalidArgumentError("pass either llm= or a model/engine_args, not both")
+        if llm is None and engine_args is None and model is None:
+            raise InvalidArgumentError("VLLMAsyncEngine needs a model directory, engine_args= "
+                                       "or llm=")
+        if loop is not None and llm is None:
+            raise InvalidArgumentError("loop= is for wrapping an AsyncLLM already running on it "
+                                       "(llm=)")
+        if loop is None:
+            self._thread = _LoopThread()
+            loop = self._thread.loop
+        self.loop = loop
+        try:
+            if llm is None:
+                engine_args = self._engine_args(model, engine_args, engine_kwargs)
+                llm = self._run("AsyncLLM.from_engine_args", self._build(engine_args),
+                                timeout=start_timeout_s)
+            self.llm, llm = llm, None   # no strong reference left in this (sometimes kept) frame
+            # a wrapped engine may already be paused or asleep by someone else: unknown then
+            if self._run("is_sleeping", self._is_sleeping()):
+                self._asleep = None
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- construction ----------------------------------------------------------------
+    @staticmethod
+    def _engine_args(model, engine_args, kwargs):
+        try:
+            from vllm.engine.arg_utils import AsyncEngineArgs
+        except Exception as e:  # ImportError, or a broken install
+            raise import_error("vllm", e) from e
+        if engine_args is not None:
+            if model is not None or kwargs:
+                raise InvalidArgumentError("pass engine_args= or model + keyword arguments")
+            return engine_args
+        kwargs.setdefault("seed", 0)
+        try:
+            return AsyncEngineArgs(model=model, **kwargs)
+        except TypeError as e:
+            raise InvalidArgumentError(f"AsyncEngineArgs: {e}") from e
+
+    @staticmethod
+    async def _build(engine_args):
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        # built on the engine loop: its output handler starts there, eagerly
+        return AsyncLLM.from_engine_args(engine_args)
+
+    # ---- the bridge ------------------------------------------------------------------
+    def _on_engine_loop(self) -> bool:
+        try:
+            return asyncio.get_running_loop() is self.loop
+        except RuntimeError:
+            return False
+
+    def _run(self, what: str, coro: Awaitable, *, timeout: Optional[float] = None):
+        """Run ``coro`` on the engine loop and wait for it (synchronous verbs)."""
+        if self._on_engine_loop():
+            _close(coro)
+            raise InvalidTransitionError(
+                f"{what}: a synchronous verb was called on the engine's own event loop (it "
+                "would deadlock); await the a-prefixed coroutine instead (e.g. `await "
+                "engine.asleep(1)`, `await engine.agenerate(...)`)")
+        loop = self.loop
+        if loop is None or loop.is_closed() or not loop.is_running():
+            _close(coro)
+            raise EngineError(f"AsyncLLM.{what}: the engine's event loop is not running "
+                              "(engine closed?)")
+        fut = asyncio.run_coroutine_threadsafe(coro, loop)
+        limit = self.timeout_s if timeout is None else float(timeout)
+        try:
+            return fut.result(limit)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise EngineError(f"AsyncLLM.{what} did not finish within {limit:.0f} s "
+                              "(cancelled)") from None
+        except concurrent.futures.CancelledError:
+            raise EngineError(f"AsyncLLM.{what} was cancelled (engine closing?)") from None
+        except UnisleepError:
+            raise
+        except Exception as e:
+            raise EngineError(f"AsyncLLM.{what} failed: {type(e).__name__}: {e}") from e
+
+    async def _await(self, what: str, coro: Awaitable, *, timeout: Optional[float] = None):
+        """Await ``coro`` on the engine loop from any loop (asynchronous verbs)."""
+        limit = self.timeout_s if timeout is None else float(timeout)
+        try:
+            if self._on_engine_loop():
+                return await asyncio.wait_for(coro, limit)
+            loop = self.loop
+            if loop is None or loop.is_closed() or not loop.is_running():
+                _close(coro)
+                raise EngineError(f"AsyncLLM.{what}: the engine's event loop is not running "
+                                  "(engine closed?)")
+            fut = asyncio.run_coroutine_threadsafe(coro, loop)
+            try:
+                return await asyncio.wait_for(asyncio.wrap_future(fut), limit)
+            except asyncio.CancelledError:
+                fut.cancel()
+                raise
+        except asyncio.TimeoutError:
+            raise EngineError(f"AsyncLLM.{what} did not finish within {limit:.0f} s "
+                              "(cancelled)") from None
+        except UnisleepError:
+            raise
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            raise EngineError(f"AsyncLLM.{what} failed: {type(e).__name__}: {e}") from e
+
+    def _engine(self):
+        if self.llm is None:
+            raise EngineError("the AsyncLLM engine is closed")
+        return self.llm
+
+    def version(self) -> str:
+        return vllm_version()
+
+    # ---- generation ----------------------------------------------------------------
+    async def _generate(self, prompts, sp, logprobs: bool) -> list[Generation]:
+        llm = self._engine()
+
+        async def one(p):
+            final = None
+            rid = f"unisleep-{uuid.uuid4().hex}"
+            async for out in llm.generate({"prompt_token_ids": list(map(int, p))}, sp, rid):
+                final = out
+            if final is None or not final.finished:
+                raise EngineError(f"request {rid} ended without a final output")
+            return to_generation(p, final, logprobs)
+
+        return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+    def _gen_args(self, max_tokens, temperature, top_p, seed, logprobs, ignore_eos):
+        return sampling_params(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                               seed=seed, logprobs=logprobs, ignore_eos=ignore_eos,
+                               final_only=True)
+
+    def generate(self, prompts: Sequence[Sequence[int]], *, max_tokens: int = 16,
+                 temperature: float = 0.0, top_p: float = 1.0, seed: Optional[int] = None,
+                 logprobs: bool = True, ignore_eos: bool = False,
+                 timeout: Optional[float] = None) -> list[Generation]:
+        """All prompts at once (concurrent requests); final outputs, in prompt order.  On
+        timeout the requests are cancelled (vLLM aborts them)."""
+        sp = self._gen_args(max_tokens, temperature, top_p, seed, logprobs, ignore_eos)
+        return self._run("generate", self._generate(list(prompts), sp, logprobs), timeout=timeout)
+
+    async def agenerate(self, prompts: Sequence[Sequence[int]], *, max_tokens: int = 16,
+                        temperature: float = 0.0, top_p: float = 1.0, seed: Optional[int] = None,
+                        logprobs: bool = True, ignore_eos: bool = False,
+                        timeout: Optional[float] = None) -> list[Generation]:
+        sp = self._gen_args(max_tokens, temperature, top_p, seed, logprobs, ignore_eos)
+        return await self._await("generate", self._generate(list(prompts), sp, logprobs),
+                                 timeout=timeout)
+
+    # ---- pause / resume (AsyncLLM's own verbs) ---------------------------------------
+    async def _pause(self, mode: str, clear_cache: bool) -> None:
+        await self._engine().pause_generation(mode=mode, clear_cache=bool(clear_cache))
+        self._mine = True
+
+    async def _resume(self) -> None:
+        await self._engine().resume_generation()
+        if not self._asleep:          # nothing of ours left asleep: the engine is ours no more
+            self._mine = False
+
+    def pause(self, mode: str = "abort", *, clear_cache: bool = True) -> None:
+        """``pause_generation(mode=..., clear_cache=...)``; new requests wait (abort/wait modes
+        make vLLM refuse new requests until resumed, keep freezes the running ones)."""
+        self._run("pause", self._pause(check_mode(mode), clear_cache))
+
+    async def apause(self, mode: str = "abort", *, clear_cache: bool = True) -> None:
+        await self._await("pause", self._pause(check_mode(mode), clear_cache))
+
+    def resume(self) -> None:
+        """``resume_generation()``.  vLLM resumes the scheduler even while memory sleeps: wake
+        first (a full ``wake_up`` resumes by itself)."""
+        self._run("resume", self._resume())
+
+    async def aresume(self) -> None:
+        await self._await("resume", self._resume())
+
+    def is_paused(self) -> bool:
+        return bool(self._run("is_paused", self._engine().is_paused()))
+
+    async def ais_paused(self) -> bool:
+        return bool(await self._await("is_paused", self._engine().is_paused()))
+
+    # ---- memory ----------------------------------------------------------------------
+    async def _sleep(self, level: int, mode: str) -> None:
+        await self._engine().sleep(level, mode)
+        if self._asleep is not None:
+            record_sleep(self._asleep, level)
+        self._mine = True
+
+    async def _wake_up(self, tags: Optional[list[str]]) -> bool:
+        awake = bool(await self._engine().wake_up(tags))
+        if tags is None or awake:
+            self._asleep = set()
+            self._mine = False
+        elif self._asleep is not None:
+            record_wake(self._asleep, tags, awake)
+        return awake
+
+    async def _is_sleeping(self) -> bool:
+        return bool(await self._engine().is_sleeping())
+
+    async def _sleeping_tags(self) -> Optional[set[str]]:
+        known = None if self._asleep is None else set(self._asleep)
+        if known and not await self._is_sleeping():
+            return set()              # the engine reports itself awake: its report wins
+        return known
+
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """``AsyncLLM.sleep(level, mode)``: level 0 pauses the scheduler (new requests queue),
+        1 offloads the weights and drops the KV cache, 2 drops both."""
+        self._run(f"sleep(level={level})",
+                  self._sleep(check_level(level), check_mode(mode, "sleep")))
+
+    async def asleep(self, level: int = 1, mode: str = "abort") -> None:
+        await self._await(f"sleep(level={level})",
+                          self._sleep(check_level(level), check_mode(mode, "sleep")))
+
+    def wake_up(self, tags: Optional[Sequence[str]] = None) -> bool:
+        """Wake the named tags (all when None); True when the engine is fully awake (it then
+        resumes scheduling by itself)."""
+        return self._run("wake_up", self._wake_up(check_wake_tags(tags)))
+
+    async def awake_up(self, tags: Optional[Sequence[str]] = None) -> bool:
+        return await self._await("wake_up", self._wake_up(check_wake_tags(tags)))
+
+    def is_sleeping(self) -> bool:
+        """The engine's report (also True while merely paused: vLLM counts a paused scheduler)."""
+        return self._run("is_sleeping", self._is_sleeping())
+
+    async def ais_sleeping(self) -> bool:
+        return await self._await("is_sleeping", self._is_sleeping())
+
+    def sleeping_tags(self) -> Optional[set[str]]:
+        """Memory tags asleep by this adapter's record (None = unknown), overruled by the engine
+        when it reports itself awake.  ``AsyncLLM`` does not say which tags sleep."""
+        return self._run("sleeping_tags", self._sleeping_tags())
+
+    async def asleeping_tags(self) -> Optional[set[str]]:
+        return await self._await("sleeping_tags", self._sleeping_tags())
+
+    def forget_state(self) -> None:
+        """Mark the sleeping tags unknown (another user of the AsyncLLM may have changed them)."""
+        self._asleep = None
+        self._mine = False
+
+    def resident_bytes(self) -> Optional[int]:
+        """Bytes vLLM's sleep-mode allocator holds awake, summed over the workers (read there
+        through ``collective_rpc``).  None when it cannot tell: sleep mode off (always on CPU),
+        or callables may not cross vLLM's ZMQ link (``VLLM_ALLOW_INSECURE_SERIALIZATION`` unset)."""
+        llm = self.llm
+        cfg = getattr(llm, "model_config", None)
+        if llm is None or not getattr(cfg, "enable_sleep_mode", False):
+            return None
+        if os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION", "0") in ("", "0"):
+            return None
+        try:
+            per_worker = self._run("collective_rpc(resident_bytes)",
+                                   llm.collective_rpc(_worker_resident_bytes))
+        except EngineError:
+            return None
+        if not per_worker or any(n is None for n in per_worker):
+            return None
+        return sum(int(n) for n in per_worker)
+
+    def release_kv_cache_memory(self) -> None:
+        """``AsyncLLM.release_kv_cache_memory()`` (after a completed pause; fails on CPU)."""
+        self._run("release_kv_cache_memory", self._engine().release_kv_cache_memory())
+        if self._asleep is not None:
+            self._asleep.add("kv_cache")
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False,
+                           reset_connector: bool = False) -> bool:
+        return bool(self._run("reset_prefix_cache", self._engine().reset_prefix_cache(
+            bool(reset_running_requests), bool(reset_connector))))
+
+    async def areset_prefix_cache(self, reset_running_requests: bool = False,
+                                  reset_connector: bool = False) -> bool:
+        return bool(await self._await("reset_prefix_cache", self._engine().reset_prefix_cache(
+            bool(reset_running_requests), bool(reset_connector))))
+
+    def collective_rpc(self, method, *, args: Sequence[Any] = (), kwargs: Optional[dict] = None,
+                       timeout: Optional[float] = None) -> list:
+        """Run a worker method by name on every worker; the per-worker results."""
+        return list(self._run(f"collective_rpc({method!r})", self._engine().collective_rpc(
+            method, timeout=timeout, args=tuple(args), kwargs=kwargs)))
+
+    async def acollective_rpc(self, method, *, args: Sequence[Any] = (),
+                              kwargs: Optional[dict] = None,
+                              timeout: Optional[float] = None) -> list:
+        return list(await self._await(f"collective_rpc({method!r})", self._engine().collective_rpc(
+            method, timeout=timeout, args=tuple(args), kwargs=kwargs)))
+
+    # ---- the weight-update guard -----------------------------------------------------
+    async def _check_weights_awake(self) -> None:
+        """Raise :class:`InvalidTransitionError` unless the weights are known to be awake.
+
+        Asks the engine first (``is_sleeping``).  When it reports sleeping, the weights count as
+        awake only if this adapter explains that state itself: it paused the engine or put it to
+        sleep, and its record shows the weights woken since.  Anything else is refused: the safe
+        answer when unsure (vLLM #57853: weights sent into sleeping memory kill the engine)."""
+        from .vllm_http import WAKE_WEIGHTS_FIRST
+
+        if not await self._is_sleeping():
+            return
+        known = self._asleep
+        if known is None or "weights" in known or not self._mine:
+            raise InvalidTransitionError(WAKE_WEIGHTS_FIRST)
+
+    def check_weights_awake(self) -> None:
+        self._run("check_weights_awake", self._check_weights_awake())
+
+    async def acheck_weights_awake(self) -> None:
+        await self._await("check_weights_awake", self._check_weights_awake())
+
+    async def _reload_weights(self, weights_path: str) -> None:
+        await self._check_weights_awake()
+        await self._engine().collective_rpc("reload_weights",
+                                            kwargs={"weights_path": str(weights_path)})
+
+    def reload_weights(self, weights_path: str) -> None:
+        """Reload every weight from a checkpoint directory (refused while the weights sleep)."""
+        self._run("reload_weights", self._reload_weights(weights_path))
+
+    async def areload_weights(self, weights_path: str) -> None:
+        await self._await("reload_weights", self._reload_weights(weights_path))
+
+    # ---- weights -------------------------------------------------------------------
+    def weight_version(self) -> str:
+        return str(self._run("get_weight_version", self._engine().get_weight_version()))
+
+    async def aweight_version(self) -> str:
+        return str(await self._await("get_weight_version", self._engine().get_weight_version()))
+
+    def set_weight_version(self, version: str) -> None:
+        self._run("update_weight_version", self._engine().update_weight_version(str(version)))
+
+    async def aset_weight_version(self, version: str) -> None:
+        await self._await("update_weight_version",
+                          self._engine().update_weight_version(str(version)))
+
+    async def _init_weight_transfer(self, init_info: dict) -> Any:
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        return await self._engine().init_weight_transfer_engine(
+            WeightTransferInitRequest(init_info=dict(init_info)))
+
+    def init_weight_transfer(self, init_info: dict) -> Any:
+        return self._run("init_weight_transfer_engine", self._init_weight_transfer(init_info))
+
+    async def ainit_weight_transfer(self, init_info: dict) -> Any:
+        return await self._await("init_weight_transfer_engine",
+                                 self._init_weight_transfer(init_info))
+
+    def shutdown_weight_transfer(self) -> None:
+        self._run("shutdown_weight_transfer_engine",
+                  self._engine().shutdown_weight_transfer_engine())
+
+    async def _start_weight_update(self) -> None:
+        await self._check_weights_awake()
+        await self._engine().start_weight_update()
+
+    def start_weight_update(self) -> None:
+        self._run("start_weight_update", self._start_weight_update())
+
+    async def astart_weight_update(self) -> None:
+        await self._await("start_weight_update", self._start_weight_update())
+
+    async def _update_weights(self, update_info: Any) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        await self._engine().update_weights(WeightTransferUpdateRequest(update_info=update_info))
+
+    def update_weights(self, update_info: Any, *, timeout: Optional[float] = None) -> None:
+        self._run("update_weights", self._update_weights(update_info), timeout=timeout)
+
+    async def aupdate_weights(self, update_info: Any, *, timeout: Optional[float] = None) -> None:
+        await self._await("update_weights", self._update_weights(update_info), timeout=timeout)
+
+    def finish_weight_update(self, version: Optional[str] = None) -> None:
+        self._run("finish_weight_update", self._engine().finish_weight_update(
+            None if version is None else str(version)))
+
+    async def afinish_weight_update(self, version: Optional[str] = None) -> None:
+        await self._await("finish_weight_update", self._engine().finish_weight_update(
+            None if version is None else str(version)))
+
+    async def _abort_weight_update(self) -> bool:
+        from .vllm_http import abort_answer_closed_session
+
+        try:
+            await self._update_weights({"abort": True})
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            return abort_answer_closed_session(str(e))
+        return False
+
+    def abort_weight_update(self) -> bool:
+        """Close an update session left open by a failed send: ``update_weights({"abort":
+        true})`` (see :meth:`VLLMHTTPEngine.abort_weight_update`)."""
+        return bool(self._run("abort_weight_update", self._abort_weight_update()))
+
+    async def aabort_weight_update(self) -> bool:
+        return bool(await self._await("abort_weight_update", self._abort_weight_update()))
+
+    # ---- shutdown --------------------------------------------------------------------
+    def close(self, timeout: float = 60.0) -> None:
+        """Shut the ``AsyncLLM`` down (its engine-core process included) and stop the private
+        loop.  Idempotent.  Call it from outside the engine's loop when that loop is yours."""
+        llm, self.llm = self.llm, None
+        thread, self._thread = self._thread, None
+        if llm is not None:
+            try:
+                if thread is not None and thread.loop.is_running() and not self._on_engine_loop():
+                    async def _shutdown():
+                        llm.shutdown()
+
+                    asyncio.run_coroutine_threadsafe(_shutdown(), thread.loop).result(timeout)
+                else:
+                    llm.shutdown()
+            except Exception:  # pragma: no cover - best effort
+                log.warning("AsyncLLM.shutdown failed", exc_info=True)
+        if thread is not None:
+            thread.stop(timeout)
+            if thread.thread.is_alive():  # pragma: no cover
+                log.warning("the %s event-loop thread did not stop within %.0f s",
+                            LOOP_THREAD_NAME, timeout)
+        self.loop = None
+
+    def __del__(self):  # pragma: no cover - best effort, like AsyncLLM.__del__
+        try:
+            if getattr(self, "llm", None) is not None or getattr(self, "_thread", None):
+                self.close()
+        except Exception:
+            pass
+
+
+def _close(coro) -> None:
+    """Close a coroutine object that will not run (no 'never awaited' warning)."""
+    close = getattr(coro, "close", None)
+    if callable(close):
+        close()
+
+
+__all__ = ["VLLMAsyncEngine", "LOOP_THREAD_NAME"]
