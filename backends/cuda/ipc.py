@@ -128,7 +128,33 @@ def _unmap(va: int, size: int, handle) -> None:
     cu.cuMemAddressFree(va, size)
 
 
-class ExportBuffer:
+class _MappedBuffer:
+    """Device memory mapped at ``_va`` (``size`` bytes, handle ``_handle``) with ``.tensor`` over it."""
+
+    _fd = -1
+
+    def close(self) -> None:
+        if getattr(self, "_va", None) is None:
+            return
+        self.tensor = None
+        _device(self.device_index)
+        import torch
+
+        torch.cuda.synchronize(self.device_index)
+        _unmap(self._va, self.size, self._handle)
+        self._va = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __del__(self):  # pragma: no cover - best effort
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class ExportBuffer(_MappedBuffer):
     """Sender side: ``nbytes`` of device memory (rounded up to the granularity) that can be
     exported as a POSIX fd; ``.tensor`` is a uint8 tensor over it."""
 
@@ -159,28 +185,7 @@ class ExportBuffer:
             self._fd = int(h)
         return self._fd
 
-    def close(self) -> None:
-        if getattr(self, "_va", None) is None:
-            return
-        self.tensor = None
-        _device(self.device_index)
-        import torch
-
-        torch.cuda.synchronize(self.device_index)
-        _unmap(self._va, self.size, self._handle)
-        self._va = None
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-
-    def __del__(self):  # pragma: no cover - best effort
-        try:
-            self.close()
-        except Exception:
-            pass
-
-
-class ImportedBuffer:
+class ImportedBuffer(_MappedBuffer):
     """Receiver side: import the fd, map it into a reserved range, grant access; the fd is closed
     once imported (the imported handle keeps the memory alive until ``close``)."""
 
@@ -203,23 +208,6 @@ class ImportedBuffer:
             cu.cuMemRelease(self._handle)
             raise
         self.tensor = _tensor(self._va, nbytes, device_index)
-
-    def close(self) -> None:
-        if getattr(self, "_va", None) is None:
-            return
-        self.tensor = None
-        _device(self.device_index)
-        import torch
-
-        torch.cuda.synchronize(self.device_index)
-        _unmap(self._va, self.size, self._handle)
-        self._va = None
-
-    def __del__(self):  # pragma: no cover
-        try:
-            self.close()
-        except Exception:
-            pass
 
 
 def synchronize(device_index: int = 0) -> None:

@@ -108,16 +108,7 @@ class SpillStore(BackupStore):
         return os.path.join(self.dir, f"{key[0]}-{key[1]}.bin")
 
     def save(self, key, src) -> None:
-        n = src.numel()
-        path = self._path(key)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        try:
-            mv, done = _buffer(src.data_ptr(), n), 0
-            while done < n:
-                done += os.pwrite(fd, mv[done:], done)
-        finally:
-            os.close(fd)
-        self._files[key] = (path, n)
+        self.save_progressively(key, src, max(src.numel(), 1), lambda end: None)
 
     def save_progressively(self, key, src, piece: int, on_written) -> None:
         """Like :meth:`save`, in ``piece``-byte writes; ``on_written(end)`` is called after each one
