@@ -245,6 +245,15 @@ def detect_platform(name: Optional[str] = None) -> Platform:
     return Platform("host", "no accelerator was found, so host memory (memfd/mmap) is used", _host_devices())
 
 
+def accelerated_module(device_type: str, name: str) -> Optional[str]:
+    """``"<driver package>.<name>"`` of the accelerator platform whose torch device type is
+    ``device_type`` (e.g. kernels a backend ships for the core), or None for host memory."""
+    for spec in SPECS.values():
+        if spec.torch_device_type == device_type and spec.torch_device_type != "cpu":
+            return spec.driver.split(":")[0] + "." + name
+    return None
+
+
 def optional_packages() -> dict[str, bool]:
     """Which optional packages are importable (checked without importing them)."""
     names = {
@@ -311,6 +320,7 @@ __all__ = [
     "PLATFORM_NAMES",
     "ENV_OVERRIDE",
     "detect_platform",
+    "accelerated_module",
     "optional_packages",
     "environment_warnings",
 ]

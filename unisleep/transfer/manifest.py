@@ -160,8 +160,12 @@ def checksum(buf_u8):
         words = buf_u8[: nw * 8].view(torch.int64)
         rows = nw // _ROW
         if rows:
-            rs = words[: rows * _ROW].view(rows, _ROW).sum(1)
-            acc = acc + rs.sum() * _K1 + rs.cumsum(0).sum() * _K2
+            fused = _fused_rows_checksum(buf_u8.device.type)
+            if fused is not None:
+                acc = acc + fused(words, rows, _ROW, _K1, _K2)
+            else:
+                rs = words[: rows * _ROW].view(rows, _ROW).sum(1)
+                acc = acc + rs.sum() * _K1 + rs.cumsum(0).sum() * _K2
         if nw % _ROW:
             rest = words[rows * _ROW :]
             acc = acc + rest.cumsum(0).sum() * _K3 + rest.sum()
@@ -169,6 +173,28 @@ def checksum(buf_u8):
         tail = buf_u8[nw * 8 :].to(torch.int64)
         acc = acc + (tail.cumsum(0).sum() + 1) * _K1
     return acc
+
+
+_FUSED: dict = {}
+
+
+def _fused_rows_checksum(device_type: str):
+    """The backend's one-pass kernel for the row part of :func:`checksum` on this device type
+    (same value as the torch ops), or None (host memory, or no such kernel / no Triton)."""
+    if device_type not in _FUSED:
+        import importlib
+
+        from ..platform import accelerated_module
+
+        fn = None
+        mod = accelerated_module(device_type, "transfer_kernels")
+        if mod is not None:
+            try:
+                fn = importlib.import_module(mod).rows_checksum
+            except Exception:  # no Triton: the torch ops
+                fn = None
+        _FUSED[device_type] = fn
+    return _FUSED[device_type]
 
 
 def bucket_checksums(buf_u8, plan: BucketPlan):
