@@ -739,3 +739,18 @@ def test_level2_preserve_strided_view_and_offsets(lifecycle):
     assert torch.equal(d["cols"], expect_cols)
     assert torch.equal(d["last"], torch.full((300,), 3.0))
     assert d["first"].count_nonzero().item() == 0
+
+
+def test_preserve_finds_a_tied_weight_by_its_second_name(lifecycle):
+    """adopt() records every name of a tied tensor, so preserve() can use either of them."""
+    lc = lifecycle
+    torch.manual_seed(3)
+    m = TiedModel().eval()
+    lc.adopt(m)
+    assert {"embed.weight", "head.weight"} <= set(lc.names("weights"))
+    ref = m.embed.weight.detach().clone()
+    assert lc.preserve(["head.*"]) == ["head.weight"]
+    lc.sleep(2)
+    lc.wake_up(["weights"])
+    assert torch.equal(m.head.weight, ref) and m.head.weight is m.embed.weight
+    assert m.lin.weight.count_nonzero().item() == 0  # not preserved: zeroed

@@ -219,11 +219,15 @@ class MemoryLifecycle:
             raise InvalidArgumentError(f"adopt() found no tensors in {type(obj).__name__}")
         with self._lock:
             self._check_can_allocate(tag)
-            # one slot per distinct storage, so tied weights and views stay tied
-            storages: dict[tuple, list[tuple[str, torch.Tensor]]] = {}
+            # every name of each tensor object (a tied weight has several) ...
+            aliases: dict[int, tuple[torch.Tensor, list[str]]] = {}
             for name, t in named:
+                aliases.setdefault(id(t), (t, []))[1].append(name)
+            # ... and one slot per distinct storage, so tied weights and views stay tied
+            storages: dict[tuple, list[tuple[list[str], torch.Tensor]]] = {}
+            for t, names in aliases.values():
                 st = t.untyped_storage()
-                storages.setdefault((t.device, st.data_ptr(), st.nbytes()), []).append((name, t))
+                storages.setdefault((t.device, st.data_ptr(), st.nbytes()), []).append((names, t))
             offsets, total = {}, 0
             for key in storages:
                 offsets[key] = total
@@ -237,7 +241,7 @@ class MemoryLifecycle:
                 src_bytes = torch.empty(0, dtype=torch.uint8, device=src.device).set_(src.untyped_storage())
                 base[off : off + nbytes].copy_(src_bytes)
                 new_storage = base[off : off + nbytes].untyped_storage()
-                for name, t in members:
+                for names, t in members:
                     # the region's storage starts at its va; element offset of this tensor in it
                     elem = t.element_size()
                     byte_off = (base.data_ptr() + off - new_storage.data_ptr()) + t.storage_offset() * elem
@@ -249,7 +253,8 @@ class MemoryLifecycle:
                     # byte range in the region: byte_off is already region-relative (the storage
                     # starts at the region's va); the extent covers strided views too
                     extent = 1 + sum((s - 1) * st for s, st in zip(t.size(), t.stride()))
-                    alloc.names[name] = (byte_off, extent * elem)
+                    for name in names:
+                        alloc.names[name] = (byte_off, extent * elem)
             self._driver.synchronize()
             return obj
 
@@ -586,20 +591,20 @@ def _as_tag_list(tags) -> list[str]:
 def _named_tensors(obj, prefix: str = "") -> Iterator[tuple[str, Any]]:
     import torch
 
-    seen: set[int] = set()
+    seen: set[tuple[int, str]] = set()
 
-    def emit(name, t):
-        if isinstance(t, torch.Tensor) and id(t) not in seen and t.numel() > 0:
-            seen.add(id(t))
+    def emit(name, t):  # the same tensor may come under several names (tied weights)
+        if isinstance(t, torch.Tensor) and (id(t), name) not in seen and t.numel() > 0:
+            seen.add((id(t), name))
             yield name, t
 
     def walk(o, pre):
         if isinstance(o, torch.Tensor):
             yield from emit(pre or "tensor", o)
         elif isinstance(o, torch.nn.Module):
-            for n, p in o.named_parameters(remove_duplicate=True):
+            for n, p in o.named_parameters(remove_duplicate=False):
                 yield from emit(_join(pre, n), p)
-            for n, b in o.named_buffers(remove_duplicate=True):
+            for n, b in o.named_buffers(remove_duplicate=False):
                 yield from emit(_join(pre, n), b)
         elif isinstance(o, torch.optim.Optimizer):
             for i, (p, st) in enumerate(o.state.items()):
