@@ -20,3 +20,19 @@ def load_first(candidates: list[str], missing: str):
         except OSError as e:
             errors.append(f"{cand}: {e}")
     raise PlatformError(f"{missing} Tried: " + "; ".join(errors or candidates))
+
+
+def bind_prototypes(target, lib, prototypes: dict) -> list[str]:
+    """Set on ``target`` one ctypes function per ``name -> (restype, argtypes)`` of
+    ``prototypes``, re-typed by address from ``lib`` (a ``CDLL`` or a simulated library, so the
+    calls are marshalled exactly as against the real one).  Returns the names ``lib`` lacks."""
+    missing = []
+    for name, (restype, argtypes) in prototypes.items():
+        try:
+            raw = getattr(lib, name)
+        except AttributeError:
+            missing.append(name)
+            continue
+        setattr(target, name, ctypes.CFUNCTYPE(restype, *argtypes)(ctypes.cast(raw, ctypes.c_void_p).value))
+    return missing
+

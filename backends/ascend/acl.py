@@ -22,7 +22,7 @@ import os
 from ctypes import POINTER, c_int, c_int32, c_size_t, c_uint32, c_uint64, c_void_p
 from typing import Any
 
-from unisleep.backends._native import load_first
+from unisleep.backends._native import bind_prototypes, load_first
 from unisleep.errors import PlatformError, UnisleepError
 
 ACL_SUCCESS = 0
@@ -119,14 +119,7 @@ class AclApi:
 
     def __init__(self, lib):
         self._lib = lib
-        missing = []
-        for name, (restype, argtypes) in PROTOTYPES.items():
-            try:
-                raw = getattr(lib, name)
-            except AttributeError:
-                missing.append(name)
-                continue
-            setattr(self, name, ctypes.CFUNCTYPE(restype, *argtypes)(ctypes.cast(raw, c_void_p).value))
+        missing = bind_prototypes(self, lib, PROTOTYPES)
         if missing:
             raise PlatformError(f"libascendcl lacks {', '.join(missing)} (virtual memory needs CANN >= 8)")
 

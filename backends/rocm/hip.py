@@ -17,7 +17,7 @@ import os
 from ctypes import POINTER, c_int, c_size_t, c_uint, c_ulonglong, c_void_p
 from typing import Any
 
-from unisleep.backends._native import load_first
+from unisleep.backends._native import bind_prototypes, load_first
 from unisleep.errors import PlatformError, UnisleepError
 
 # ---- enums (hip_runtime_api.h) ---------------------------------------------------------------
@@ -153,15 +153,7 @@ class HipApi:
 
     def __init__(self, lib):
         self._lib = lib  # keep the library (and a simulated one's callbacks) alive
-        missing = []
-        for name, (restype, argtypes) in PROTOTYPES.items():
-            try:
-                raw = getattr(lib, name)
-            except AttributeError:
-                missing.append(name)
-                continue
-            addr = ctypes.cast(raw, c_void_p).value
-            setattr(self, name, ctypes.CFUNCTYPE(restype, *argtypes)(addr))
+        missing = bind_prototypes(self, lib, PROTOTYPES)
         if missing:
             raise PlatformError(f"the HIP library lacks {', '.join(missing)} (HIP virtual memory needs ROCm >= 5.x)")
 

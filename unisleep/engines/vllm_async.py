@@ -182,6 +182,15 @@ class VLLMAsyncEngine(Engine):
         except RuntimeError:
             return False
 
+    def _running_loop(self, what: str, coro: Awaitable):
+        """The engine's event loop, or EngineError (``coro`` closed unawaited) when it is not running."""
+        loop = self.loop
+        if loop is None or loop.is_closed() or not loop.is_running():
+            _close(coro)
+            raise EngineError(f"AsyncLLM.{what}: the engine's event loop is not running "
+                              "(engine closed?)")
+        return loop
+
     def _run(self, what: str, coro: Awaitable, *, timeout: Optional[float] = None):
         """Run ``coro`` on the engine loop and wait for it (synchronous verbs)."""
         if self._on_engine_loop():
@@ -190,12 +199,7 @@ class VLLMAsyncEngine(Engine):
                 f"{what}: a synchronous verb was called on the engine's own event loop (it "
                 "would deadlock); await the a-prefixed coroutine instead (e.g. `await "
                 "engine.asleep(1)`, `await engine.agenerate(...)`)")
-        loop = self.loop
-        if loop is None or loop.is_closed() or not loop.is_running():
-            _close(coro)
-            raise EngineError(f"AsyncLLM.{what}: the engine's event loop is not running "
-                              "(engine closed?)")
-        fut = asyncio.run_coroutine_threadsafe(coro, loop)
+        fut = asyncio.run_coroutine_threadsafe(coro, self._running_loop(what, coro))
         limit = self.timeout_s if timeout is None else float(timeout)
         try:
             return fut.result(limit)
@@ -216,12 +220,7 @@ class VLLMAsyncEngine(Engine):
         try:
             if self._on_engine_loop():
                 return await asyncio.wait_for(coro, limit)
-            loop = self.loop
-            if loop is None or loop.is_closed() or not loop.is_running():
-                _close(coro)
-                raise EngineError(f"AsyncLLM.{what}: the engine's event loop is not running "
-                                  "(engine closed?)")
-            fut = asyncio.run_coroutine_threadsafe(coro, loop)
+            fut = asyncio.run_coroutine_threadsafe(coro, self._running_loop(what, coro))
             try:
                 return await asyncio.wait_for(asyncio.wrap_future(fut), limit)
             except asyncio.CancelledError:
