@@ -1,0 +1,248 @@
+"""A keyed universal hash of raw bytes: the proof that bytes are unchanged (skip-unchanged
+sleeps) or arrived intact (weight-transfer manifests), which no edit can fool.
+
+The construction is the NH hash of UMAC (Black, Halevi, Krawczyk, Krovetz, Rogaway, 1999) in
+its two-lane Toeplitz form, applied as a tree:
+
+* the bytes are read as little-endian 32-bit words ``m`` (zero-padded to a whole block of
+  ``BLOCK`` words; the byte length is part of the digest);
+* for each block and each lane ``l`` (key offset ``0`` or ``SHIFT`` words)::
+
+      NH_l(block) = sum over pairs j of ((m[2j] + k[2j+l']) mod 2^32) * ((m[2j+1] + k[2j+1+l']) mod 2^32)   mod 2^64
+
+* the two 64-bit outputs of every block, in order, form the next level's words; levels repeat
+  with a fresh key each until one block remains; its two lanes are the digest.
+
+For two inputs of the same length that differ anywhere, NH with two Toeplitz lanes collides
+with probability at most ``2**-64`` per level over the random key, so the whole tree at most
+``levels * 2**-64`` (8 GiB takes 4 levels, 1 TiB 6): below ``2**-60`` for **any** edit, whatever
+its pattern (cancelling sums, swaps, bit flips, ±0.0, NaN payloads).  A new random key is drawn
+for every backup (or derived from a group secret per update), so no fixed edit pattern is blind.
+
+This module is the reference: exact integer arithmetic in torch, on whatever device the tensor
+lives.  A driver may compute level 1 with a fused kernel (``backends/cuda/checksum.py``) as
+long as it returns the same words; the levels above are a few MiB and run here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+import struct
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+BLOCK = 2048  # 32-bit words per NH block (8 KiB)
+SHIFT = 4  # Toeplitz offset of the second lane, in words
+KEY_WORDS = BLOCK + SHIFT
+MAX_LEVELS = 12  # 2048/4 = 512-fold reduction a level: 12 levels cover any size
+_M32 = 0xFFFFFFFF
+_CHUNK_BLOCKS = 1024  # blocks hashed per torch pass on the reference path (8 MiB)
+
+
+@dataclass(frozen=True)
+class HashKey:
+    """The random key of one digest: ``MAX_LEVELS`` independent NH keys of ``KEY_WORDS`` words."""
+
+    material: bytes  # MAX_LEVELS * KEY_WORDS * 4 bytes
+
+    @classmethod
+    def new(cls) -> "HashKey":
+        """A fresh key from the operating system's random source."""
+        return cls(secrets.token_bytes(MAX_LEVELS * KEY_WORDS * 4))
+
+    @classmethod
+    def derive(cls, secret: bytes, context: bytes) -> "HashKey":
+        """A key derived from a shared ``secret`` and a ``context`` (e.g. group id + update
+        number), the same on every peer: HMAC-SHA256 in counter mode (HKDF-expand)."""
+        if not secret:
+            raise ValueError("derive() needs a non-empty secret")
+        out, block, i = bytearray(), b"", 1
+        need = MAX_LEVELS * KEY_WORDS * 4
+        prk = hmac.new(b"unisleep keyed hash v1", secret, hashlib.sha256).digest()
+        while len(out) < need:
+            block = hmac.new(prk, block + context + bytes([i & 0xFF]) + struct.pack("<I", i), hashlib.sha256).digest()
+            out += block
+            i += 1
+        return cls(bytes(out[:need]))
+
+    def level_words(self, level: int) -> list[int]:
+        if not 0 <= level < MAX_LEVELS:
+            raise ValueError(f"level {level} is out of range (input too large to hash)")
+        off = level * KEY_WORDS * 4
+        return list(struct.unpack_from(f"<{KEY_WORDS}I", self.material, off))
+
+    def level_tensor(self, level: int, device):
+        """The level's key as int64 words (values < 2**32) on ``device``, cached per device."""
+        import torch
+
+        cache = _key_cache.setdefault(id(self), {})
+        if cache.get("owner") is not self:
+            cache.clear()
+            cache["owner"] = self
+        k = cache.get((level, str(device)))
+        if k is None:
+            k = torch.tensor(self.level_words(level), dtype=torch.int64, device=device)
+            cache[(level, str(device))] = k
+        return k
+
+    def __repr__(self) -> str:  # never print key material
+        return "HashKey(<secret>)"
+
+
+_key_cache: dict[int, dict] = {}
+
+
+NH2, BLAKE3 = "nh2", "blake3"
+ALGORITHMS = (NH2, BLAKE3)
+
+
+@dataclass(frozen=True)
+class Digest:
+    """A digest: the algorithm, the byte length and two 64-bit lanes.  Compare with ``==``."""
+
+    nbytes: int
+    lane_a: int
+    lane_b: int
+    algorithm: str = NH2
+
+    def to_bytes(self) -> bytes:
+        return struct.pack("<BQQQ", ALGORITHMS.index(self.algorithm), self.nbytes, self.lane_a, self.lane_b)
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> "Digest":
+        if len(raw) != 25:
+            raise ValueError(f"a digest is 25 bytes, got {len(raw)}")
+        algo, n, a, b = struct.unpack("<BQQQ", raw)
+        if algo >= len(ALGORITHMS):
+            raise ValueError(f"unknown digest algorithm number {algo}")
+        return cls(n, a, b, ALGORITHMS[algo])
+
+    def hex(self) -> str:
+        return self.to_bytes().hex()
+
+
+#: a level-1 kernel: (words int32 tensor, key int64 tensor of KEY_WORDS) -> int64 tensor of
+#: 2 * ceil(n / BLOCK) lane outputs, exactly as :func:`nh_level` computes them
+Level1 = Callable[[object, object], object]
+
+
+def nh_level(words, key):
+    """One NH level: int32 words (any length) → int64 tensor ``[A0, B0, A1, B1, ...]`` (two
+    wrapped 64-bit lanes per block of ``BLOCK`` words; the last block zero-padded)."""
+    import torch
+
+    n = words.numel()
+    nblocks = max(1, -(-n // BLOCK))
+    out = torch.empty(2 * nblocks, dtype=torch.int64, device=words.device)
+    ke, ko = key[0:BLOCK:2], key[1:BLOCK:2]
+    ke2, ko2 = key[SHIFT : SHIFT + BLOCK : 2], key[SHIFT + 1 : SHIFT + BLOCK : 2]
+    full = n // BLOCK
+    step = _CHUNK_BLOCKS
+    for b0 in range(0, full, step):
+        b1 = min(full, b0 + step)
+        chunk = words[b0 * BLOCK : b1 * BLOCK]
+        out[2 * b0 : 2 * b1] = _nh_blocks(chunk, ke, ko, ke2, ko2)
+    if full < nblocks:  # the zero-padded tail block
+        tail = torch.zeros(BLOCK, dtype=torch.int32, device=words.device)
+        rest = words[full * BLOCK :]
+        tail[: rest.numel()] = rest
+        out[2 * full :] = _nh_blocks(tail, ke, ko, ke2, ko2)
+    return out
+
+
+def _nh_blocks(chunk, ke, ko, ke2, ko2):
+    import torch
+
+    x = chunk.view(torch.int64).view(-1, BLOCK // 2)  # one int64 = (even word, odd word)
+    lo = x & _M32
+    hi = (x >> 32) & _M32
+    a = ((lo + ke) & _M32).mul_((hi + ko) & _M32).sum(1)
+    b = ((lo + ke2) & _M32).mul_((hi + ko2) & _M32).sum(1)
+    return torch.stack((a, b), 1).view(-1)
+
+
+def digest(src, key: HashKey, level1: Optional[Level1] = None, algorithm: Optional[str] = None) -> Digest:
+    """The keyed digest of a tensor's bytes (contiguous), computed where the bytes are.
+
+    Bytes in host memory are hashed with keyed BLAKE3 (a cryptographic MAC from the ``blake3``
+    package, several GB/s on all cores) unless ``algorithm="nh2"``; bytes on a device with the
+    NH tree on that device.  ``level1`` optionally replaces NH's first (big) level with a fused
+    kernel that returns the same values as :func:`nh_level`.  To verify a digest, pass its
+    ``algorithm`` so both sides compute the same function."""
+    import torch
+
+    if src.dtype != torch.uint8 or src.dim() != 1:
+        src = src.reshape(-1).view(torch.uint8)
+    if algorithm is None:
+        algorithm = BLAKE3 if src.device.type == "cpu" else NH2
+    if algorithm == BLAKE3:
+        return _blake3_digest(src, key)
+    if algorithm != NH2:
+        raise ValueError(f"unknown digest algorithm {algorithm!r} (known: {', '.join(ALGORITHMS)})")
+    nbytes = src.numel()
+    if nbytes % 8:
+        pad = torch.zeros(8 - nbytes % 8, dtype=torch.uint8, device=src.device)
+        src = torch.cat((src, pad))
+    words = src.view(torch.int32) if src.numel() else torch.zeros(2, dtype=torch.int32, device=src.device)
+    level = 0
+    while True:
+        k = key.level_tensor(level, words.device)
+        out = level1(words, k) if (level == 0 and level1 is not None) else nh_level(words, k)
+        if words.numel() <= BLOCK:
+            break
+        words = out.view(torch.int32)
+        level += 1
+    a, b = (int(v) & 0xFFFFFFFFFFFFFFFF for v in out.tolist())
+    return Digest(nbytes, a, b)
+
+
+def _blake3_digest(src, key: HashKey) -> Digest:
+    import ctypes
+
+    try:
+        import blake3
+    except ImportError as e:  # a core dependency; say how to get it
+        raise ImportError("unisleep needs the 'blake3' package to hash host memory: pip install blake3") from e
+    n = src.numel()
+    if src.device.type != "cpu":
+        src = src.cpu()
+    mv = memoryview((ctypes.c_char * n).from_address(src.data_ptr())).cast("B") if n else b""
+    h = blake3.blake3(key=key.material[:32], max_threads=blake3.blake3.AUTO if n >= (16 << 20) else 1)
+    h.update(mv)
+    raw = h.digest(16)
+    a, b = struct.unpack("<QQ", raw)
+    return Digest(n, a, b, BLAKE3)
+
+
+def digest_bytes(data: bytes, key: HashKey, algorithm: str = NH2) -> Digest:
+    """The digest of a ``bytes`` object (host); NH by default, the definition's arithmetic."""
+    import torch
+
+    t = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    return digest(t, key, algorithm=algorithm)
+
+
+def reference_digest(data: bytes, key: HashKey) -> Digest:
+    """The definition in plain Python integers (slow; for tests of the fast paths)."""
+    n = len(data)
+    buf = data + b"\0" * (-n % 8 if n else 8)
+    words = list(struct.unpack(f"<{len(buf) // 4}I", buf))
+    level = 0
+    while True:
+        k = key.level_words(level)
+        nblocks = max(1, -(-len(words) // BLOCK))
+        padded = words + [0] * (nblocks * BLOCK - len(words))
+        out = []
+        for blk in range(nblocks):
+            m = padded[blk * BLOCK : (blk + 1) * BLOCK]
+            for s in (0, SHIFT):
+                acc = 0
+                for j in range(0, BLOCK, 2):
+                    acc += ((m[j] + k[j + s]) & _M32) * ((m[j + 1] + k[j + 1 + s]) & _M32)
+                out.append(acc & 0xFFFFFFFFFFFFFFFF)
+        if len(words) <= BLOCK:
+            return Digest(n, out[0], out[1])
+        words = [w for v in out for w in (v & _M32, v >> 32)]
+        level += 1
