@@ -181,6 +181,8 @@ def digest(src, key: HashKey, level1: Optional[Level1] = None, algorithm: Option
         return _blake3_digest(src, key)
     if algorithm != NH2:
         raise ValueError(f"unknown digest algorithm {algorithm!r} (known: {', '.join(ALGORITHMS)})")
+    if level1 is None and src.device.type != "cpu":
+        level1 = device_level1(src.device.type)
     nbytes = src.numel()
     if nbytes % 8:
         pad = torch.zeros(8 - nbytes % 8, dtype=torch.uint8, device=src.device)
@@ -196,6 +198,28 @@ def digest(src, key: HashKey, level1: Optional[Level1] = None, algorithm: Option
         level += 1
     a, b = (int(v) & 0xFFFFFFFFFFFFFFFF for v in out.tolist())
     return Digest(nbytes, a, b)
+
+
+_LEVEL1: dict = {}
+
+
+def device_level1(device_type: str) -> Optional[Level1]:
+    """The fused level-1 kernel the backend of ``device_type`` ships (``nh_level1`` in its
+    ``checksum`` module), or None (then the torch ops above run on the device)."""
+    if device_type not in _LEVEL1:
+        import importlib
+
+        from .platform import accelerated_module
+
+        fn = None
+        mod = accelerated_module(device_type, "checksum")
+        if mod is not None:
+            try:
+                fn = getattr(importlib.import_module(mod), "nh_level1", None)
+            except ImportError:
+                fn = None
+        _LEVEL1[device_type] = fn
+    return _LEVEL1[device_type]
 
 
 def _blake3_digest(src, key: HashKey) -> Digest:
