@@ -3,7 +3,13 @@ accelerators — the same API on NVIDIA CUDA, AMD ROCm, Huawei Ascend and plain 
 
 from . import errors
 from .errors import (
+    BackupCorruptError,
+    BackupError,
+    BackupLostError,
     HostBudgetError,
+    InsufficientMemoryError,
+    LiveTensorsError,
+    SpillDirError,
     InvalidArgumentError,
     InvalidTransitionError,
     PlatformError,
@@ -33,6 +39,12 @@ __all__ = [
     "PlatformError",
     "InvalidArgumentError",
     "UnknownTagError",
+    "BackupError",
+    "BackupCorruptError",
+    "BackupLostError",
+    "InsufficientMemoryError",
+    "SpillDirError",
+    "LiveTensorsError",
     "__version__",
 ]
 

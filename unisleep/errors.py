@@ -22,6 +22,33 @@ class HostBudgetError(UnisleepError):
     Checked before anything is released."""
 
 
+class BackupError(UnisleepError):
+    """A level-1 backup could not be made (no room, ENOSPC, EIO, a read-only spill directory, a
+    driver or hook failure).  The lifecycle was returned to exactly its state before the call:
+    every tag as it was, bytes exact, addresses mapped, the partial backup removed.  ``tag``,
+    ``nbytes``, ``path`` and ``cause`` say what failed where."""
+
+    def __init__(self, message: str, *, tag=None, nbytes=None, path=None, cause=None):
+        super().__init__(message)
+        self.tag, self.nbytes, self.path, self.cause = tag, nbytes, path, cause
+
+
+class BackupCorruptError(BackupError):
+    """A backup failed its checksum, or its file is missing or short, when waking.  Nothing of
+    it was exposed: the tag stays ``"offloaded"`` (its memory unmapped) and can be discarded,
+    slept at level 2, or woken empty and refilled by a weight transfer."""
+
+
+class BackupLostError(BackupError):
+    """Memory could not be brought back after a failure: the tag is marked ``"lost"``.  Discard
+    it (``discard([tag])``), then wake it (zeros) and load the weights again."""
+
+
+class InsufficientMemoryError(UnisleepError):
+    """An allocation asks for more physical memory than the device or host has free; checked
+    before anything is committed."""
+
+
 class UnsupportedError(UnisleepError):
     """The operation does not exist on this platform or backend; the message names the
     alternative."""
@@ -33,6 +60,16 @@ class PlatformError(UnisleepError):
 
 class InvalidArgumentError(UnisleepError, ValueError):
     """An argument is out of range (e.g. ``level=3``)."""
+
+
+class SpillDirError(InvalidArgumentError):
+    """The spill directory cannot be used (read-only, not a directory, not creatable); the
+    message names the path and what to pass instead."""
+
+
+class LiveTensorsError(InvalidTransitionError):
+    """``close()`` was asked while tensors handed out by the lifecycle are still referenced;
+    the message lists their tags.  Drop them first, or ``close(force=True)``."""
 
 
 class UnknownTagError(InvalidArgumentError):
@@ -51,6 +88,12 @@ __all__ = [
     "UnisleepError",
     "InvalidTransitionError",
     "HostBudgetError",
+    "BackupError",
+    "BackupCorruptError",
+    "BackupLostError",
+    "InsufficientMemoryError",
+    "SpillDirError",
+    "LiveTensorsError",
     "UnsupportedError",
     "PlatformError",
     "InvalidArgumentError",
