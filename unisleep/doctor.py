@@ -96,6 +96,9 @@ def collect() -> dict[str, Any]:
             ],
         }
         warnings += environment_warnings(plat)
+    from .backends._native import fallback_warnings
+
+    warnings += fallback_warnings()  # safer, costlier paths a driver took in this process
     report["packages"] = {name: {"present": present} for name, present in optional_packages().items()}
     for name, dists in (("torch", ("torch",)), ("vllm", VLLM_DISTS)):
         if name in report["packages"]:
@@ -157,7 +160,9 @@ def render(report: dict[str, Any]) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="unisleep doctor", description=__doc__,
+    from .cli import plain
+
+    parser = argparse.ArgumentParser(prog="unisleep doctor", description=plain(__doc__),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))

@@ -25,6 +25,7 @@ import statistics
 import time
 from typing import Optional, Sequence
 
+from ..cli import plain
 from . import common
 
 MiB = 1 << 20
@@ -101,7 +102,7 @@ def sweep_one(driver, total: int, chunk: Optional[int], repeat: int) -> dict:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="unisleep bench --chunk-sweep", description=__doc__,
+    ap = argparse.ArgumentParser(prog="unisleep bench --chunk-sweep", description=plain(__doc__),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--platform", default=None, help="platform name (default: detected)")
     ap.add_argument("--device", type=int, default=0)

@@ -2,7 +2,7 @@
 
 =====================  ===================================================================
 (no flag)              host sleep/wake throughput beside its limits (``unisleep.bench.host``)
-``--backend NAME``     sleep/wake on a backend (``cuda``: the H200 workload, with peers)
+``--backend NAME``     sleep/wake on a backend (an accelerator: the large workload, with peers)
 ``--transfer``         weight transfer by path (``unisleep.bench.transfer``)
 ``--chunk-sweep``      map/unmap cost by chunk size (``unisleep.bench.chunk_sweep``)
 =====================  ===================================================================
@@ -16,12 +16,26 @@ import importlib
 import sys
 from typing import Optional, Sequence
 
+MODES = (
+    ("(no mode flag)", "host sleep/wake throughput beside its limits, measured in the same run"),
+    ("--backend NAME", "sleep/wake on a backend's devices (the large workload, beside other libraries)"),
+    ("--transfer", "weight transfer by path"),
+    ("--chunk-sweep", "map/unmap cost by chunk size"),
+)
+
+
+def mode_help() -> str:
+    width = max(len(m) for m, _ in MODES)
+    lines = ["usage: unisleep bench [--backend NAME | --transfer | --chunk-sweep] [options]", "",
+             "Benchmarks; every mode prints a table and writes JSON. Modes:"]
+    lines += [f"  {m:<{width}}  {d}" for m, d in MODES]
+    lines += ["", "Each mode's options: unisleep bench --transfer --help, unisleep bench --chunk-sweep --help,",
+              "unisleep bench --backend NAME --help. Without a mode flag (the host benchmark):", ""]
+    return "\n".join(lines)
+
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "-h" in argv and len(argv) == 1 or "--help" in argv and len(argv) == 1:
-        print(__doc__)
-        return 0
     if "--transfer" in argv:
         argv.remove("--transfer")
         mod = "unisleep.bench.transfer"
@@ -36,4 +50,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             elif a.startswith("--backend="):
                 backend = a.split("=", 1)[1]
         mod = "unisleep.bench.host" if backend in (None, "host") else "unisleep.bench.device"
+        if mod == "unisleep.bench.host" and ("-h" in argv or "--help" in argv):
+            print(mode_help())  # then the host benchmark's own options (argparse exits 0)
     return int(importlib.import_module(mod).main(argv) or 0)

@@ -21,6 +21,7 @@ import sys
 import time
 from typing import Optional, Sequence
 
+from ..cli import plain
 from .common import print_table, progress, write_json
 
 GiB = 1 << 30
@@ -186,7 +187,7 @@ LABELS = {
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="unisleep bench --backend NAME", description=__doc__)
+    ap = argparse.ArgumentParser(prog="unisleep bench --backend NAME", description=plain(__doc__))
     ap.add_argument("--backend", required=True)
     ap.add_argument("--device", type=int, default=0)
     ap.add_argument("--weights", type=float, default=8.0, help="GiB tagged weights (default 8)")

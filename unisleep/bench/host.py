@@ -13,6 +13,9 @@ wake from level 2 (zeroed)     kernel: memfd_create + fallocate + mmap, same siz
 
 Each cycle runs every "ours" next to its limit, alternating which goes first, so that drift on
 a shared machine cancels; the table shows medians over the cycles.  Progress goes to stderr.
+``--check`` makes a missed goal a non-zero exit (for CI).  A ``--size`` that does not fit in the
+memory available (``MemAvailable``) or in the spill directory's free space is refused before
+anything is allocated.
 """
 
 from __future__ import annotations
@@ -29,10 +32,19 @@ import tempfile
 import time
 from typing import Callable, Optional, Sequence
 
+from ..backup import host_available_bytes
+from ..cli import plain
+from ..errors import InvalidArgumentError, UnisleepError
+from ..units import human_bytes
 from .common import print_table, progress, write_json
 
 GOAL_RATIO = 0.8
 GOAL_L2_SLEEP_S = 0.005
+#: peak memory per byte of --size: the tag, its reference copy, and the fresh buffer the wake's
+#: limit reads into (at the start, the tag and the pattern that fills it)
+MEMORY_FACTOR = 3
+#: peak spill-directory space per byte of --size: the level-1 backup and the limit's file
+SPILL_FACTOR = 2
 
 
 def parse_size(text: str) -> int:
@@ -52,6 +64,60 @@ def _human(n: int) -> str:
         if n >= div:
             return f"{n / div:g} {unit}"
     return f"{n} B"
+
+
+def _free_bytes(path: str) -> tuple[str, int]:
+    """(the directory measured, its free bytes): ``path`` or, if it does not exist yet, the
+    nearest existing folder above it (where it would be created)."""
+    p = os.path.abspath(path)
+    while not os.path.isdir(p) and os.path.dirname(p) != p:
+        p = os.path.dirname(p)
+    st = os.statvfs(p)
+    return p, st.f_bavail * st.f_frsize
+
+
+def _size_hint(n: int) -> str:
+    """A --size value no larger than ``n`` (e.g. "1536M")."""
+    for unit, div in (("G", 2**30), ("M", 2**20), ("K", 2**10)):
+        if n >= div:
+            return f"{n // div}{unit}"
+    return str(max(n, 1))
+
+
+def check_room(size: int, spill_dir: Optional[str]) -> str:
+    """Refuse a ``size`` that cannot fit before anything is allocated: the benchmark holds about
+    MEMORY_FACTOR x size of memory and writes SPILL_FACTOR x size into the spill directory (on a
+    RAM filesystem that is memory too).  Returns the spill directory; raises
+    :class:`InvalidArgumentError` naming the room there is and a size that fits."""
+    from ..backends.host.spill import RAM_FILESYSTEMS, default_spill_parent, filesystem_type
+
+    parent = spill_dir or default_spill_parent()
+    if os.path.exists(parent) and not os.path.isdir(parent):
+        raise InvalidArgumentError(f"--spill-dir {parent} is a file, not a directory; pass a directory.")
+    avail = host_available_bytes()
+    where, free = _free_bytes(parent)
+    in_ram = filesystem_type(where) in RAM_FILESYSTEMS
+    need_mem = MEMORY_FACTOR * size + (SPILL_FACTOR * size if in_ram else 0)
+    if avail and need_mem > avail:
+        per = MEMORY_FACTOR + (SPILL_FACTOR if in_ram else 0)
+        raise InvalidArgumentError(
+            f"--size {human_bytes(size)} does not fit in memory: the benchmark holds about {per} x size = "
+            f"{human_bytes(need_mem)} ({'the tag, a reference copy, a fresh read buffer' if not in_ram else 'those plus its spill files, on a RAM filesystem'}) "
+            f"and {human_bytes(avail)} is available (MemAvailable in /proc/meminfo). "
+            f"Pass --size {_size_hint(avail // per)} or less.")
+    need_disk = SPILL_FACTOR * size
+    if need_disk > free:
+        raise InvalidArgumentError(
+            f"--size {human_bytes(size)} does not fit in the spill directory {parent}: the benchmark writes about "
+            f"{SPILL_FACTOR} x size = {human_bytes(need_disk)} there (the level-1 backup and the limit's file) and "
+            f"{where} has {human_bytes(free)} free. Pass --size {_size_hint(free // SPILL_FACTOR)} or less, or "
+            "--spill-dir on a filesystem with more room.")
+    return parent
+
+
+def missed_goals(res: dict) -> list[str]:
+    """The operations whose goal the run missed (the table's "NO" rows)."""
+    return [r["operation"] for r in res["rows"] if r["met"] is False]
 
 
 def _ptr(buf) -> int:
@@ -139,6 +205,8 @@ def run(size: int, cycles: int, spill_dir: Optional[str]) -> dict:
     from ..lifecycle import MemoryLifecycle
 
     parent = spill_dir or default_spill_parent()
+    if not os.path.isdir(parent):
+        progress(f"creating the spill directory {parent}")
     os.makedirs(parent, exist_ok=True)
     limit_dir = tempfile.mkdtemp(prefix="unisleep-bench-limit-", dir=parent)
     limit_file = os.path.join(limit_dir, "limit.bin")
@@ -261,25 +329,44 @@ def _table(res: dict) -> None:
     )
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    ap = argparse.ArgumentParser(prog="unisleep bench", description=__doc__,
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="unisleep bench", description=plain(__doc__),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--backend", default="host", help="host (this benchmark)")
-    ap.add_argument("--size", type=parse_size, default=parse_size("1G"), help="bytes per tag, e.g. 512M, 1G (default 1G)")
+    ap.add_argument("--backend", default="host", help="host (this benchmark); another backend name runs the "
+                    "device benchmark")
+    ap.add_argument("--size", type=parse_size, default=parse_size("1G"),
+                    help="bytes per tag, e.g. 512M, 1G (default 1G); refused at once if it cannot fit")
     ap.add_argument("--cycles", type=int, default=3, help="sleep/wake cycles; the table shows medians (default 3)")
     ap.add_argument("--spill-dir", default=None, help="where level-1 backups go (default: unisleep's default)")
     ap.add_argument("--out", default=None, help="directory for the JSON (default: the current directory)")
     ap.add_argument("--json", default=None, help="JSON path (default: bench-host.json in --out or the cwd)")
+    ap.add_argument("--check", action="store_true", help="exit 1 when the table shows a missed goal (for CI)")
+    return ap
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = build_parser()
     args = ap.parse_args(argv)
     if args.backend != "host":
         ap.error(f"this is the host benchmark; --backend {args.backend} is served by unisleep.bench.device")
     if args.cycles < 1:
         ap.error("--cycles must be >= 1")
-    res = run(args.size, args.cycles, args.spill_dir)
+    try:
+        spill_dir = check_room(args.size, args.spill_dir)
+    except UnisleepError as e:
+        print(f"unisleep bench: {e}", file=sys.stderr)
+        return 2
+    res = run(args.size, args.cycles, spill_dir)
+    missed = missed_goals(res)
+    res["missed"] = missed
     _table(res)
     path = args.json or os.path.join(args.out or os.getcwd(), "bench-host.json")
     write_json(path, "host", res, argv)
+    if missed:
+        print(f"goal missed: {'; '.join(missed)}" + ("" if args.check else " (--check makes this exit 1)"))
+        if args.check:
+            return 1
     return 0
 
 

@@ -28,6 +28,7 @@ import traceback
 from typing import Any, Optional
 
 from ..backup import host_available_bytes
+from ..cli import plain
 from .common import print_table, progress, write_json
 
 GiB = 2**30
@@ -151,7 +152,7 @@ def _spawn(job: dict, timeout: float) -> dict:
 
 
 def main(argv: Optional[list] = None) -> int:
-    ap = argparse.ArgumentParser(prog="unisleep bench --transfer", description=__doc__,
+    ap = argparse.ArgumentParser(prog="unisleep bench --transfer", description=plain(__doc__),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="1,8", help="update sizes in GiB, comma-separated (default 1,8)")
     ap.add_argument("--paths", default=",".join(PATHS), help=f"subset of {','.join(PATHS)}")

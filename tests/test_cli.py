@@ -1,0 +1,151 @@
+"""The ``unisleep`` command line as a user runs it (every call is a real ``python -m unisleep``
+process): help exits 0 in plain text, ``--version``, a mistyped command is named with the closest
+one, every subcommand's ``--help`` lists its options, ``bench --size`` that cannot fit is refused
+before anything is allocated, and ``bench --check`` turns a missed goal into a non-zero exit."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+import unisleep
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RST = re.compile(r"``|:(mod|class|func|meth|attr):`|^\s*=+\s+=+", re.MULTILINE)
+
+
+def cli(*args: str, timeout: float = 120, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("UNISLEEP_PLATFORM", "UNISLEEP_SPILL_DIR")}
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, "-m", "unisleep", *args], capture_output=True, text=True, cwd=ROOT,
+                          env=env, timeout=timeout)
+
+
+def options_of(parser) -> set[str]:
+    return {s for a in parser._actions for s in a.option_strings if s.startswith("--") and a.help != "==SUPPRESS=="}
+
+
+# ------------------------------------------------------------------------- the top level
+@pytest.mark.parametrize("args", [[], ["--help"], ["-h"], ["-v", "--help"]])
+def test_help_exits_zero_in_plain_text(args):
+    r = cli(*args)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("usage: unisleep")
+    for name in ("doctor", "demo", "bench", "--version"):
+        assert name in r.stdout
+    assert not RST.search(r.stdout), r.stdout
+    assert r.stderr == ""
+
+
+def test_version():
+    r = cli("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"unisleep {unisleep.__version__}"
+
+
+@pytest.mark.parametrize("typo,closest", [("docter", "doctor"), ("demoo", "demo"), ("bnech", "bench")])
+def test_unknown_command_names_the_closest(typo, closest):
+    r = cli(typo)
+    assert r.returncode == 2
+    assert f"unknown command '{typo}'" in r.stderr and f"Did you mean '{closest}'?" in r.stderr
+    assert "usage:" not in r.stdout  # not a silent dump of the help
+
+
+def test_unknown_command_without_a_close_one():
+    r = cli("xyzzy")
+    assert r.returncode == 2 and "unknown command 'xyzzy'" in r.stderr and "Did you mean" not in r.stderr
+    assert "doctor, demo, bench" in r.stderr
+
+
+def test_unknown_global_option():
+    r = cli("--frobnicate", "doctor")
+    assert r.returncode == 2 and "--frobnicate" in r.stderr
+
+
+# ------------------------------------------------------------------------- each command's --help
+def _parsers():
+    from unisleep.bench import chunk_sweep, host, transfer
+    from unisleep.demo import build_parser
+
+    yield ("demo", "--help"), options_of(build_parser())
+    yield ("bench", "--help"), options_of(host.build_parser()) | {"--transfer", "--chunk-sweep", "--backend"}
+    yield ("doctor", "--help"), {"--json"}
+    # the other bench modes: the options their own parser declares (read from the source's add_argument calls)
+    for mod, flag in ((transfer, "--transfer"), (chunk_sweep, "--chunk-sweep")):
+        src = open(mod.__file__).read()
+        yield ("bench", flag, "--help"), set(re.findall(r'add_argument\("(--[a-z-]+)"', src))
+
+
+@pytest.mark.parametrize("args,options", list(_parsers()), ids=lambda v: " ".join(v) if isinstance(v, tuple) else "")
+def test_every_help_lists_its_options(args, options):
+    r = cli(*args)
+    assert r.returncode == 0, r.stderr
+    missing = [o for o in sorted(options) if o not in r.stdout]
+    assert options and not missing, f"{' '.join(args)} does not list {missing}:\n{r.stdout}"
+    assert not RST.search(r.stdout), r.stdout
+
+
+def test_bench_help_names_the_host_options():
+    out = cli("bench", "--help").stdout
+    for opt in ("--size", "--cycles", "--spill-dir", "--json", "--out", "--check"):
+        assert opt in out
+
+
+def test_device_bench_help():
+    """The device benchmark's options are listed without an accelerator (nothing is touched)."""
+    r = cli("bench", "--backend", "cuda", "--help")
+    assert r.returncode == 0 and "--weights" in r.stdout and "--kv" in r.stdout and not RST.search(r.stdout)
+
+
+# ------------------------------------------------------------------------- bench --size and --check
+def _mem_available() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    pytest.skip("no MemAvailable in /proc/meminfo (needs Linux >= 3.14)")
+
+
+@pytest.mark.parametrize("size", ["10TB", "{4x}"])
+def test_bench_refuses_a_size_that_cannot_fit(tmp_path, size):
+    if size == "{4x}":
+        size = str(4 * _mem_available())
+    spill = tmp_path / "spill"
+    r = cli("bench", "--size", size, "--spill-dir", str(spill), "--json", str(tmp_path / "b.json"), timeout=60)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert "does not fit in memory" in r.stderr and "MemAvailable" in r.stderr and "Pass --size" in r.stderr
+    assert "Traceback" not in r.stderr and "[bench] host bench" not in r.stderr  # nothing started
+    assert not spill.exists() and not (tmp_path / "b.json").exists()
+    # the size it suggests is accepted by the same check
+    from unisleep.bench.host import check_room, parse_size
+
+    hint = re.search(r"Pass --size (\S+) or less", r.stderr).group(1)
+    assert check_room(parse_size(hint), str(spill)) == str(spill)
+
+
+def test_bench_refuses_a_file_as_spill_dir(tmp_path):
+    f = tmp_path / "afile"
+    f.write_text("x")
+    r = cli("bench", "--size", "1M", "--spill-dir", str(f), timeout=60)
+    assert r.returncode == 2 and "is a file" in r.stderr and str(f) in r.stderr
+
+
+@pytest.mark.parametrize("check", [False, True])
+def test_bench_check_exit_code_follows_the_table(tmp_path, check):
+    out = tmp_path / "b.json"
+    r = cli("bench", "--size", "4M", "--cycles", "1", "--spill-dir", str(tmp_path / "s"), "--json", str(out),
+            *(["--check"] if check else []), timeout=300)
+    doc = json.loads(out.read_text())
+    missed = [row["operation"] for row in doc["results"]["rows"] if row["met"] is False]
+    assert doc["results"]["missed"] == missed
+    table_no = [ln for ln in r.stdout.splitlines() if re.search(r"\sNO\s*$", ln)]
+    assert len(table_no) == len(missed)
+    if check and missed:
+        assert r.returncode == 1 and "goal missed" in r.stdout
+    else:
+        assert r.returncode == 0, r.stderr
+        assert ("goal missed" in r.stdout) == bool(missed)
