@@ -1,75 +1,142 @@
-"""A digest of device bytes computed at HBM speed, used to prove weights unchanged since their
-host backup (so a level-1 sleep can skip the copy).  Never assumed: computed every time.
+"""The first level of the keyed NH hash (:mod:`unisleep.keyed_hash`) in one fused Triton pass
+over device memory, at HBM speed: the proof that weights are unchanged since their host backup
+(so a level-1 sleep can skip the copy), and that transferred bytes arrived intact.
 
-Two 64-bit lanes over the bytes read as 32-bit words w_i: ``sum(w_i)`` and
-``sum(w_i * (i + 1))`` (both mod 2**64).  The position weight catches moved or swapped words;
-an accidental collision of both lanes needs a change that cancels in two independent sums.
-One fused Triton pass when Triton is available, else chunked torch ops (slower, same digest).
+:func:`nh_level1` returns exactly what :func:`unisleep.keyed_hash.nh_level` returns (the words
+are int32, little-endian; blocks of ``BLOCK`` words; per block lane A uses ``key[0:BLOCK]``,
+lane B ``key[SHIFT:SHIFT+BLOCK]``; pairs are (even word, odd word); sums wrap mod 2**64; the last
+block is zero-padded) and is found by :func:`unisleep.keyed_hash.device_level1` by its name.
+Without Triton (or off the GPU) it is ``nh_level`` itself: the same words, slower.
+
+The kernel takes the block count and the length of the last block as runtime arguments (no
+integer specialisation), so the one kernel compiled at driver start serves every size.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import weakref
+
+from unisleep.keyed_hash import BLOCK, KEY_WORDS, SHIFT, nh_level
+
+log = logging.getLogger("unisleep.cuda")
+
+#: blocks hashed by one program (G * 8 KiB read per program) and warps per program; chosen by
+#: the H200 sweep in docs/results/ (bench script: backends/cuda/bench_nh.py)
+BLOCKS_PER_PROGRAM = 4
+NUM_WARPS = 8
+
 _kernel = None
+_kernel_error: "BaseException | None" = None
+_key32: dict = {}  # id(key tensor) -> (weakref to it, its version, int32 words)
 
 
-def _triton_kernel():
-    global _kernel
-    if _kernel is not None:
-        return _kernel
+def _build():
     import triton
     import triton.language as tl
 
-    @triton.jit
-    def _digest(x_ptr, out_ptr, TILES_PER_PROG: tl.constexpr, BLOCK: tl.constexpr):
-        # full tiles only (the caller folds the tail in): no large integer argument, so the
-        # kernel compiled at warm-up serves every size
+    @triton.jit(do_not_specialize=["nblocks", "last"])
+    def _nh1(x_ptr, k_ptr, out_ptr, nblocks, last, G: tl.constexpr, PAIRS: tl.constexpr, SH: tl.constexpr):
+        # x: int32 words; k: the level's key as uint32 words (KEY_WORDS); out: int64 [2 * nblocks]
         pid = tl.program_id(0)
-        acc1 = tl.zeros([BLOCK], dtype=tl.int64)
-        acc2 = tl.zeros([BLOCK], dtype=tl.int64)
-        base = pid.to(tl.int64) * (TILES_PER_PROG * BLOCK)
-        for t in range(TILES_PER_PROG):
-            idx = base + t * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-            w = tl.load(x_ptr + idx).to(tl.int64) & 0xFFFFFFFF
-            acc1 += w
-            acc2 += w * (idx + 1)
-        tl.store(out_ptr + pid * 2, tl.sum(acc1, axis=0))
-        tl.store(out_ptr + pid * 2 + 1, tl.sum(acc2, axis=0))
+        blk = pid.to(tl.int64) * G + tl.arange(0, G).to(tl.int64)  # [G] block numbers
+        w = tl.arange(0, PAIRS)[:, None] * 2 + tl.arange(0, 2)[None, :]  # [PAIRS, 2] word in block
+        ka = tl.load(k_ptr + w).to(tl.uint32, bitcast=True)
+        kb = tl.load(k_ptr + SH + w).to(tl.uint32, bitcast=True)
+        n = (nblocks.to(tl.int64) - 1) * (PAIRS * 2) + last  # words in all
+        offs = blk[:, None, None] * (PAIRS * 2) + w[None, :, :]  # [G, PAIRS, 2]
+        m = tl.load(x_ptr + offs, mask=offs < n, other=0).to(tl.uint32, bitcast=True)
+        a = m + ka[None, :, :]  # wraps mod 2**32
+        b = m + kb[None, :, :]
+        a0, a1 = tl.split(a)
+        b0, b1 = tl.split(b)
+        sa = tl.sum(a0.to(tl.uint64) * a1.to(tl.uint64), axis=1)  # wraps mod 2**64
+        sb = tl.sum(b0.to(tl.uint64) * b1.to(tl.uint64), axis=1)
+        ok = blk < nblocks
+        tl.store(out_ptr + 2 * blk, sa.to(tl.int64, bitcast=True), mask=ok)
+        tl.store(out_ptr + 2 * blk + 1, sb.to(tl.int64, bitcast=True), mask=ok)
 
-    _kernel = _digest
+    return _nh1
+
+
+def _triton_kernel():
+    """The compiled kernel, or None when Triton is missing or unusable (then ``nh_level``)."""
+    global _kernel, _kernel_error
+    if _kernel is None and _kernel_error is None:
+        try:
+            _kernel = _build()
+        except Exception as e:  # no Triton (or a broken install): the torch path gives the same words
+            _kernel_error = e
+            log.debug("Triton NH kernel unavailable (%s); using the torch ops", e)
     return _kernel
 
 
-def digest(src) -> tuple[int, int]:
-    """Digest of a uint8 CUDA tensor (its length must be a multiple of 4)."""
+def _key_words32(key):
+    """The key as int32 words (the low halves of its int64 values), cached per key tensor."""
     import torch
 
-    n = src.numel()
-    if n % 4:
-        raise ValueError("digest needs a multiple of 4 bytes")
-    words = src.view(torch.int32)
-    nw = words.numel()
-    try:
-        kern = _triton_kernel()
-    except Exception:
-        kern = None
-    s1 = torch.zeros((), dtype=torch.int64, device=src.device)
-    s2 = torch.zeros((), dtype=torch.int64, device=src.device)
-    done = 0
-    if kern is not None:
-        BLOCK, TILES = 2048, 16
-        progs = nw // (BLOCK * TILES)
-        if progs:
-            out = torch.empty(progs * 2, dtype=torch.int64, device=src.device)
-            kern[(progs,)](words, out, TILES_PER_PROG=TILES, BLOCK=BLOCK)
-            part = out.view(progs, 2).sum(0)
-            s1 += part[0]
-            s2 += part[1]
-            done = progs * BLOCK * TILES
-    # the tail (or everything, without Triton): chunked torch ops, same digest
-    step = 1 << 26
-    for lo in range(done, nw, step):
-        w = words[lo : lo + step].to(torch.int64) & 0xFFFFFFFF
-        idx = torch.arange(lo + 1, lo + 1 + w.numel(), dtype=torch.int64, device=src.device)
-        s1 += w.sum()
-        s2 += (w * idx).sum()
-    return int(s1), int(s2)
+    kid = id(key)
+    hit = _key32.get(kid)
+    if hit is not None and hit[0]() is key and hit[1] == key._version:
+        return hit[2]
+    k32 = key.to(torch.int64).contiguous().view(torch.int32)[0::2].contiguous()  # little-endian low words
+    _key32[kid] = (weakref.ref(key, lambda _r, kid=kid: _key32.pop(kid, None)), key._version, k32)
+    return k32
+
+
+def _usable(words) -> bool:
+    if words.device.type == "cuda":
+        return True
+    return os.environ.get("TRITON_INTERPRET") == "1" and words.device.type == "cpu"
+
+
+def nh_level1(words, key, blocks_per_program: "int | None" = None, num_warps: "int | None" = None):
+    """One NH level of int32 ``words`` (any length) under the int64 ``key`` (``KEY_WORDS``
+    values < 2**32) → int64 ``[A0, B0, A1, B1, ...]``, equal to ``keyed_hash.nh_level``."""
+    import torch
+
+    kern = _triton_kernel()
+    if kern is None or not _usable(words):
+        return nh_level(words, key)
+    if words.dtype != torch.int32:
+        raise TypeError(f"nh_level1 hashes int32 words, got {words.dtype}")
+    if key.numel() != KEY_WORDS:
+        raise ValueError(f"an NH level key has {KEY_WORDS} words, got {key.numel()}")
+    words = words.reshape(-1)
+    if not words.is_contiguous():
+        words = words.contiguous()
+    n = words.numel()
+    nblocks = max(1, -(-n // BLOCK))
+    last = n - (nblocks - 1) * BLOCK  # 0..BLOCK words in the last block (0 only when n == 0)
+    out = torch.empty(2 * nblocks, dtype=torch.int64, device=words.device)
+    g = blocks_per_program or BLOCKS_PER_PROGRAM
+    grid = (-(-nblocks // g),)
+    if n == 0:
+        words = torch.zeros(2, dtype=torch.int32, device=words.device)  # a valid pointer; fully masked
+    kern[grid](
+        words,
+        _key_words32(key.to(words.device)),
+        out,
+        nblocks,
+        last,
+        G=g,
+        PAIRS=BLOCK // 2,
+        SH=SHIFT,
+        num_warps=num_warps or NUM_WARPS,
+    )
+    return out
+
+
+def warm_up(device) -> bool:
+    """Compile the kernel now (driver start), not inside the first sleep; True when compiled
+    and equal to the torch ops on a small input."""
+    import torch
+
+    if _triton_kernel() is None:
+        return False
+    from unisleep.keyed_hash import HashKey
+
+    key = HashKey.new().level_tensor(0, device)
+    w = torch.arange(3 * BLOCK + 5, dtype=torch.int32, device=device) * 7919
+    return torch.equal(nh_level1(w, key), nh_level(w, key))

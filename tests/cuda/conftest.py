@@ -1,6 +1,14 @@
-"""Tests under tests/cuda need an NVIDIA GPU; CPU CI skips them with the reason."""
+"""Tests under tests/cuda need an NVIDIA GPU; CPU CI skips them with the reason.
+
+The skip goes by the ``cuda`` *marker* (every test in this folder carries it) — never by
+keywords, which also match parametrised ids like ``test_platform.py::...[cuda]`` elsewhere.
+"""
+
+import os
 
 import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _gpu_count() -> int:
@@ -13,9 +21,13 @@ def _gpu_count() -> int:
 
 
 def pytest_collection_modifyitems(config, items):
+    mine = [it for it in items if str(it.path).startswith(HERE + os.sep)]
+    for item in mine:  # every test here needs the GPU: select them all with -m cuda
+        if item.get_closest_marker("cuda") is None:
+            item.add_marker(pytest.mark.cuda)
     if _gpu_count() > 0:
         return
-    skip = pytest.mark.skip(reason="needs an NVIDIA GPU (run on the H200 through the device tool; see docs/cuda.md)")
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU with a CUDA build of torch (pytest -m cuda tests/cuda on one)")
     for item in items:
-        if "cuda" in item.keywords:
+        if item.get_closest_marker("cuda") is not None:
             item.add_marker(skip)

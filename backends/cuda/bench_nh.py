@@ -1,0 +1,126 @@
+"""Bandwidth of the keyed NH level-1 kernel against the HBM read bandwidth measured in the same
+run (a torch reduction over the same bytes), and the cost of a whole keyed digest.
+
+    PYTHONPATH=. python3 -m unisleep.backends.cuda.bench_nh --gib 8 --out result.json
+
+Every kernel variant is checked equal to ``keyed_hash.nh_level`` before it is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+
+def _time(fn, iters=10, warm=3):
+    import torch
+
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(ts)
+
+
+def main(argv=None) -> int:
+    import torch
+
+    from unisleep import keyed_hash as kh
+
+    from . import checksum as cs
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gib", type=float, default=8.0)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--sweep", default="1x4,2x4,2x8,4x4,4x8,4x16,8x8,8x16,16x16")
+    args = ap.parse_args(argv)
+    dev = torch.device("cuda:0")
+    nbytes = int(args.gib * (1 << 30))
+    x = torch.empty(nbytes // 4, dtype=torch.int32, device=dev).random_()
+    res: dict = {
+        "gpu": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "bytes": nbytes,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    try:
+        import triton
+
+        res["triton"] = triton.__version__
+    except ImportError:
+        res["triton"] = None
+    # HBM read references over the same bytes
+    ref = {
+        "sum_int32": _time(lambda: x.sum()),
+        "sum_f32": _time(lambda: x.view(torch.float32).sum()),
+        "amax_int32": _time(lambda: x.amax()),
+    }
+    y = torch.empty_like(x)
+    ref["copy_d2d_rw"] = _time(lambda: y.copy_(x))
+    del y
+    res["reference_s"] = ref
+    res["hbm_read_GBps"] = {k: nbytes / v / 1e9 for k, v in ref.items() if k != "copy_d2d_rw"}
+    res["hbm_read_best_GBps"] = max(res["hbm_read_GBps"].values())
+    res["copy_d2d_GBps_read_plus_write"] = 2 * nbytes / ref["copy_d2d_rw"] / 1e9
+    key = kh.HashKey.new()
+    k0 = key.level_tensor(0, dev)
+    probe = x[: (64 << 20) // 4 + 12345]
+    want = kh.nh_level(probe, k0)
+    variants = []
+    for spec in args.sweep.split(","):
+        g, wps = (int(v) for v in spec.split("x"))
+        row = {"blocks_per_program": g, "num_warps": wps}
+        try:
+            row["equal_to_nh_level"] = bool(torch.equal(cs.nh_level1(probe, k0, g, wps), want))
+            t = _time(lambda: cs.nh_level1(x, k0, g, wps))
+            row["s"] = t
+            row["GBps"] = nbytes / t / 1e9
+            row["fraction_of_hbm_read"] = row["GBps"] / res["hbm_read_best_GBps"]
+        except Exception as e:  # a variant that does not compile is reported, not fatal
+            row["error"] = f"{type(e).__name__}: {e}"[:400]
+        variants.append(row)
+        print(json.dumps(row), flush=True)
+    res["variants"] = variants
+    # the default variant, a whole digest (all levels, host sync), and the torch-ops path
+    t = _time(lambda: cs.nh_level1(x, k0))
+    res["default"] = {
+        "blocks_per_program": cs.BLOCKS_PER_PROGRAM,
+        "num_warps": cs.NUM_WARPS,
+        "s": t,
+        "GBps": nbytes / t / 1e9,
+        "fraction_of_hbm_read": nbytes / t / 1e9 / res["hbm_read_best_GBps"],
+    }
+    u8 = x.view(torch.uint8)
+    res["digest_all_levels_s"] = _time(lambda: kh.digest(u8, key), iters=5)
+    res["digest_torch_ops_s"] = _time(lambda: kh.digest(u8, key, level1=kh.nh_level), iters=3, warm=1)
+    # one compiled kernel serves every size (the warm-up's)
+    sizes = [1, 2047, 2048, 2049, 4096 * 7 + 3, (1 << 20) + 1, 1 << 24]
+    ok = all(torch.equal(cs.nh_level1(x[:n], k0), kh.nh_level(x[:n], k0)) for n in sizes)
+    kern = cs._triton_kernel()
+    try:
+        ncomp = sum(len(c[0]) for c in kern.device_caches.values())
+    except Exception:
+        ncomp = None
+    res["sizes_equal"] = ok
+    res["compiled_variants_total"] = ncomp
+    res["compiled_variants_expected"] = len(variants) + (0 if any(
+        (v["blocks_per_program"], v["num_warps"]) == (cs.BLOCKS_PER_PROGRAM, cs.NUM_WARPS) for v in variants) else 1)
+    print(json.dumps({k: v for k, v in res.items() if k != "variants"}, indent=1), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

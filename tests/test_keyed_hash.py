@@ -1,0 +1,217 @@
+"""The keyed digest (unisleep.keyed_hash) on the CPU: the NH tree computed with torch ops equals
+the plain-integer definition, and no edit pattern — the ones that fooled the old linear digest,
+swaps, bit flips, ±0.0, NaN payloads, bf16 pairs — leaves it unchanged.  The same properties run
+on the GPU in tests/cuda/test_keyed_hash_cuda.py."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from unisleep import keyed_hash as kh  # noqa: E402
+from unisleep.keyed_hash import BLOCK, Digest, HashKey  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def nh(t, key):
+    return kh.digest(t, key, algorithm="nh2")
+
+
+@pytest.fixture(scope="module")
+def key():
+    return HashKey.new()
+
+
+@pytest.fixture(scope="module")
+def base():
+    g = torch.Generator().manual_seed(1)
+    # 3 blocks and a ragged tail: edits land in full blocks, on block edges and in the padded tail
+    return torch.randint(-(2**31), 2**31 - 1, (3 * BLOCK + 101,), dtype=torch.int32, generator=g)
+
+
+# ---- the definition ---------------------------------------------------------------------
+@pytest.mark.parametrize("n", [0, 1, 3, 4, 5, 7, 8, 9, 100, 8191, 8192, 8193, 3 * 8192 + 5, 40000])
+def test_torch_ops_equal_the_plain_integer_definition(n, key):
+    data = os.urandom(n)
+    want = kh.reference_digest(data, key)
+    got = kh.digest_bytes(data, key)
+    assert got == want
+    assert got.nbytes == n and got.algorithm == "nh2"
+
+
+def test_three_level_tree_equals_the_definition(key):
+    # > 512 blocks of level 0 make level 1 longer than one block: three levels
+    n = (512 * BLOCK + 3 * BLOCK + 17) * 4 + 3
+    data = os.urandom(n)
+    assert kh.digest_bytes(data, key) == kh.reference_digest(data, key)
+
+
+def test_nh_level_words_and_padding(key):
+    k = key.level_tensor(0, "cpu")
+    w = torch.arange(BLOCK + 3, dtype=torch.int32)
+    out = kh.nh_level(w, k)
+    assert out.dtype == torch.int64 and out.numel() == 4
+    padded = torch.zeros(2 * BLOCK, dtype=torch.int32)
+    padded[: w.numel()] = w
+    assert torch.equal(out, kh.nh_level(padded, k))  # the last block is zero-padded
+
+
+def test_the_length_is_part_of_the_digest(key):
+    data = os.urandom(100)
+    assert kh.digest_bytes(data, key) != kh.digest_bytes(data + b"\0", key)
+    assert kh.digest_bytes(b"", key) != kh.digest_bytes(b"\0" * 8, key)
+
+
+# ---- no edit pattern is blind ---------------------------------------------------------
+def _edits(base):
+    """(name, edited copy) for every pattern; each differs from ``base`` in its bytes."""
+    n = base.numel()
+    out = []
+    for at in (0, 1, BLOCK - 2, BLOCK - 1, 2 * BLOCK + 7, n - 3):
+        e = base.clone()  # +1, -2, +1 on adjacent words: both linear sums unchanged
+        e[at : at + 3] += torch.tensor([1, -2, 1], dtype=torch.int32)
+        out.append((f"cancel+1-2+1@{at}", e))
+    e = base.clone()  # two opposite dipoles: sum and position-weighted sum unchanged
+    e[10] += 1
+    e[11] -= 1
+    e[BLOCK + 500] -= 1
+    e[BLOCK + 501] += 1
+    out.append(("dipoles", e))
+    e = base.clone()
+    e[[5, 6]] = e[[6, 5]]
+    out.append(("swap adjacent words", e))
+    e = base.clone()
+    e[[4, 4 + 2 * BLOCK]] = e[[4 + 2 * BLOCK, 4]]
+    out.append(("swap words across blocks", e))
+    rows = base[: 3 * BLOCK].clone().view(-1, 64)
+    rows[[3, 40]] = rows[[40, 3]]
+    e = base.clone()
+    e[: 3 * BLOCK] = rows.view(-1)
+    out.append(("swap rows", e))
+    e = base.clone()
+    e[[0, 1]] = e[[1, 0]]
+    e[[2, 3]] = e[[3, 2]]
+    out.append(("swap the words of two pairs", e))
+    for word, bit in ((0, 0), (1, 31), (BLOCK, 17), (n - 1, 5)):
+        e = base.clone()
+        e[word] ^= torch.tensor(1 << bit if bit < 31 else -(2**31), dtype=torch.int32)
+        out.append((f"bit flip {word}:{bit}", e))
+    return [(name, e) for name, e in out if not torch.equal(e, base)]
+
+
+def test_every_edit_pattern_changes_the_nh_digest(base, key):
+    d0 = nh(base, key)
+    cases = _edits(base)
+    assert len(cases) >= 14
+    for name, e in cases:
+        assert nh(e, key) != d0, name
+    assert nh(base.clone(), key) == d0  # equal bytes, equal digest
+
+
+def test_float_patterns_change_the_nh_digest(key):
+    f = torch.zeros(2 * BLOCK + 9, dtype=torch.float32)
+    f[1::3] = 1.5
+    d0 = nh(f, key)
+    e = f.clone()
+    e[0] = -0.0  # +0.0 → -0.0: equal as floats, different bytes
+    assert bool((e == f).all()) and nh(e, key) != d0
+    nan = torch.tensor([0x7FC00000, 0x7FC00001, -0x00400000], dtype=torch.int32).view(torch.float32)
+    a, b = f.clone(), f.clone()
+    a[BLOCK] = nan[0]
+    b[BLOCK] = nan[1]  # another NaN payload
+    assert nh(a, key) != nh(b, key)
+    b[BLOCK] = nan[2]  # sign-flipped NaN
+    assert nh(a, key) != nh(b, key)
+
+
+def test_bf16_pairs_change_the_nh_digest(key):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4 * BLOCK + 6, generator=g).to(torch.bfloat16)
+    d0 = nh(x, key)
+    e = x.clone()
+    e[[0, 1]] = e[[1, 0]]  # the two halves of one 32-bit word swapped
+    assert nh(e, key) != d0
+    e = x.clone()
+    e[2 * BLOCK + 1] = -e[2 * BLOCK + 1]
+    assert nh(e, key) != d0
+    z = torch.zeros(64, dtype=torch.bfloat16)
+    mz = z.clone()
+    mz[7] = -0.0
+    assert nh(z, key) != nh(mz, key)
+    e = x.clone()  # +1/-1 ulp on the two halves of one word
+    v = e.view(torch.int16)
+    v[10] += 1
+    v[11] -= 1
+    assert nh(e, key) != d0
+
+
+def test_another_key_gives_another_digest(base):
+    k1, k2 = HashKey.new(), HashKey.new()
+    assert k1.material != k2.material
+    assert nh(base, k1) != nh(base, k2)
+
+
+# ---- keyed BLAKE3 (host memory) -----------------------------------------------------------
+def test_blake3_is_the_host_default_and_exact(base, key):
+    pytest.importorskip("blake3", reason="needs the blake3 package (pip install blake3)")
+    d = kh.digest(base, key)
+    assert d.algorithm == "blake3" and d.nbytes == base.numel() * 4
+    assert kh.digest(base.clone(), key) == d
+    for name, e in _edits(base):
+        assert kh.digest(e, key) != d, name
+    assert kh.digest(base, HashKey.new()) != d
+    assert kh.digest(base[:-1], key) != d
+    b = base.view(torch.uint8)
+    assert kh.digest(torch.cat((b, torch.zeros(1, dtype=torch.uint8))), key) != d
+
+
+# ---- keys and digests -------------------------------------------------------------------
+def test_derived_keys_are_deterministic_and_context_bound():
+    a = HashKey.derive(b"group secret", b"update 7")
+    assert a == HashKey.derive(b"group secret", b"update 7")
+    assert len(a.material) == kh.MAX_LEVELS * kh.KEY_WORDS * 4
+    assert a.material != HashKey.derive(b"group secret", b"update 8").material
+    assert a.material != HashKey.derive(b"other secret", b"update 7").material
+    with pytest.raises(ValueError):
+        HashKey.derive(b"", b"x")
+    assert "secret" in repr(a) and a.material.hex()[:16] not in repr(a)
+    data = os.urandom(5000)
+    assert kh.digest_bytes(data, a) == kh.digest_bytes(data, HashKey.derive(b"group secret", b"update 7"))
+
+
+def test_digest_round_trips_through_bytes(key):
+    d = kh.digest_bytes(os.urandom(77), key)
+    raw = d.to_bytes()
+    assert len(raw) == 25 and Digest.from_bytes(raw) == d
+    with pytest.raises(ValueError):
+        Digest.from_bytes(raw[:-1])
+
+
+# ---- the fused level-1 kernel's logic, on the CPU through Triton's interpreter -------------
+def test_fused_kernel_equals_nh_level_in_the_triton_interpreter():
+    pytest.importorskip("triton", reason="needs the triton package (pip install triton)")
+    code = textwrap.dedent(
+        """
+        import torch
+        from unisleep.keyed_hash import HashKey, nh_level, BLOCK
+        from unisleep.backends.cuda import checksum as cs
+        assert cs._triton_kernel() is not None, cs._kernel_error
+        k = HashKey.new().level_tensor(0, "cpu")
+        g = torch.Generator().manual_seed(5)
+        for n in (0, 1, 2, 3, BLOCK - 1, BLOCK, BLOCK + 1, 5 * BLOCK + 6, 9 * BLOCK + 1001):
+            w = torch.randint(-(2**31), 2**31 - 1, (n,), dtype=torch.int32, generator=g)
+            for bpp in (1, 4):
+                assert torch.equal(cs.nh_level1(w, k, bpp, 4), nh_level(w, k)), (n, bpp)
+        print("OK")
+        """
+    )
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    assert p.returncode == 0 and "OK" in p.stdout, p.stderr[-3000:]
