@@ -167,7 +167,7 @@ def test_rocm_sim_memory_kept_while_reserved(workaround):
     if not workaround:
         assert total - free == 6 * MiB and lib.dev.live_fds == 6  # the bug, reproduced
         fill(lc, "other", 2 * MiB, 1)  # fits beside it...
-        with pytest.raises(HipError, match="OutOfMemory"):
+        with pytest.raises(UnisleepError, match="hipErrorOutOfMemory"):
             lc.wake_up()  # ...but the wake needs 6 MiB more: OOM although "free"
     else:
         assert free == total and lib.dev.live_fds == 0
@@ -177,12 +177,14 @@ def test_rocm_sim_memory_kept_while_reserved(workaround):
         fill(lc, "other", 2 * MiB, 1)
         lc.wake_up()
         assert torch.equal(w, w0) and w.data_ptr() == va
-    lc.close()
+    lc.close(force=True)  # the tensors still live: their addresses stay reserved until they die
+    del w, w0
     assert not lib.dev.internal_errors and not lib.dev.reservations
     lib.close()
 
 
 def test_rocm_sim_rereserve_refuses_a_moved_address():
+    """The race the probe cannot rule out: another allocation takes a region's freed address."""
     from unisleep.backends.host import libc
 
     lib, drv = make()
@@ -190,15 +192,89 @@ def test_rocm_sim_rereserve_refuses_a_moved_address():
     w, _ = fill(lc, "weights", 1 * MiB, 7)
     taken = []
 
-    def intruder(va, size):  # another allocation lands on the freed range
-        taken.append(libc.mmap(va, size, libc.PROT_NONE, libc.MAP_PRIVATE | libc.MAP_ANONYMOUS | 0x100000))
+    def intruder(va, size):  # another allocation lands on the freed range (the region, not the probe)
+        if size == 1 * MiB:
+            taken.append(libc.mmap(va, size, libc.PROT_NONE, libc.MAP_PRIVATE | libc.MAP_ANONYMOUS | 0x100000))
 
     lib.dev.intruder = intruder
-    with pytest.raises(AddressMovedError, match=hex(w.data_ptr())):
+    with pytest.raises(UnisleepError, match=f"AddressMovedError: re-reserving .* at {hex(w.data_ptr())}"):
         lc.sleep(level=1)
+    assert lc.state()["weights"] == "lost"  # never "awake" over a range someone else holds
     lib.dev.intruder = None
     assert taken and taken[0] == w.data_ptr()
+    assert not lib.dev.reservation_of(w.data_ptr())  # the moved reservation was given back, not used
+    assert drv.kept_reason and hex(w.data_ptr()) in drv.kept_reason  # later sleeps keep reservations
+    with pytest.raises(AddressMovedError, match="someone else"):  # never mapped into the taken range
+        drv.map(w.data_ptr(), 1 * MiB, drv.create(1 * MiB))
     libc.munmap(taken[0], 1 * MiB)
+    lib.close()
+
+
+def test_rocm_sim_runtime_that_moves_reservations_keeps_them_visibly():
+    """A runtime that does not re-reserve a freed address in place (simulated): the probe sees it
+    before any region is freed; sleep keeps the reservations, and says so everywhere."""
+    from unisleep.backends._native import fallback_warnings
+    from unisleep.doctor import collect
+
+    lib = FakeHip(granularity=GRAN, total_bytes=16 * MiB, ignore_address_hint=True)
+    _, drv = make(lib)
+    lc = MemoryLifecycle(drv)
+    w, w0 = fill(lc, "weights", 2 * MiB, 8)
+    kv, _ = fill(lc, "kv_cache", 1 * MiB, 9)
+    addrs = (w.data_ptr(), kv.data_ptr())
+    frees = lib.dev.calls.get("hipMemAddressFree", 0)
+    lc.sleep(level=1)
+    assert lib.dev.calls.get("hipMemAddressFree", 0) == frees + 2  # the probe's two, never a region's
+    assert "returned" in drv.kept_reason
+    assert drv.last_sleep_kept == {"bytes": 3 * MiB, "regions": 2, "reason": drv.kept_reason}
+    assert lib.dev.used_bytes == 3 * MiB  # memory not returned (this ROCm holds it while reserved)...
+    assert lc.last_report.bytes_released == 0  # ...and the report does not claim it was
+    assert any(drv.kept_reason in m for m in fallback_warnings())
+    assert any(drv.kept_reason in m for m in collect()["warnings"])  # unisleep doctor, same process
+    lc.wake_up()
+    assert torch.equal(w, w0) and int(kv.count_nonzero()) == 0 and (w.data_ptr(), kv.data_ptr()) == addrs
+    del w, kv
+    lc.close()
+    assert not lib.dev.reservations and lib.dev.used_bytes == 0 and not lib.dev.internal_errors
+    lib.close()
+
+
+def test_rocm_sim_hip_5_2_struct_layout_is_chosen_by_runtime_version():
+    """HIP 5.2 laid out hipMemAllocationProp differently; the simulator reads the struct with the
+    declaration for the version it reports, so a driver passing the other layout would fail."""
+    from unisleep.backends.rocm import hip
+
+    lib = FakeHip(granularity=GRAN, total_bytes=16 * MiB, runtime_version=50221153)
+    _, drv = make(lib)
+    assert drv.api.runtime_version == 50221153 and drv.api.Prop is hip.hipMemAllocationProp_v5_2
+    with MemoryLifecycle(drv) as lc:
+        w, w0 = fill(lc, "weights", 1 * MiB, 10)
+        lc.sleep(level=1)
+        lc.wake_up()
+        assert torch.equal(w, w0)
+    assert not lib.dev.internal_errors and "error" not in [e[0] for e in lib.dev.log]
+    lib.close()
+    # the control: the >= 5.3 layout handed to a 5.2 runtime is refused by the simulator
+    lib = FakeHip(granularity=GRAN, runtime_version=50221153)
+    api = hip.HipApi(lib)
+    prop = hip.hipMemAllocationProp(type=hip.hipMemAllocationTypePinned)
+    prop.location.type = hip.hipMemLocationTypeDevice
+    g = ctypes.c_size_t()
+    assert api.hipMemGetAllocationGranularity(ctypes.byref(g), ctypes.cast(ctypes.byref(prop), ctypes.POINTER(api.Prop)),
+                                              0) == hip.hipErrorInvalidValue
+    lib.close()
+
+
+def test_rocm_sim_no_device_is_a_named_error():
+    from unisleep.backends.rocm.hip import HipNoDeviceError
+
+    lib = FakeHip(granularity=GRAN, device_count=0)
+    with pytest.raises(HipNoDeviceError, match="sees no AMD GPU.*hipErrorNoDevice.*/dev/kfd"):
+        RocmDriver(lib=lib, tensor_device="cpu", env={})
+    lib.close()
+    lib = FakeHip(granularity=GRAN, device_count=1)
+    with pytest.raises(HipNoDeviceError, match="device 3 was asked for.*1 AMD GPU"):
+        RocmDriver(3, lib=lib, tensor_device="cpu", env={})
     lib.close()
 
 

@@ -10,12 +10,16 @@ set_access             ``hipMemSetAccess`` once over the whole range, after ever
 unmap / release        ``hipMemUnmap`` per chunk, ``hipMemRelease``
 sleep                  after releasing, ``hipMemAddressFree`` + re-reserve the *same* address under a
                        process-wide lock, verified: ROCr keeps VRAM while the VA stays reserved
-                       (ROCm/ROCm#6021); a moved address is a fatal error
+                       (ROCm/ROCm#6021).  Before the first such step, a probe range checks that the
+                       runtime re-reserves a freed address in place; if not, the driver never frees
+                       a region's address: it keeps the reservation (memory not returned, shown in
+                       ``last_sleep_kept``, the sleep's ``bytes_released`` and ``unisleep doctor``)
 wake                   discarded memory is zeroed explicitly (``hipMemset`` + ``hipDeviceSynchronize``):
                        remapped VRAM may hold stale data (vLLM PR #44972) — fresh_memory_is_zero=False
 handles                each handle holds one file descriptor (dmabuf): the soft ``RLIMIT_NOFILE`` is
                        raised when needed, or the allocation is refused with the fix (rocm-systems#10604)
-devices                HIP/CUDA/ROCR visible-device variables that disagree are refused at start
+devices                HIP/CUDA/ROCR visible-device variables that disagree are refused at start; no
+                       GPU (``hipGetDeviceCount`` -> hipErrorNoDevice) is ``HipNoDeviceError``
 =====================  ============================================================================
 
 The C function table is injectable (``lib=``): tests pass the simulated library in
@@ -32,6 +36,7 @@ from ctypes import byref, c_int, c_size_t, c_void_p
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from unisleep.backends._native import record_fallback
 from unisleep.driver import BackupStore, Driver, SaveJob
 from unisleep.errors import UnisleepError
 from unisleep.platform import SPECS
@@ -86,12 +91,21 @@ class RocmDriver(Driver):
         config.check_visible_devices(env)
         self.default_chunk_bytes = chunk_bytes if chunk_bytes is not None else config.chunk_bytes_from_env(env)
         self.rereserve_on_sleep = rereserve_on_sleep
+        #: why sleep keeps address reservations (device memory not returned), or None while the
+        #: free-and-re-reserve step is in use
+        self.kept_reason: Optional[str] = None
+        self._probed = False
+        self._lost: list[tuple[int, int]] = []  # address ranges given up and taken by someone else
+        #: the last suspend's memory kept held by a kept reservation: {"bytes", "regions", "reason"},
+        #: or None when every released byte went back to the device
+        self.last_sleep_kept: Optional[dict] = None
         self.raise_file_limit = raise_file_limit
         self.simulated = bool(getattr(lib, "SIMULATED", False))
         self.api = hip.HipApi(lib if lib is not None else hip.load_library())
         self._tls = threading.local()
+        self._check_device()
         self._set_device()
-        self._prop = hip.hipMemAllocationProp()
+        self._prop = self.api.Prop()
         self._prop.type = hip.hipMemAllocationTypePinned
         self._prop.requestedHandleType = hip.hipMemHandleTypeNone
         self._prop.location.type = hip.hipMemLocationTypeDevice
@@ -116,6 +130,25 @@ class RocmDriver(Driver):
         )
 
     # ---- context ---------------------------------------------------------------------
+    def _check_device(self) -> None:
+        """A missing GPU is a named error that says what is missing, not a bare HIP code."""
+        n = c_int(0)
+        rc = self.api.hipGetDeviceCount(byref(n))
+        where = f"the HIP runtime {self.api.path} (HIP {hip.version_text(self.api.runtime_version)})"
+        if rc == hip.hipErrorNoDevice or (rc == hip.hipSuccess and n.value == 0):
+            kfd = "present" if os.path.exists("/dev/kfd") else "missing"
+            raise hip.HipNoDeviceError(
+                f"{where} sees no AMD GPU (hipGetDeviceCount returned {hip.ERROR_NAMES[hip.hipErrorNoDevice]}; "
+                f"/dev/kfd is {kfd}): {hip.NO_GPU_HELP}"
+            )
+        if rc != hip.hipSuccess:
+            raise hip.HipError("hipGetDeviceCount", rc, f"{where} cannot list its GPUs")
+        if not 0 <= self.device < n.value:
+            raise hip.HipNoDeviceError(
+                f"device {self.device} was asked for, but {where} sees {n.value} AMD GPU(s) "
+                f"(indices 0..{n.value - 1}; HIP_VISIBLE_DEVICES / ROCR_VISIBLE_DEVICES narrow the list)"
+            )
+
     def _set_device(self) -> None:
         """HIP's current device is per thread: set it once in every thread that calls in."""
         if getattr(self._tls, "device", None) != self.device:
@@ -203,6 +236,12 @@ class RocmDriver(Driver):
         return HipHandle(int(h.value), size)
 
     def map(self, va: int, size: int, handle: HipHandle) -> None:
+        for lo, n in self._lost:
+            if lo <= va < lo + n:
+                raise AddressMovedError(
+                    f"the address range {lo:#x}+{n} was given up during a sleep and another allocation took it; "
+                    "mapping there would write into someone else's memory. Close this MemoryLifecycle."
+                )
         if size != handle.size:
             raise UnisleepError(f"HIP maps whole handles only (offset 0): chunk {size} != handle {handle.size}")
         self.api.call("hipMemMap", va, size, 0, handle.ptr, 0)
@@ -224,7 +263,9 @@ class RocmDriver(Driver):
         # the device really returned it is read with memory_info() (hipMemGetInfo).
         return 0 if handle.released else handle.size
 
-    def view(self, va: int, nbytes: int):
+    def view(self, va: int, nbytes: int, owner=None):
+        # ``owner`` cannot be attached to a storage made from a raw pointer: the lifecycle
+        # keeps it on the returned tensor instead (weaker: views of it do not hold it)
         import torch
 
         storage = torch._C._construct_storage_from_data_pointer(va, self._tensor_device, nbytes)
@@ -258,24 +299,68 @@ class RocmDriver(Driver):
         return self._tensor_device
 
     # ---- sleep: release, then give the address back and take it again ------------------
+    def _keep_reservations(self, reason: str) -> None:
+        self.kept_reason = reason
+        msg = (f"ROCm sleep keeps device memory: {reason}. Sleeping regions keep their address reservation, "
+               "so this ROCm (ROCm/ROCm#6021) holds their VRAM until the lifecycle is closed; the sleep's "
+               "bytes_released counts only what was returned. A ROCm release with the fix "
+               "(rocm-systems PR #4363) returns it.")
+        log.warning("%s", msg)
+        record_fallback(msg)
+
+    def _probe_rereserve(self) -> None:
+        """Before any region's address is given up: does this runtime re-reserve a freed address
+        in place?  Checked on a throw-away range of one granule, under VA_LOCK."""
+        self._probed = True
+        with VA_LOCK:
+            rc, va = self._reserve_raw(self._gran, 0, 0)
+            if rc != hip.hipSuccess:
+                self._keep_reservations(f"the re-reserve probe could not reserve {self._gran} bytes "
+                                        f"({hip.ERROR_NAMES.get(rc, rc)})")
+                return
+            self.api.call("hipMemAddressFree", va, self._gran)
+            rc, got = self._reserve_raw(self._gran, 0, va)
+            if rc == hip.hipSuccess and got:
+                self.api.call("hipMemAddressFree", got, self._gran)
+            if rc != hip.hipSuccess or got != va:
+                self._keep_reservations(
+                    f"hipMemAddressReserve with the freed address {va:#x} as hint "
+                    + (f"returned {got:#x}" if rc == hip.hipSuccess else f"failed ({hip.ERROR_NAMES.get(rc, rc)})")
+                    + ", so a freed region could not be taken back in place")
+
     def _rereserve(self, region: Region) -> None:
         with VA_LOCK:
             self.api.call("hipMemAddressFree", region.va, region.size, hint="freeing a sleeping region's address")
             rc, got = self._reserve_raw(region.size, 0, region.va)
             if rc != hip.hipSuccess or got != region.va:
                 if rc == hip.hipSuccess and got:
-                    self.api.hipMemAddressFree(got, region.size)
+                    self.api.hipMemAddressFree(got, region.size)  # never go on with a moved range
+                self._lost.append((region.va, region.size))
+                what = f"returned {got:#x}" if rc == hip.hipSuccess else f"failed with {hip.ERROR_NAMES.get(rc, rc)}"
+                self._keep_reservations(f"re-reserving {region.size} bytes at {region.va:#x} {what}")
                 raise AddressMovedError(
-                    f"re-reserving {region.size} bytes at {region.va:#x} after sleep "
-                    + (f"returned {got:#x}" if rc == hip.hipSuccess else f"failed with {hip.ERROR_NAMES.get(rc, rc)}")
-                    + ": another allocation took the address. Tensors in this region are invalid; close this "
-                    "MemoryLifecycle and create a new one."
+                    f"re-reserving {region.size} bytes at {region.va:#x} after sleep {what}: another allocation "
+                    "took the address between the free and the re-reserve. Tensors in this region are invalid; "
+                    "close this MemoryLifecycle and create a new one. Later sleeps of this driver keep their "
+                    "reservations instead (see last_sleep_kept)."
                 )
 
     def suspend(self, saves: list[SaveJob], discards: list[Region], store: BackupStore) -> tuple[int, int]:
+        if self.rereserve_on_sleep and self.kept_reason is None and not self._probed:
+            self._probe_rereserve()
         released, copied = super().suspend(saves, discards, store)
-        if self.rereserve_on_sleep:
-            for region in [j.region for j in saves] + list(discards):
-                if not any(c.handle is not None for c in region.chunks):
-                    self._rereserve(region)
-        return released, copied
+        kept = kept_regions = 0
+        for region in [j.region for j in saves] + list(discards):
+            if any(c.handle is not None for c in region.chunks):
+                continue
+            if not self.rereserve_on_sleep:
+                continue  # the caller's choice (a ROCm with the fix): nothing to report
+            if self.kept_reason is None:
+                self._rereserve(region)
+            else:
+                kept += region.size
+                kept_regions += 1
+        self.last_sleep_kept = (
+            {"bytes": kept, "regions": kept_regions, "reason": self.kept_reason} if kept else None
+        )
+        return released - min(kept, released), copied

@@ -17,26 +17,31 @@ import os
 from ctypes import POINTER, c_int, c_size_t, c_uint, c_ulonglong, c_void_p
 from typing import Any
 
-from unisleep.backends._native import bind_prototypes, load_first
+from unisleep.backends._native import bind_prototypes, load_runtime
 from unisleep.errors import PlatformError, UnisleepError
 
-# ---- enums (hip_runtime_api.h) ---------------------------------------------------------------
+# ---- enums and error codes (hip_runtime_api.h, driver_types.h) -------------------------------
+# Every name here is checked against the real header by tests/test_hip_real.py (ENUMS below).
 hipSuccess = 0
 hipErrorInvalidValue = 1
 hipErrorOutOfMemory = 2
 hipErrorNotInitialized = 3
+hipErrorInsufficientDriver = 35
+hipErrorNoDevice = 100
 hipErrorInvalidDevice = 101
+hipErrorInvalidHandle = 400
 hipErrorNotSupported = 801
 
 ERROR_NAMES = {
-    0: "hipSuccess",
-    1: "hipErrorInvalidValue",
-    2: "hipErrorOutOfMemory",
-    3: "hipErrorNotInitialized",
-    100: "hipErrorNoDevice",
-    101: "hipErrorInvalidDevice",
-    400: "hipErrorInvalidHandle",
-    801: "hipErrorNotSupported",
+    hipSuccess: "hipSuccess",
+    hipErrorInvalidValue: "hipErrorInvalidValue",
+    hipErrorOutOfMemory: "hipErrorOutOfMemory",
+    hipErrorNotInitialized: "hipErrorNotInitialized",
+    hipErrorInsufficientDriver: "hipErrorInsufficientDriver",
+    hipErrorNoDevice: "hipErrorNoDevice",
+    hipErrorInvalidDevice: "hipErrorInvalidDevice",
+    hipErrorInvalidHandle: "hipErrorInvalidHandle",
+    hipErrorNotSupported: "hipErrorNotSupported",
 }
 
 hipMemAllocationTypePinned = 1
@@ -54,13 +59,26 @@ hipMemcpyDefault = 4
 
 hipHostMallocDefault = 0
 
+#: every enumerator, error code and flag the bindings use: C name -> value
+ENUMS: dict[str, int] = {name: code for code, name in ERROR_NAMES.items()}
+ENUMS.update({
+    name: globals()[name]
+    for name in (
+        "hipMemAllocationTypePinned", "hipMemHandleTypeNone", "hipMemLocationTypeDevice",
+        "hipMemAllocationGranularityMinimum", "hipMemAllocationGranularityRecommended",
+        "hipMemAccessFlagsProtReadWrite", "hipMemcpyHostToHost", "hipMemcpyHostToDevice",
+        "hipMemcpyDeviceToHost", "hipMemcpyDeviceToDevice", "hipMemcpyDefault", "hipHostMallocDefault",
+    )
+})
+
 
 # ---- structs ---------------------------------------------------------------------------------
+# Field names are the header's, so the C probe in tests/test_hip_real.py can ask for each offset.
 class hipMemLocation(ctypes.Structure):
     _fields_ = [("type", c_int), ("id", c_int)]  # same order as CUDA (type, id)
 
 
-class _AllocFlags(ctypes.Structure):
+class _AllocFlags(ctypes.Structure):  # the anonymous ``allocFlags`` struct
     _fields_ = [
         ("compressionType", ctypes.c_ubyte),
         ("gpuDirectRDMACapable", ctypes.c_ubyte),
@@ -69,7 +87,9 @@ class _AllocFlags(ctypes.Structure):
 
 
 class hipMemAllocationProp(ctypes.Structure):
-    # ``requestedHandleType`` is called ``requestedHandleTypes`` in older HIP; same slot.
+    """HIP >= 5.3 (ROCm 5.3 onwards, unchanged through 6.x).  ``requestedHandleType`` shares a
+    union with ``requestedHandleTypes`` in newer headers; same slot."""
+
     _fields_ = [
         ("type", c_int),
         ("requestedHandleType", c_int),
@@ -79,29 +99,84 @@ class hipMemAllocationProp(ctypes.Structure):
     ]
 
 
+class hipMemAllocationProp_v5_2(ctypes.Structure):
+    """HIP 5.2 (ROCm 5.2.x, e.g. Debian 12's libamdhip64-5 5.2.3): the first VMM release laid the
+    struct out differently — same size, every field elsewhere.  Chosen by the runtime's version."""
+
+    _fields_ = [
+        ("compressionType", ctypes.c_ubyte),
+        ("location", hipMemLocation),
+        ("requestedHandleType", c_int),
+        ("type", c_int),
+        ("usage", ctypes.c_ushort),
+        ("win32HandleMetaData", c_void_p),
+    ]
+
+
 class hipMemAccessDesc(ctypes.Structure):
     _fields_ = [("location", hipMemLocation), ("flags", c_int)]
 
 
+#: HIP_VERSION (major * 10^7 + minor * 10^5 + patch) from which ``hipMemAllocationProp`` has its
+#: current layout; hipRuntimeGetVersion returns the same encoding
+PROP_LAYOUT_CHANGED = 50300000
+
+
+def alloc_prop_type(runtime_version: int):
+    """The ``hipMemAllocationProp`` declaration for a runtime of this HIP_VERSION."""
+    return hipMemAllocationProp_v5_2 if 0 < runtime_version < PROP_LAYOUT_CHANGED else hipMemAllocationProp
+
+
+def structs(runtime_version: int) -> dict[str, type]:
+    """C name -> ctypes declaration of every struct the bindings pass, for this HIP_VERSION."""
+    return {
+        "hipMemLocation": hipMemLocation,
+        "hipMemAccessDesc": hipMemAccessDesc,
+        "hipMemAllocationProp": alloc_prop_type(runtime_version),
+    }
+
+
 # ---- prototypes: name -> (restype, argtypes) -------------------------------------------------
-PROTOTYPES: dict[str, tuple[Any, list]] = {
-    "hipSetDevice": (c_int, [c_int]),
-    "hipGetDeviceCount": (c_int, [POINTER(c_int)]),
-    "hipDeviceSynchronize": (c_int, []),
-    "hipMemGetInfo": (c_int, [POINTER(c_size_t), POINTER(c_size_t)]),
-    "hipMemGetAllocationGranularity": (c_int, [POINTER(c_size_t), POINTER(hipMemAllocationProp), c_int]),
-    "hipMemAddressReserve": (c_int, [POINTER(c_void_p), c_size_t, c_size_t, c_void_p, c_ulonglong]),
-    "hipMemAddressFree": (c_int, [c_void_p, c_size_t]),
-    "hipMemCreate": (c_int, [POINTER(c_void_p), c_size_t, POINTER(hipMemAllocationProp), c_ulonglong]),
-    "hipMemMap": (c_int, [c_void_p, c_size_t, c_size_t, c_void_p, c_ulonglong]),
-    "hipMemSetAccess": (c_int, [c_void_p, c_size_t, POINTER(hipMemAccessDesc), c_size_t]),
-    "hipMemUnmap": (c_int, [c_void_p, c_size_t]),
-    "hipMemRelease": (c_int, [c_void_p]),
-    "hipMemcpy": (c_int, [c_void_p, c_void_p, c_size_t, c_int]),
-    "hipMemset": (c_int, [c_void_p, c_int, c_size_t]),
-    "hipHostMalloc": (c_int, [POINTER(c_void_p), c_size_t, c_uint]),
-    "hipHostFree": (c_int, [c_void_p]),
-}
+def prototypes(prop: type = hipMemAllocationProp) -> dict[str, tuple[Any, list]]:
+    """The C prototypes of every function the bindings call (``prop``: the layout in use)."""
+    return {
+        "hipRuntimeGetVersion": (c_int, [POINTER(c_int)]),
+        "hipSetDevice": (c_int, [c_int]),
+        "hipGetDeviceCount": (c_int, [POINTER(c_int)]),
+        "hipDeviceSynchronize": (c_int, []),
+        "hipMemGetInfo": (c_int, [POINTER(c_size_t), POINTER(c_size_t)]),
+        "hipMemGetAllocationGranularity": (c_int, [POINTER(c_size_t), POINTER(prop), c_int]),
+        "hipMemAddressReserve": (c_int, [POINTER(c_void_p), c_size_t, c_size_t, c_void_p, c_ulonglong]),
+        "hipMemAddressFree": (c_int, [c_void_p, c_size_t]),
+        "hipMemCreate": (c_int, [POINTER(c_void_p), c_size_t, POINTER(prop), c_ulonglong]),
+        "hipMemMap": (c_int, [c_void_p, c_size_t, c_size_t, c_void_p, c_ulonglong]),
+        "hipMemSetAccess": (c_int, [c_void_p, c_size_t, POINTER(hipMemAccessDesc), c_size_t]),
+        "hipMemUnmap": (c_int, [c_void_p, c_size_t]),
+        "hipMemRelease": (c_int, [c_void_p]),
+        "hipMemcpy": (c_int, [c_void_p, c_void_p, c_size_t, c_int]),
+        "hipMemset": (c_int, [c_void_p, c_int, c_size_t]),
+        "hipHostMalloc": (c_int, [POINTER(c_void_p), c_size_t, c_uint]),
+        "hipHostFree": (c_int, [c_void_p]),
+    }
+
+
+#: the table for the current layout (the simulated library builds its callbacks from it)
+PROTOTYPES = prototypes()
+
+
+def _hint_for(code: int) -> str:
+    if code in (hipErrorNoDevice, hipErrorInvalidDevice):
+        return "no usable AMD GPU: " + NO_GPU_HELP
+    if code == hipErrorInsufficientDriver:
+        return "the amdgpu kernel driver is missing or too old for this HIP runtime: " + NO_GPU_HELP
+    return ""
+
+
+NO_GPU_HELP = (
+    "this needs an AMD GPU with the amdgpu kernel driver (/dev/kfd and /dev/dri/renderD*, readable by "
+    "this user: groups render and video); check ROCR_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES. On a "
+    "machine without one, use the host backend: MemoryLifecycle(\"host\")."
+)
 
 
 class HipError(UnisleepError):
@@ -110,18 +185,18 @@ class HipError(UnisleepError):
     def __init__(self, call: str, code: int, hint: str = ""):
         self.call, self.code = call, code
         name = ERROR_NAMES.get(code, "unknown")
+        hint = "; ".join(h for h in (hint, _hint_for(code)) if h)
         super().__init__(f"{call} failed with {name} ({code}){': ' + hint if hint else ''}")
 
 
+class HipNoDeviceError(PlatformError):
+    """The HIP runtime loaded but sees no (or not the requested) AMD GPU."""
+
+
 def library_candidates() -> list[str]:
+    """Where to look when no HIP runtime is loaded yet: torch's ROCm wheel first, then the
+    system's (``ROCM_PATH``/``ROCM_HOME``, ``/opt/rocm*``, the linker's path by name)."""
     out = []
-    for var in ("UNISLEEP_HIP_LIBRARY",):
-        if os.environ.get(var):
-            out.append(os.environ[var])
-    for root in (os.environ.get("ROCM_PATH"), os.environ.get("ROCM_HOME"), "/opt/rocm"):
-        if root:
-            out.append(os.path.join(root, "lib", "libamdhip64.so"))
-    out += sorted(glob.glob("/opt/rocm-*/lib/libamdhip64.so"), reverse=True)
     try:  # ROCm wheels of torch ship the runtime next to libtorch
         import importlib.util
 
@@ -130,16 +205,23 @@ def library_candidates() -> list[str]:
             out.append(os.path.join(os.path.dirname(spec.origin), "lib", "libamdhip64.so"))
     except Exception:
         pass
-    out.append("libamdhip64.so")
+    for root in (os.environ.get("ROCM_PATH"), os.environ.get("ROCM_HOME"), "/opt/rocm"):
+        if root:
+            out.append(os.path.join(root, "lib", "libamdhip64.so"))
+    out += sorted(glob.glob("/opt/rocm-*/lib/libamdhip64.so"), reverse=True)
+    out += ["libamdhip64.so", "libamdhip64.so.7", "libamdhip64.so.6", "libamdhip64.so.5"]
     return out
 
 
 def load_library():
-    """The real runtime library, or a PlatformError that says what to install/set."""
-    return load_first(
-        library_candidates(),
+    """The real runtime library: the copy already loaded in this process (torch's, typically),
+    else ``UNISLEEP_HIP_LIBRARY``, torch's, the system's; a second, different copy is refused
+    naming both.  A PlatformError says what to install or set."""
+    return load_runtime(
+        "libamdhip64", "HIP", library_candidates(),
         "the ROCm backend needs the HIP runtime libamdhip64.so, which was not found "
         "(set ROCM_PATH, or UNISLEEP_HIP_LIBRARY to its full path).",
+        override=os.environ.get("UNISLEEP_HIP_LIBRARY") or None,
     )
 
 
@@ -148,16 +230,32 @@ class HipApi:
 
     ``lib`` is anything whose attributes named like the C functions are ctypes function
     pointers (a ``CDLL`` or a simulated library); each is re-typed by address with
-    :data:`PROTOTYPES`, so the calls are marshalled exactly as against the real library.
+    :func:`prototypes`, so the calls are marshalled exactly as against the real library.
+    ``runtime_version`` is ``hipRuntimeGetVersion``'s HIP_VERSION, and ``Prop`` the
+    ``hipMemAllocationProp`` declaration for it.
     """
 
     def __init__(self, lib):
         self._lib = lib  # keep the library (and a simulated one's callbacks) alive
-        missing = bind_prototypes(self, lib, PROTOTYPES)
+        self.path = getattr(lib, "unisleep_path", None) or getattr(lib, "_name", None) or type(lib).__name__
+        missing = bind_prototypes(self, lib, {"hipRuntimeGetVersion": PROTOTYPES["hipRuntimeGetVersion"]})
+        v = c_int(0)
+        if missing or self.hipRuntimeGetVersion(ctypes.byref(v)) != hipSuccess or v.value <= 0:
+            raise PlatformError(f"{self.path} does not report its HIP version (hipRuntimeGetVersion); "
+                                "is it libamdhip64 from ROCm >= 5.2?")
+        self.runtime_version = int(v.value)
+        self.Prop = alloc_prop_type(self.runtime_version)
+        missing = bind_prototypes(self, lib, prototypes(self.Prop))
         if missing:
-            raise PlatformError(f"the HIP library lacks {', '.join(missing)} (HIP virtual memory needs ROCm >= 5.x)")
+            raise PlatformError(f"the HIP library {self.path} (HIP {version_text(self.runtime_version)}) lacks "
+                                f"{', '.join(missing)}: HIP virtual memory needs ROCm >= 5.2")
 
     def call(self, name: str, *args, hint: str = "") -> None:
         rc = getattr(self, name)(*args)
         if rc != hipSuccess:
             raise HipError(name, rc, hint)
+
+
+def version_text(v: int) -> str:
+    """HIP_VERSION as ``major.minor.patch`` (50221153 -> 5.2.21153)."""
+    return f"{v // 10_000_000}.{v // 100_000 % 100}.{v % 100_000}"

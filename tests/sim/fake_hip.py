@@ -22,45 +22,21 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from ctypes import CFUNCTYPE, c_int, c_size_t, c_uint, c_ulonglong, c_void_p
+from ctypes import CFUNCTYPE
+
+from unisleep.backends._native import callback_argtypes
+from unisleep.backends.rocm import hip
 
 from .vmm import SimDevice, SimError, out_ptr, out_size_t
 
-hipSuccess, hipErrorInvalidValue, hipErrorOutOfMemory = 0, 1, 2
-hipErrorInvalidDevice, hipErrorUnknown = 101, 999
+# the codes come from the bindings too (tests/test_hip_real.py checks them against the header)
+hipSuccess, hipErrorInvalidValue, hipErrorOutOfMemory = hip.hipSuccess, hip.hipErrorInvalidValue, hip.hipErrorOutOfMemory
+hipErrorNoDevice, hipErrorInvalidDevice, hipErrorUnknown = hip.hipErrorNoDevice, hip.hipErrorInvalidDevice, 999
 
-
-class _Loc(ctypes.Structure):
-    _fields_ = [("type", c_int), ("id", c_int)]
-
-
-class _Prop(ctypes.Structure):
-    _fields_ = [("type", c_int), ("handleType", c_int), ("location", _Loc), ("win32", c_void_p), ("flags", c_uint)]
-
-
-class _Access(ctypes.Structure):
-    _fields_ = [("location", _Loc), ("flags", c_int)]
-
-
-I, SZ, P, U64 = c_int, c_size_t, c_void_p, c_ulonglong
-SIGNATURES = {
-    "hipSetDevice": [I],
-    "hipGetDeviceCount": [P],
-    "hipDeviceSynchronize": [],
-    "hipMemGetInfo": [P, P],
-    "hipMemGetAllocationGranularity": [P, P, I],
-    "hipMemAddressReserve": [P, SZ, SZ, P, U64],
-    "hipMemAddressFree": [P, SZ],
-    "hipMemCreate": [P, SZ, P, U64],
-    "hipMemMap": [P, SZ, SZ, P, U64],
-    "hipMemSetAccess": [P, SZ, P, SZ],
-    "hipMemUnmap": [P, SZ],
-    "hipMemRelease": [P],
-    "hipMemcpy": [P, P, SZ, I],
-    "hipMemset": [P, I, SZ],
-    "hipHostMalloc": [P, SZ, c_uint],
-    "hipHostFree": [P],
-}
+#: ONE declaration: the simulated functions take the bindings' own prototypes (pointers arrive as
+#: raw addresses), so a prototype error in hip.py is not repeated here but caught against the real
+#: library and header by tests/test_hip_real.py
+SIGNATURES = {name: (restype, callback_argtypes(args)) for name, (restype, args) in hip.PROTOTYPES.items()}
 
 
 class FakeHip:
@@ -68,15 +44,19 @@ class FakeHip:
 
     SIMULATED = True
 
-    def __init__(self, *, fail_aligned_reserve: bool = False, unaligned_fallback: bool = False, **device_kw):
+    def __init__(self, *, fail_aligned_reserve: bool = False, unaligned_fallback: bool = False,
+                 ignore_address_hint: bool = False, runtime_version: int = 60200000, **device_kw):
         device_kw.setdefault("keeps_memory_while_reserved", True)
         self.dev = SimDevice(**device_kw)
         self.fail_aligned_reserve = fail_aligned_reserve
         self.unaligned_fallback = unaligned_fallback
+        self.ignore_address_hint = ignore_address_hint  # a runtime that never re-reserves in place
+        self.runtime_version = runtime_version  # HIP_VERSION; < 5.3 selects the 5.2 struct layout
+        self.Prop = hip.alloc_prop_type(runtime_version)
         self._cbs = {}
-        for name, args in SIGNATURES.items():
+        for name, (restype, args) in SIGNATURES.items():
             impl = getattr(self, "_" + name)
-            cb = CFUNCTYPE(c_int, *args)(self._guard(name, impl))
+            cb = CFUNCTYPE(restype, *args)(self._guard(name, impl))
             self._cbs[name] = cb
             setattr(self, name, cb)
 
@@ -97,6 +77,9 @@ class FakeHip:
         return call
 
     # ---- device ------------------------------------------------------------------------
+    def _hipRuntimeGetVersion(self, out):
+        ctypes.c_int.from_address(out).value = self.runtime_version
+
     def _hipSetDevice(self, d):
         if not 0 <= d < self.dev.device_count:
             raise SimError(hipErrorInvalidDevice, f"no device {d}")
@@ -104,6 +87,8 @@ class FakeHip:
 
     def _hipGetDeviceCount(self, out):
         ctypes.c_int.from_address(out).value = self.dev.device_count
+        if not self.dev.device_count:  # what libamdhip64 5.2.3 returns on a machine without a GPU
+            raise SimError(hipErrorNoDevice, "no device")
 
     def _hipDeviceSynchronize(self):
         self.dev.drain()
@@ -113,7 +98,7 @@ class FakeHip:
         out_size_t(total, self.dev.total_bytes)
 
     def _check_prop(self, prop_addr):
-        prop = _Prop.from_address(prop_addr)
+        prop = self.Prop.from_address(prop_addr)
         if prop.type != 1 or prop.location.type != 1:  # Pinned, Device
             raise SimError(hipErrorInvalidValue, f"prop type {prop.type} / location type {prop.location.type}")
         if not 0 <= prop.location.id < self.dev.device_count:
@@ -131,7 +116,18 @@ class FakeHip:
             raise SimError(hipErrorInvalidValue, "flags must be 0")
         if alignment and self.fail_aligned_reserve:
             raise SimError(hipErrorOutOfMemory, "aligned reservation failed (simulated ROCm behaviour)")
-        va = self.dev.reserve(size, alignment, addr or 0)
+        if self.ignore_address_hint and addr:
+            # a runtime that places it elsewhere (every time, not by the kernel's chance)
+            va = self.dev.reserve(size, alignment, 0)
+            if va == addr:
+                other = self.dev.reserve(size, alignment, 0)
+                from unisleep.backends.host import libc
+
+                del self.dev.reservations[va]
+                libc.munmap(va, size)
+                va = other
+        else:
+            va = self.dev.reserve(size, alignment, addr or 0)
         if self.unaligned_fallback and not alignment and not addr:
             # a reservation that is only page-aligned: move it by one page
             r = self.dev.reservations.pop(va)
@@ -166,7 +162,7 @@ class FakeHip:
     def _hipMemSetAccess(self, va, size, desc, count):
         if count < 1:
             raise SimError(hipErrorInvalidValue, "no access descriptor")
-        d = _Access.from_address(desc)
+        d = hip.hipMemAccessDesc.from_address(desc)
         if d.flags != 3 or d.location.type != 1:
             raise SimError(hipErrorInvalidValue, f"access flags {d.flags}")
         self.dev.set_access(va or 0, size)
