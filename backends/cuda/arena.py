@@ -224,35 +224,74 @@ class PinnedArena(BackupStore):
         buf = (ctypes.c_char * n).from_address(self._segs[si].addr + off)
         return torch.frombuffer(buf, dtype=torch.uint8)
 
+    def reserve(self, pieces) -> None:
+        """Make room for a backup of ``pieces`` ([(key, nbytes)]) before anything is copied or
+        released: raise :class:`HostBudgetError` now when the budget or host memory cannot hold
+        it, else start growing the arena to the full size in the background (copies into the
+        first new segments start while the next ones register)."""
+        need = 0
+        for key, n in pieces:
+            old = self._slots.get(key)
+            have = sum(x[2] for x in old) if old is not None else 0
+            if have != n:  # a slot of another size is given back first, then a new one taken
+                need += n - have
+        spare = self._free_bytes() + self._pending
+        grow = need - spare
+        if grow <= 0:
+            return
+        if self.budget is not None and self.capacity + grow > self.budget:
+            raise HostBudgetError(self._budget_msg(need))
+        if grow + (1 << 30) > host_available_bytes():
+            raise HostBudgetError(self._budget_msg(need))
+        self._start_grower(grow)
+
     def save(self, key, src, track: bool = False):
         """Queue the copy of ``src`` into the arena.  With ``track``, return [(bytes done, event)]
-        marks so a caller can release memory piece by piece as its copy completes."""
+        marks so a caller can release memory piece by piece as its copy completes.  On failure
+        the room this call took is given back and ``key`` holds no backup."""
         import torch
 
         n = src.numel()
         old = self._slots.pop(key, None)
-        if old is not None and sum(x[2] for x in old) == n:
+        reuse = old is not None and sum(x[2] for x in old) == n
+        if reuse:
             extents = iter(old)  # same size as last time: reuse the slot
         else:
             if old is not None:
                 self._release(old)
             extents = self._extents(n)
         s = self.stream()
-        s.wait_stream(torch.cuda.current_stream(self.device))
         ext, pos, marks = [], 0, []
-        with torch.cuda.stream(s):
-            for si, off, m in extents:
-                ext.append((si, off, m))
-                for p in range(0, m, PIECE):
-                    k = min(PIECE, m - p)
-                    self._host_view(si, off + p, k).copy_(src[pos + p : pos + p + k], non_blocking=True)
-                    if track:
-                        ev = torch.cuda.Event()
-                        ev.record(s)
-                        marks.append((pos + p + k, ev))
-                pos += m
+        try:
+            s.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(s):
+                for si, off, m in extents:
+                    ext.append((si, off, m))
+                    for p in range(0, m, PIECE):
+                        k = min(PIECE, m - p)
+                        self._host_view(si, off + p, k).copy_(src[pos + p : pos + p + k], non_blocking=True)
+                        if track:
+                            ev = torch.cuda.Event()
+                            ev.record(s)
+                            marks.append((pos + p + k, ev))
+                    pos += m
+        except BaseException:
+            try:
+                s.synchronize()  # no copy may still write into room we give back
+            finally:
+                self._release(old if reuse else ext)
+            raise
         self._slots[key] = ext
         return marks
+
+    def abandon(self, keys) -> None:
+        """Undo a failed suspend: wait for the copies queued so far, then drop the backups of
+        ``keys`` (part-written or overwritten in this call, they match no digest)."""
+        try:
+            self.flush()
+        finally:
+            for key in keys:
+                self.drop(key)
 
     def load(self, key, dst) -> None:
         import torch

@@ -11,7 +11,8 @@ physical_bytes     the size of every handle the driver holds (a handle is physic
 
 Every call first makes the device's primary context current on the calling thread.  Level-1
 backups go to a persistent pinned host arena (:mod:`.arena`); a backup retained after wake lets
-an unchanged tag skip its copy, proven by a GPU digest (:mod:`.checksum`).
+an unchanged tag skip its copy, proven by the keyed NH digest (:mod:`unisleep.keyed_hash`; its
+first level is the fused kernel of :mod:`.checksum`, found by ``Driver.keyed_digest``).
 """
 
 from __future__ import annotations
@@ -38,16 +39,18 @@ class CuHandle:
 class _DeviceBuffer:
     """Exposes ``[ptr, ptr+n)`` through ``__cuda_array_interface__`` so torch can wrap it."""
 
-    __slots__ = ("__cuda_array_interface__",)
+    __slots__ = ("__cuda_array_interface__", "owner")
 
-    def __init__(self, ptr: int, n: int):
+    def __init__(self, ptr: int, n: int, owner=None):
         self.__cuda_array_interface__ = {"shape": (n,), "typestr": "|u1", "data": (ptr, False), "version": 3}
+        self.owner = owner  # torch keeps this object alive as long as the tensor's storage
 
 
 class CudaDriver(Driver):
     name = "cuda"
     fresh_memory_is_zero = False
     retain_backups = True
+    views_hold_owner = True
     supports_pool = True
     #: 1 GiB physical chunks: a backed-up chunk is released as soon as its copy is done
     default_chunk_bytes = 1 << 30
@@ -99,15 +102,14 @@ class CudaDriver(Driver):
         self._warm_digest()
 
     def _warm_digest(self) -> None:
-        """Compile the digest kernel now (model-load time), not inside the first sleep."""
-        import torch
-
-        from .checksum import digest
+        """Compile the keyed-hash kernel now (model-load time), not inside the first sleep."""
+        from .checksum import warm_up
 
         try:
-            digest(torch.zeros(1 << 17, dtype=torch.uint8, device=self.torch_device))  # >= one full program
-        except Exception as e:  # the chunked torch fallback still works
-            log.debug("digest warm-up failed: %s", e)
+            if not warm_up(self.torch_device):
+                log.debug("NH kernel not compiled; digests use the torch ops (same words, slower)")
+        except Exception as e:  # the torch path still gives the same digest
+            log.debug("NH kernel warm-up failed: %s", e)
 
     # ---- primitives ------------------------------------------------------------------
     def granularity(self) -> int:
@@ -157,10 +159,10 @@ class CudaDriver(Driver):
     def physical_bytes(self, handle: CuHandle) -> int:
         return handle.size if handle.handle is not None else 0
 
-    def view(self, va: int, nbytes: int):
+    def view(self, va: int, nbytes: int, owner=None):
         import torch
 
-        t = torch.as_tensor(_DeviceBuffer(va, nbytes))
+        t = torch.as_tensor(_DeviceBuffer(va, nbytes, owner))
         if t.device.index != self.device:
             raise RuntimeError(f"memory at {va:#x} resolved to {t.device}, expected device {self.device}")
         return t
@@ -187,29 +189,49 @@ class CudaDriver(Driver):
     def new_backup_store(self, budget_bytes: Optional[int], spill_dir: Optional[str]) -> BackupStore:
         return PinnedArena(self.device, budget_bytes)
 
-    def checksum(self, src):
-        from .checksum import digest
-
-        return digest(src)
-
     # ---- composite ---------------------------------------------------------------------
     def suspend(self, saves, discards, store):
-        """Queue every backup copy, release discarded memory under them, then release each
-        backed-up chunk as soon as the copy covering it has completed."""
+        """Reserve, queue every backup copy, release discarded memory under them, then release
+        each backed-up chunk as soon as the copy covering it has completed.
+
+        Transactional up to the *release point* (the first release): the room the backup needs
+        is checked against the arena's budget and host memory first (``HostBudgetError``), and
+        the arena is grown in the background to the full backup size while the first copies
+        already run; every copy is queued (so every byte of room is held) before anything is
+        released.  A failure before the release point (no room, a failed registration, a CUDA
+        error, KeyboardInterrupt) waits for the queued copies, gives back the arena room this
+        call took, drops the store's backups of every job it was copying (their slots may hold
+        part-new bytes: they no longer match any digest) and re-raises: every region is still
+        mapped, device bytes are untouched (copies only read them), skipped jobs keep their
+        backups.  After the release point, a failure leaves each chunk of a saved region either
+        mapped with its bytes, or released with its whole copy complete in the store.
+        """
         self.synchronize()  # nothing in flight may touch memory we are about to unmap
         if not isinstance(store, PinnedArena):
             return super().suspend(saves, discards, store)
         tr = _Trace("suspend")
         copied, tracked = 0, []
-        for job in saves:
-            if job.skip_copy:
-                continue
-            for off, n in job.ranges:
-                marks = store.save((job.key, off), self.view(job.region.va + off, n), track=True)
-                if (off, n) == (0, job.region.size):
-                    tracked.append((job, marks))
-                copied += n
-        tr.mark("queue copies")
+        pieces = [((job.key, off), n) for job in saves if not job.skip_copy for off, n in job.ranges]
+        queued: list = []
+        try:
+            store.reserve(pieces)  # raises HostBudgetError before any copy is queued
+            for job in saves:
+                if job.skip_copy:
+                    continue
+                for off, n in job.ranges:
+                    queued.append((job.key, off))
+                    marks = store.save((job.key, off), self.view(job.region.va + off, n), track=True)
+                    if (off, n) == (0, job.region.size):
+                        tracked.append((job, marks))
+                    copied += n
+            tr.mark("queue copies")
+        except BaseException:
+            try:
+                store.abandon(queued)
+            except Exception as e:  # keep the original error; this one is secondary
+                log.warning("undoing the failed suspend's copies also failed: %s", e)
+            raise
+        # ---- the release point: from here on memory is handed back
         released = sum(r.release(self) for r in discards)
         tr.mark("release discarded")
         for job, marks in tracked:

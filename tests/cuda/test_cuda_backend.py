@@ -47,15 +47,22 @@ def test_level1_restores_bytes_exactly_at_the_same_addresses(lc):
 
 def test_many_allocations_and_cycles(lc):
     ts = [lc.empty((n * 1000 + 1,), torch.float16, tag="weights") for n in range(1, 65)]
+    want = list(range(len(ts)))
     for i, t in enumerate(ts):
         t.fill_(i)
-    for cycle in range(3):
-        lc.sleep(1)
+    gran = lc.driver.granularity()
+    for cycle in range(4):
+        rep = lc.sleep(1)
+        if cycle == 0:
+            assert rep.bytes_copied == lc.allocated_bytes("weights")  # nothing retained yet
+        else:  # exactly the one tensor changed last cycle is copied again; the rest are proven unchanged
+            changed = ts[cycle - 1]
+            assert rep.bytes_copied == -(-changed.numel() * changed.element_size() // gran) * gran, cycle
         lc.wake_up()
         for i, t in enumerate(ts):
-            assert bool((t == i).all()), (cycle, i)
-        ts[cycle].add_(1)  # changed bytes must be copied again next cycle
-        ts[cycle].sub_(1)
+            assert bool((t == want[i]).all()), (cycle, i)
+        ts[cycle].add_(1)  # a real change, kept: the next sleep must copy it, the wake restore it
+        want[cycle] += 1
 
 
 def test_cuda_graph_replays_after_wake(lc):
@@ -188,16 +195,30 @@ def test_unchanged_weights_skip_the_copy(lc):
 def test_expandable_segments_setting_survives_the_pool(tmp_path):
     code = textwrap.dedent(
         """
-        import os, torch
+        import torch
         from unisleep import MemoryLifecycle
+
+        def segment_of(ptr):
+            for seg in torch.cuda.memory_snapshot():
+                if seg["address"] <= ptr < seg["address"] + seg["total_size"]:
+                    return seg
+            return None
+
+        before = torch.ones(1 << 22, device="cuda")  # the caching allocator, user's setting
+        assert segment_of(before.data_ptr())["is_expandable"] is True
         lc = MemoryLifecycle("cuda")
         with lc.pool("kv_cache"):
             t = torch.ones(1 << 22, device="cuda")
+        assert lc.resident_bytes("kv_cache") >= t.numel() * 4  # routed into the lifecycle
+        seg = segment_of(t.data_ptr())
+        assert seg is None or seg["is_expandable"] is False, seg  # not in an expandable segment
         lc.sleep(1)
         assert lc.resident_bytes() == 0, lc.resident_bytes()
         lc.wake_up()
         x = torch.ones(1 << 22, device="cuda")  # ordinary allocations still use the user's setting
-        print("OK", torch.cuda.memory._get_allocator_settings() if hasattr(torch.cuda.memory, "_get_allocator_settings") else "")
+        assert segment_of(x.data_ptr())["is_expandable"] is True
+        assert float(x.sum()) == float(1 << 22) and float(t.sum()) == 0.0
+        print("OK")
         """
     )
     env = dict(__import__("os").environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
@@ -206,21 +227,32 @@ def test_expandable_segments_setting_survives_the_pool(tmp_path):
     assert "OK" in p.stdout
 
 
-@pytest.mark.parametrize("end", ["asleep", "awake", "pool-asleep"])
+_EXIT_SETUPS = {
+    # lifecycle memory only (empty), asleep at exit
+    "asleep": 'w = lc.empty((1 << 24,), torch.uint8, tag="weights"); w.fill_(1); lc.sleep(1)',
+    # framework allocations routed through pool(), asleep at exit with the tensors still referenced
+    "pool-asleep": (
+        'with lc.pool("kv_cache"):\n'
+        '    k = torch.ones(1 << 22, device="cuda")\n'
+        'with lc.pool("weights"):\n'
+        '    p = torch.arange(1 << 20, device="cuda")\n'
+        "lc.sleep(1)\n"
+        "assert lc.resident_bytes() == 0"
+    ),
+    # both kinds, awake at exit
+    "awake": (
+        'w = lc.empty((1 << 24,), torch.uint8, tag="weights"); w.fill_(1)\n'
+        'with lc.pool("kv_cache"):\n'
+        '    k = torch.ones(1 << 22, device="cuda")'
+    ),
+}
+
+
+@pytest.mark.parametrize("end", sorted(_EXIT_SETUPS))
 def test_clean_exit(end):
-    code = textwrap.dedent(
-        f"""
-        import torch
-        from unisleep import MemoryLifecycle
-        lc = MemoryLifecycle("cuda")
-        w = lc.empty((1 << 24,), torch.uint8, tag="weights"); w.fill_(1)
-        with lc.pool("kv_cache"):
-            k = torch.ones(1 << 22, device="cuda")
-        if "{end}" != "awake":
-            lc.sleep(1)
-        print("done")
-        """
-    )
+    code = "import torch\nfrom unisleep import MemoryLifecycle\nlc = MemoryLifecycle(\"cuda\")\n"
+    code += _EXIT_SETUPS[end] + '\nprint("done")\n'
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
+    assert "done" in p.stdout
     assert "Traceback" not in p.stderr and "Exception ignored" not in p.stderr, p.stderr

@@ -1,0 +1,115 @@
+"""The CUDA driver's pipelined suspend is transactional up to its release point (marker
+``cuda``): when the pinned arena cannot hold the backup, or growing it fails part-way, the call
+raises with every region still mapped, the device bytes intact and the arena's room given back."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.cuda
+
+torch = pytest.importorskip("torch")
+
+from unisleep.driver import SaveJob  # noqa: E402
+from unisleep.errors import HostBudgetError  # noqa: E402
+from unisleep.region import Region  # noqa: E402
+
+MiB, GiB = 1 << 20, 1 << 30
+
+
+@pytest.fixture(scope="module")
+def drv():
+    from unisleep.backends.cuda.driver import CudaDriver
+
+    d = CudaDriver(0)
+    yield d
+    d.close()
+
+
+def _region(drv, nbytes, chunk=256 * MiB, seed=0):
+    r = Region.allocate(drv, nbytes, chunk)
+    v = drv.view(r.va, r.size)
+    v.view(torch.int32).random_(generator=torch.Generator(device="cuda").manual_seed(seed))
+    return r, v.clone()
+
+
+def _intact(drv, regions):
+    drv.synchronize()
+    for r, ref in regions:
+        assert r.mapped
+        assert torch.equal(drv.view(r.va, r.size), ref)
+
+
+def test_no_room_raises_before_anything_is_released(drv):
+    from unisleep.backends.cuda.arena import PinnedArena
+
+    regions = [_region(drv, 64 * MiB, seed=1), _region(drv, 512 * MiB, seed=2)]
+    kv, _ = _region(drv, 128 * MiB, seed=3)
+    store = PinnedArena(0, budget_bytes=256 * MiB)  # holds the first backup, not both
+    saves = [SaveJob(i, r, [(0, r.size)]) for i, (r, _) in enumerate(regions)]
+    free0 = drv.memory_info()[0]
+    try:
+        with pytest.raises(HostBudgetError, match="Nothing was released"):
+            drv.suspend(saves, [kv], store)
+        assert kv.mapped
+        _intact(drv, regions)
+        assert drv.memory_info()[0] <= free0 + 2 * MiB
+        assert store.held_bytes == 0 and store.capacity == 0  # checked before any copy or growth
+    finally:
+        store.close()
+        for r, _ in regions:
+            r.free(drv)
+        kv.free(drv)
+
+
+class _FailingArena:
+    """A pinned arena whose second host segment fails to register (as cuMemHostRegister does
+    when the host runs short): the fault is injected below the code under test."""
+
+    @staticmethod
+    def make(budget=None):
+        from unisleep.backends.cuda.arena import PinnedArena
+
+        class Arena(PinnedArena):
+            segments = 0
+
+            def _new_segment(self, size):
+                Arena.segments += 1
+                if Arena.segments >= 2:
+                    raise RuntimeError("injected: cuMemHostRegister failed")
+                return super()._new_segment(size)
+
+        return Arena(0, budget)
+
+
+def test_failure_part_way_through_the_copies_leaves_everything_mapped(drv):
+    from unisleep.backends.cuda.arena import SEGMENT, PinnedArena
+
+    a, b = _region(drv, 512 * MiB, seed=4), _region(drv, SEGMENT, seed=5)  # needs two segments
+    kv, _ = _region(drv, 64 * MiB, seed=6)
+    store = _FailingArena.make()
+    saves = [SaveJob(0, a[0], [(0, a[0].size)]), SaveJob(1, b[0], [(0, b[0].size)])]
+    try:
+        with pytest.raises(RuntimeError, match="injected"):
+            drv.suspend(saves, [kv], store)
+        assert kv.mapped
+        _intact(drv, [a, b])
+        assert not store.has((0, 0)) and not store.has((1, 0))  # no half-written backup is kept
+        assert store.held_bytes == 0
+        assert store._free_bytes() == store.capacity  # the room taken is given back
+    finally:
+        store.close()
+    # the same memory sleeps and comes back exactly with a working arena
+    good = PinnedArena(0, None)
+    try:
+        released, copied = drv.suspend(saves, [kv], good)
+        assert copied == a[0].size + b[0].size and released >= copied + kv.size
+        assert a[0].unmapped and b[0].unmapped and kv.unmapped
+        for r, ref in (a, b):
+            r.map(drv)
+            good.load((saves[0].key if r is a[0] else saves[1].key, 0), drv.view(r.va, r.size))
+        _intact(drv, [a, b])
+    finally:
+        good.close()
+        for r in (a[0], b[0], kv):
+            r.free(drv)
