@@ -60,8 +60,43 @@ def test_cli_dispatch_with_platform_override():
     assert rep["platform"]["name"] == "host"
     assert "UNISLEEP_PLATFORM=host" in rep["platform"]["reason"]
     r = run_doctor(env_extra={"UNISLEEP_PLATFORM": "rocm"})
-    assert r.returncode == 0, r.stderr
     assert "platform: rocm" in r.stdout and "UNISLEEP_PLATFORM=rocm" in r.stdout
+    assert r.returncode == (0 if json.loads(run_doctor("--json", env_extra={"UNISLEEP_PLATFORM": "rocm"}).stdout)
+                            ["platform"]["devices"] else 1), r.stdout
+
+
+def _lifecycle_works(platform: str) -> tuple[bool, str]:
+    """Whether MemoryLifecycle() works under UNISLEEP_PLATFORM=platform, in a child process."""
+    env = {k: v for k, v in os.environ.items() if k not in ("UNISLEEP_SPILL_DIR", *ALLOC_VARS)}
+    env["UNISLEEP_PLATFORM"] = platform
+    r = subprocess.run([sys.executable, "-c", "from unisleep import MemoryLifecycle; MemoryLifecycle().close()"],
+                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    return r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("platform", ["cuda", "rocm", "ascend"])
+def test_forced_platform_that_cannot_work_is_reported(platform):
+    """UNISLEEP_PLATFORM naming an accelerator this machine lacks: doctor says it cannot work and
+    why, and exits 1; where it does work (the hardware is there), doctor exits 0."""
+    r = run_doctor(env_extra={"UNISLEEP_PLATFORM": platform})
+    rj = run_doctor("--json", env_extra={"UNISLEEP_PLATFORM": platform})
+    rep = json.loads(rj.stdout)
+    assert "Traceback" not in r.stderr + rj.stderr
+    works, err = _lifecycle_works(platform)
+    if rep["platform"]["devices"]:  # the hardware is here: no problem if it works, else a warning naming it
+        if works:
+            assert r.returncode == 0 and rep["platform"]["problems"] == []
+        else:
+            assert any(platform in w for w in rep["warnings"]), (rep["warnings"], err)
+        return
+    assert not works  # the claim doctor makes: MemoryLifecycle() fails here
+    assert r.returncode == 1 and rj.returncode == 1 and rep["ok"] is False
+    assert "CANNOT WORK HERE" in r.stdout and "warnings: none" not in r.stdout
+    problems = rep["platform"]["problems"]
+    assert problems and all(f"UNISLEEP_PLATFORM={platform}" in p for p in problems)
+    if not rep["platform"]["devices"]:
+        assert any(f"no {platform} device was found" in p for p in problems)
+    assert any(p in rep["warnings"] for p in problems)
 
 
 def test_unknown_platform_reported_not_crashed():

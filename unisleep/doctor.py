@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from importlib import metadata
 from importlib import util as importlib_util
@@ -57,6 +58,52 @@ def _spill_info() -> dict[str, Any]:
     return info
 
 
+def _extra_packages(extra: str) -> dict[str, bool]:
+    """The packages ``pip install 'unisleep[<extra>]'`` brings, and whether each is installed
+    (read from unisleep's own metadata, so the list follows pyproject.toml)."""
+    out: dict[str, bool] = {}
+    try:
+        reqs = metadata.requires("unisleep") or []
+    except Exception:
+        return out
+    for req in reqs:
+        m = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)[^;]*;\s*extra\s*==\s*[\"']([^\"']+)[\"']", req)
+        if m and m.group(2) == extra:
+            out[m.group(1)] = _version(m.group(1)) is not None
+    return out
+
+
+def platform_problems(plat) -> tuple[list[str], list[str]]:
+    """``(problems, warnings)`` about the chosen platform: a problem means ``MemoryLifecycle()``
+    cannot work here (no device of that platform, its backend cannot be imported); a warning
+    names packages of its pip extra that are missing.  Nothing is initialised on a device."""
+    from .platform import ENV_OVERRIDE, SPECS
+    from .registry import driver_class
+
+    problems: list[str] = []
+    warnings: list[str] = []
+    forced = bool(os.environ.get(ENV_OVERRIDE, "").strip())
+    how = f"{ENV_OVERRIDE}={plat.name} is set, but" if forced else "the detected platform"
+    spec = SPECS.get(plat.name)
+    missing = [d for d, ok in _extra_packages(spec.extra).items() if not ok] if spec and plat.is_accelerator else []
+    install = f" (pip install 'unisleep[{spec.extra}]')" if spec else ""
+    if spec is not None and plat.is_accelerator and not plat.devices:
+        why = f"no {plat.name} device was found on this machine"
+        if missing:
+            why += f" and {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed{install}"
+        problems.append(f"{how} {plat.name} cannot work here: {why}. MemoryLifecycle() would fail; "
+                        + (f"unset {ENV_OVERRIDE} to use what is detected, or run on a machine that has such a device."
+                           if forced else f"set {ENV_OVERRIDE}=host to use host memory."))
+    elif missing:
+        warnings.append(f"the {plat.name} platform's packages {', '.join(missing)} are not installed{install}; "
+                        "its backend may fail to load.")
+    try:
+        driver_class(plat.name)  # imports the backend's module only: no library call, no device context
+    except Exception as e:
+        problems.append(f"{how} the {plat.name} backend cannot be loaded: {e}")
+    return problems, warnings
+
+
 def _vllm_lines() -> list[str]:
     try:
         from .engines import vllm_versions
@@ -95,6 +142,11 @@ def collect() -> dict[str, Any]:
                 for d in plat.devices
             ],
         }
+        problems, extra_warnings = platform_problems(plat)
+        if problems:
+            report["ok"] = False
+        report["platform"]["problems"] = problems
+        warnings += problems + extra_warnings
         warnings += environment_warnings(plat)
     from .backends._native import fallback_warnings
 
@@ -134,6 +186,8 @@ def render(report: dict[str, Any]) -> str:
             lines.append(f"  device {d['index']}: {d['name']}, {mem}" + (f" ({d['uuid']})" if d.get("uuid") else ""))
         if not p["devices"]:
             lines.append("  no device found")
+        for problem in p.get("problems", []):
+            lines.append(f"  CANNOT WORK HERE: {problem}")
     else:
         lines.append(f"platform: NOT DETECTED — {p['error']}")
     lines += ["", "optional packages:"]
@@ -171,6 +225,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(json.dumps(report, indent=2, default=str))
     else:
         print(render(report))
+    if not report["ok"] and not args.json:
+        print("\ndoctor: the platform cannot work here (see above)", file=sys.stderr)
     return 0 if report["ok"] else 1
 
 
