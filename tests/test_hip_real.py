@@ -1,0 +1,326 @@
+"""The ROCm bindings (backends/rocm/hip.py) against the REAL HIP runtime and header — no GPU needed.
+
+Debian 12 packages ROCm 5.2.3's runtime for CPU machines: ``libamdhip64-5`` (``libamdhip64.so.5``)
+and ``libamdhip64-dev`` (``hip/hip_runtime_api.h``); ``make test`` installs them when run as root.
+These tests:
+
+* load the real library through the driver's own loader and resolve every function the
+  bindings declare (a missing symbol fails);
+* compile a C probe with ``cc`` against the real header that prints ``sizeof``/``offsetof``/
+  ``_Alignof`` of every struct and field the bindings declare and the value of every enum, flag
+  and error code they use, and compare with the ctypes declarations — any difference fails;
+* compile a C++ probe with ``c++`` that prints each bound function's parameter list as the ABI
+  sees it (integer of n bytes, pointer to n bytes, opaque pointer) and compare with the ctypes
+  prototypes;
+* call the real library with no GPU present and check that the driver turns the real codes into
+  named unisleep errors that say what is missing;
+* check which runtime is chosen when one is already loaded, and that a second one is refused.
+
+What they cannot show: anything that needs a GPU (every memory call returns hipErrorInvalidDevice
+here), and the struct layout of HIP >= 5.3 (the header here is 5.2's; see docs/rocm.md).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from unisleep.backends.rocm import hip
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)
+INSTALL = "apt-get install libamdhip64-5 libamdhip64-dev (make test does it when run as root)"
+
+
+def _include_dir():
+    for root in (os.environ.get("ROCM_PATH"), "/opt/rocm", "/usr"):
+        if root and os.path.exists(os.path.join(root, "include", "hip", "hip_runtime_api.h")):
+            return os.path.join(root, "include")
+    return None
+
+
+def _system_library():
+    found = sorted(glob.glob("/usr/lib/*/libamdhip64.so.5")) + sorted(glob.glob("/opt/rocm*/lib/libamdhip64.so"))
+    return os.path.realpath(found[0]) if found else None
+
+
+INCLUDE = _include_dir()
+SYSTEM_LIB = _system_library()
+needs_header = pytest.mark.skipif(INCLUDE is None, reason=f"needs the HIP header hip/hip_runtime_api.h: {INSTALL}")
+needs_lib = pytest.mark.skipif(SYSTEM_LIB is None, reason=f"needs the HIP runtime libamdhip64.so.5: {INSTALL}")
+needs_cc = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler: apt-get install gcc")
+needs_cxx = pytest.mark.skipif(shutil.which("c++") is None, reason="needs a C++ compiler: apt-get install g++")
+
+
+def _gpu_present() -> bool:
+    return os.path.exists("/dev/kfd") and bool(glob.glob("/dev/dri/renderD*"))
+
+
+# ---------------------------------------------------------------------------- what the bindings say
+def _struct_layout(cname: str, cls, base: int = 0, path: str = "") -> dict:
+    """sizeof/offsetof/size of a ctypes struct and every (nested) field, keyed like the probe."""
+    out = {} if path else {f"sizeof {cname}": ctypes.sizeof(cls), f"alignof {cname}": ctypes.alignment(cls)}
+    for name, ctype in cls._fields_:
+        field = path + name
+        off = base + getattr(cls, name).offset
+        out[f"offsetof {cname}.{field}"] = off
+        out[f"sizeof {cname}.{field}"] = ctypes.sizeof(ctype)
+        if isinstance(ctype, type) and issubclass(ctype, ctypes.Structure):
+            out.update(_struct_layout(cname, ctype, off, field + "."))
+    return out
+
+
+def bindings_layout(runtime_version: int) -> dict:
+    out = {}
+    for cname, cls in hip.structs(runtime_version).items():
+        out.update(_struct_layout(cname, cls))
+    out.update({f"value {name}": value for name, value in hip.ENUMS.items()})
+    return out
+
+
+def _ctype_abi(t):
+    if t in (ctypes.c_void_p, ctypes.c_char_p):
+        return ["ptr", None]
+    if isinstance(t, type) and issubclass(t, ctypes._Pointer):
+        return ["ptr", ctypes.sizeof(t._type_)]
+    return ["int", ctypes.sizeof(t)]
+
+
+def bindings_prototypes(runtime_version: int) -> dict:
+    return {name: [_ctype_abi(res), [_ctype_abi(a) for a in args]]
+            for name, (res, args) in hip.prototypes(hip.alloc_prop_type(runtime_version)).items()}
+
+
+# ---------------------------------------------------------------------------- what the header says
+def _compile_run(tmp_path, name: str, source: str, compiler: list) -> dict:
+    src = tmp_path / name
+    src.write_text(source)
+    exe = tmp_path / (name + ".bin")
+    cp = subprocess.run(compiler + ["-D__HIP_PLATFORM_AMD__", f"-I{INCLUDE}", str(src), "-o", str(exe)],
+                        capture_output=True, text=True, timeout=300)
+    assert cp.returncode == 0, f"the probe does not compile against {INCLUDE}/hip/hip_runtime_api.h:\n{cp.stderr[-4000:]}"
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    return json.loads(run.stdout)
+
+
+def header_layout(tmp_path) -> dict:
+    """A C probe, generated from the bindings' own declarations (names only: every number comes
+    from the compiler), compiled with ``cc`` against the real header."""
+    keys = bindings_layout(hip.PROP_LAYOUT_CHANGED)
+    # the 5.2 layout has fields the >= 5.3 one lacks and the other way round: ask only for those
+    # of the layout the header's HIP_VERSION selects
+    legacy = bindings_layout(hip.PROP_LAYOUT_CHANGED - 1)
+    src = textwrap.dedent("""\
+        #include <stdio.h>
+        #include <stddef.h>
+        #include <hip/hip_runtime_api.h>
+        int main(void) {
+            printf("{\\n  \\"HIP_VERSION\\": %d", HIP_VERSION);
+        #if HIP_VERSION >= %(changed)d
+        %(current)s
+        #else
+        %(legacy)s
+        #endif
+            printf("\\n}\\n");
+            return 0;
+        }
+        """).replace("%(changed)d", str(hip.PROP_LAYOUT_CHANGED))
+
+    def body(keys_):
+        out = []
+        for key in keys_:
+            what, name = key.split(" ", 1)
+            cname, _, field = name.partition(".")
+            if what == "value":
+                expr = f"(long long)({name})"
+            elif what == "alignof":
+                expr = f"(long long)_Alignof({cname})"
+            elif what == "sizeof":
+                expr = f"(long long)sizeof({cname})" if not field else f"(long long)sizeof((({cname}*)0)->{field})"
+            else:
+                expr = f"(long long)offsetof({cname}, {field})"
+            out.append(f'    printf(",\\n  \\"{key}\\": %lld", {expr});')
+        return "\n".join(out)
+
+    src = src.replace("%(current)s", body(keys)).replace("%(legacy)s", body(legacy))
+    return _compile_run(tmp_path, "hip_abi_probe.c", src, ["cc", "-std=c11", "-Wall", "-Werror"])
+
+
+CXX_PROBE = r"""
+#include <cstdio>
+#include <string>
+#include <type_traits>
+#include <hip/hip_runtime_api.h>
+template<class T, class = void> struct is_complete : std::false_type {};
+template<class T> struct is_complete<T, decltype(void(sizeof(T)))> : std::true_type {};
+template<class T> std::string abi() {
+  if constexpr (std::is_pointer<T>::value) {
+    using P = std::remove_cv_t<std::remove_pointer_t<T>>;
+    if constexpr (std::is_void<P>::value) return "[\"ptr\", null]";
+    else if constexpr (!is_complete<P>::value) return "[\"ptr\", null]";
+    else return "[\"ptr\", " + std::to_string(sizeof(P)) + "]";
+  } else if constexpr (std::is_integral<T>::value || std::is_enum<T>::value) {
+    return "[\"int\", " + std::to_string(sizeof(T)) + "]";
+  } else return "[\"other\", " + std::to_string(sizeof(T)) + "]";
+}
+template<class R, class... A> std::string sig(R (*)(A...)) {
+  std::string s = "[" + abi<R>() + ", [";
+  [[maybe_unused]] const char* sep = "";
+  ((s += sep, s += abi<A>(), sep = ", "), ...);
+  return s + "]]";
+}
+int main() {
+  std::printf("{\n");
+%(calls)s
+  std::printf("}\n");
+  return 0;
+}
+"""
+
+
+def header_prototypes(tmp_path) -> dict:
+    names = list(hip.PROTOTYPES)
+    calls = "\n".join(
+        f'  std::printf("  \\"{n}\\": %s{"," if i < len(names) - 1 else ""}\\n", '
+        f"sig(static_cast<decltype(&{n})>(nullptr)).c_str());"
+        for i, n in enumerate(names)
+    )
+    return _compile_run(tmp_path, "hip_proto_probe.cc", CXX_PROBE.replace("%(calls)s", calls),
+                        ["c++", "-std=c++17", "-Wall", "-Werror", "-D__HIP_DISABLE_CPP_FUNCTIONS__"])
+
+
+def _diff(ours: dict, theirs: dict) -> list[str]:
+    return [f"{k}: bindings {ours.get(k)!r}, header {theirs.get(k)!r}"
+            for k in sorted(set(ours) | set(theirs)) if ours.get(k) != theirs.get(k)]
+
+
+# ---------------------------------------------------------------------------- tests
+@needs_lib
+def test_real_library_loads_through_the_driver_loader_and_has_every_function():
+    lib = hip.load_library()  # the driver's own loader (nothing else loaded libamdhip64 here)
+    assert os.path.basename(lib.unisleep_path).startswith("libamdhip64.so")
+    api = hip.HipApi(lib)  # raises PlatformError naming any function the library lacks
+    for name in hip.prototypes(api.Prop):
+        addr = ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+        assert addr, f"{name} resolved to NULL in {lib.unisleep_path}"
+        assert callable(getattr(api, name))
+    assert api.runtime_version >= 50200000  # hipRuntimeGetVersion works without a GPU
+    assert api.Prop is hip.alloc_prop_type(api.runtime_version)
+
+
+@needs_lib
+def test_a_missing_function_is_a_named_error():
+    """The control for the test above: a table naming a function the real library lacks fails."""
+    from unisleep.backends._native import bind_prototypes
+
+    class T:
+        pass
+
+    lib = hip.load_library()
+    assert bind_prototypes(T(), lib, {"hipMemNoSuchCall": (ctypes.c_int, [])}) == ["hipMemNoSuchCall"]
+
+
+@needs_header
+@needs_cc
+def test_structs_enums_and_codes_match_the_real_header(tmp_path):
+    theirs = header_layout(tmp_path)
+    version = theirs.pop("HIP_VERSION")
+    ours = bindings_layout(version)
+    assert len(ours) > 40  # every struct, field and code is really compared
+    problems = _diff(ours, theirs)
+    assert not problems, (f"the ctypes declarations in backends/rocm/hip.py differ from {INCLUDE}/hip "
+                          f"(HIP_VERSION {version}):\n  " + "\n  ".join(problems))
+
+
+@needs_header
+@needs_cxx
+def test_prototypes_match_the_real_header(tmp_path):
+    theirs = header_prototypes(tmp_path)
+    ours = bindings_prototypes(hip.PROP_LAYOUT_CHANGED)
+    # pointers to hipMemAllocationProp: same size in both layouts (the layout is checked above)
+    problems = _diff(ours, theirs)
+    assert not problems, "the ctypes prototypes in backends/rocm/hip.py differ from the header:\n  " + "\n  ".join(problems)
+
+
+@needs_lib
+def test_real_error_names_match_the_library():
+    lib = ctypes.CDLL(hip.load_library().unisleep_path)
+    lib.hipGetErrorName.restype = ctypes.c_char_p
+    lib.hipGetErrorName.argtypes = [ctypes.c_int]
+    for code, name in hip.ERROR_NAMES.items():
+        assert lib.hipGetErrorName(code).decode() == name
+
+
+@needs_lib
+@pytest.mark.skipif(_gpu_present(), reason="an AMD GPU is present: the no-GPU error path cannot be shown")
+def test_no_gpu_real_codes_become_named_errors():
+    from unisleep.backends.rocm import RocmDriver
+
+    api = hip.HipApi(hip.load_library())
+    n = ctypes.c_int(-1)
+    assert api.hipGetDeviceCount(ctypes.byref(n)) == hip.hipErrorNoDevice  # the real code, not ours
+    with pytest.raises(hip.HipNoDeviceError) as e:
+        RocmDriver(env={})  # loads the real library itself
+    msg = str(e.value)
+    assert "sees no AMD GPU" in msg and "hipErrorNoDevice" in msg and "/dev/kfd is missing" in msg
+    assert hip.version_text(api.runtime_version) in msg and "libamdhip64" in msg
+    assert 'MemoryLifecycle("host")' in msg
+    # every other call the driver makes gets hipErrorInvalidDevice: named, and says what is missing
+    p = ctypes.c_void_p()
+    for call, args in (("hipSetDevice", (0,)), ("hipMemAddressReserve", (ctypes.byref(p), 2 << 20, 0, None, 0))):
+        with pytest.raises(hip.HipError, match=rf"{call} failed with hipErrorInvalidDevice \(101\): .*no usable AMD GPU.*/dev/kfd"):
+            api.call(call, *args)
+
+
+def _run(code: str, env_extra: dict | None = None) -> dict:
+    env = dict(os.environ)
+    env.pop("UNISLEEP_HIP_LIBRARY", None)
+    env.update(env_extra or {})
+    prelude = f"import ctypes, json, sys\nsys.path.insert(0, {TESTS!r})\nfrom unisleep.backends.rocm import hip\n"
+    out = subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT, env=env)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+LOAD = """
+try:
+    lib = hip.load_library()
+    print(json.dumps({"path": lib.unisleep_path, "chosen": lib.unisleep_chosen}))
+except Exception as e:
+    print(json.dumps({"error": type(e).__name__, "msg": str(e)}))
+"""
+
+
+@needs_lib
+def test_the_runtime_already_in_the_process_wins(tmp_path):
+    copy = tmp_path / "other-rocm" / "libamdhip64.so"
+    copy.parent.mkdir()
+    shutil.copy(SYSTEM_LIB, copy)
+    # nothing loaded: the search finds the system's
+    r = _run(LOAD)
+    assert r.get("path") == SYSTEM_LIB, r
+    # another copy already loaded (as torch would have): it is used, although the search would
+    # have found the system's first
+    r = _run(f"ctypes.CDLL({str(copy)!r}, mode=ctypes.RTLD_GLOBAL)\n" + LOAD)
+    assert r.get("path") == str(copy) and r.get("chosen") == "already loaded in this process", r
+    # an override naming a different file than the loaded one is refused, naming both
+    r = _run(f"ctypes.CDLL({str(copy)!r}, mode=ctypes.RTLD_GLOBAL)\n" + LOAD, {"UNISLEEP_HIP_LIBRARY": SYSTEM_LIB})
+    assert r.get("error") == "PlatformError" and str(copy) in r["msg"] and SYSTEM_LIB in r["msg"], r
+    assert "two different HIP runtimes" in r["msg"]
+    # two different copies already loaded: refused, naming both
+    r = _run(f"ctypes.CDLL({SYSTEM_LIB!r}, mode=ctypes.RTLD_GLOBAL)\n"
+             f"ctypes.CDLL({str(copy)!r}, mode=ctypes.RTLD_GLOBAL)\n" + LOAD)
+    assert r.get("error") == "PlatformError" and str(copy) in r["msg"] and SYSTEM_LIB in r["msg"], r
+    # nothing loaded, an override: used
+    r = _run(LOAD, {"UNISLEEP_HIP_LIBRARY": str(copy)})
+    assert r.get("path") == str(copy) and r.get("chosen") == "the override", r
