@@ -206,9 +206,12 @@ def test_fused_kernel_equals_nh_level_in_the_triton_interpreter():
         k = HashKey.new().level_tensor(0, "cpu")
         g = torch.Generator().manual_seed(5)
         for n in (0, 1, 2, 3, BLOCK - 1, BLOCK, BLOCK + 1, 5 * BLOCK + 6, 9 * BLOCK + 1001):
-            w = torch.randint(-(2**31), 2**31 - 1, (n,), dtype=torch.int32, generator=g)
-            for bpp in (1, 4):
-                assert torch.equal(cs.nh_level1(w, k, bpp, 4), nh_level(w, k)), (n, bpp)
+            w = torch.randint(-(2**31), 2**31 - 1, (n + 1,), dtype=torch.int32, generator=g)
+            for words in (w[:n], w[1:]):  # aligned, and 4 bytes off
+                want = nh_level(words.clone(), k)
+                for kind in ("pairs", "split"):
+                    for bpp in (1, 4):
+                        assert torch.equal(cs.nh_level1(words, k, bpp, 4, kind=kind), want), (n, kind, bpp)
         print("OK")
         """
     )

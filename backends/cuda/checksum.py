@@ -26,46 +26,75 @@ log = logging.getLogger("unisleep.cuda")
 #: the H200 sweep in docs/results/ (bench script: backends/cuda/bench_nh.py)
 BLOCKS_PER_PROGRAM = 4
 NUM_WARPS = 8
+#: "pairs": the words read as int64 pairs (16-byte loads); "split": int32 words split in registers
+KIND = "pairs"
 
 _kernel = None
 _kernel_error: "BaseException | None" = None
+_variants: dict = {}
 _key32: dict = {}  # id(key tensor) -> (weakref to it, its version, int32 words)
 
 
-def _build():
+def _build(kind: str = "pairs"):
     import triton
     import triton.language as tl
 
     @triton.jit(do_not_specialize=["nblocks", "last"])
-    def _nh1(x_ptr, k_ptr, out_ptr, nblocks, last, G: tl.constexpr, PAIRS: tl.constexpr, SH: tl.constexpr):
-        # x: int32 words; k: the level's key as uint32 words (KEY_WORDS); out: int64 [2 * nblocks]
+    def _nh1_pairs(x_ptr, k_ptr, out_ptr, nblocks, last, G: tl.constexpr, PAIRS: tl.constexpr, SH: tl.constexpr):
+        # x: the words as int64 pairs (even word low, odd word high: little-endian); k: the
+        # level's key as int64 pairs of its 32-bit words; out: int64 [2 * nblocks]; ``last`` is
+        # the number of pairs in the last block
         pid = tl.program_id(0)
         blk = pid.to(tl.int64) * G + tl.arange(0, G).to(tl.int64)  # [G] block numbers
-        w = tl.arange(0, PAIRS)[:, None] * 2 + tl.arange(0, 2)[None, :]  # [PAIRS, 2] word in block
+        j = tl.arange(0, PAIRS)
+        ka = tl.load(k_ptr + j)
+        kb = tl.load(k_ptr + SH // 2 + j)
+        ka0, ka1 = ka.to(tl.uint32), (ka >> 32).to(tl.uint32)
+        kb0, kb1 = kb.to(tl.uint32), (kb >> 32).to(tl.uint32)
+        n = (nblocks.to(tl.int64) - 1) * PAIRS + last  # pairs in all
+        offs = blk[:, None] * PAIRS + j[None, :]  # [G, PAIRS]
+        x = tl.load(x_ptr + offs, mask=offs < n, other=0)
+        m0, m1 = x.to(tl.uint32), (x >> 32).to(tl.uint32)
+        pa = (m0 + ka0[None, :]).to(tl.uint64) * (m1 + ka1[None, :]).to(tl.uint64)  # adds wrap mod 2**32
+        pb = (m0 + kb0[None, :]).to(tl.uint64) * (m1 + kb1[None, :]).to(tl.uint64)  # products mod 2**64
+        sa = tl.sum(pa, axis=1)
+        sb = tl.sum(pb, axis=1)
+        ok = blk < nblocks
+        tl.store(out_ptr + 2 * blk, sa.to(tl.int64, bitcast=True), mask=ok)
+        tl.store(out_ptr + 2 * blk + 1, sb.to(tl.int64, bitcast=True), mask=ok)
+
+    @triton.jit(do_not_specialize=["nblocks", "last"])
+    def _nh1_split(x_ptr, k_ptr, out_ptr, nblocks, last, G: tl.constexpr, PAIRS: tl.constexpr, SH: tl.constexpr):
+        # the same words from an int32 view, pairs split in registers (``last``: words)
+        pid = tl.program_id(0)
+        blk = pid.to(tl.int64) * G + tl.arange(0, G).to(tl.int64)
+        w = tl.arange(0, PAIRS)[:, None] * 2 + tl.arange(0, 2)[None, :]  # [PAIRS, 2]
         ka = tl.load(k_ptr + w).to(tl.uint32, bitcast=True)
         kb = tl.load(k_ptr + SH + w).to(tl.uint32, bitcast=True)
-        n = (nblocks.to(tl.int64) - 1) * (PAIRS * 2) + last  # words in all
+        n = (nblocks.to(tl.int64) - 1) * (PAIRS * 2) + last
         offs = blk[:, None, None] * (PAIRS * 2) + w[None, :, :]  # [G, PAIRS, 2]
         m = tl.load(x_ptr + offs, mask=offs < n, other=0).to(tl.uint32, bitcast=True)
-        a = m + ka[None, :, :]  # wraps mod 2**32
-        b = m + kb[None, :, :]
-        a0, a1 = tl.split(a)
-        b0, b1 = tl.split(b)
-        sa = tl.sum(a0.to(tl.uint64) * a1.to(tl.uint64), axis=1)  # wraps mod 2**64
+        a0, a1 = tl.split(m + ka[None, :, :])
+        b0, b1 = tl.split(m + kb[None, :, :])
+        sa = tl.sum(a0.to(tl.uint64) * a1.to(tl.uint64), axis=1)
         sb = tl.sum(b0.to(tl.uint64) * b1.to(tl.uint64), axis=1)
         ok = blk < nblocks
         tl.store(out_ptr + 2 * blk, sa.to(tl.int64, bitcast=True), mask=ok)
         tl.store(out_ptr + 2 * blk + 1, sb.to(tl.int64, bitcast=True), mask=ok)
 
-    return _nh1
+    return {"pairs": _nh1_pairs, "split": _nh1_split}[kind]
 
 
-def _triton_kernel():
+def _triton_kernel(kind: str = "pairs"):
     """The compiled kernel, or None when Triton is missing or unusable (then ``nh_level``)."""
     global _kernel, _kernel_error
+    if kind != KIND:  # another variant (the bandwidth bench compares them)
+        if kind not in _variants:
+            _variants[kind] = _build(kind)
+        return _variants[kind]
     if _kernel is None and _kernel_error is None:
         try:
-            _kernel = _build()
+            _kernel = _build(kind)
         except Exception as e:  # no Triton (or a broken install): the torch path gives the same words
             _kernel_error = e
             log.debug("Triton NH kernel unavailable (%s); using the torch ops", e)
@@ -91,12 +120,13 @@ def _usable(words) -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1" and words.device.type == "cpu"
 
 
-def nh_level1(words, key, blocks_per_program: "int | None" = None, num_warps: "int | None" = None):
+def nh_level1(words, key, blocks_per_program: "int | None" = None, num_warps: "int | None" = None, kind: "str | None" = None):
     """One NH level of int32 ``words`` (any length) under the int64 ``key`` (``KEY_WORDS``
     values < 2**32) → int64 ``[A0, B0, A1, B1, ...]``, equal to ``keyed_hash.nh_level``."""
     import torch
 
-    kern = _triton_kernel()
+    kind = kind or KIND
+    kern = _triton_kernel() if kind == KIND else _triton_kernel(kind)
     if kern is None or not _usable(words):
         return nh_level(words, key)
     if words.dtype != torch.int32:
@@ -104,27 +134,27 @@ def nh_level1(words, key, blocks_per_program: "int | None" = None, num_warps: "i
     if key.numel() != KEY_WORDS:
         raise ValueError(f"an NH level key has {KEY_WORDS} words, got {key.numel()}")
     words = words.reshape(-1)
-    if not words.is_contiguous():
-        words = words.contiguous()
     n = words.numel()
     nblocks = max(1, -(-n // BLOCK))
-    last = n - (nblocks - 1) * BLOCK  # 0..BLOCK words in the last block (0 only when n == 0)
     out = torch.empty(2 * nblocks, dtype=torch.int64, device=words.device)
+    k32 = _key_words32(key.to(words.device))
     g = blocks_per_program or BLOCKS_PER_PROGRAM
     grid = (-(-nblocks // g),)
-    if n == 0:
-        words = torch.zeros(2, dtype=torch.int32, device=words.device)  # a valid pointer; fully masked
-    kern[grid](
-        words,
-        _key_words32(key.to(words.device)),
-        out,
-        nblocks,
-        last,
-        G=g,
-        PAIRS=BLOCK // 2,
-        SH=SHIFT,
-        num_warps=num_warps or NUM_WARPS,
-    )
+    if kind == "pairs":
+        if n % 2 or words.data_ptr() % 8 or not words.is_contiguous():
+            # an odd count or a view off 8-byte alignment (never the case for digest()): one
+            # zero word more changes nothing (the last block is zero-padded anyway)
+            words = torch.cat((words, torch.zeros(n % 2, dtype=torch.int32, device=words.device)))
+        x = words.view(torch.int64) if words.numel() else torch.zeros(1, dtype=torch.int64, device=words.device)
+        last = words.numel() // 2 - (nblocks - 1) * (BLOCK // 2)  # pairs in the last block
+        kern[grid](x, k32.view(torch.int64), out, nblocks, last, G=g, PAIRS=BLOCK // 2, SH=SHIFT,
+                   num_warps=num_warps or NUM_WARPS)
+    else:
+        if not words.is_contiguous():
+            words = words.contiguous()
+        last = n - (nblocks - 1) * BLOCK  # words in the last block
+        x = words if n else torch.zeros(2, dtype=torch.int32, device=words.device)
+        kern[grid](x, k32, out, nblocks, last, G=g, PAIRS=BLOCK // 2, SH=SHIFT, num_warps=num_warps or NUM_WARPS)
     return out
 
 

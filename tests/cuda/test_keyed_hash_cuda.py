@@ -45,8 +45,9 @@ def test_kernel_words_equal_nh_level(n, key, cs):
     k = key.level_tensor(0, "cuda")
     for words in (w[:n], w[1:]):  # aligned, and 4 bytes off the allocation's start
         got = cs.nh_level1(words, k)
-        assert torch.equal(got, kh.nh_level(words, k)), n
-        assert torch.equal(got.cpu(), kh.nh_level(words.cpu(), key.level_tensor(0, "cpu"))), n
+        assert torch.equal(got, kh.nh_level(words.clone(), k)), n
+        assert torch.equal(got.cpu(), kh.nh_level(words.cpu().clone(), key.level_tensor(0, "cpu"))), n
+        assert torch.equal(cs.nh_level1(words, k, kind="split"), got), n
 
 
 @pytest.mark.parametrize("nbytes", [1, 5, 8, 8191, 8192, 8193, 3 * 8192 + 12, 4 * MiB + 4, 64 * MiB + 20, 300 * MiB + 7])
