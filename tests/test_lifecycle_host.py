@@ -54,6 +54,8 @@ def spill_files(spill_dir: str) -> dict[str, tuple]:
     out = {}
     for root, _, files in os.walk(spill_dir):
         for f in files:
+            if f == ".owner":  # the owner lock of the spill directory, not a backup
+                continue
             p = os.path.join(root, f)
             st = os.stat(p)
             with open(p, "rb") as fh:
@@ -150,7 +152,7 @@ def test_done_when_1gib_weights_2gib_kv_level1(lifecycle, spill_dir):
     assert rep.seconds > 0 and rep.gbps > 0
 
     # the spill file holds the 1 GiB of weights, really written (not sparse)
-    files = [os.path.join(r, f) for r, _, fs in os.walk(spill_dir) for f in fs]
+    files = [os.path.join(r, f) for r, _, fs in os.walk(spill_dir) for f in fs if f.endswith(".bin")]
     assert len(files) == 1
     st = os.stat(files[0])
     assert st.st_size == GiB and st.st_blocks * 512 >= GiB
@@ -300,7 +302,7 @@ def test_bad_arguments_are_value_errors(lifecycle):
     with pytest.raises(ValueError, match=r"'weights'.*'kv_cache'|'kv_cache'.*'weights'"):
         lifecycle.wake_up(["nope"])  # unknown tags list the known ones
     with pytest.raises(ValueError, match="known tags"):
-        lifecycle.discard("nope")
+        lifecycle.discard(["nope"])
 
 
 def test_same_policy_sleep_is_noop_and_awake_wake_is_noop(lifecycle, spill_dir):
@@ -463,7 +465,10 @@ def test_partial_wake_weights_then_kv(lifecycle, spill_dir):
     assert rep.tags == ["kv_cache"] and rep.bytes_copied == 0
     assert lc.state()["kv_cache"] == "awake" and lc.state()["graph"] == "discarded"
     assert kv.count_nonzero().item() == 0 and lc.resident_bytes("kv_cache") >= 8 * MiB
-    lc.wake_up("graph")  # a single string is one tag
+    with pytest.raises(InvalidArgumentError, match=r"list of tags.*\['graph'\]"):
+        lc.wake_up("graph")  # a string where a list is expected is refused, not split or guessed
+    assert lc.state()["graph"] == "discarded"
+    lc.wake_up(["graph"])
     assert not lc.is_sleeping
 
 

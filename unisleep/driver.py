@@ -64,6 +64,11 @@ class BackupStore(abc.ABC):
     def ensure_fits(self, nbytes: int) -> None:
         """Raise :class:`~unisleep.errors.HostBudgetError` if ``nbytes`` more cannot be held."""
 
+    def reserve(self, key: tuple[int, int], nbytes: int) -> None:
+        """Take all the room backup ``key`` needs now (allocate its file, grow the arena), so
+        running out fails here, before any memory is released.  Raise
+        :class:`~unisleep.errors.BackupError` when it cannot; default: nothing to take."""
+
     @abc.abstractmethod
     def save(self, key: tuple[int, int], src) -> None:
         """Copy the device tensor ``src`` (uint8) into the backup under ``key`` (may be async)."""
@@ -105,6 +110,9 @@ class Driver(abc.ABC):
     default_chunk_bytes: Optional[int] = None
     #: ``pool(tag)`` can route the framework's own allocations
     supports_pool: bool = False
+    #: ``view(..., owner=x)`` makes the tensor's storage hold ``x`` (else the lifecycle keeps
+    #: it as an attribute of the tensor it hands out)
+    views_hold_owner: bool = False
 
     def __init__(self, device: int = 0, **options: Any):
         self.device = device
@@ -139,8 +147,9 @@ class Driver(abc.ABC):
     def physical_bytes(self, handle: Any) -> int: ...
 
     @abc.abstractmethod
-    def view(self, va: int, nbytes: int):
-        """A uint8 torch tensor over mapped memory."""
+    def view(self, va: int, nbytes: int, owner=None):
+        """A uint8 torch tensor over mapped memory.  When ``owner`` is given, the tensor's
+        storage (and so every view of it) keeps ``owner`` alive."""
 
     @abc.abstractmethod
     def zero(self, va: int, nbytes: int) -> None: ...
@@ -155,9 +164,12 @@ class Driver(abc.ABC):
     @abc.abstractmethod
     def new_backup_store(self, budget_bytes: Optional[int], spill_dir: Optional[str]) -> BackupStore: ...
 
-    def checksum(self, src) -> Any:
-        """A digest of a uint8 tensor's bytes, computed where the bytes are."""
-        raise UnsupportedError(f"{self.name} driver has no checksum")
+    def keyed_digest(self, src, key) -> Any:
+        """The keyed digest (:mod:`unisleep.keyed_hash`) of a uint8 tensor's bytes, computed
+        where the bytes are; proves a retained backup still equal to the memory."""
+        from .keyed_hash import digest
+
+        return digest(src, key)
 
     @property
     def torch_device(self):
@@ -180,9 +192,10 @@ class Driver(abc.ABC):
     def suspend(self, saves: list[SaveJob], discards: list[Region], store: BackupStore) -> tuple[int, int]:
         """Back up ``saves``, then release their regions and ``discards``.
 
-        Returns (bytes released, bytes copied).  Every copy is queued first (a failure to queue
-        one — e.g. no backup room — raises with nothing released); the discarded regions are
-        released while those copies run; the saved regions once their copies are done.
+        Returns (bytes released, bytes copied).  Nothing is released until every copy is done,
+        so a failed copy leaves every region mapped with its bytes (the contract the lifecycle's
+        rollback relies on: a backend that pipelines must only release a saved chunk once its
+        copy is complete, and discarded regions once every copy is).
         """
         tr = _Trace("suspend")
         copied = 0
@@ -193,13 +206,13 @@ class Driver(abc.ABC):
                 store.save((job.key, off), self.view(job.region.va + off, n))
                 copied += n
         tr.mark("queue copies")
+        store.flush()
+        self.synchronize()
+        tr.mark("wait copies")
         released = 0
         for region in discards:
             released += region.release(self)
         tr.mark("release discarded")
-        store.flush()
-        self.synchronize()
-        tr.mark("wait copies")
         for job in saves:
             released += job.region.release(self)
         tr.mark("release saved")

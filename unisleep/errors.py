@@ -68,8 +68,8 @@ class SpillDirError(InvalidArgumentError):
 
 
 class LiveTensorsError(InvalidTransitionError):
-    """``close()`` was asked while tensors handed out by the lifecycle are still referenced;
-    the message lists their tags.  Drop them first, or ``close(force=True)``."""
+    """``close(strict=True)`` was asked while tensors handed out by the lifecycle are still
+    referenced; the message lists their tags.  Drop them first, or use ``close()``."""
 
 
 class UnknownTagError(InvalidArgumentError):

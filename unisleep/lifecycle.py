@@ -11,7 +11,6 @@ Policy, in one place, for every platform:
 
 from __future__ import annotations
 
-import atexit
 import fnmatch
 import itertools
 import logging
@@ -25,16 +24,23 @@ from typing import Any, Iterator, Optional, Sequence
 
 from .driver import BackupStore, Driver, RestoreJob, SaveJob
 from .errors import (
+    BackupCorruptError,
+    BackupError,
+    BackupLostError,
     HostBudgetError,
+    InsufficientMemoryError,
     InvalidArgumentError,
     InvalidTransitionError,
+    LiveTensorsError,
+    UnisleepError,
     UnknownTagError,
 )
 from .region import Region, round_up
+from .units import human_bytes
 
 log = logging.getLogger("unisleep")
 
-AWAKE, OFFLOADED, DISCARDED = "awake", "offloaded", "discarded"
+AWAKE, OFFLOADED, DISCARDED, LOST = "awake", "offloaded", "discarded", "lost"
 LEVELS = (1, 2)
 _ALIGN = 512  # byte alignment of tensors packed into one region by adopt()
 
@@ -65,8 +71,8 @@ class Report:
 
     def __str__(self) -> str:
         return (
-            f"{self.operation} {','.join(self.tags) or '-'}: released {self.bytes_released / 2**30:.3f} GiB, "
-            f"copied {self.bytes_copied / 2**30:.3f} GiB in {self.seconds * 1e3:.1f} ms"
+            f"{self.operation} {','.join(self.tags) or '-'}: released {human_bytes(self.bytes_released)}, "
+            f"copied {human_bytes(self.bytes_copied)} in {self.seconds * 1e3:.1f} ms"
             + (f" ({self.gbps:.1f} GB/s)" if self.bytes_copied else "")
         )
 
@@ -79,9 +85,22 @@ class Allocation:
     nbytes: int  # bytes in use (<= region.size)
     names: dict[str, tuple[int, int]] = field(default_factory=dict)  # adopted name -> (offset, nbytes)
     saved: list[tuple[int, int]] = field(default_factory=list)  # ranges in the backup now
-    digest: Any = None  # checksum of the retained full backup (skip-unchanged)
+    digest: Any = None  # (HashKey, Digest) of the retained full backup (skip-unchanged)
     external: bool = False  # created by the framework's allocator through pool()
-    pending_digest: Any = None  # digest taken by the sleep in progress
+    pending_digest: Any = None  # (HashKey, Digest) taken by the sleep in progress
+    corrupt: bool = False  # the backup failed verification on wake
+    keep: Any = None  # weakref to the _Keep that every handed-out tensor of this allocation holds
+
+
+class _Keep:
+    """Held by the storage of every tensor that ``empty``/``adopt`` hand out: it keeps the
+    lifecycle (so its memory) alive while any such tensor lives, and tells ``close()`` which
+    allocations are still in use."""
+
+    __slots__ = ("lifecycle", "alloc_id", "__weakref__")
+
+    def __init__(self, lifecycle, alloc_id: int):
+        self.lifecycle, self.alloc_id = lifecycle, alloc_id
 
 
 def _resolve_driver(platform, device: int, options: dict) -> Driver:
@@ -118,8 +137,12 @@ class MemoryLifecycle:
         chunk_bytes: Optional[int] = None,
         **driver_options: Any,
     ):
-        if host_budget_bytes is not None and host_budget_bytes < 0:
-            raise InvalidArgumentError(f"host_budget_bytes must be >= 0, got {host_budget_bytes}")
+        if host_budget_bytes is not None and (not _is_int(host_budget_bytes) or host_budget_bytes < 0):
+            raise InvalidArgumentError(f"host_budget_bytes must be an int >= 0 (bytes) or None, got {host_budget_bytes!r}")
+        if chunk_bytes is not None and (not _is_int(chunk_bytes) or chunk_bytes <= 0):
+            raise InvalidArgumentError(
+                f"chunk_bytes must be a positive int (bytes) or None for the backend's default, got {chunk_bytes!r}"
+            )
         self._driver = platform if isinstance(platform, Driver) else _resolve_driver(platform, device, driver_options)
         self.platform_name = self._driver.name
         self.device = device
@@ -137,10 +160,11 @@ class MemoryLifecycle:
         self.last_report: Optional[Report] = None
         self._before_sleep: list = []
         self._after_wake: list = []
+        # runs once: at close(), when the lifecycle is collected, or at interpreter exit
+        # (weakref.finalize's own exit hook: no per-lifecycle atexit entry)
         self._finalizer = weakref.finalize(
             self, MemoryLifecycle._finalize, self._driver, self._store, self._allocs, self._lock, self._shut
         )
-        atexit.register(self._finalizer)
 
     # ------------------------------------------------------------------ introspection
     @property
@@ -152,7 +176,14 @@ class MemoryLifecycle:
         return self._driver.torch_device
 
     def state(self) -> dict[str, str]:
+        """Each tag's state: ``"awake"``, ``"offloaded"``, ``"discarded"`` or ``"lost"``.  An
+        awake tag is checked against what the driver holds: one whose memory is not all mapped
+        is reported (and recorded) as ``"lost"``, never as awake."""
         with self._lock:
+            for tag, st in self._tags.items():
+                if st == AWAKE and any(not a.region.mapped for a in self._allocs.values() if a.tag == tag):
+                    log.error("tag %r was recorded awake but its memory is not mapped: marked lost", tag)
+                    self._tags[tag] = LOST
             return dict(self._tags)
 
     @property
@@ -193,16 +224,23 @@ class MemoryLifecycle:
         """A new tensor of ``shape``/``dtype`` in lifecycle memory under ``tag`` (contents zero)."""
         import torch
 
-        dtype = dtype or torch.float32
-        shape = tuple(shape) if isinstance(shape, (tuple, list, torch.Size)) else (int(shape),)
+        dtype = torch.float32 if dtype is None else dtype
+        if not isinstance(dtype, torch.dtype):
+            raise InvalidArgumentError(f"dtype must be a torch.dtype (e.g. torch.bfloat16), got {dtype!r}")
+        shape = tuple(shape) if isinstance(shape, (tuple, list, torch.Size)) else (shape,)
+        for s in shape:
+            if not _is_int(s) or s < 0:
+                raise InvalidArgumentError(f"shape must hold ints >= 0, got {shape!r}")
         numel = 1
         for s in shape:
             numel *= int(s)
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         with self._lock:
+            self._check_can_allocate(tag)
+            self._check_room(nbytes, tag)
             alloc = self._new_allocation(tag, nbytes)
-            t = self._driver.view(alloc.region.va, max(nbytes, 1))[:nbytes]
-            return t.view(dtype).view(shape)
+            t = self._driver.view(alloc.region.va, max(nbytes, 1), owner=self._keep(alloc))[:nbytes]
+            return self._hold(t.view(dtype).view(shape), alloc)
 
     def adopt(self, obj, *, tag: str = "weights"):
         """Move the storage of ``obj``'s tensors into lifecycle memory, in place.
@@ -217,6 +255,10 @@ class MemoryLifecycle:
         named = list(_named_tensors(obj))
         if not named:
             raise InvalidArgumentError(f"adopt() found no tensors in {type(obj).__name__}")
+        for name, t in named:  # everything is checked before anything moves
+            why = _cannot_adopt(t)
+            if why:
+                raise InvalidArgumentError(f"adopt() cannot move {name!r}: {why}. Nothing was moved.")
         with self._lock:
             self._check_can_allocate(tag)
             # every name of each tensor object (a tied weight has several) ...
@@ -232,30 +274,45 @@ class MemoryLifecycle:
             for key in storages:
                 offsets[key] = total
                 total = round_up(total + max(key[2], 1), _ALIGN)
+            self._check_room(total, tag)
+            new_tag = tag not in self._tags
             alloc = self._new_allocation(tag, total)
-            dev = self._driver.torch_device
-            base = self._driver.view(alloc.region.va, alloc.region.size)
-            for key, members in storages.items():
-                off, nbytes = offsets[key], key[2]
-                src = members[0][1]
-                src_bytes = torch.empty(0, dtype=torch.uint8, device=src.device).set_(src.untyped_storage())
-                base[off : off + nbytes].copy_(src_bytes)
-                new_storage = base[off : off + nbytes].untyped_storage()
-                for names, t in members:
-                    # the region's storage starts at its va; element offset of this tensor in it
-                    elem = t.element_size()
-                    byte_off = (base.data_ptr() + off - new_storage.data_ptr()) + t.storage_offset() * elem
-                    moved = torch.empty(0, dtype=t.dtype, device=dev).set_(
-                        new_storage, byte_off // elem, t.size(), t.stride()
-                    )
-                    with torch.no_grad():
-                        t.data = moved
-                    # byte range in the region: byte_off is already region-relative (the storage
-                    # starts at the region's va); the extent covers strided views too
-                    extent = 1 + sum((s - 1) * st for s, st in zip(t.size(), t.stride()))
-                    for name in names:
-                        alloc.names[name] = (byte_off, extent * elem)
-            self._driver.synchronize()
+            moved_back: list[tuple[torch.Tensor, torch.Tensor]] = []
+            try:
+                dev = self._driver.torch_device
+                base = self._driver.view(alloc.region.va, alloc.region.size, owner=self._keep(alloc))
+                for key, members in storages.items():
+                    off, nbytes = offsets[key], key[2]
+                    src = members[0][1]
+                    src_bytes = torch.empty(0, dtype=torch.uint8, device=src.device).set_(src.untyped_storage())
+                    base[off : off + nbytes].copy_(src_bytes)
+                    new_storage = base[off : off + nbytes].untyped_storage()
+                    for names, t in members:
+                        # the region's storage starts at its va; element offset of this tensor in it
+                        elem = t.element_size()
+                        byte_off = (base.data_ptr() + off - new_storage.data_ptr()) + t.storage_offset() * elem
+                        moved = torch.empty(0, dtype=t.dtype, device=dev).set_(
+                            new_storage, byte_off // elem, t.size(), t.stride()
+                        )
+                        old = t.data
+                        with torch.no_grad():
+                            t.data = moved
+                        moved_back.append((t, old))
+                        self._hold(t, alloc)
+                        # byte range in the region: byte_off is already region-relative (the storage
+                        # starts at the region's va); the extent covers strided views too
+                        extent = 1 + sum((s - 1) * st for s, st in zip(t.size(), t.stride()))
+                        for name in names:
+                            alloc.names[name] = (byte_off, extent * elem)
+                self._driver.synchronize()
+            except BaseException as e:  # all or nothing: put every tensor back, free the region
+                with torch.no_grad():
+                    for t, old in reversed(moved_back):
+                        t.data = old
+                self._free_allocation(alloc, drop_tag=new_tag)
+                if isinstance(e, UnisleepError) or not isinstance(e, Exception):
+                    raise
+                raise InvalidArgumentError(f"adopt() failed and was undone, nothing was moved: {e}") from e
             return obj
 
     def preserve(self, patterns: Sequence[str] | str) -> list[str]:
@@ -335,56 +392,94 @@ class MemoryLifecycle:
     # ------------------------------------------------------------------ sleep / wake
     def sleep(self, level: int = 1, *, offload_tags: Optional[Iterable[str]] = None) -> Report:
         """Release memory.  Level 1 backs up ``"weights"`` (and ``offload_tags``) and discards the
-        rest; level 2 discards everything but preserved parameters (and ``offload_tags``)."""
-        if level not in LEVELS:
-            raise InvalidArgumentError(f"sleep level must be 1 or 2, got {level!r}")
-        offload = set(offload_tags or ())
+        rest; level 2 discards everything but preserved parameters (and ``offload_tags``).
+
+        Transactional: all the room the backup needs is taken first; if anything fails (no
+        room, ENOSPC, EIO, a read-only spill directory, a driver error, a hook raising), every
+        tag is put back as it was — mapped, bytes exact — the partial backup is removed, and
+        :class:`~unisleep.errors.BackupError` says what failed where."""
+        if not _is_int(level) or level not in LEVELS:
+            raise InvalidArgumentError(f"sleep level must be the int 1 or 2, got {level!r}")
+        offload = set(_as_tag_list(offload_tags, "offload_tags")) if offload_tags is not None else set()
         with self._lock:
             self._check_open()
             self._check_tags(offload)
+            self.state()  # an awake tag that lost its mapping is reported as lost
             plan: dict[str, str] = {}
+            settle: dict[str, str] = {}  # corrupt / lost tags that become discarded (no memory moves)
             for tag, cur in self._tags.items():
                 want = OFFLOADED if (tag in offload or (level == 1 and tag == "weights")) else DISCARDED
                 if cur == AWAKE:
                     plan[tag] = want
-                elif cur != want:
+                elif cur == want:
+                    continue
+                elif want == DISCARDED and (cur == LOST or (cur == OFFLOADED and self._is_corrupt(tag))):
+                    settle[tag] = DISCARDED
+                elif cur == LOST:
+                    raise BackupLostError(
+                        f"tag {tag!r} is lost (its memory could not be brought back); discard it "
+                        f"(discard([{tag!r}])), wake it and load it again — nothing was changed.", tag=tag
+                    )
+                else:
                     raise InvalidTransitionError(
                         f"tag {tag!r} is already asleep as {cur!r}; a level-{level} sleep would make it {want!r}. "
                         f"Wake it first (wake_up([{tag!r}])) — nothing was changed."
                     )
             t0 = time.perf_counter()
             saves, discards = self._plan_sleep(plan)
+            need = sum(n for j in saves if not j.skip_copy for _, n in j.ranges)
+            retained = sum(n for j in saves if j.skip_copy for _, n in j.ranges)
+            try:
+                self._ensure_backup_fits(need, keep_ids={j.key for j in saves})
+            except BaseException:
+                self._forget_pending(saves)
+                raise
             for job in saves:  # a retained backup of bytes that changed since is stale
                 if not job.skip_copy and self._allocs[job.key].saved:
                     self._drop_backup(self._allocs[job.key])
-            need = sum(n for j in saves if not j.skip_copy for _, n in j.ranges)
-            retained = sum(n for j in saves if j.skip_copy for _, n in j.ranges)
-            self._ensure_backup_fits(need, keep_ids={j.key for j in saves})
-            for hook in self._before_sleep:
-                hook(level, sorted(plan))
-            released, copied = self._driver.suspend(saves, discards, self._store)
+            reserved = self._reserve(saves)
+            hooks_ran = False
+            try:
+                for hook in self._before_sleep:
+                    hooks_ran = True
+                    hook(level, sorted(plan))
+                released, copied = self._driver.suspend(saves, discards, self._store)
+            except BaseException as e:
+                self._undo_sleep(saves, discards, reserved, sorted(plan) if hooks_ran else None)
+                self._forget_pending(saves)
+                if isinstance(e, BackupError) and e.tag is not None:
+                    raise
+                raise self._backup_error(e, saves, "sleep") from e
             for job in saves:
                 a = self._allocs[job.key]
                 a.saved = list(job.ranges)
                 a.digest, a.pending_digest = a.pending_digest, None
+                a.corrupt = False
             for region in discards:
                 a = self._by_va[region.va]
                 self._drop_backup(a)
-            for tag, st in plan.items():
+            released += self._settle(settle)
+            for tag, st in {**plan, **settle}.items():
                 self._tags[tag] = st
-            rep = Report(f"sleep(level={level})", sorted(plan), released, copied, time.perf_counter() - t0)
+            rep = Report(f"sleep(level={level})", sorted({**plan, **settle}), released, copied, time.perf_counter() - t0)
             if retained:
                 log.debug("skipped copying %d unchanged bytes", retained)
             return self._done(rep)
 
     def discard(self, tags: Iterable[str]) -> Report:
-        """Release the memory of ``tags`` now, with no backup (e.g. the KV cache only)."""
-        tags = _as_tag_list(tags)
+        """Release the memory of ``tags`` now, with no backup (e.g. the KV cache only).  An
+        offloaded tag is refused (its backup would be lost) unless its backup failed
+        verification or the tag is lost: then discarding it is the way out."""
+        tags = _as_tag_list(tags, "tags")
         with self._lock:
             self._check_open()
             self._check_tags(tags)
+            self.state()
+            settle = {}
             for t in tags:
-                if self._tags[t] == OFFLOADED:
+                if self._tags[t] == LOST or (self._tags[t] == OFFLOADED and self._is_corrupt(t)):
+                    settle[t] = DISCARDED
+                elif self._tags[t] == OFFLOADED:
                     raise InvalidTransitionError(
                         f"tag {t!r} is offloaded (its backup is kept); discarding it would lose the backup. "
                         f"Wake it first — nothing was changed."
@@ -396,48 +491,92 @@ class MemoryLifecycle:
             for a in self._allocs.values():
                 if a.tag in todo:
                     self._drop_backup(a)
-            for t in todo:
+            released += self._settle(settle)
+            for t in todo + list(settle):
                 self._tags[t] = DISCARDED
-            return self._done(Report("discard", todo, released, 0, time.perf_counter() - t0))
+            return self._done(Report("discard", todo + list(settle), released, 0, time.perf_counter() - t0))
 
     def wake_up(self, tags: Optional[Iterable[str]] = None) -> Report:
         """Map memory back at the same addresses: all tags, or only ``tags`` (e.g. ``["weights"]``
-        then ``["kv_cache"]``).  Waking an awake tag is a no-op."""
+        then ``["kv_cache"]``).  Waking an awake tag is a no-op.
+
+        Backups are verified before their bytes are exposed: a tag whose backup fails (corrupt,
+        truncated or missing spill file) is left ``"offloaded"`` with its memory unmapped and
+        :class:`~unisleep.errors.BackupCorruptError` is raised after the other tags are woken."""
         with self._lock:
             self._check_open()
             if tags is None:
                 todo = [t for t, s in self._tags.items() if s != AWAKE]
             else:
-                tags = _as_tag_list(tags)
+                tags = _as_tag_list(tags, "tags")
                 self._check_tags(tags)
                 todo = [t for t in tags if self._tags[t] != AWAKE]
+            lost = [t for t in todo if self._tags[t] == LOST]
+            if lost:
+                raise BackupLostError(
+                    f"tag(s) {', '.join(map(repr, lost))} are lost (their memory could not be brought back after a "
+                    f"failure); discard them (discard({lost!r})), then wake them (zeros) and load them again — "
+                    "nothing was changed.", tag=lost[0]
+                )
             t0 = time.perf_counter()
-            jobs = []
-            for a in self._allocs.values():
-                if a.tag not in todo:
+            copied, woken, failures = 0, [], []
+            for tag in todo:
+                allocs = [a for a in self._allocs.values() if a.tag == tag]
+                jobs = [RestoreJob(a.id, a.region, list(a.saved), zero=a.saved != [(0, a.region.size)]) for a in allocs]
+                try:
+                    copied += self._driver.resume(jobs, self._store)
+                except BaseException as e:
+                    failures.append(self._failed_wake(tag, allocs, e))
+                    if not isinstance(e, Exception):
+                        raise
                     continue
-                full = a.saved == [(0, a.region.size)]
-                jobs.append(RestoreJob(a.id, a.region, list(a.saved), zero=not full))
-            # on failure what got mapped stays mapped; the tags stay asleep, so a retry completes
-            copied = self._driver.resume(jobs, self._store)
-            for a in self._allocs.values():
-                if a.tag in todo:
+                for a in allocs:
                     self._after_restore(a)
-            for t in todo:
-                self._tags[t] = AWAKE
-            for hook in self._after_wake:
-                hook(None if tags is None else list(todo))
-            return self._done(Report("wake_up", todo, 0, copied, time.perf_counter() - t0))
+                self._tags[tag] = AWAKE
+                woken.append(tag)
+            if woken:
+                for hook in self._after_wake:
+                    hook(None if (tags is None and not failures) else list(woken))
+            rep = self._done(Report("wake_up", woken, 0, copied, time.perf_counter() - t0))
+            if failures:
+                first = failures[0]
+                if len(failures) > 1:
+                    first.args = (str(first) + f" (also failed: {', '.join(f.tag for f in failures[1:])})",)
+                raise first
+            return rep
 
     # ------------------------------------------------------------------ close
-    def close(self) -> None:
-        """Free every region and backup.  Idempotent; also runs at interpreter exit.  Tensors
-        that still point into lifecycle memory must not be used afterwards."""
+    def close(self, *, strict: bool = False) -> None:
+        """Free every region and backup.  Idempotent; also runs when the lifecycle is collected
+        and at interpreter exit.
+
+        Tensors handed out by :meth:`empty`/:meth:`adopt` keep the lifecycle alive, so it is
+        never collected under them.  ``close()`` while some of them are still referenced frees
+        the memory anyway (and logs which tags were live), but the address ranges of those
+        tensors stay reserved and inaccessible until they die: touching one faults
+        (SIGSEGV on the host, an illegal-address error on a device) instead of reading or
+        corrupting memory that a later allocation got.  ``close(strict=True)`` refuses instead,
+        with :class:`~unisleep.errors.LiveTensorsError` listing the live tags."""
         with self._lock:
             if self._closed:
                 return
+            live = self.live_tags()
+            if live and strict:
+                raise LiveTensorsError(
+                    f"tensors of tag(s) {', '.join(map(repr, live))} are still referenced; drop them (del, or let "
+                    "them go out of scope) before close(strict=True), or call close(): their memory is then freed "
+                    "and their addresses stay reserved and inaccessible until they die. Nothing was changed."
+                )
+            if live:
+                log.info("close(): tensors of tag(s) %s are still referenced; their addresses stay fenced "
+                         "(inaccessible) until they die", ", ".join(live))
             self._closed = True
             self._finalizer()
+
+    def live_tags(self) -> list[str]:
+        """Tags with tensors (from :meth:`empty`/:meth:`adopt`) still referenced somewhere."""
+        with self._lock:
+            return sorted({a.tag for a in self._allocs.values() if a.keep is not None and a.keep() is not None})
 
     def __enter__(self):
         return self
@@ -449,7 +588,10 @@ class MemoryLifecycle:
     def _finalize(driver: Driver, store: BackupStore, allocs: dict, lock=None, shut=None) -> None:
         # at interpreter exit another (daemon) thread may be inside sleep/wake: wait for it to
         # finish instead of freeing memory under it; later calls then raise "closed"
+        import sys
+
         locked = lock.acquire(timeout=60) if lock is not None else False
+        exiting = sys.is_finalizing()
         try:
             if shut is not None:
                 shut.set()
@@ -458,8 +600,13 @@ class MemoryLifecycle:
             except Exception:
                 pass
             for a in list(allocs.values()):
+                keep = a.keep() if a.keep is not None else None
                 try:
-                    a.region.free(driver)
+                    if keep is None or exiting:
+                        a.region.free(driver)
+                    else:  # live tensors point here: free the memory, keep the addresses fenced
+                        a.region.release(driver)
+                        weakref.finalize(keep, _free_address, driver, a.region.va, a.region.size)
                 except Exception:  # best effort at shutdown
                     pass
             allocs.clear()
@@ -496,6 +643,178 @@ class MemoryLifecycle:
                 f"tag {tag!r} is asleep ({st}); wake it (wake_up([{tag!r}])) before allocating into it"
             )
 
+    def _keep(self, alloc: Allocation) -> "_Keep":
+        keep = alloc.keep() if alloc.keep is not None else None
+        if keep is None:
+            keep = _Keep(self, alloc.id)
+            alloc.keep = weakref.ref(keep)
+        return keep
+
+    def _hold(self, t, alloc: Allocation):
+        """Make sure ``t`` holds its allocation's keeper (drivers whose views cannot carry an
+        owner get it as an attribute of the tensor)."""
+        if not self._driver.views_hold_owner:
+            try:
+                t._unisleep_keep = self._keep(alloc)
+            except (AttributeError, RuntimeError):
+                pass
+        return t
+
+    def _check_room(self, nbytes: int, tag: str) -> None:
+        """Refuse, before anything is committed, an allocation larger than the free memory."""
+        if nbytes <= 0:
+            return
+        try:
+            free, total = self._driver.memory_info()
+        except Exception:  # a backend that cannot tell: let the allocation itself fail
+            return
+        if free and nbytes > free:
+            raise InsufficientMemoryError(
+                f"{human_bytes(nbytes)} asked for tag {tag!r}, but only {human_bytes(free)} of "
+                f"{human_bytes(total)} {self._driver.name} memory is free. Ask for less, or free memory "
+                "first (e.g. sleep another lifecycle). Nothing was allocated."
+            )
+
+    def _free_allocation(self, alloc: Allocation, drop_tag: bool) -> None:
+        self._allocs.pop(alloc.id, None)
+        self._by_va.pop(alloc.region.va, None)
+        self._drop_backup(alloc)
+        try:
+            alloc.region.free(self._driver)
+        finally:
+            if drop_tag and not any(a.tag == alloc.tag for a in self._allocs.values()):
+                self._tags.pop(alloc.tag, None)
+
+    def _is_corrupt(self, tag: str) -> bool:
+        return any(a.corrupt for a in self._allocs.values() if a.tag == tag)
+
+    def _reserve(self, saves) -> list:
+        """Take the room of every backup that will be written; on failure give it all back."""
+        reserved = []
+        try:
+            for job in saves:
+                if job.skip_copy:
+                    continue
+                for off, n in job.ranges:
+                    self._store.reserve((job.key, off), n)
+                    reserved.append((job.key, off))
+        except BaseException as e:
+            for key in reserved:
+                self._store.drop(key)
+            self._forget_pending(saves)
+            raise self._backup_error(e, saves, "sleep") from e
+        return reserved
+
+    def _forget_pending(self, saves) -> None:
+        for job in saves:
+            a = self._allocs.get(job.key)
+            if a is not None:
+                a.pending_digest = None
+
+    def _undo_sleep(self, saves, discards, reserved, hooked_tags) -> None:
+        """Put every region of a failed sleep back as it was: remap what was released and read
+        its bytes back from the (complete) backup; remove the partial backup.  A region that
+        cannot be brought back exactly marks its tag lost."""
+        lost: set[str] = set()
+        try:
+            self._store.flush()
+        except BaseException:
+            pass
+        for job in saves:
+            a = self._allocs[job.key]
+            region = job.region
+            released = [c for c in region.chunks if c.handle is None]
+            if not released:
+                continue
+            full = job.ranges == [(0, region.size)]
+            try:
+                region.map(self._driver)
+                if not full:
+                    raise BackupLostError(f"a partly saved region of tag {a.tag!r} was released")
+                for c in released:
+                    self._store.load_range((job.key, 0), c.offset, self._driver.view(region.va + c.offset, c.size))
+                self._store.flush()
+                self._driver.synchronize()
+            except BaseException as e:  # pragma: no cover - needs a second failure during the undo
+                log.error("could not bring back tag %r after a failed sleep: %s", a.tag, e)
+                lost.add(a.tag)
+        for region in discards:
+            if not region.mapped:
+                try:
+                    region.map(self._driver)
+                    if not self._driver.fresh_memory_is_zero:
+                        self._driver.zero(region.va, region.size)
+                except BaseException:  # pragma: no cover
+                    pass
+                lost.add(self._by_va[region.va].tag)  # discarded bytes are gone
+        for key in reserved:
+            self._store.drop(key)
+        for tag in lost:
+            self._tags[tag] = LOST
+        if hooked_tags:
+            for hook in self._after_wake:
+                try:
+                    hook(hooked_tags)
+                except Exception as e:  # pragma: no cover
+                    log.error("after_wake hook failed while undoing a sleep: %s", e)
+
+    def _backup_error(self, e: BaseException, saves, what: str) -> BackupError:
+        tags = sorted({self._allocs[j.key].tag for j in saves if j.key in self._allocs})
+        nbytes = sum(n for j in saves if not j.skip_copy for _, n in j.ranges)
+        lost = sorted(t for t, s in self._tags.items() if s == LOST)
+        path = getattr(e, "path", None) or getattr(e, "filename", None)
+        state = (
+            f"tag(s) {', '.join(map(repr, lost))} could not be restored and are marked lost"
+            if lost
+            else "every tag is as it was (mapped, bytes exact) and the partial backup was removed"
+        )
+        cause = str(e) or type(e).__name__
+        if isinstance(e, BackupError):
+            msg = f"{what} failed: {cause}; {state}."
+        else:
+            msg = (
+                f"{what} failed while backing up {human_bytes(nbytes)} of tag(s) {', '.join(map(repr, tags)) or '-'}"
+                + (f" to {path}" if path else f" ({self._store.where})")
+                + f": {type(e).__name__}: {cause}; {state}."
+            )
+        err = (BackupLostError if lost else BackupError)(msg, tag=(lost or tags or [None])[0], nbytes=nbytes, path=path, cause=e)
+        return err
+
+    def _failed_wake(self, tag: str, allocs: list, e: BaseException) -> BackupError:
+        """A wake of ``tag`` failed: unmap what it mapped so nothing unverified is exposed and
+        the tag stays asleep; a corrupt backup is remembered (the tag may then be discarded)."""
+        try:
+            for a in allocs:
+                a.region.release(self._driver)
+        except BaseException as e2:  # pragma: no cover
+            log.error("could not unmap tag %r after a failed wake: %s", tag, e2)
+            self._tags[tag] = LOST
+        if isinstance(e, BackupCorruptError):
+            for a in allocs:
+                if a.saved:
+                    a.corrupt = True
+            err = BackupCorruptError(
+                f"tag {tag!r} was not woken: {e}. It stays {self._tags[tag]!r} with its memory unmapped; discard it "
+                f"(discard([{tag!r}]) or sleep(level=2)), then wake it (zeros) and load the weights again, e.g. by a "
+                "weight transfer.", tag=tag, nbytes=e.nbytes, path=e.path, cause=e,
+            )
+        else:
+            err = BackupError(
+                f"tag {tag!r} was not woken: {type(e).__name__}: {e}. It stays {self._tags[tag]!r}; wake it again "
+                "once the cause is fixed.", tag=tag, cause=e,
+            )
+        return err
+
+    def _settle(self, settle: dict[str, str]) -> int:
+        """Corrupt or lost tags that become discarded: drop their backup, release what is mapped."""
+        released = 0
+        for a in self._allocs.values():
+            if a.tag in settle:
+                released += a.region.release(self._driver)
+                self._drop_backup(a)
+                a.corrupt = False
+        return released
+
     def _new_allocation(self, tag: str, nbytes: int) -> Allocation:
         self._check_can_allocate(tag)
         region = Region.allocate(self._driver, nbytes, self.chunk_bytes)
@@ -531,10 +850,19 @@ class MemoryLifecycle:
                 whole = [(0, a.region.size)]
                 skip = False
                 if self._driver.retain_backups:
-                    # digest of the bytes now; equal to the retained backup's digest => skip the copy
-                    now = self._driver.checksum(self._driver.view(a.region.va, a.region.size))
-                    skip = a.digest is not None and a.saved == whole and now == a.digest
-                    a.pending_digest = now
+                    # keyed digest of the bytes now, with the retained backup's key: equal => skip
+                    # the copy; otherwise a fresh key for the new backup (see keyed_hash)
+                    from .keyed_hash import HashKey
+
+                    view = self._driver.view(a.region.va, a.region.size)
+                    if a.digest is not None and a.saved == whole and not a.corrupt:
+                        key, old = a.digest
+                        skip = self._driver.keyed_digest(view, key) == old
+                    if skip:
+                        a.pending_digest = a.digest
+                    else:
+                        key = HashKey.new()
+                        a.pending_digest = (key, self._driver.keyed_digest(view, key))
                 saves.append(SaveJob(a.id, a.region, whole, skip_copy=skip))
             else:
                 keep = self._preserved_ranges(a)
@@ -574,15 +902,45 @@ class MemoryLifecycle:
 
 
 # ---------------------------------------------------------------------- helpers
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _free_address(driver, va: int, size: int) -> None:
+    try:
+        driver.free_address(va, size)
+    except Exception:  # pragma: no cover - best effort once the last tensor died
+        pass
+
+
+def _cannot_adopt(t) -> Optional[str]:
+    import torch
+
+    if t.device.type == "meta":
+        return "it is a meta tensor (no data); materialise the model first (e.g. to_empty() and load the weights)"
+    if t.layout != torch.strided:
+        return f"its layout is {t.layout} (sparse or otherwise not strided); only dense tensors can be adopted"
+    if t.is_quantized:
+        return "it is a quantized tensor; adopt the dequantized or packed storage instead"
+    try:
+        t.untyped_storage()
+    except Exception as e:
+        return f"it has no plain storage ({e})"
+    return None
+
+
 def _check_tag_name(tag) -> None:
     if not isinstance(tag, str) or not tag:
         raise InvalidArgumentError(f"tag must be a non-empty string, got {tag!r}")
 
 
-def _as_tag_list(tags) -> list[str]:
-    if isinstance(tags, str):
-        tags = [tags]
-    out = list(tags)
+def _as_tag_list(tags, what: str = "tags") -> list[str]:
+    if isinstance(tags, (str, bytes)):
+        raise InvalidArgumentError(f"{what} must be a list of tags, not the string {tags!r}: write [{tags!r}]")
+    try:
+        out = list(tags)
+    except TypeError:
+        raise InvalidArgumentError(f"{what} must be a list of tag names, got {tags!r}") from None
     for t in out:
         _check_tag_name(t)
     return out

@@ -65,6 +65,28 @@ class Region:
     def mapped(self) -> bool:
         return all(c.handle is not None for c in self.chunks)
 
+    @property
+    def unmapped(self) -> bool:
+        return all(c.handle is None for c in self.chunks)
+
+    def map_chunk(self, driver: "Driver", c: Chunk, access: bool = True) -> None:
+        """Create and map one unmapped chunk at its offset (same address as before)."""
+        if c.handle is not None:
+            return
+        h = driver.create(c.size)
+        try:
+            driver.map(self.va + c.offset, c.size, h)
+            if access:
+                driver.set_access(self.va + c.offset, c.size)
+        except BaseException:
+            try:
+                driver.unmap(self.va + c.offset, c.size)
+            except BaseException:
+                pass
+            driver.release(h)
+            raise
+        c.handle = h
+
     def map(self, driver: "Driver") -> None:
         """Create and map every unmapped chunk; on failure undo what this call mapped."""
         done: list[Chunk] = []
@@ -72,13 +94,7 @@ class Region:
             for c in self.chunks:
                 if c.handle is not None:
                     continue
-                h = driver.create(c.size)
-                try:
-                    driver.map(self.va + c.offset, c.size, h)
-                except BaseException:
-                    driver.release(h)
-                    raise
-                c.handle = h
+                self.map_chunk(driver, c, access=False)
                 done.append(c)
             driver.set_access(self.va, self.size)
         except BaseException:

@@ -40,6 +40,7 @@ class HostDriver(Driver):
     name = "host"
     fresh_memory_is_zero = True
     retain_backups = False
+    views_hold_owner = True
 
     #: physical chunks of a region: a chunk already written to the spill file is released (on a
     #: second thread) while the next one is written
@@ -106,10 +107,12 @@ class HostDriver(Driver):
     def physical_bytes(self, handle: MemfdHandle) -> int:
         return os.fstat(handle.fd).st_blocks * 512 if handle.fd >= 0 else 0
 
-    def view(self, va: int, nbytes: int):
+    def view(self, va: int, nbytes: int, owner=None):
         import torch
 
         buf = (ctypes.c_char * nbytes).from_address(va)
+        if owner is not None:  # the tensor's storage holds the buffer, the buffer its owner
+            buf._unisleep_owner = owner
         return torch.frombuffer(buf, dtype=torch.uint8)
 
     def zero(self, va: int, nbytes: int) -> None:
@@ -126,21 +129,17 @@ class HostDriver(Driver):
     def new_backup_store(self, budget_bytes, spill_dir) -> BackupStore:
         return SpillStore(budget_bytes, spill_dir)
 
-    def checksum(self, src):
-        import zlib
-
-        return zlib.crc32(memoryview((ctypes.c_char * src.numel()).from_address(src.data_ptr())))
-
     # ---- composite: write each chunk, release it on another thread while the next is written
     def suspend(self, saves, discards, store: BackupStore):
+        """Each full backup is written chunk by chunk (its file was allocated whole before) and
+        a chunk is released once its bytes are on disk; discarded regions are released only
+        after every backup is written, so a failed write leaves them intact."""
         if not isinstance(store, SpillStore):
             return super().suspend(saves, discards, store)
         tr = _Trace("suspend")
         releaser = _Background()
         copied = 0
         try:
-            for r in discards:
-                releaser.submit(r.release, self)
             for job in saves:
                 if job.skip_copy:
                     continue
@@ -152,13 +151,16 @@ class HostDriver(Driver):
                         while todo and todo[0].offset + todo[0].size <= end:
                             releaser.submit(region.release_chunk, self, todo.pop(0))
 
-                    store.save_progressively((job.key, 0), self.view(region.va, region.size), self.CHUNK, written)
+                    piece = region.chunks[0].size
+                    store.save_progressively((job.key, 0), self.view(region.va, region.size), piece, written)
                     copied += region.size
                 else:
                     for off, n in job.ranges:
                         store.save((job.key, off), self.view(region.va + off, n))
                         copied += n
             tr.mark("write (releasing under it)")
+            for r in discards:
+                releaser.submit(r.release, self)
         finally:
             released = releaser.join()
         tr.mark("wait releases")
@@ -179,14 +181,7 @@ class HostDriver(Driver):
         workers = [_Background() for _ in range(max(1, min(len(tasks), os.cpu_count() or 1, 4)))]
 
         def restore_chunk(job, c):
-            if c.handle is None:
-                h = self.create(c.size)
-                try:
-                    self.map(job.region.va + c.offset, c.size, h)
-                except BaseException:
-                    self.release(h)
-                    raise
-                c.handle = h
+            job.region.map_chunk(self, c)
             store.load_range((job.key, 0), c.offset, self.view(job.region.va + c.offset, c.size))
             return c.size
 

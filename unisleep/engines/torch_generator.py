@@ -389,7 +389,7 @@ class TorchGenerator(Engine):
         if self._closed:
             return
         self._closed = True
-        if self._own_lifecycle:
+        if self._own_lifecycle:  # the engine's own model dies with it
             self.lifecycle.close()
 
 
