@@ -130,11 +130,18 @@ def test_ascend_sim_simulator_is_strict():
 
 
 def test_ascend_sim_oom_is_reported_with_acl_code():
+    from unisleep.backends.ascend.acl import AclError
+    from unisleep.errors import UnisleepError
+
     lib, drv = make(total=4 * MiB)
     with MemoryLifecycle(drv) as lc:
-        with pytest.raises(Exception, match="ACL_ERROR_RT_MEMORY_ALLOCATION"):
+        with pytest.raises(UnisleepError):  # the lifecycle's room check, before any ACL call
             lc.empty(6 * MiB, torch.uint8, tag="weights")
-        assert lib.dev.used_bytes == 0 and not lib.dev.reservations  # unwound
+        assert lib.dev.used_bytes == 0 and not lib.dev.reservations and "aclrtMallocPhysical" not in lib.dev.calls
+    # the driver itself, asked for more than the device has: ACL's code, named
+    with pytest.raises(AclError, match="aclrtMallocPhysical failed with ACL_ERROR_RT_MEMORY_ALLOCATION"):
+        drv.create(6 * MiB)
+    assert lib.dev.used_bytes == 0
     lib.close()
 
 
@@ -145,13 +152,24 @@ def test_ascend_sim_pool_refuses_expandable_segments(monkeypatch):
         with pytest.raises(UnsupportedError, match="expandable"):
             with lc.pool("kv_cache"):
                 pass
-        monkeypatch.delenv("PYTORCH_NPU_ALLOC_CONF")
-        try:
-            import torch_npu  # noqa: F401
-        except ImportError:
-            with pytest.raises(UnsupportedError, match="torch_npu"):
-                with lc.pool("kv_cache"):
-                    pass
+        assert not lc.tags and lib.dev.used_bytes == 0  # refused before anything was allocated
+    lib.close()
+
+
+def _torch_npu_importable() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("torch_npu") is not None
+
+
+@pytest.mark.skipif(_torch_npu_importable(), reason="torch_npu is installed: the refusal without it cannot be shown")
+def test_ascend_sim_pool_without_torch_npu_says_what_to_install(monkeypatch):
+    lib, drv = make()
+    monkeypatch.delenv("PYTORCH_NPU_ALLOC_CONF", raising=False)
+    with MemoryLifecycle(drv) as lc:
+        with pytest.raises(UnsupportedError, match="torch_npu"):
+            with lc.pool("kv_cache"):
+                pass
     lib.close()
 
 

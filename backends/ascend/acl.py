@@ -22,7 +22,7 @@ import os
 from ctypes import POINTER, c_int, c_int32, c_size_t, c_uint32, c_uint64, c_void_p
 from typing import Any
 
-from unisleep.backends._native import bind_prototypes, load_first
+from unisleep.backends._native import bind_prototypes, load_runtime
 from unisleep.errors import PlatformError, UnisleepError
 
 ACL_SUCCESS = 0
@@ -94,8 +94,6 @@ class AclError(UnisleepError):
 
 def library_candidates() -> list[str]:
     out = []
-    if os.environ.get("UNISLEEP_ACL_LIBRARY"):
-        out.append(os.environ["UNISLEEP_ACL_LIBRARY"])
     for root in (os.environ.get("ASCEND_TOOLKIT_HOME"), os.environ.get("ASCEND_HOME_PATH"),
                  "/usr/local/Ascend/ascend-toolkit/latest"):
         if root:
@@ -106,11 +104,14 @@ def library_candidates() -> list[str]:
 
 
 def load_library():
-    """The real runtime library, or a PlatformError that says what to install/set."""
-    return load_first(
-        library_candidates(),
+    """The real runtime library: the copy already loaded in this process (torch_npu's) wins,
+    else ``UNISLEEP_ACL_LIBRARY``, else the CANN toolkit's; a second, different copy is refused
+    naming both.  A PlatformError says what to install or set."""
+    return load_runtime(
+        "libascendcl", "ACL", library_candidates(),
         "the Ascend backend needs libascendcl.so from the CANN toolkit, which was not found "
         "(source set_env.sh, or set UNISLEEP_ACL_LIBRARY to its full path).",
+        override=os.environ.get("UNISLEEP_ACL_LIBRARY") or None,
     )
 
 

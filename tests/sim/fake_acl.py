@@ -18,47 +18,29 @@ ACL's integer error codes:
 from __future__ import annotations
 
 import ctypes
-from ctypes import CFUNCTYPE, c_int, c_int32, c_size_t, c_uint32, c_uint64, c_void_p
+from ctypes import CFUNCTYPE
+
+from unisleep.backends._native import callback_argtypes
+from unisleep.backends.ascend import acl
 
 from .vmm import SimDevice, SimError, out_ptr, out_size_t
 
-ACL_SUCCESS = 0
-ACL_ERROR_INVALID_PARAM = 100000
-ACL_ERROR_RT_PARAM_INVALID = 107000
+# the codes the bindings use come from the bindings; the rest are the simulator's own
+ACL_SUCCESS = acl.ACL_SUCCESS
+ACL_ERROR_INVALID_PARAM = acl.ACL_ERROR_INVALID_PARAM
+ACL_ERROR_RT_PARAM_INVALID = acl.ACL_ERROR_RT_PARAM_INVALID
 ACL_ERROR_RT_INVALID_DEVICEID = 107001
-ACL_ERROR_RT_MEMORY_ALLOCATION = 207001
-ACL_ERROR_RT_MEMORY_FREE = 207002
+ACL_ERROR_RT_MEMORY_ALLOCATION = acl.ACL_ERROR_RT_MEMORY_ALLOCATION
+ACL_ERROR_RT_MEMORY_FREE = acl.ACL_ERROR_RT_MEMORY_FREE
 ACL_ERROR_INTERNAL = 500000
 
 # SimError codes from the shared device model -> ACL codes
 _CODE = {1: ACL_ERROR_RT_PARAM_INVALID, 2: ACL_ERROR_RT_MEMORY_ALLOCATION, 400: ACL_ERROR_RT_PARAM_INVALID}
 
-
-class _Loc(ctypes.Structure):
-    _fields_ = [("id", c_uint32), ("type", c_int)]
-
-
-class _Prop(ctypes.Structure):
-    _fields_ = [("handleType", c_int), ("allocationType", c_int), ("memAttr", c_int), ("location", _Loc), ("reserve", c_uint64)]
-
-
-I, SZ, P, U64 = c_int, c_size_t, c_void_p, c_uint64
-SIGNATURES = {
-    "aclrtSetDevice": [c_int32],
-    "aclrtSynchronizeDevice": [],
-    "aclrtGetMemInfo": [I, P, P],
-    "aclrtMemGetAllocationGranularity": [P, I, P],
-    "aclrtReserveMemAddress": [P, SZ, SZ, P, U64],
-    "aclrtReleaseMemAddress": [P],
-    "aclrtMallocPhysical": [P, SZ, P, U64],
-    "aclrtFreePhysical": [P],
-    "aclrtMapMem": [P, SZ, SZ, P, U64],
-    "aclrtUnmapMem": [P],
-    "aclrtMemcpy": [P, SZ, P, SZ, I],
-    "aclrtMemset": [P, SZ, c_int32, SZ],
-    "aclrtMallocHost": [P, SZ],
-    "aclrtFreeHost": [P],
-}
+#: ONE declaration: the simulated functions take the bindings' own prototypes (acl.PROTOTYPES,
+#: pointers arriving as raw addresses) and read structs with the bindings' declarations, so the
+#: simulator tests the driver's logic, not a second copy of the ABI (checked in docs/ascend.md)
+SIGNATURES = {name: (restype, callback_argtypes(args)) for name, (restype, args) in acl.PROTOTYPES.items()}
 
 
 class FakeAcl:
@@ -72,8 +54,8 @@ class FakeAcl:
         self.dev = SimDevice(**device_kw)
         self.set_device_called = False
         self._cbs = {}
-        for name, args in SIGNATURES.items():
-            cb = CFUNCTYPE(c_int, *args)(self._guard(name, getattr(self, "_" + name)))
+        for name, (restype, args) in SIGNATURES.items():
+            cb = CFUNCTYPE(restype, *args)(self._guard(name, getattr(self, "_" + name)))
             self._cbs[name] = cb
             setattr(self, name, cb)
 
@@ -111,7 +93,7 @@ class FakeAcl:
         out_size_t(total, self.dev.total_bytes)
 
     def _check_prop(self, addr):
-        prop = _Prop.from_address(addr)
+        prop = acl.aclrtPhysicalMemProp.from_address(addr)
         if prop.handleType != 0 or prop.allocationType != 0:
             raise SimError(ACL_ERROR_INVALID_PARAM, "handleType/allocationType")
         if prop.location.type != 1 or prop.location.id >= self.dev.device_count:
