@@ -144,7 +144,9 @@ class AscendDriver(Driver):
             self._tensor_device = torch.device(SPECS["ascend"].torch_device_type, self.device)
         return self._tensor_device
 
-    def view(self, va: int, nbytes: int):
+    def view(self, va: int, nbytes: int, owner=None):
+        # ``owner`` cannot be attached to a storage made from a raw pointer: the lifecycle
+        # keeps it on the returned tensor instead (weaker: views of it do not hold it)
         import torch
 
         dev = self.torch_device
