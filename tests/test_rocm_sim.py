@@ -177,8 +177,8 @@ def test_rocm_sim_memory_kept_while_reserved(workaround):
         fill(lc, "other", 2 * MiB, 1)
         lc.wake_up()
         assert torch.equal(w, w0) and w.data_ptr() == va
-    lc.close(force=True)  # the tensors still live: their addresses stay reserved until they die
     del w, w0
+    lc.close()
     assert not lib.dev.internal_errors and not lib.dev.reservations
     lib.close()
 
