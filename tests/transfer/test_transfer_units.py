@@ -13,7 +13,7 @@ import torch
 
 from unisleep.errors import InvalidArgumentError, InvalidTransitionError, TransferError
 from unisleep.transfer import TensorSpec, TransferGroup, WeightReceiver, WeightSender
-from unisleep.transfer.manifest import ALIGN, checksum, plan_buckets
+from unisleep.transfer.manifest import ALIGN, UpdateSeal, check_bucket, plan_buckets, write_trailer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -25,23 +25,52 @@ def test_plan_buckets_cuts_aligns_and_gives_big_tensors_their_own():
     assert [[specs[s.index].name for s in p.slots] for p in plans] == [["a", "b"], ["big"], ["c"]]
     for p in plans:
         assert all(s.offset % ALIGN == 0 for s in p.slots)
-        assert p.data_bytes % 8 == 0 and p.total_bytes == p.data_bytes + 8 * (3 + len(p.slots))
+        assert p.data_bytes % 8 == 0 and p.total_bytes == p.data_bytes + 8 * (3 + 4 * len(p.slots))
     assert plans[1].slots[0].nbytes == 4000  # larger than the bucket: alone, not refused
 
 
-def test_checksum_sees_every_kind_of_damage():
+def _sealed_bucket(seal, tensors):
+    specs = [TensorSpec(f"t{i}", tuple(t.shape), str(t.dtype).replace("torch.", "")) for i, t in enumerate(tensors)]
+    plan = plan_buckets(specs, 1 << 30)[0]
+    buf = torch.zeros(plan.total_bytes, dtype=torch.uint8)
+    for s, t in zip(plan.slots, tensors):
+        buf[s.offset: s.offset + s.nbytes].copy_(t.reshape(-1).view(torch.uint8))
+    write_trailer(buf, plan, 7, seal)
+    return buf, plan
+
+
+def _seal(seq=7, secret=b"s" * 32):
+    from unisleep.keyed_hash import HashKey
+
+    return UpdateSeal(HashKey.derive(secret, b"test/%d" % seq), b"p" * 32, "g/n", 0, seq)
+
+
+def test_keyed_digest_sees_the_edits_the_positional_sum_missed():
     g = torch.Generator().manual_seed(0)
-    b = torch.randint(0, 256, (3 * 4096 + 13,), dtype=torch.uint8, generator=g)
-    ref = int(checksum(b))
-    assert int(checksum(b.clone())) == ref
-    for i in (0, 4095, 4096 * 2 + 7, b.numel() - 1):  # one flipped bit anywhere, tail included
-        c = b.clone()
+    t = torch.randint(-(2**31), 2**31 - 1, (3 * 1024 + 3,), dtype=torch.int32, generator=g)
+    seal = _seal()
+    buf, plan = _sealed_bucket(seal, [t, t[:5].clone()])
+    assert check_bucket(buf, plan, 7, seal) == (None, [])
+    o = plan.slots[0].offset
+    words = buf[o: o + 4096].view(torch.int64)
+    edits = {
+        "two 8-byte words swapped in one row": lambda w: w[[1, 0]].clone(),
+        "+1/-1 inside one row": lambda w: torch.stack([w[0] + 1, w[1] - 1]),
+    }
+    for what, edit in edits.items():
+        c = buf.clone()
+        cw = c[o: o + 4096].view(torch.int64)
+        cw[:2] = edit(words[:2].clone())
+        assert not torch.equal(c, buf)
+        assert check_bucket(c, plan, 7, seal)[1] == [0], what
+    for i in (o, o + 4095, plan.slots[1].offset + 19):  # one flipped bit anywhere
+        c = buf.clone()
         c[i] ^= 1
-        assert int(checksum(c)) != ref, i
-    rows = b[: 3 * 4096].view(3, 4096)
-    assert int(checksum(torch.cat([rows[[1, 0, 2]].reshape(-1), b[3 * 4096:]]))) != ref  # rows swapped
-    assert int(checksum(torch.zeros_like(b))) != ref
-    assert int(checksum(b[:-1])) != ref  # truncated
+        assert check_bucket(c, plan, 7, seal)[1] != [], i
+    # the digest of another update (or moved from another slot) does not fit
+    assert check_bucket(buf, plan, 7, _seal(seq=8))[1] == [0, 1]
+    wrong_trailer = check_bucket(buf, plan, 6, seal)[0]
+    assert wrong_trailer and "expected update 6" in wrong_trailer
 
 
 def test_no_vendor_names_in_the_core_transfer_code():
@@ -125,7 +154,7 @@ def test_apply_callback_and_module_target(pair, path):
     ptr = m.weight.data_ptr()
     rx2 = WeightReceiver(g1, target=m)
     src = {"weight": torch.randn(300, 70), "bias": torch.randn(300)}
-    s, r = _both(lambda: tx.send(src, 2), rx2.receive)
+    s, r = _both(lambda: tx.send(src, "step-2"), rx2.receive)
     assert not isinstance(r, Exception), r
     assert torch.equal(m.weight, src["weight"]) and torch.equal(m.bias, src["bias"]) and m.weight.data_ptr() == ptr
 

@@ -1,50 +1,158 @@
 """How bucket bytes move once an update is under way.
 
 * the bucket descriptor's flags (``END``, ``ABORT``) on the collective path;
-* the IPC socket: pickled messages with file descriptors attached (:func:`send_msg`,
-  :func:`recv_msg`);
+* the IPC socket (:class:`IpcConn`): authenticated, fixed-schema records (:mod:`.records`), file
+  descriptors attached only to ``buf`` messages; never unpickled;
 * the sender's two channels, with the same ``buffer`` / ``post`` / ``end`` verbs:
   :class:`CollectiveSendChannel` (broadcast over the group's backend) and :class:`IpcSendChannel`
   (shared memory, colocated), the latter over :class:`IpcSenderState` (the listening socket, one
   connection per receiver, the exported buffers).
+
+Who may connect to the IPC socket (an abstract Unix name, random, published only in the
+authenticated header): the sender reads the connecting process's credentials (``SO_PEERCRED``)
+and drops any process whose uid (and pid, in the same pid namespace) is not that of a receiver
+of the group; then a challenge-response proves the group secret on both sides — the sender sends
+a fresh nonce, the receiver answers with its rank and that nonce sealed with a key of the group
+secret, the sender answers in kind — and only then does any descriptor travel.  Every refused
+connection is closed and logged as an intrusion; the accept loop goes on for the real receivers.
 
 The receiving loops of both paths are methods of :class:`~unisleep.transfer.receiver.WeightReceiver`.
 """
 
 from __future__ import annotations
 
+import logging
 import os
-import pickle
+import secrets
 import socket
+import struct
+import time
 import uuid
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from ..errors import TransferError
-from .group import TransferGroup
+from . import records as R
+from .group import TransferGroup, _pidns
 from .manifest import BucketPlan
 
 if TYPE_CHECKING:
     from .sender import WeightSender
 
+log = logging.getLogger("unisleep.transfer")
+
 ABORT, END = 1, -1  # descriptor flag: the update was aborted; descriptor bucket index: no more buckets
+MAX_MSG = 4096
+HANDSHAKE_S = 5.0
+OPS = ("hello", "proof", "welcome", "buf", "bucket", "free", "error", "end")
+IPC_MSG = {"op": OPS, "id": R.OPT_STR, "slot": R.INT, "k": R.INT, "nbytes": R.INT, "u": R.INT, "abort": R.BOOL,
+           "msg": R.STR, "nonce": R.OPT_STR, "rank": R.INT, "pid": R.INT}
+_BLANK = {"id": None, "slot": 0, "k": 0, "nbytes": 0, "u": 0, "abort": False, "msg": "", "nonce": None, "rank": 0,
+          "pid": 0}
 
 
-def send_msg(sock: socket.socket, obj: Any, fds: Sequence[int] = ()) -> None:
-    socket.send_fds(sock, [pickle.dumps(obj)], list(fds))
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end of a Unix socket."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", raw)
 
 
-def recv_msg(sock: socket.socket, what: str) -> tuple[Any, list[int]]:
+class IpcConn:
+    """One authenticated IPC connection: sealed messages with a counter per direction."""
+
+    def __init__(self, sock: socket.socket, group: TransferGroup, ctx: str, out_dir: str, in_dir: str, peer: str):
+        self.sock, self.group, self.peer = sock, group, peer
+        self.key = group.subkey("ipc")
+        self.ctx = ctx
+        self.out_dir, self.in_dir = out_dir, in_dir
+        self.n_out = self.n_in = 1
+
+    def send(self, op: str, fds: Sequence[int] = (), **fields) -> None:
+        send_sealed(self.sock, self.key, f"{self.ctx}/{self.out_dir}", op, self.n_out, fields, fds)
+        self.n_out += 1
+
+    def recv(self, what: str, timeout_s: Optional[float] = None) -> tuple[dict, list[int]]:
+        body, fds = recv_sealed(self.sock, self.key, f"{self.ctx}/{self.in_dir}", self.n_in, what, self.peer,
+                                timeout_s=timeout_s)
+        self.n_in += 1
+        return body, fds
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+def send_sealed(sock: socket.socket, key: bytes, ctx: str, op: str, n: int, fields: dict, fds: Sequence[int] = ()) -> None:
+    body = dict(_BLANK, op=op, **fields)
+    data = R.seal(key, ctx, "ipc", n, 0, body)
     try:
-        data, fds, _flags, _addr = socket.recv_fds(sock, 1 << 16, 4)
-    except socket.timeout as e:
-        raise TransferError(f"timed out waiting for {what} on the IPC socket") from e
+        if fds:
+            socket.send_fds(sock, [data], list(fds))
+        else:
+            sock.sendall(data)
     except OSError as e:
-        raise TransferError(f"IPC socket failed while waiting for {what}: {e}") from e
-    if not data:
+        raise TransferError(f"the IPC socket failed sending {op!r}: {e} (the peer died or gave up)") from e
+
+
+def recv_sealed(sock: socket.socket, key: bytes, ctx: str, n: Optional[int], what: str, peer: str,
+                timeout_s: Optional[float] = None) -> tuple[dict, list[int]]:
+    old = sock.gettimeout()
+    if timeout_s is not None:
+        sock.settimeout(timeout_s)
+    try:
+        data, fds, _flags, _addr = socket.recv_fds(sock, MAX_MSG + 64, 4)
+    except socket.timeout as e:
+        raise TransferError(f"timed out waiting for {what} on the IPC socket ({peer})") from e
+    except OSError as e:
+        raise TransferError(f"IPC socket failed while waiting for {what} ({peer}): {e}") from e
+    finally:
+        if timeout_s is not None:
+            sock.settimeout(old)
+    try:
+        if not data:
+            raise TransferError(f"{peer} closed the IPC socket while this side waited for {what} (it died or gave up)")
+        _, _, body = R.open_record(key, ctx, data, name="ipc", peer=peer, schema=IPC_MSG, seq=n, epoch=0,
+                                   limit=MAX_MSG)
+        if fds and body["op"] != "buf":
+            raise TransferError(f"{peer} attached descriptors to a {body['op']!r} message")
+        return body, fds
+    except BaseException:
         for fd in fds:
             os.close(fd)
-        raise TransferError(f"the peer closed the IPC socket while this side waited for {what} (it died or gave up)")
-    return pickle.loads(data), fds
+        raise
+
+
+def ipc_context(group: TransferGroup, name: str) -> str:
+    return f"{group.group_id}/ipc/{name.encode('unicode_escape').decode()}"
+
+
+def connect_ipc(group: TransferGroup, name: str) -> IpcConn:
+    """Receiver side: connect to the sender's socket (the handshake follows with :func:`handshake_receiver`)."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.settimeout(group.timeout_s)
+    try:
+        s.connect(name)
+    except OSError:
+        s.close()
+        raise
+    return IpcConn(s, group, ipc_context(group, name), "r", "s", "the sender (rank 0)")
+
+
+def handshake_receiver(conn: IpcConn, timeout_s: float) -> None:
+    """Receiver side: answer the sender's challenge, check its answer to ours."""
+    g = conn.group
+    key, base = conn.key, conn.ctx
+    hello, _ = recv_sealed(conn.sock, key, base + "/hello", 0, "the sender's hello", conn.peer, timeout_s=timeout_s)
+    if hello["op"] != "hello" or not hello["nonce"]:
+        raise TransferError("the IPC peer did not start with a hello; not the sender of this group")
+    mine = secrets.token_hex(16)
+    send_sealed(conn.sock, key, base + "/proof", "proof", 0, {"rank": g.rank, "nonce": hello["nonce"] + mine,
+                                                                "pid": os.getpid()})
+    welcome, _ = recv_sealed(conn.sock, key, base + "/welcome", 0, "the sender's welcome", conn.peer, timeout_s=timeout_s)
+    if welcome["op"] != "welcome" or welcome["nonce"] != mine or welcome["rank"] != g.rank:
+        raise TransferError("the IPC peer's answer to this receiver's challenge is wrong; not the sender of this group")
+    conn.ctx = f"{base}/{hello['nonce']}{mine}/{g.rank}"
 
 
 class CollectiveSendChannel:
@@ -70,13 +178,16 @@ class CollectiveSendChannel:
 
         return torch.tensor([self.seq, k, nbytes, flag], dtype=torch.int64, device=self.dev)
 
+    def _settle(self, slot: int) -> None:
+        for w in self.pending[slot]:
+            if hasattr(w, "wait"):
+                wait_work(self.s.group, w)
+        self.pending[slot] = []
+
     def buffer(self, slot: int, nbytes: int):
         import torch
 
-        for w in self.pending[slot]:
-            if hasattr(w, "wait"):
-                w.wait()
-        self.pending[slot] = []
+        self._settle(slot)
         cur = self.s._coll_slots[slot]
         cap = max(nbytes, self.s.bucket_bytes + 4096)
         if cur is None or cur.numel() < nbytes:
@@ -92,40 +203,64 @@ class CollectiveSendChannel:
 
     def end(self, abort: bool) -> None:
         for slot in (0, 1):
-            for w in self.pending[slot]:
-                if hasattr(w, "wait"):
-                    w.wait()
-            self.pending[slot] = []
-        self._bcast(self._desc(END, 0, ABORT if abort else 0)).wait()
+            self._settle(slot)
+        wait_work(self.s.group, self._bcast(self._desc(END, 0, ABORT if abort else 0)))
+
+
+def wait_work(group: TransferGroup, work) -> None:
+    """Wait for a collective's work object, checking the other ranks' liveness meanwhile: a dead
+    peer ends the wait within a few seconds (and names the peer) instead of the group timeout."""
+    if not hasattr(work, "is_completed"):
+        work.wait()
+        return
+    delay, t0, next_live = 0.0002, time.monotonic(), time.monotonic() + 0.5
+    while not work.is_completed():
+        now = time.monotonic()
+        if now >= next_live:
+            next_live = now + 0.5
+            group.check_alive([p.rank for p in group.peers if p.rank != group.rank])
+            if now - t0 > group.timeout_s:
+                raise TransferError(f"a collective did not complete within {group.timeout_s:.0f} s")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.005)
+    work.wait()
 
 
 class IpcSenderState:
-    """The sender's Unix socket (abstract namespace), one connection per receiver, and the
-    exported bucket buffers (reused across updates)."""
+    """The sender's Unix socket (abstract namespace), one authenticated connection per receiver,
+    and the exported bucket buffers (reused across updates)."""
 
     def __init__(self, group: TransferGroup):
         self.group = group
         self.ipc = group.ipc_module()
-        self.name = f"\0unisleep-transfer-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self.name = f"\0unisleep-transfer-{os.getpid()}-{uuid.uuid4().hex}"
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.listener.bind(self.name)
         self.listener.listen(max(8, group.world_size))
-        self.listener.settimeout(group.timeout_s)
-        self.conns: dict[int, socket.socket] = {}
+        self.conns: dict[int, IpcConn] = {}
         self.slots: list = [None, None]  # (buffer id, ExportBuffer)
-        self.shared: dict[int, set] = {}  # buffer id -> ranks that imported it
+        self.shared: dict[str, set] = {}  # buffer id -> ranks that imported it
         self.busy: list[set] = [set(), set()]  # ranks still reading slot i
 
     def accept(self, ranks: Sequence[int]) -> None:
+        """Accept one authenticated connection from each of ``ranks``; refuse everything else."""
+        g = self.group
         want = set(ranks)
+        deadline = time.monotonic() + g.timeout_s
         while want:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TransferError(f"receivers {sorted(want)} did not connect to the IPC socket within {g.timeout_s:.0f} s")
+            self.listener.settimeout(min(left, 0.5))
             try:
-                conn, _ = self.listener.accept()
-            except socket.timeout as e:
-                raise TransferError(f"receivers {sorted(want)} did not connect to the IPC socket") from e
-            conn.settimeout(self.group.timeout_s)
-            hello, _ = recv_msg(conn, "the receiver's hello")
-            r = hello["rank"]
+                sock, _ = self.listener.accept()
+            except socket.timeout:
+                g.check_alive(sorted(want))
+                continue
+            got = self._admit(sock, want)
+            if got is None:
+                continue
+            r, conn = got
             old = self.conns.pop(r, None)
             if old is not None:
                 old.close()
@@ -133,6 +268,43 @@ class IpcSenderState:
             for ranks_ in self.shared.values():
                 ranks_.discard(r)
             want.discard(r)
+
+    def _admit(self, sock: socket.socket, want: set) -> Optional[tuple[int, IpcConn]]:
+        g = self.group
+        try:
+            pid, uid, _gid = peer_credentials(sock)
+        except OSError as e:
+            sock.close()
+            g._intrusion(f"an IPC connection without credentials was refused: {e}")
+            return None
+        who = f"pid {pid}, uid {uid}"
+        ns = _pidns()
+        if not any(g.peers[r].uid == uid and (g.peers[r].pidns != ns or g.peers[r].pid == pid) for r in want):
+            sock.close()
+            g._intrusion(f"refused an IPC connection from {who}: not a receiver of this group (expected "
+                         + ", ".join(f"rank {p.rank} pid {p.pid} uid {p.uid}" for p in (g.peers[r] for r in sorted(want)))
+                         + ")")
+            return None
+        sock.settimeout(min(HANDSHAKE_S, g.timeout_s))
+        key, base = g.subkey("ipc"), ipc_context(g, self.name)
+        nonce = secrets.token_hex(16)
+        try:
+            send_sealed(sock, key, base + "/hello", "hello", 0, {"nonce": nonce})
+            proof, _ = recv_sealed(sock, key, base + "/proof", 0, "the receiver's proof", who, timeout_s=HANDSHAKE_S)
+            r = proof["rank"]
+            theirs = proof["nonce"] or ""
+            if proof["op"] != "proof" or not theirs.startswith(nonce) or len(theirs) <= len(nonce):
+                raise TransferError("wrong answer to the challenge")
+            if r not in want or g.peers[r].uid != uid or (g.peers[r].pidns == _pidns() and g.peers[r].pid != pid):
+                raise TransferError(f"claims rank {r}, which is not waiting or runs as another process")
+            mine = theirs[len(nonce):]
+            send_sealed(sock, key, base + "/welcome", "welcome", 0, {"nonce": mine, "rank": r})
+        except (TransferError, OSError) as e:
+            sock.close()
+            g._intrusion(f"refused an IPC connection from {who}: {e}")
+            return None
+        sock.settimeout(g.timeout_s)
+        return r, IpcConn(sock, g, f"{base}/{nonce}{mine}/{r}", "s", "r", f"receiver rank {r}")
 
     def close(self) -> None:
         for c in self.conns.values():
@@ -159,11 +331,13 @@ class IpcSendChannel:
         st = self.st
         while st.busy[slot]:
             for r in list(st.busy[slot]):
-                msg, _ = recv_msg(st.conns[r], f"receiver rank {r} to release bucket memory")
-                if msg.get("op") == "free":
+                msg, _ = st.conns[r].recv(f"receiver rank {r} to release bucket memory")
+                if msg["op"] == "free" and msg["slot"] in (0, 1):
                     st.busy[msg["slot"]].discard(r)
-                elif msg.get("op") == "error":
+                elif msg["op"] == "error":
                     raise TransferError(f"receiver rank {r}: {msg['msg']}")
+                else:
+                    raise TransferError(f"receiver rank {r} sent {msg['op']!r} while the sender waited for 'free'")
 
     def buffer(self, slot: int, nbytes: int):
         st = self.st
@@ -185,9 +359,9 @@ class IpcSendChannel:
         have = st.shared.setdefault(bid, set())
         for r, conn in st.conns.items():
             if r not in have:
-                send_msg(conn, {"op": "buf", "id": bid, "slot": slot, "nbytes": eb.nbytes}, [eb.fd()])
+                conn.send("buf", [eb.fd()], id=bid, slot=slot, nbytes=eb.nbytes)
                 have.add(r)
-            send_msg(conn, {"op": "bucket", "k": plan.index, "id": bid, "slot": slot, "nbytes": plan.total_bytes})
+            conn.send("bucket", k=plan.index, id=bid, slot=slot, nbytes=plan.total_bytes, u=self.seq)
             st.busy[slot].add(r)
 
     def end(self, abort: bool) -> None:
@@ -196,6 +370,6 @@ class IpcSendChannel:
             self._wait_free(0)
             self._wait_free(1)
         for conn in st.conns.values():
-            send_msg(conn, {"op": "end", "abort": abort})
+            conn.send("end", abort=abort, u=self.seq)
         if abort:
             st.busy = [set(), set()]

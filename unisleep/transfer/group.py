@@ -4,7 +4,17 @@ It is built from torch.distributed parts only — a ``TCPStore`` (hosted by rank
 under a ``PrefixStore``, and the platform's process-group backend constructed directly on it — so
 the default process group of either side (the trainer's data-parallel group, the engine's
 tensor-parallel group) is never created or touched.  The store also carries the small control
-messages of an update (header, acknowledgements); the backend carries the bytes.
+records of an update (header, acknowledgements); the backend carries the bytes.
+
+Security (see docs/security.md): rank 0 opens the listening socket itself, bound to exactly the
+address of the rendezvous (a loopback rendezvous listens on loopback only), and hands it to the
+store.  Every control record is JSON with a schema, authenticated with HMAC-SHA256 under the
+group secret over its key, update number and epoch (:mod:`.records`); nothing read from the store
+is unpickled.  A record that fails authentication is logged as an intrusion (``intrusions``) and
+skipped.  Each member beats a heartbeat into the store; a waiting side notices a dead peer within
+a few seconds and names it.  The data channel (the process-group backend) has an epoch: after an
+update broke off mid-stream the sender moves to a fresh backend (epoch + 1) and every receiver
+follows when it reads the next header.
 
 The vendor part (which backend class, how a device is identified) lives in
 ``unisleep.backends.<platform>.collective``, found through the platform's driver entry.
@@ -14,10 +24,12 @@ from __future__ import annotations
 
 import datetime
 import importlib
+import ipaddress
 import logging
 import os
-import pickle
+import secrets as _secrets
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -25,10 +37,15 @@ from urllib.parse import urlparse
 
 from ..errors import InvalidArgumentError, TransferError, UnsupportedError
 from ..platform import SPECS, Platform, detect_platform
+from . import records as R
+from .secret import resolve_secret
 
 log = logging.getLogger("unisleep.transfer")
 
 DEFAULT_TIMEOUT_S = 300.0
+HEARTBEAT_S = 0.5
+#: a peer whose heartbeat did not move for this long is dead
+DEAD_AFTER_S = 3.0
 
 
 def vendor_module(platform: Platform, name: str):
@@ -48,9 +65,57 @@ def vendor_module(platform: Platform, name: str):
 def parse_rendezvous(rendezvous: str) -> tuple[str, int]:
     """``tcp://HOST:PORT`` → (host, port)."""
     u = urlparse(rendezvous if "://" in rendezvous else f"tcp://{rendezvous}")
-    if u.scheme != "tcp" or not u.hostname or not u.port:
+    try:
+        port = u.port
+    except ValueError:
+        port = None
+    if u.scheme != "tcp" or not u.hostname or not port:
         raise InvalidArgumentError(f"rendezvous must look like tcp://HOST:PORT, got {rendezvous!r}")
-    return u.hostname, int(u.port)
+    return u.hostname, int(port)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on exactly ``host:port`` (not on every interface)."""
+    infos = socket.getaddrinfo("127.0.0.1" if host == "localhost" else host, port, type=socket.SOCK_STREAM)
+    err: Optional[OSError] = None
+    for family, kind, proto, _name, addr in infos:
+        s = socket.socket(family, kind, proto)
+        try:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            s.bind(addr)
+            s.listen(128)
+            s.set_inheritable(False)
+            return s
+        except OSError as e:
+            s.close()
+            err = e
+    raise OSError(f"cannot listen on {host}:{port}: {err}")
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _pidns() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
 
 
 @dataclass(frozen=True)
@@ -59,6 +124,12 @@ class Peer:
     device_key: str
     host: str
     pid: int
+    uid: int = -1
+    pidns: int = 0
+    boot: str = ""
+
+    def describe(self) -> str:
+        return f"rank {self.rank} (pid {self.pid} on {self.host})"
 
 
 class TransferGroup:
@@ -72,11 +143,13 @@ class TransferGroup:
     Attributes: ``rank``, ``world_size``, ``platform``, ``backend`` (torch backend name),
     ``device`` (torch device of the buckets), ``peers`` (device identity of each rank),
     ``colocated`` (every receiver shares the sender's device, so IPC can be used),
-    ``timeout_s``.
+    ``timeout_s``, ``epoch`` (generation of the data channel), ``intrusions`` (what was
+    refused: forged records, foreign connections).
     """
 
     def __init__(self, *, store, rank: int, world_size: int, platform: Platform, device_index: int,
-                 timeout_s: float, peers: list[Peer], pg, host: str, port: int, master_store=None):
+                 timeout_s: float, peers: list[Peer], host: str, port: int, master_store=None,
+                 secret: bytes, group_id: str, insecure: bool, hb_store=None):
         self.store = store
         self.rank = rank
         self.world_size = world_size
@@ -84,42 +157,82 @@ class TransferGroup:
         self.device_index = device_index
         self.timeout_s = timeout_s
         self.peers = peers
-        self._pg = pg
         self.host, self.port = host, port
         self._master_store = master_store  # keep the TCPStore (server on rank 0) alive
         self._collective = vendor_module(platform, "collective")
         self.closed = False
-        self._seq = 0  # updates started on this side (the same count on every member)
+        self.insecure = insecure
+        self.group_id = group_id
+        self._secret = secret
+        self._rec_key = R.derive_key(secret, "records")
+        self.intrusions: list[str] = []
+        self.epoch = 0
+        self._pg = None
+        self._pg_epoch = -1
+        self._pg_error: Optional[str] = None
+        self.broken: Optional[str] = None  # why this group must be recreated
+        self._seq = 0  # sender: number of the next update
+        self.last_seq = -1  # receiver: the last update whose header it took
+        # liveness
+        self._hb_store = hb_store
+        self._hb_stop = threading.Event()
+        self._hb_seen: dict[int, tuple[int, float]] = {}
+        self._hb_thread: Optional[threading.Thread] = None
+        self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ construction
     @classmethod
     def create(cls, rendezvous: str, rank: int, world_size: int, *, platform=None,
                timeout_s: float = DEFAULT_TIMEOUT_S, device: Optional[int] = None,
-               name: str = "default") -> "TransferGroup":
-        """Join the group at ``rendezvous`` (``tcp://HOST:PORT``; rank 0 hosts the store there).
+               name: str = "default", secret=None, secret_file: Optional[str] = None,
+               insecure: bool = False) -> "TransferGroup":
+        """Join the group at ``rendezvous`` (``tcp://HOST:PORT``; rank 0 hosts the store there,
+        listening on that address only).
 
         ``platform``: ``None`` (detect), a name or a :class:`Platform` — decides the backend
         (host: gloo; accelerators: the vendor's collective).  ``device``: this rank's device index
         (default: the current one).  ``name`` separates several groups on one store address.
-        Multi-node is the same call with a routable address.
+        ``secret`` / ``secret_file``: the group secret (see :mod:`unisleep.transfer.secret`; a
+        loopback group of one user needs none); ``insecure=True`` lets a non-loopback group run
+        without one.  Multi-node is the same call with a routable address (docs/security.md).
         """
         if world_size < 2:
             raise InvalidArgumentError(f"a transfer group needs a sender and at least one receiver; world_size={world_size}")
         if not 0 <= rank < world_size:
             raise InvalidArgumentError(f"rank must be in [0, {world_size}), got {rank}")
+        if not R.NAME.fullmatch(name):
+            raise InvalidArgumentError(f"group name must be 1-128 letters, digits, '.', '_' or '-'; got {name!r}")
         plat = platform if isinstance(platform, Platform) else detect_platform(platform)
         host, port = parse_rendezvous(rendezvous)
+        loopback = is_loopback(host)
+        key, source = resolve_secret(secret=secret, secret_file=secret_file, rank=rank, loopback=loopback,
+                                     insecure=insecure, port=port, name=name, timeout_s=timeout_s)
+        if source == "insecure":
+            log.warning("transfer group %s on %s:%d runs WITHOUT a secret (insecure=True): anyone who can reach "
+                        "that address can feed this group weights", name, host, port)
         import torch.distributed as dist
 
         timeout = datetime.timedelta(seconds=timeout_s)
+        listener = None
         try:
-            base = dist.TCPStore(host, port, world_size, rank == 0, timeout=timeout, wait_for_workers=False)
+            if rank == 0:
+                listener = listen_socket(host, port)
+                base = dist.TCPStore(host, port, world_size, True, timeout=timeout, wait_for_workers=False,
+                                     master_listen_fd=listener.fileno())
+                listener.detach()  # the store owns (and closes) the socket now
+                listener = None
+            else:
+                base = dist.TCPStore(host, port, world_size, False, timeout=timeout)
+            hb_base = dist.TCPStore(host, port, world_size, False, timeout=timeout)
         except Exception as e:
+            if listener is not None:
+                listener.close()
             raise TransferError(
                 f"cannot {'open' if rank == 0 else 'reach'} the rendezvous store at {host}:{port} "
                 f"(rank {rank}/{world_size}): {e}"
             ) from e
-        store = dist.PrefixStore(f"unisleep/transfer/{name}", base)
+        prefix = f"unisleep/transfer/{name}"
+        store = dist.PrefixStore(prefix, base)
         coll = vendor_module(plat, "collective")
         if device is None:
             device = 0
@@ -127,24 +240,81 @@ class TransferGroup:
                 import torch
 
                 device = torch.accelerator.current_device_index()
-        me = Peer(rank, coll.device_key(device), socket.gethostname(), os.getpid())
-        store.set(f"peer/{rank}", pickle.dumps(me))
-        keys = [f"peer/{r}" for r in range(world_size)]
-        try:
-            store.wait(keys, timeout)
-        except Exception as e:
-            raise TransferError(f"not every rank of {world_size} joined {rendezvous} within {timeout_s:.0f} s: {e}") from e
-        peers = [pickle.loads(store.get(k)) for k in keys]
-        shared = _same_device_ranks(peers)
-        pg = None
-        if shared and not coll.SAME_DEVICE_OK:
-            log.info("ranks %s share a device: no collective backend, colocated IPC only", sorted(shared))
-        else:
-            pg = coll.create_backend(dist.PrefixStore("pg", store), rank, world_size, timeout, device, host=host)
+        me = Peer(rank, coll.device_key(device), socket.gethostname(), os.getpid(), os.getuid(), _pidns(), _boot_id())
         grp = cls(store=store, rank=rank, world_size=world_size, platform=plat, device_index=device,
-                  timeout_s=timeout_s, peers=peers, pg=pg, host=host, port=port, master_store=base)
-        grp._shared = shared
+                  timeout_s=timeout_s, peers=[], host=host, port=port, master_store=base, secret=key,
+                  group_id=f"{name}/", insecure=source == "insecure",
+                  hb_store=dist.PrefixStore(prefix, hb_base))
+        try:
+            grp._join(me, source, secret_file, name)
+        except BaseException:
+            grp.close()
+            raise
         return grp
+
+    def _join(self, me: Peer, source: str, secret_file, name: str) -> None:
+        nonce = _secrets.token_hex(16) if self.rank == 0 else ""
+        p0 = None
+        if self.rank == 0:
+            self.group_id = f"{name}/{nonce}"
+            self._put_peer(me, nonce)
+        else:
+            # rank 0's record carries the group nonce; a stale loopback secret file is re-read
+            raw0 = self._wait_raw("peer/0", "rank 0 (the sender) to join")
+            deadline = time.monotonic() + self.timeout_s
+            while p0 is None:
+                try:
+                    p0 = self._open_peer(raw0, 0)
+                except R.ForgedRecordError as e:
+                    if time.monotonic() > deadline:
+                        raise TransferError(f"rank 0's record never authenticated: {e}") from None
+                    if source == "loopback file":
+                        from .secret import loopback_secret_path, read_secret_file
+
+                        self._set_secret(read_secret_file(loopback_secret_path(self.port, name)))
+                    else:
+                        self._intrusion(str(e))
+                    time.sleep(0.05)
+                    raw0 = self.store.get("peer/0")
+            nonce = p0[1]
+            self.group_id = f"{name}/{nonce}"
+            self._put_peer(me, "")
+        peers = []
+        for r in range(self.world_size):
+            if r == self.rank:
+                peers.append(me)
+                continue
+            if r == 0:
+                peers.append(p0[0])
+                continue
+            body = self.take(f"peer/{r}", R.PEER, seq=0, epoch=0, what=f"rank {r} to join the group",
+                             peer=f"rank {r}", watch=False)
+            peers.append(_peer_of(body))
+            if body["insecure"] != self.insecure:
+                raise TransferError(f"rank {r} runs {'without' if body['insecure'] else 'with'} a secret, this rank "
+                                    f"{'without' if self.insecure else 'with'}: give both the same secret")
+        self.peers = peers
+        self._shared = _same_device_ranks(peers)
+        self._start_heartbeat()
+        if self._shared and not self._collective.SAME_DEVICE_OK:
+            log.info("ranks %s share a device: no collective backend, colocated IPC only", sorted(self._shared))
+        else:
+            self._connect_pg(0)
+
+    def _set_secret(self, secret: bytes) -> None:
+        self._secret = secret
+        self._rec_key = R.derive_key(secret, "records")
+
+    def _put_peer(self, me: Peer, nonce: str) -> None:
+        body = {"rank": me.rank, "device_key": me.device_key[:4096], "host": me.host[:4096], "boot": me.boot[:4096],
+                "pid": me.pid, "pidns": me.pidns, "uid": me.uid, "nonce": nonce or "0", "insecure": self.insecure}
+        gid = self.group_id if me.rank else "peer0"  # rank 0's record brings the group nonce
+        self.store.set(f"peer/{me.rank}", R.seal(self._rec_key, gid, f"peer/{me.rank}", 0, 0, body))
+
+    def _open_peer(self, raw: bytes, r: int) -> tuple[Peer, str]:
+        _, _, body = R.open_record(self._rec_key, "peer0", raw, name="peer/0", peer="rank 0", schema=R.PEER, seq=0,
+                                   epoch=0, limit=1 << 16)
+        return _peer_of(body), body["nonce"]
 
     # ------------------------------------------------------------------ properties
     @property
@@ -182,34 +352,179 @@ class TransferGroup:
             )
         return vendor_module(self.platform, self._collective.IPC_MODULE)
 
-    def process_group(self):
-        """The backend object that moves bytes; raises with the reason when it cannot exist."""
-        if self._pg is None:
+    def subkey(self, purpose: str) -> bytes:
+        """A key derived from the group secret for ``purpose`` (never the secret itself)."""
+        return R.derive_key(self._secret, purpose)
+
+    def hash_key(self, seq: int, epoch: int):
+        """The keyed-digest key of update ``seq`` (the same on every member): SHAKE-256 of a
+        sub-key of the group secret and the update's context (group, epoch, update number)."""
+        import hashlib
+
+        from ..keyed_hash import KEY_WORDS, MAX_LEVELS, HashKey
+
+        ctx = f"{self.group_id}/{epoch}/{seq}".encode()
+        return HashKey(hashlib.shake_256(self.subkey("digest") + ctx).digest(MAX_LEVELS * KEY_WORDS * 4))
+
+    # ------------------------------------------------------------------ data channel (epochs)
+    def process_group(self, connect: bool = True):
+        """The backend object that moves bytes (of the current epoch); raises with the reason when
+        it cannot exist.  ``connect=False``: only check that it can exist."""
+        if self._shared and not self._collective.SAME_DEVICE_OK:
             raise UnsupportedError(self._collective.same_device_message(self._shared))
+        self.check_usable()
+        if not connect:
+            return self._pg
+        if self._pg is None or self._pg_epoch != self.epoch:
+            self._connect_pg(self.epoch)
         return self._pg
 
-    # ------------------------------------------------------------------ control plane
-    def _next_seq(self) -> int:
-        """Number of the next update; every sender/receiver object on this group shares it."""
-        seq, self._seq = self._seq, self._seq + 1
-        return seq
+    def _connect_pg(self, epoch: int) -> None:
+        import torch.distributed as dist
 
-    def put(self, key: str, obj: Any) -> None:
-        self.store.set(key, pickle.dumps(obj))
-
-    def take(self, key: str, timeout_s: Optional[float] = None, what: str = "") -> Any:
-        """Wait for ``key`` and unpickle it; a dead peer or a timeout raises :class:`TransferError`."""
-        t = self.timeout_s if timeout_s is None else timeout_s
-        t0 = time.monotonic()
+        old, self._pg = self._pg, None
+        if old is not None:
+            try:
+                old.shutdown()
+            except Exception:
+                pass
+        timeout = datetime.timedelta(seconds=self.timeout_s)
         try:
-            self.store.wait([key], datetime.timedelta(seconds=t))
-            return pickle.loads(self.store.get(key))
+            self._pg = self._collective.create_backend(dist.PrefixStore(f"pg{epoch}", self.store), self.rank,
+                                                       self.world_size, timeout, self.device_index, host=self.host)
+        except Exception as e:
+            self.broken = f"the data channel (epoch {epoch}) could not connect: {type(e).__name__}: {e}"
+            raise TransferError(f"{self.broken}; recreate the group") from e
+        self._pg_epoch = epoch
+
+    def channel_broke(self, why: str) -> None:
+        """The data channel may be out of step (an update broke off mid-stream): the sender moves
+        to the next epoch with its next update."""
+        if self.rank == 0:
+            self.epoch += 1
+            log.info("transfer group %s: data channel reset to epoch %d (%s)", self.group_id.split("/")[0], self.epoch, why)
+
+    # ------------------------------------------------------------------ liveness
+    def _start_heartbeat(self) -> None:
+        now = time.monotonic()
+        self._hb_seen = {p.rank: (-1, now) for p in self.peers if p.rank != self.rank}
+        key = f"hb/{self.rank}"
+        hb = self._hb_store
+        hb.add(key, 1)
+
+        def beat():
+            while not self._hb_stop.wait(HEARTBEAT_S):
+                try:
+                    hb.add(key, 1)
+                except Exception:
+                    return
+
+        self._hb_thread = threading.Thread(target=beat, daemon=True, name=f"unisleep-transfer-hb-{self.rank}")
+        self._hb_thread.start()
+
+    def peer_dead(self, r: int) -> Optional[str]:
+        """Why rank ``r`` is dead (None: it seems alive)."""
+        p = self.peers[r] if r < len(self.peers) else None
+        if p is not None and p.boot == self.peers[self.rank].boot and p.pidns == _pidns() and p.pid > 0:
+            try:
+                with open(f"/proc/{p.pid}/stat") as f:
+                    state = f.read().rsplit(")", 1)[1].split()[0]
+                if state in ("Z", "X"):
+                    return f"{p.describe()} has exited"
+            except FileNotFoundError:
+                return f"{p.describe()} has exited"
+            except (OSError, IndexError):
+                pass
+        try:
+            n = int(self.store.add(f"hb/{r}", 0))
+        except Exception as e:
+            return f"the group's store is gone (rank 0 may have died): {e}"
+        now = time.monotonic()
+        last, since = self._hb_seen.get(r, (-1, now))
+        if n != last:
+            self._hb_seen[r] = (n, now)
+            return None
+        if now - since > DEAD_AFTER_S:
+            who = p.describe() if p is not None else f"rank {r}"
+            return f"{who} gave no sign of life for {now - since:.1f} s (dead or frozen)"
+        return None
+
+    def check_alive(self, ranks) -> None:
+        for r in ranks:
+            why = self.peer_dead(r)
+            if why:
+                self.broken = why
+                raise TransferError(f"{why}; recreate the group")
+
+    def check_usable(self) -> None:
+        if self.closed:
+            raise TransferError("this transfer group is closed; create a new one")
+        if self.broken:
+            raise TransferError(f"this transfer group is broken ({self.broken}); recreate the group on every member")
+
+    # ------------------------------------------------------------------ control plane
+    def _intrusion(self, msg: str) -> None:
+        if msg not in self.intrusions[-8:]:
+            log.warning("transfer group %s (rank %d): intrusion refused: %s", self.group_id.split("/")[0], self.rank, msg)
+            self.intrusions.append(msg)
+
+    def put(self, key: str, body: dict, seq: int, epoch: int) -> None:
+        try:
+            self.store.set(key, R.seal(self._rec_key, self.group_id, key, seq, epoch, body))
         except TransferError:
             raise
         except Exception as e:
-            waited = time.monotonic() - t0
-            why = "timed out" if waited >= t * 0.95 else "lost the connection to the store (its host, rank 0, may have died)"
-            raise TransferError(f"waiting for {what or key}: {why} after {waited:.1f} s: {e}") from e
+            raise TransferError(f"lost the connection to the transfer store writing {key} "
+                                f"(its host, rank 0, may have died): {e}") from e
+
+    def _wait_raw(self, key: str, what: str) -> bytes:
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                if self.store.check([key]):
+                    return self.store.get(key)
+            except Exception as e:
+                raise TransferError(f"lost the connection to the transfer store waiting for {what}: {e}") from e
+            if time.monotonic() > deadline:
+                raise TransferError(f"waiting for {what}: timed out after {self.timeout_s:.0f} s")
+            time.sleep(0.02)
+
+    def take(self, key: str, schema: dict, *, seq: Optional[int], epoch: Optional[int], what: str = "",
+             timeout_s: Optional[float] = None, peer: str = "a peer", watch=True, accept=None) -> dict:
+        """Wait for an authentic record at ``key`` and return its body.
+
+        Records that fail authentication are logged as intrusions and skipped (the genuine one
+        overwrites them).  ``watch``: ranks whose death ends the wait at once (True: every
+        other rank).  ``accept(seq, epoch, body)`` may reject an authentic but stale record
+        (return False: keep waiting)."""
+        t = self.timeout_s if timeout_s is None else timeout_s
+        t0 = time.monotonic()
+        ranks = [p.rank for p in self.peers if p.rank != self.rank] if watch is True else list(watch or ())
+        bad: Optional[bytes] = None
+        delay, next_live = 0.0001, t0 + 0.2
+        while True:
+            try:
+                raw = self.store.get(key) if self.store.check([key]) else None
+            except Exception as e:
+                raise TransferError(f"waiting for {what or key}: lost the connection to the transfer store after "
+                                    f"{time.monotonic() - t0:.1f} s (its host, rank 0, may have died): {e}") from e
+            if raw is not None and raw != bad:
+                try:
+                    rs, re_, body = R.open_record(self._rec_key, self.group_id, raw, name=key, peer=peer, schema=schema,
+                                                  seq=seq, epoch=epoch)
+                    if accept is None or accept(rs, re_, body):
+                        return body if accept is None else (rs, re_, body)
+                except R.ForgedRecordError as e:
+                    self._intrusion(str(e))
+                bad = raw
+            now = time.monotonic()
+            if now - t0 >= t:
+                raise TransferError(f"waiting for {what or key}: timed out after {now - t0:.1f} s")
+            if now >= next_live and ranks:
+                next_live = now + 0.25
+                self.check_alive(ranks)
+            time.sleep(delay)  # the store's wait() logs a warning on every timeout: poll instead
+            delay = min(delay * 2, 0.002 if now - t0 < 1.0 else 0.02)
 
     def check(self, key: str) -> bool:
         try:
@@ -224,10 +539,11 @@ class TransferGroup:
             pass
 
     def close(self) -> None:
-        """Shut the backend down (the store closes when the last reference goes)."""
+        """Shut the backend down, stop the heartbeat (the store closes when the last reference goes)."""
         if self.closed:
             return
         self.closed = True
+        self._hb_stop.set()
         pg, self._pg = self._pg, None
         if pg is not None:
             try:
@@ -243,7 +559,11 @@ class TransferGroup:
 
     def __repr__(self) -> str:
         return (f"TransferGroup(rank={self.rank}/{self.world_size}, platform={self.platform.name}, "
-                f"backend={self.backend}, device={self.device}, colocated={self.colocated})")
+                f"backend={self.backend}, device={self.device}, colocated={self.colocated}, epoch={self.epoch})")
+
+
+def _peer_of(body: dict) -> Peer:
+    return Peer(body["rank"], body["device_key"], body["host"], body["pid"], body["uid"], body["pidns"], body["boot"])
 
 
 def _same_device_ranks(peers: list[Peer]) -> set[int]:
@@ -253,4 +573,4 @@ def _same_device_ranks(peers: list[Peer]) -> set[int]:
     return {r for ranks in seen.values() if len(ranks) > 1 for r in ranks}
 
 
-__all__ = ["TransferGroup", "Peer", "parse_rendezvous", "vendor_module", "DEFAULT_TIMEOUT_S"]
+__all__ = ["TransferGroup", "Peer", "parse_rendezvous", "vendor_module", "DEFAULT_TIMEOUT_S", "is_loopback"]

@@ -3,29 +3,30 @@ that prove every byte arrived.
 
 Bucket layout (the same rule on both ends, so only the tensor specs and the bucket size travel)::
 
-    | tensor 0 | pad | tensor 1 | pad | ... | trailer: int64[3 + n] = seq, bucket, n, checksum_0 .. checksum_{n-1} |
+    | tensor 0 | pad | tensor 1 | pad | ... | trailer: int64[3 + 4n] = seq, bucket, n, digest_0 .. digest_{n-1} |
 
 Tensors start at 64-byte offsets; the trailer starts at an 8-byte offset.  A tensor larger than a
-bucket gets a bucket of its own.  The sender writes the checksums into the trailer on the device
-(no host round trip); the receiver recomputes them on what arrived and compares.
+bucket gets a bucket of its own.  The sender writes a keyed digest of every tensor into the
+trailer; the receiver recomputes it on what arrived and compares.
 
-The checksum is a positional sum over the bytes viewed as int64 words (rows of 4 KiB summed,
-then the row sums weighted by position via a cumulative sum, wrapping modulo 2**64).  It is exact
-integer arithmetic, so it gives the same value on every device type, and it reads the bytes once
-at memory speed.  It catches lost, truncated, zeroed, shifted or garbled data; it is not a
-cryptographic hash and does not see two 8-byte words swapped inside one 4 KiB row.
+The digest is :mod:`unisleep.keyed_hash` (keyed BLAKE3 for host memory, the NH universal-hash tree
+on a device), keyed from the group secret per update: without the secret nobody can compute it,
+and no edit of the bytes (swapped words, cancelling sums, bit flips) passes it, whatever its
+pattern, except with probability below 2**-60.  Each digest in a trailer is masked with a
+one-time pad derived from the secret, the update, the bucket and the slot, so digests seen on the
+wire reveal nothing about the key and cannot be moved between tensors or updates.
 """
 
 from __future__ import annotations
 
 import hashlib
-import pickle
+import hmac
+import json
+import struct
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
 ALIGN = 64  # byte offset of every tensor inside a bucket
-_ROW = 512  # int64 words per row in the checksum (4 KiB)
-_K1, _K2, _K3 = 0x9E3779B97F4A7C15 - 2**64, 0x632BE59BD9B4E019, 0x2545F4914F6CDD1D
 
 
 def _round_up(x: int, a: int) -> int:
@@ -91,7 +92,7 @@ class BucketPlan:
 
     @property
     def trailer_words(self) -> int:
-        return 3 + len(self.slots)
+        return 3 + 4 * len(self.slots)
 
 
 def plan_buckets(specs: Sequence[TensorSpec], bucket_bytes: int) -> list[BucketPlan]:
@@ -107,7 +108,7 @@ def plan_buckets(specs: Sequence[TensorSpec], bucket_bytes: int) -> list[BucketP
         nonlocal cur, off
         if cur:
             data = _round_up(off, 8)
-            plans.append(BucketPlan(len(plans), tuple(cur), data, data + 8 * (3 + len(cur))))
+            plans.append(BucketPlan(len(plans), tuple(cur), data, data + 8 * (3 + 4 * len(cur))))
         cur, off = [], 0
 
     for i, s in enumerate(specs):
@@ -131,7 +132,7 @@ class Manifest:
 
     @property
     def meta_id(self) -> str:
-        h = hashlib.sha256(pickle.dumps([(s.name, s.shape, s.dtype) for s in self.specs]))
+        h = hashlib.sha256(json.dumps([(s.name, list(s.shape), s.dtype) for s in self.specs]).encode())
         return h.hexdigest()[:24]
 
     @property
@@ -147,92 +148,91 @@ class Manifest:
         return cls(tuple(TensorSpec.of(n, t) for n, t in named_tensors))
 
 
-# ------------------------------------------------------------------------------ checksums
-def checksum(buf_u8):
-    """0-d int64 tensor: positional checksum of a 1-D uint8 tensor that starts 8-byte aligned.
-    Computed where the bytes live (no host round trip)."""
+# ------------------------------------------------------------------------------ digests
+TRAILER_HEAD = 3  # words: update, bucket, n
+WORDS_PER_TENSOR = 4  # algorithm, byte length, lane a (masked), lane b (masked)
+
+
+class UpdateSeal:
+    """The keys of one update: the keyed-hash key (derived from the group secret, the epoch and
+    the update number) and the pad key that masks every digest in a trailer (a one-time pad per
+    update, bucket and tensor, so the digests on the wire reveal nothing of the hash key and a
+    digest cannot be moved to another place)."""
+
+    def __init__(self, hash_key, pad_key: bytes, group_id: str, epoch: int, seq: int):
+        self.hash_key = hash_key
+        self._pad_key = pad_key
+        self._ctx = f"{group_id}/{epoch}/{seq}/".encode()
+
+    def pad(self, bucket: int, slot: int) -> tuple[int, int]:
+        m = hmac.new(self._pad_key, self._ctx + struct.pack("<QQ", bucket, slot), hashlib.sha256).digest()
+        return struct.unpack_from("<QQ", m)
+
+    def release(self) -> None:
+        """Drop the device copies of this update's hash key (they are cached per key)."""
+        from .. import keyed_hash
+
+        keyed_hash._key_cache.pop(id(self.hash_key), None)
+
+    def digests(self, buf_u8, plan: "BucketPlan") -> list:
+        from ..keyed_hash import digest
+
+        return [digest(buf_u8[s.offset: s.offset + s.nbytes], self.hash_key) for s in plan.slots]
+
+
+def _signed(v: int) -> int:
+    return v - (1 << 64) if v >= (1 << 63) else v
+
+
+def write_trailer(buf_u8, plan: BucketPlan, seq: int, seal: Optional[UpdateSeal]) -> None:
+    """Write ``update, bucket, n`` and the masked keyed digest of every tensor (zeros when not
+    verifying) behind the data of a packed bucket."""
     import torch
 
-    n = buf_u8.numel()
-    nw = n // 8
-    acc = torch.zeros((), dtype=torch.int64, device=buf_u8.device) + (n & 0x7FFFFFFFFFFFFFFF)
-    if nw:
-        words = buf_u8[: nw * 8].view(torch.int64)
-        rows = nw // _ROW
-        if rows:
-            fused = _fused_rows_checksum(buf_u8.device.type)
-            if fused is not None:
-                acc = acc + fused(words, rows, _ROW, _K1, _K2)
-            else:
-                rs = words[: rows * _ROW].view(rows, _ROW).sum(1)
-                acc = acc + rs.sum() * _K1 + rs.cumsum(0).sum() * _K2
-        if nw % _ROW:
-            rest = words[rows * _ROW :]
-            acc = acc + rest.cumsum(0).sum() * _K3 + rest.sum()
-    if n % 8:
-        tail = buf_u8[nw * 8 :].to(torch.int64)
-        acc = acc + (tail.cumsum(0).sum() + 1) * _K1
-    return acc
+    from ..keyed_hash import ALGORITHMS
+
+    words = [seq, plan.index, len(plan.slots)]
+    if seal is None:
+        words += [0] * (WORDS_PER_TENSOR * len(plan.slots))
+    else:
+        for i, d in enumerate(seal.digests(buf_u8, plan)):
+            pa, pb = seal.pad(plan.index, i)
+            words += [ALGORITHMS.index(d.algorithm), d.nbytes, _signed(d.lane_a ^ pa), _signed(d.lane_b ^ pb)]
+    tr = buf_u8[plan.data_bytes: plan.total_bytes].view(torch.int64)
+    tr.copy_(torch.tensor(words, dtype=torch.int64))
 
 
-_FUSED: dict = {}
-
-
-def _fused_rows_checksum(device_type: str):
-    """The backend's one-pass kernel for the row part of :func:`checksum` on this device type
-    (same value as the torch ops), or None (host memory, or no such kernel / no Triton)."""
-    if device_type not in _FUSED:
-        import importlib
-
-        from ..platform import accelerated_module
-
-        fn = None
-        mod = accelerated_module(device_type, "transfer_kernels")
-        if mod is not None:
-            try:
-                fn = importlib.import_module(mod).rows_checksum
-            except Exception:  # no Triton: the torch ops
-                fn = None
-        _FUSED[device_type] = fn
-    return _FUSED[device_type]
-
-
-def bucket_checksums(buf_u8, plan: BucketPlan):
-    """int64 tensor [n]: the checksum of every tensor of ``plan`` inside ``buf_u8``."""
-    import torch
-
-    sums = [checksum(buf_u8[s.offset : s.offset + s.nbytes]) for s in plan.slots]
-    return torch.stack(sums) if sums else torch.zeros(0, dtype=torch.int64, device=buf_u8.device)
-
-
-def write_trailer(buf_u8, plan: BucketPlan, seq: int, sums) -> None:
-    """Write ``seq, bucket, n, checksums`` behind the data of a packed bucket."""
-    import torch
-
-    tr = buf_u8[plan.data_bytes : plan.total_bytes].view(torch.int64)
-    tr[0], tr[1], tr[2] = seq, plan.index, len(plan.slots)
-    if len(plan.slots):
-        tr[3:].copy_(sums)
-
-
-def check_bucket(buf_u8, plan: BucketPlan, seq: int) -> tuple[Optional[str], list[int]]:
+def check_bucket(buf_u8, plan: BucketPlan, seq: int, seal: Optional[UpdateSeal]) -> tuple[Optional[str], list[int]]:
     """Verify a received bucket.  Returns (problem with the trailer or None, indices into
-    ``plan.slots`` whose checksum differs)."""
+    ``plan.slots`` whose digest differs)."""
     import torch
 
-    tr = buf_u8[plan.data_bytes : plan.total_bytes].view(torch.int64)
-    mine = bucket_checksums(buf_u8, plan)
-    head = tr[:3].tolist()
+    from ..keyed_hash import ALGORITHMS, Digest, digest
+
+    tr = buf_u8[plan.data_bytes: plan.total_bytes].view(torch.int64).tolist()
+    head = tr[:TRAILER_HEAD]
     if head != [seq, plan.index, len(plan.slots)]:
         return (
             f"bucket {plan.index}: trailer says update {head[0]}, bucket {head[1]}, {head[2]} tensors; "
             f"expected update {seq}, bucket {plan.index}, {len(plan.slots)} tensors",
             list(range(len(plan.slots))),
         )
-    if not len(plan.slots):
+    if seal is None or not plan.slots:
         return None, []
-    bad = torch.nonzero(mine != tr[3:]).flatten().tolist()
+    bad = []
+    for i, s in enumerate(plan.slots):
+        algo, n, a, b = tr[TRAILER_HEAD + WORDS_PER_TENSOR * i: TRAILER_HEAD + WORDS_PER_TENSOR * (i + 1)]
+        pa, pb = seal.pad(plan.index, i)
+        if not 0 <= algo < len(ALGORITHMS) or n != s.nbytes:
+            bad.append(i)
+            continue
+        want = Digest(n, (a & _M64) ^ pa, (b & _M64) ^ pb, ALGORITHMS[algo])
+        if digest(buf_u8[s.offset: s.offset + s.nbytes], seal.hash_key, algorithm=want.algorithm) != want:
+            bad.append(i)
     return None, bad
+
+
+_M64 = (1 << 64) - 1
 
 
 __all__ = [
@@ -241,8 +241,7 @@ __all__ = [
     "BucketPlan",
     "Manifest",
     "plan_buckets",
-    "checksum",
-    "bucket_checksums",
+    "UpdateSeal",
     "write_trailer",
     "check_bucket",
     "ALIGN",

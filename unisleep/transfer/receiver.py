@@ -4,14 +4,16 @@ apply and commit (through :class:`~unisleep.transfer.staging.RecvState`)."""
 
 from __future__ import annotations
 
-import socket
+import os
 import time
 from typing import Any, Callable, Optional, Sequence
 
 from ..errors import InvalidArgumentError, InvalidTransitionError, TransferError, UnisleepError
-from .channels import ABORT, END, recv_msg, send_msg
+from . import records as R
+from .channels import ABORT, END, IpcConn, connect_ipc, handshake_receiver, wait_work
 from .group import TransferGroup
-from .manifest import TensorSpec, plan_buckets
+from .manifest import Manifest, TensorSpec, UpdateSeal, plan_buckets
+from .records import check_version
 from .names import short_names, tensor_pairs
 from .report import TransferReport
 from .staging import RecvState, VerifyError
@@ -34,10 +36,14 @@ class WeightReceiver:
     memory on the group's device).  ``staged=False`` applies each verified bucket at once
     (two bucket buffers only) — a failure part-way then leaves the target mixed, which the error
     says, and ``consistent`` becomes False.
+
+    ``initial_version``: the version the target holds now; every update must come after it
+    (``allow_equal_versions=True``: or equal to it).  A replayed or older update is refused.
     """
 
     def __init__(self, group: TransferGroup, *, apply: Optional[Callable] = None, target=None, guard=None,
-                 staged: bool = True, guard_tags: Optional[Sequence[str]] = None, initial_version: Any = None):
+                 staged: bool = True, guard_tags: Optional[Sequence[str]] = None, initial_version: Any = None,
+                 allow_equal_versions: bool = False):
         if group.is_sender:
             raise InvalidArgumentError("WeightReceiver runs on ranks >= 1; rank 0 is the sender")
         if apply is not None and target is not None:
@@ -53,8 +59,10 @@ class WeightReceiver:
         self.version: Any = initial_version
         self.consistent = True
         self._meta: dict[str, tuple] = {}
-        self._sock: Optional[socket.socket] = None
+        self._conn: Optional[IpcConn] = None
         self._sock_name: Optional[str] = None
+        self._ready = False
+        self.allow_equal_versions = allow_equal_versions
         self._imports: dict[str, Any] = {}
         self._rot: list = [None, None]
         self.last_report: Optional[TransferReport] = None
@@ -109,48 +117,82 @@ class WeightReceiver:
         Raises :class:`InvalidTransitionError` (guard closed: nothing moved) or
         :class:`TransferError` (refused, incomplete, corrupt, sender died or timed out); in every
         such case ``version`` is still the previous one and, with ``staged=True``, the target
-        holds the previous weights untouched.
+        holds the previous weights untouched.  A timeout leaves the group in step: the next
+        ``receive`` takes the next update.
         """
         g = self.group
-        seq = g._next_seq()
+        g.check_usable()
         t0 = time.perf_counter()
+        intrusions0 = len(g.intrusions)
+        seq, epoch, hdr = g.take("hdr", R.HEADER, seq=None, epoch=None, timeout_s=timeout_s, peer="the sender (rank 0)",
+                                 watch=[0], accept=lambda rs, _e, _b: rs > g.last_seq,
+                                 what=f"the next update from the sender (still serving version {self.version!r})")
+        g.last_seq = seq
+        if epoch != g.epoch:
+            g.epoch = epoch  # the sender moved the data channel on after a broken update
+        version = hdr["version"]
         ack_key, done_key = f"u{seq}/ack/{g.rank}", f"u{seq}/done/{g.rank}"
+
+        def refuse(kind: str, msg: str) -> None:
+            g.put(ack_key, {"ok": False, "kind": kind, "msg": msg[:4000], "connected": False}, seq, epoch)
+
+        try:
+            if hdr["path"] == "collective":
+                g.process_group()  # the data channel of this epoch (a new one connects with the sender's)
+        except Exception as e:
+            refuse("channel", str(e))
+            raise
         try:
             self.check_guard()
         except InvalidTransitionError as e:
-            g.put(ack_key, ("refused", "asleep", str(e)))
+            refuse("asleep", str(e))
             raise
-        hdr = g.take(f"u{seq}/hdr", timeout_s,
-                     what=f"update {seq} from the sender (still serving version {self.version!r})")
-        version = hdr["version"]
+        why = check_version(version, self.version, self.allow_equal_versions, "this receiver")
+        if why:
+            refuse("version", why)
+            raise TransferError(f"update {seq} refused: {why}; still serving version {self.version!r}")
         if hdr["specs"] is not None:
-            self._meta = {hdr["meta_id"]: hdr["specs"]}
+            specs_ = tuple(TensorSpec(n, tuple(sh), dt) for n, sh, dt in hdr["specs"])
+            if Manifest(specs_).meta_id != hdr["meta_id"]:
+                refuse("metadata", "the specs do not match their id")
+                raise TransferError(f"update {seq} (version {version!r}) refused: its specs do not match their id")
+            self._meta = {hdr["meta_id"]: specs_}
         specs = self._meta.get(hdr["meta_id"])
         if specs is None:
             msg = f"metadata {hdr['meta_id']} was never received here; resend with the tensor specs"
-            g.put(ack_key, ("refused", "metadata", msg))
+            refuse("metadata", msg)
             raise TransferError(f"update {seq} (version {version!r}) refused: {msg}")
         problem = self._check_target(specs)
         if problem:
-            g.put(ack_key, ("refused", "target", problem))
+            refuse("target", problem)
             raise TransferError(f"update {seq} (version {version!r}) refused before any byte moved: {problem}")
+        plans = plan_buckets(specs, hdr["bucket_bytes"])
+        if len(plans) != hdr["buckets"] or sum(s.nbytes for s in specs) != hdr["bytes"]:
+            refuse("metadata", "the bucket count or size does not match the specs")
+            raise TransferError(f"update {seq} (version {version!r}) refused: its header does not add up")
         connected = False
         try:
             if hdr["path"] == "ipc":
-                connected = self._connect(hdr["ipc"])
+                connected = self._connect(hdr["ipc"] or "")
         except Exception as e:
-            g.put(ack_key, ("refused", "ipc", f"cannot connect to the sender's IPC socket: {e}"))
+            refuse("ipc", f"cannot connect to the sender's IPC socket: {e}")
             raise TransferError(f"update {seq}: cannot connect to the sender's IPC socket: {e}") from e
-        g.put(ack_key, ("ok", {"connected": connected}))
-        go = g.take(f"u{seq}/go", timeout_s, what=f"the sender to start update {seq}")
-        if go[0] != "go":
-            raise TransferError(f"update {seq} (version {version!r}) was called off by the sender: {go[1]}; "
+        g.put(ack_key, {"ok": True, "kind": "", "msg": "", "connected": connected}, seq, epoch)
+        go = g.take(f"u{seq}/go", R.GO, seq=seq, epoch=epoch, timeout_s=timeout_s, peer="the sender (rank 0)", watch=[0],
+                    what=f"the sender to start update {seq}")
+        if not go["go"]:
+            if connected:
+                self._drop_ipc()
+            raise TransferError(f"update {seq} (version {version!r}) was called off by the sender: {go['why']}; "
                                 f"still serving version {self.version!r}")
-        plans = plan_buckets(specs, hdr["bucket_bytes"])
         t_ack = time.perf_counter()
-        state = RecvState(self, seq, specs, plans, hdr.get("verify", True))
+        seal = UpdateSeal(g.hash_key(seq, epoch), g.subkey("pad"), g.group_id, epoch, seq) if hdr["verify"] else None
+        state = RecvState(self, seq, specs, plans, hdr["verify"], seal, epoch)
         try:
             if hdr["path"] == "ipc":
+                if connected:
+                    handshake_receiver(self._conn, min(g.timeout_s, 30.0))
+                    self._ready = True
                 self._recv_ipc(state)
             else:
                 self._recv_collective(state)
@@ -174,17 +216,21 @@ class WeightReceiver:
                     err = TransferError(f"update {seq} (version {version!r}) broke off (the sender died, "
                                         f"timed out or the connection failed): {type(e).__name__}: {e}; {tail}")
             try:
-                g.put(done_key, ("error", str(err)))
+                g.put(done_key, {"ok": False, "msg": str(err)[:4000], "version": None}, seq, epoch)
             except Exception:
                 pass
             raise err from e
+        finally:
+            if seal is not None:
+                seal.release()
         prev, self.version = self.version, version
         self.consistent = True
         t1 = time.perf_counter()
-        g.put(done_key, ("ok", version))
+        g.put(done_key, {"ok": True, "msg": "", "version": version}, seq, epoch)
         self.last_report = TransferReport(version, prev, hdr["path"], len(specs), hdr["bytes"], len(plans), t1 - t0,
                                           metadata_reused=hdr["specs"] is None, verified=state.verify,
-                                          phases={"handshake": t_ack - t0, "stream": t_recv - t_ack, "commit": t1 - t_recv})
+                                          phases={"handshake": t_ack - t0, "stream": t_recv - t_ack, "commit": t1 - t_recv},
+                                          intrusions=list(g.intrusions[intrusions0:]))
         return self.last_report
 
     # ---------------------------------------------------------------- collective path
@@ -199,16 +245,18 @@ class WeightReceiver:
         pending = None
         while True:
             d = torch.empty(4, dtype=torch.int64, device=dev)
-            pg.broadcast([d], opts).wait()
+            wait_work(self.group, pg.broadcast([d], opts))
             seq, k, nbytes, flag = d.tolist()
             if k == END:
                 if pending is not None:
-                    pending[2].wait()
+                    wait_work(self.group, pending[2])
                     st.take(pending[0], pending[1])
                 st.aborted = bool(flag & ABORT)
                 return
             if seq != st.seq:
                 raise TransferError(f"out of step: got a bucket of update {seq} while receiving update {st.seq}")
+            if not 0 <= k < len(st.plans) or nbytes != st.plans[k].total_bytes:
+                raise TransferError(f"bucket descriptor {k} ({nbytes} bytes) is not in the manifest of update {st.seq}")
             if self.staged:
                 buf = torch.empty(nbytes, dtype=torch.uint8, device=dev)
             else:
@@ -219,64 +267,81 @@ class WeightReceiver:
                 buf = cur[:nbytes]
             w = pg.broadcast([buf], opts)
             if pending is not None:  # verify bucket k-1 while bucket k is in flight
-                pending[2].wait()
+                wait_work(self.group, pending[2])
                 st.take(pending[0], pending[1])
             pending = (k, buf, w)
 
     # ---------------------------------------------------------------- IPC path
     def _connect(self, name: str) -> bool:
-        if self._sock is not None and self._sock_name == name:
+        if self._conn is not None and self._sock_name == name and self._ready:
             return False
         self._drop_ipc()
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        s.settimeout(self.group.timeout_s)
-        s.connect(name)
-        send_msg(s, {"rank": self.group.rank})
-        self._sock, self._sock_name = s, name
+        if not name.startswith("\0unisleep-transfer-"):
+            raise TransferError(f"the header names an IPC socket {name!r} that is not a unisleep transfer socket")
+        self._conn = connect_ipc(self.group, name)
+        self._sock_name, self._ready = name, False
         return True
 
     def _drop_ipc(self) -> None:
         for imp in self._imports.values():
             imp.close()
         self._imports.clear()
-        if self._sock is not None:
-            self._sock.close()
-        self._sock = self._sock_name = None
+        if self._conn is not None:
+            self._conn.close()
+        self._conn = self._sock_name = None
+        self._ready = False
 
     def _recv_ipc(self, st: "RecvState") -> None:
         import torch
 
         ipc = self.group.ipc_module()
         dev = self.group.device
-        sock = self._sock
+        conn = self._conn
+        if conn is None or not self._ready:
+            raise TransferError("no authenticated IPC connection to the sender")
         slot_of: dict[str, int] = {}
         while True:
-            msg, fds = recv_msg(sock, f"bucket data of update {st.seq} (still serving version {self.version!r})")
+            msg, fds = conn.recv(f"bucket data of update {st.seq} (still serving version {self.version!r})")
             op = msg["op"]
             if op == "buf":
+                if len(fds) != 1 or msg["slot"] not in (0, 1) or not msg["id"] or msg["nbytes"] <= 0:
+                    for fd in fds:
+                        os.close(fd)
+                    raise TransferError("the sender's buffer message is malformed")
                 old = [b for b, sl in slot_of.items() if sl == msg["slot"] and b != msg["id"]]
                 for b in old:
                     slot_of.pop(b)
                     imp = self._imports.pop(b, None)
                     if imp is not None:
                         imp.close()
+                prev = self._imports.pop(msg["id"], None)
+                if prev is not None:
+                    prev.close()
                 self._imports[msg["id"]] = ipc.ImportedBuffer(fds[0], msg["nbytes"], self.group.device_index)
                 slot_of[msg["id"]] = msg["slot"]
             elif op == "bucket":
-                src = self._imports[msg["id"]].tensor[: msg["nbytes"]]
+                imp = self._imports.get(msg["id"] or "")
+                if msg["u"] != st.seq or imp is None or not 0 <= msg["nbytes"] <= imp.nbytes or msg["slot"] not in (0, 1):
+                    raise TransferError(f"the sender's bucket message does not fit update {st.seq} "
+                                        f"(update {msg['u']}, buffer {msg['id']!r}, {msg['nbytes']} bytes)")
+                src = imp.tensor[: msg["nbytes"]]
                 if self.staged:  # copy out, hand the memory back, verify the copy
                     buf = torch.empty(msg["nbytes"], dtype=torch.uint8, device=dev)
                     buf.copy_(src)
                     ipc.synchronize(self.group.device_index)
-                    send_msg(sock, {"op": "free", "slot": msg["slot"]})
+                    conn.send("free", slot=msg["slot"], u=st.seq)
                     st.take(msg["k"], buf)
                 else:  # verify and apply straight from the shared memory, then hand it back
                     st.take(msg["k"], src)
                     ipc.synchronize(self.group.device_index)
-                    send_msg(sock, {"op": "free", "slot": msg["slot"]})
+                    conn.send("free", slot=msg["slot"], u=st.seq)
             elif op == "end":
+                if msg["u"] != st.seq:
+                    raise TransferError(f"the sender ended update {msg['u']} while this side received update {st.seq}")
                 st.aborted = bool(msg["abort"])
                 return
+            else:
+                raise TransferError(f"unexpected IPC message {op!r} from the sender during update {st.seq}")
 
     def close(self) -> None:
         self._drop_ipc()

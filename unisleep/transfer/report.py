@@ -21,6 +21,7 @@ class TransferReport:
     metadata_reused: bool = False
     verified: bool = True
     phases: dict = field(default_factory=dict)
+    intrusions: list = field(default_factory=list)  # what the group refused during this update
 
     @property
     def gbps(self) -> float:
@@ -28,7 +29,7 @@ class TransferReport:
 
     def as_dict(self) -> dict:
         d = {k: getattr(self, k) for k in ("version", "previous_version", "path", "tensors", "bytes", "buckets",
-                                            "seconds", "metadata_reused", "verified", "phases")}
+                                            "seconds", "metadata_reused", "verified", "phases", "intrusions")}
         d["gbps"] = self.gbps
         return d
 

@@ -11,8 +11,10 @@ from typing import Any, Iterator, Optional, Sequence
 from ..errors import InvalidArgumentError, InvalidTransitionError, TransferError, UnisleepError
 from .channels import CollectiveSendChannel, IpcSenderState, IpcSendChannel
 from .group import TransferGroup
-from .manifest import BucketPlan, Manifest, TensorSpec, bucket_checksums, plan_buckets, write_trailer
+from . import records as R
+from .manifest import BucketPlan, Manifest, TensorSpec, UpdateSeal, plan_buckets, write_trailer
 from .names import short_names, tensor_pairs
+from .records import check_version
 from .report import TransferReport
 
 MiB = 2**20
@@ -50,12 +52,13 @@ class WeightSender:
     ``bucket_bytes``: tensor bytes per bucket (``None``: sized from free memory, see
     :func:`default_bucket_bytes`); a larger tensor gets a bucket of its own.  ``path``:
     ``"auto"`` (IPC when every receiver shares the sender's device, else the collective),
-    ``"collective"`` or ``"ipc"``.  ``verify``: compute per-tensor checksums (on by default;
-    the receiver refuses an update whose bytes do not match them).
+    ``"collective"`` or ``"ipc"``.  ``verify``: compute a keyed digest of every tensor (on by
+    default; the receiver refuses an update whose bytes do not match).  ``allow_equal_versions``:
+    accept a version equal to the previous one (e.g. several chunks of one version).
     """
 
     def __init__(self, group: TransferGroup, *, bucket_bytes: Optional[int] = None, path: str = "auto",
-                 verify: bool = True):
+                 verify: bool = True, allow_equal_versions: bool = False):
         if not group.is_sender:
             raise InvalidArgumentError(f"WeightSender needs rank 0 of the group; this is rank {group.rank}")
         if path not in PATHS:
@@ -66,6 +69,7 @@ class WeightSender:
         self.bucket_bytes = int(bucket_bytes) if bucket_bytes else default_bucket_bytes(group)
         self.path = path
         self.verify = verify
+        self.allow_equal_versions = allow_equal_versions
         self._last_meta_id: Optional[str] = None
         self._faults: dict[str, set] = {"skip": set(), "corrupt": set()}  # test hooks: bucket indices
         self._coll_slots: list = [None, None]
@@ -81,7 +85,7 @@ class WeightSender:
                 raise InvalidArgumentError("path='ipc' needs every receiver on the sender's device (same machine on host)")
             return "ipc"
         if self.path == "collective":
-            g.process_group()  # raises when the vendor collective cannot connect these ranks
+            g.process_group(connect=False)  # raises when the vendor collective cannot connect these ranks
             return "collective"
         return "ipc" if g.ipc_available else "collective"
 
@@ -92,13 +96,19 @@ class WeightSender:
         an iterable of ``(name, tensor)`` pairs.  With ``specs`` (a list of :class:`TensorSpec`
         or ``(name, shape, dtype)``) the iterable may be a lazy generator that produces the
         tensors in that order, so the whole model never has to exist at once.
-        ``version``: any picklable tag (an int step is typical) recorded by the receiver.
+        ``version``: an integer or a short string; it must come after the previous version sent
+        (unless ``allow_equal_versions``: then equal is fine).
 
         Raises :class:`InvalidTransitionError` when a receiver's memory is asleep (nothing was
-        sent), :class:`TransferError` when a receiver refused or rejected the update.
+        sent), :class:`TransferError` when a receiver refused or rejected the update, or is dead
+        (then the message says to recreate the group).
         """
         g = self.group
+        g.check_usable()
         t0 = time.perf_counter()
+        why = check_version(version, self.version, self.allow_equal_versions, "this sender")
+        if why:
+            raise InvalidArgumentError(why)
         if specs is not None:
             manifest = Manifest(tuple(s if isinstance(s, TensorSpec) else
                                       TensorSpec(s[0], tuple(int(x) for x in s[1]), str(s[2]).replace("torch.", ""))
@@ -113,10 +123,12 @@ class WeightSender:
             dup = sorted({n for n in names if names.count(n) > 1})
             raise InvalidArgumentError(f"duplicate tensor names in the update: {short_names(dup)}")
         path = self.resolve_path()
+        g.check_alive(g.receivers)  # a dead receiver: say so now, not after a timeout
         plans = plan_buckets(manifest.specs, self.bucket_bytes)
-        seq = g._next_seq()
+        seq, g._seq = g._seq, g._seq + 1
+        epoch = g.epoch
         if seq:
-            for k in ("hdr", "go", "abort", *(f"ack/{r}" for r in g.receivers), *(f"done/{r}" for r in g.receivers)):
+            for k in ("go", "abort", *(f"ack/{r}" for r in g.receivers), *(f"done/{r}" for r in g.receivers)):
                 g.drop(f"u{seq - 1}/{k}")
         reuse = manifest.meta_id == self._last_meta_id
         ipc_name = None
@@ -125,52 +137,76 @@ class WeightSender:
                 self._ipc = IpcSenderState(g)
             ipc_name = self._ipc.name
         header = {
-            "seq": seq, "version": version, "previous_version": self.version, "meta_id": manifest.meta_id,
-            "specs": None if reuse else manifest.specs, "bucket_bytes": self.bucket_bytes, "path": path,
-            "buckets": len(plans), "bytes": manifest.nbytes, "ipc": ipc_name, "verify": self.verify,
+            "version": version, "previous_version": self.version, "meta_id": manifest.meta_id,
+            "specs": None if reuse else [[s.name, list(s.shape), s.dtype] for s in manifest.specs],
+            "bucket_bytes": self.bucket_bytes, "path": path, "buckets": len(plans), "bytes": manifest.nbytes,
+            "ipc": ipc_name, "verify": self.verify,
         }
-        g.put(f"u{seq}/hdr", header)
+        intrusions0 = len(g.intrusions)
+        g.put("hdr", header, seq, epoch)
         # ---- acknowledgements: nothing moves before every receiver said yes
         refusals, connect = [], []
-        for r in g.receivers:
-            ack = g.take(f"u{seq}/ack/{r}", what=f"receiver rank {r} to accept update {seq} (version {version!r}); is receive() running?")
-            if ack[0] != "ok":
-                refusals.append((r, ack))
-            elif ack[1].get("connected"):
-                connect.append(r)
-        if refusals:
-            g.put(f"u{seq}/go", ("abort", "a receiver refused"))
-            r, (_, kind, msg) = refusals[0]
-            if any(a[1] == "metadata" for _, a in refusals):
-                self._last_meta_id = None
-            cls = InvalidTransitionError if kind == "asleep" else TransferError
-            raise cls(f"receiver rank {r} refused update {seq} (version {version!r}); nothing was sent: {msg}")
-        t_ack = time.perf_counter()
-        if path == "ipc":
-            self._ipc.accept(connect)
-        g.put(f"u{seq}/go", ("go",))
-        # ---- stream the buckets
-        chan = IpcSendChannel(self, seq) if path == "ipc" else CollectiveSendChannel(self, seq)
         try:
-            self._stream(items, manifest, plans, seq, chan)
+            if path == "collective":
+                g.process_group()  # a new epoch connects here; the receivers follow when they read the header
+            for r in g.receivers:
+                ack = g.take(f"u{seq}/ack/{r}", R.ACK, seq=seq, epoch=epoch, peer=f"receiver rank {r}", watch=[r],
+                             what=f"receiver rank {r} to accept update {seq} (version {version!r}); is receive() running?")
+                if not ack["ok"]:
+                    refusals.append((r, ack))
+                elif ack["connected"]:
+                    connect.append(r)
+        except BaseException as e:
+            self._call_off(seq, epoch, f"{type(e).__name__}: {e}")
+            raise
+        if refusals:
+            self._call_off(seq, epoch, "a receiver refused")
+            r, ack = refusals[0]
+            if any(a["kind"] == "metadata" for _, a in refusals):
+                self._last_meta_id = None
+            cls = InvalidTransitionError if ack["kind"] == "asleep" else TransferError
+            raise cls(f"receiver rank {r} refused update {seq} (version {version!r}); nothing was sent: {ack['msg']}")
+        t_ack = time.perf_counter()
+        g.put(f"u{seq}/go", {"go": True, "why": ""}, seq, epoch)
+        # ---- stream the buckets
+        seal = None
+        try:
+            if path == "ipc":
+                self._ipc.accept(connect)
+            chan = IpcSendChannel(self, seq) if path == "ipc" else CollectiveSendChannel(self, seq)
+            if self.verify:
+                seal = UpdateSeal(g.hash_key(seq, epoch), g.subkey("pad"), g.group_id, epoch, seq)
+            self._stream(items, manifest, plans, seq, chan, seal)
         except Exception as e:  # the generator, a spec mismatch, the transport...
             try:
-                g.put(f"u{seq}/abort", f"{type(e).__name__}: {e}")
-                chan.end(abort=True)
+                g.put(f"u{seq}/abort", {"why": f"{type(e).__name__}: {e}"[:4000]}, seq, epoch)
+                if "chan" in locals():
+                    chan.end(abort=True)
             except Exception:
                 pass
             if path == "ipc":
                 self._drop_ipc()
+            else:
+                g.channel_broke(f"update {seq} broke off")
             if isinstance(e, UnisleepError):
                 raise
             raise TransferError(f"update {seq} (version {version!r}) aborted on the sender: {type(e).__name__}: {e}") from e
+        finally:
+            if seal is not None:
+                seal.release()
         t_sent = time.perf_counter()
         # ---- every receiver verified and committed?
         errors = []
-        for r in g.receivers:
-            done = g.take(f"u{seq}/done/{r}", what=f"receiver rank {r} to verify and commit version {version!r}")
-            if done[0] != "ok":
-                errors.append(f"rank {r}: {done[1]}")
+        try:
+            for r in g.receivers:
+                done = g.take(f"u{seq}/done/{r}", R.DONE, seq=seq, epoch=epoch, peer=f"receiver rank {r}", watch=[r],
+                              what=f"receiver rank {r} to verify and commit version {version!r}")
+                if not done["ok"]:
+                    errors.append(f"rank {r}: {done['msg']}")
+        except BaseException:
+            if path == "collective":
+                g.channel_broke(f"update {seq}: no answer")
+            raise
         if errors:
             raise TransferError(f"update {seq} (version {version!r}) was rejected; receivers keep their previous version: "
                                 + "; ".join(errors))
@@ -179,10 +215,21 @@ class WeightSender:
         t1 = time.perf_counter()
         self.last_report = TransferReport(version, prev, path, len(manifest.specs), manifest.nbytes, len(plans), t1 - t0,
                                           metadata_reused=reuse, verified=self.verify,
-                                          phases={"handshake": t_ack - t0, "stream": t_sent - t_ack, "commit_wait": t1 - t_sent})
+                                          phases={"handshake": t_ack - t0, "stream": t_sent - t_ack, "commit_wait": t1 - t_sent},
+                                          intrusions=list(g.intrusions[intrusions0:]))
         return self.last_report
 
-    def _stream(self, items: Iterator, manifest: Manifest, plans: list[BucketPlan], seq: int, chan) -> None:
+    def _call_off(self, seq: int, epoch: int, why: str) -> None:
+        """Before any byte moved: withdraw the header (a late receiver waits for the next one)
+        and tell those waiting for ``go``."""
+        g = self.group
+        g.drop("hdr")
+        try:
+            g.put(f"u{seq}/go", {"go": False, "why": why[:4000]}, seq, epoch)
+        except TransferError:
+            pass
+
+    def _stream(self, items: Iterator, manifest: Manifest, plans: list[BucketPlan], seq: int, chan, seal) -> None:
         import torch
 
         specs = manifest.specs
@@ -200,8 +247,7 @@ class WeightSender:
                                             f"the specs say {spec.name!r} {spec.shape} {spec.dtype}")
                     if s.nbytes:
                         buf[s.offset: s.offset + s.nbytes].view(t.dtype).view(t.shape).copy_(t)
-                sums = bucket_checksums(buf, plan) if self.verify else torch.zeros(len(plan.slots), dtype=torch.int64, device=buf.device)
-                write_trailer(buf, plan, seq, sums)
+                write_trailer(buf, plan, seq, seal)
             if plan.index in self._faults["corrupt"] and plan.slots:
                 o = plan.slots[0].offset
                 buf[o: o + 1].bitwise_not_()

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from ..errors import TransferError
+from . import records as R
 from .manifest import BucketPlan, TensorSpec, check_bucket
 from .names import short_names
 
@@ -21,8 +22,10 @@ class VerifyError(TransferError):
 class RecvState:
     """Buckets of one update as they arrive: verified, then staged (or applied at once)."""
 
-    def __init__(self, rx: WeightReceiver, seq: int, specs: Sequence[TensorSpec], plans: list[BucketPlan], verify: bool):
+    def __init__(self, rx: WeightReceiver, seq: int, specs: Sequence[TensorSpec], plans: list[BucketPlan], verify: bool,
+                 seal=None, epoch: int = 0):
         self.rx, self.seq, self.specs, self.plans, self.verify = rx, seq, specs, plans, verify
+        self.seal, self.epoch = seal, epoch
         self.got: dict[int, Any] = {}
         self.rejected: set[int] = set()
         self.corrupt: list[str] = []
@@ -45,7 +48,7 @@ class RecvState:
             self.rejected.add(k)
             return
         if self.verify:
-            problem, bad = check_bucket(buf, plan, self.seq)
+            problem, bad = check_bucket(buf, plan, self.seq, self.seal)
             if problem:
                 self.problems.append(problem)
             if bad:
@@ -59,7 +62,8 @@ class RecvState:
     def finish(self, version) -> None:
         if self.aborted:
             try:
-                why = self.rx.group.take(f"u{self.seq}/abort", 5.0, what="the sender's reason")
+                why = self.rx.group.take(f"u{self.seq}/abort", R.ABORT, seq=self.seq, epoch=self.epoch, timeout_s=5.0,
+                                         peer="the sender (rank 0)", watch=[0], what="the sender's reason")["why"]
             except TransferError:
                 why = "no reason given"
             raise TransferError(f"the sender aborted update {self.seq} (version {version!r}): {why}")
@@ -71,7 +75,7 @@ class RecvState:
                 parts.append(f"incomplete: {len(missing)} tensor(s) never arrived (buckets "
                              f"{short_names([str(p.index) for p in missing_b])}): {short_names(missing)}")
             if self.corrupt:
-                parts.append(f"corrupt: {len(self.corrupt)} tensor(s) fail the manifest checksum: {short_names(self.corrupt)}")
+                parts.append(f"corrupt: {len(self.corrupt)} tensor(s) fail the manifest's keyed digest: {short_names(self.corrupt)}")
             if self.problems:
                 parts.append("; ".join(self.problems[:4]))
             tail = (f"the target was partly updated ({self.applied} buckets applied) and is now inconsistent"
