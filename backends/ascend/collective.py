@@ -8,6 +8,17 @@ import datetime
 import os
 import socket
 
+
+def is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
 BACKEND = "hccl"
 SAME_DEVICE_OK = False
 IPC_MODULE = None
@@ -30,6 +41,9 @@ def create_backend(store, rank: int, world_size: int, timeout: datetime.timedelt
     import torch_npu  # noqa: F401  (registers the npu device)
     from torch_npu._C._distributed_c10d import ProcessGroupHCCL
 
+    if host and is_loopback(host):
+        # HCCL's host-side sockets (rendezvous, control) on loopback, unless the user chose already
+        os.environ.setdefault("HCCL_IF_IP", "127.0.0.1" if ":" not in host else "::1")
     torch.npu.set_device(device_index)
     opts = ProcessGroupHCCL.Options()
     opts._timeout = timeout

@@ -5,6 +5,11 @@ is the same whatever ``CUDA_VISIBLE_DEVICES`` each process has)."""
 from __future__ import annotations
 
 import datetime
+import ipaddress
+import logging
+import os
+
+log = logging.getLogger("unisleep.transfer")
 
 BACKEND = "nccl"
 #: NCCL cannot connect two ranks that sit on the same GPU
@@ -27,11 +32,44 @@ def device_key(device_index: int = 0) -> str:
     return f"gpu:{uuid}"
 
 
+def loopback_interface() -> str:
+    """Name of the loopback network interface (``lo`` on Linux), from /sys/class/net."""
+    try:
+        for name in sorted(os.listdir("/sys/class/net")):
+            with open(f"/sys/class/net/{name}/flags") as f:
+                if int(f.read().strip(), 16) & 0x8:  # IFF_LOOPBACK
+                    return name
+    except (OSError, ValueError):
+        pass
+    return "lo"
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def pin_loopback(host: str) -> None:
+    """For a loopback group, NCCL's bootstrap and socket transport listen on the loopback
+    interface (``NCCL_SOCKET_IFNAME``), unless the user chose an interface already.  NCCL reads
+    the variable once per process: a trainer that also runs multi-node NCCL groups sets
+    ``NCCL_SOCKET_IFNAME`` itself (docs/security.md)."""
+    if is_loopback(host) and "NCCL_SOCKET_IFNAME" not in os.environ:
+        os.environ["NCCL_SOCKET_IFNAME"] = loopback_interface()
+        log.info("loopback transfer group: NCCL_SOCKET_IFNAME=%s", os.environ["NCCL_SOCKET_IFNAME"])
+
+
 def create_backend(store, rank: int, world_size: int, timeout: datetime.timedelta, device_index: int = 0, *, host: str = ""):
-    """A ``ProcessGroupNCCL`` over ``store`` (communicator created lazily on the first collective)."""
+    """A ``ProcessGroupNCCL`` over ``store`` (communicator created lazily on the first collective);
+    on a loopback rendezvous NCCL's sockets stay on the loopback interface."""
     import torch
     import torch.distributed as dist
 
+    pin_loopback(host)
     torch.cuda.set_device(device_index)
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = timeout

@@ -29,11 +29,19 @@ def device_key(device_index: int = 0) -> str:
 def create_backend(store, rank: int, world_size: int, timeout: datetime.timedelta, device_index: int = 0, *, host: str = ""):
     """A ``ProcessGroupGloo`` over ``store``; never touches the default process group.
 
-    On a loopback rendezvous the gloo device is bound to 127.0.0.1, so hosts whose hostname does
-    not resolve still work."""
+    On a loopback rendezvous the gloo device is bound to that loopback address (its sockets listen
+    there and nowhere else), so hosts whose hostname does not resolve still work.  Elsewhere gloo
+    picks the interface from ``GLOO_SOCKET_IFNAME`` or the hostname (docs/security.md)."""
+    import ipaddress
+
     import torch.distributed as dist
 
-    if host in ("127.0.0.1", "localhost", "::1"):
+    try:
+        loop = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loop = False
+    if loop:
+        host = "127.0.0.1" if host == "localhost" else host
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = timeout
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]

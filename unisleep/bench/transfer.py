@@ -70,14 +70,16 @@ def _run_side(rank: int, port: int, job: dict) -> dict:
         src = torch.randint(0, 2**15, (chunk // 2,), dtype=torch.int16, device=device).view(torch.bfloat16)
         path = "ipc" if job["path"].endswith("ipc") else "collective"
         tx = WeightSender(g, bucket_bytes=job["bucket_bytes"], path=path, verify=job["verify"])
+        version = 0  # versions must increase across sizes too
         for size in sizes:
             n = max(1, size // chunk)
             specs = [(f"layer.{i}.weight", (chunk // 2,), "bfloat16") for i in range(n)]
             times = []
             for rep in range(job["repeat"] + 1):
                 gen = ((name, src) for name, _, _ in specs)
+                version += 1
                 t0 = time.perf_counter()
-                rep_ = tx.send(gen, rep, specs=specs)
+                rep_ = tx.send(gen, version, specs=specs)
                 dt = time.perf_counter() - t0
                 if rep:
                     times.append((dt, rep_.phases))
@@ -159,7 +161,7 @@ def main(argv: Optional[list] = None) -> int:
     ap.add_argument("--bucket-mib", type=int, default=512, help="bucket size in MiB (default 512)")
     ap.add_argument("--chunk-mib", type=int, default=256, help="tensor size in MiB in the synthetic update (default 256)")
     ap.add_argument("--repeat", type=int, default=2, help="timed updates per size after one warm-up (default 2)")
-    ap.add_argument("--no-verify", action="store_true", help="skip the per-tensor checksums")
+    ap.add_argument("--no-verify", action="store_true", help="skip the per-tensor keyed digests")
     ap.add_argument("--platform", default=None, help="platform for the device paths (default: detected)")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
@@ -230,7 +232,7 @@ def main(argv: Optional[list] = None) -> int:
                 frac = res["bytes"] / res["seconds"] / busbw
                 res["fraction_of_allreduce_busbw"] = frac
                 row[5] += f"; {frac * 100:.0f}% of all-reduce busbw (goal >= 80%)"
-    print_table(f"weight transfer ({plat.name}; bucket {args.bucket_mib} MiB; checksums {'off' if args.no_verify else 'on'})",
+    print_table(f"weight transfer ({plat.name}; bucket {args.bucket_mib} MiB; digests {'off' if args.no_verify else 'on'})",
                 ["path", "GiB", "seconds", "GiB/s", "GB/s", "note"], rows)
     write_json(args.json, "transfer", results, ["--transfer"] + list(argv if argv is not None else []))
     return 0
