@@ -7,6 +7,9 @@ object may be the real ``ctypes.CDLL`` or a simulated library (tests/sim/fake_hi
 exposes ``CFUNCTYPE`` callbacks with the same C prototypes.
 
 Prototypes follow the HIP headers (``hip_runtime_api.h``, "Virtual Memory Management").
+tests/test_hip_real.py compiles probes against the real header and compares every prototype,
+struct layout and code declared here; the simulated library takes :data:`PROTOTYPES` and the
+structs from here, so there is one declaration of the ABI.
 """
 
 from __future__ import annotations
