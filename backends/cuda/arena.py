@@ -64,6 +64,7 @@ class PinnedArena(BackupStore):
         self._grower: Optional[threading.Thread] = None
         self._grow_error: Optional[BaseException] = None
         self._pending = 0  # bytes the grower thread is still adding
+        self._promised: dict[tuple, int] = {}  # room reserved for backups not yet written
         self._stream = None
 
     # ---- memory ------------------------------------------------------------------------
@@ -92,28 +93,33 @@ class PinnedArena(BackupStore):
             raise
         return Segment(addr, size, [(0, size)])
 
-    def _grow(self, nbytes: int) -> None:
-        """Add segments (one at a time, each usable as soon as it is registered) until
-        ``nbytes`` more are free; runs in the grower thread."""
-        left = nbytes
-        while left > 0:
+    def _grow(self) -> None:
+        """Add segments (one at a time, each usable as soon as it is registered) until the
+        bytes asked for (``_pending``, which later requests add to) are in; runs in the grower
+        thread."""
+        while True:
+            with self._cv:
+                left = self._pending
+            if left <= 0:
+                break
             size = min(SEGMENT, (left + GRAIN - 1) // GRAIN * GRAIN)
             if self.budget is not None and self.capacity + size > self.budget:
                 size = (self.budget - self.capacity) // GRAIN * GRAIN
                 if size <= 0:
-                    raise HostBudgetError(self._budget_msg(nbytes))
+                    raise HostBudgetError(self._budget_msg(left))
             seg = self._new_segment(size)
             with self._cv:
                 self._segs.append(seg)
                 self._pending = max(0, self._pending - size)
                 self._cv.notify_all()
-            left -= size
         log.debug("arena now %.2f GiB", self.capacity / 2**30)
 
     def _start_grower(self, nbytes: int) -> None:
+        """Ask for ``nbytes`` more arena; a grower thread already running takes them on."""
+
         def work():
             try:
-                self._grow(nbytes)
+                self._grow()
             except BaseException as e:  # surfaced to the thread waiting for room
                 with self._cv:
                     self._grow_error = e
@@ -125,10 +131,10 @@ class PinnedArena(BackupStore):
                     self._cv.notify_all()
 
         with self._cv:
+            self._pending += nbytes
             if self._grower is not None:
                 return
             self._grow_error = None
-            self._pending = nbytes
             self._grower = threading.Thread(target=work, name="unisleep-arena", daemon=True)
             self._grower.start()
 
@@ -152,7 +158,7 @@ class PinnedArena(BackupStore):
 
     def prepare(self, nbytes: int, background: bool = True) -> None:
         """Map and register ``nbytes`` of arena now (in a thread when ``background``)."""
-        need = nbytes - self._free_bytes()
+        need = nbytes - self._free_bytes() - self._pending
         if need <= 0:
             return
         self._start_grower(need)
@@ -224,24 +230,28 @@ class PinnedArena(BackupStore):
         buf = (ctypes.c_char * n).from_address(self._segs[si].addr + off)
         return torch.frombuffer(buf, dtype=torch.uint8)
 
-    def reserve(self, pieces) -> None:
-        """Make room for a backup of ``pieces`` ([(key, nbytes)]) before anything is copied or
-        released: raise :class:`HostBudgetError` now when the budget or host memory cannot hold
-        it, else start growing the arena to the full size in the background (copies into the
-        first new segments start while the next ones register)."""
-        need = 0
-        for key, n in pieces:
-            old = self._slots.get(key)
-            have = sum(x[2] for x in old) if old is not None else 0
-            if have != n:  # a slot of another size is given back first, then a new one taken
-                need += n - have
+    def reserve(self, key, nbytes: int) -> None:
+        """Hold room for backup ``key`` of ``nbytes`` before anything is copied or released:
+        raise :class:`HostBudgetError` now when the budget or host memory cannot hold every
+        reservation, else grow the arena in the background towards the full size (copies into
+        the first new segments start while the next ones register; a registration that fails
+        raises from :meth:`save`, still before the caller releases anything)."""
+        old = self._slots.get(key)
+        if old is not None and sum(x[2] for x in old) == nbytes:
+            self._promised.pop(key, None)
+            return  # the slot of the same size is reused
+        if old is not None:  # a backup of another size is replaced: give its room back first
+            self._release(self._slots.pop(key))
+        self._promised[key] = nbytes
+        need = sum(self._promised.values())
         spare = self._free_bytes() + self._pending
         grow = need - spare
         if grow <= 0:
             return
-        if self.budget is not None and self.capacity + grow > self.budget:
-            raise HostBudgetError(self._budget_msg(need))
-        if grow + (1 << 30) > host_available_bytes():
+        if (self.budget is not None and self.capacity + self._pending + grow > self.budget) or (
+            grow + (1 << 30) > host_available_bytes()
+        ):
+            del self._promised[key]
             raise HostBudgetError(self._budget_msg(need))
         self._start_grower(grow)
 
@@ -252,6 +262,7 @@ class PinnedArena(BackupStore):
         import torch
 
         n = src.numel()
+        self._promised.pop(key, None)
         old = self._slots.pop(key, None)
         reuse = old is not None and sum(x[2] for x in old) == n
         if reuse:
@@ -308,6 +319,26 @@ class PinnedArena(BackupStore):
                 pos += m
         torch.cuda.current_stream(self.device).wait_stream(s)
 
+    def load_range(self, key, offset: int, dst) -> None:
+        """Copy ``dst.numel()`` bytes of backup ``key``, from byte ``offset`` on, into ``dst``."""
+        import torch
+
+        ext = self._slots[key]
+        want_lo, want_hi = offset, offset + dst.numel()
+        s = self.stream()
+        s.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(s):
+            pos = 0
+            for si, off, m in ext:
+                lo, hi = max(pos, want_lo), min(pos + m, want_hi)
+                for p in range(lo, hi, PIECE):
+                    k = min(PIECE, hi - p)
+                    dst[p - want_lo : p - want_lo + k].copy_(self._host_view(si, off + p - pos, k), non_blocking=True)
+                pos += m
+        if pos < want_hi:
+            raise ValueError(f"backup {key} holds {pos} bytes; asked for {want_lo}..{want_hi}")
+        torch.cuda.current_stream(self.device).wait_stream(s)
+
     def flush(self) -> None:
         if self._stream is not None:
             self._stream.synchronize()
@@ -316,6 +347,7 @@ class PinnedArena(BackupStore):
         return key in self._slots
 
     def drop(self, key) -> None:
+        self._promised.pop(key, None)
         ext = self._slots.pop(key, None)
         if ext:
             self._release(ext)
@@ -324,6 +356,7 @@ class PinnedArena(BackupStore):
         self.wait_prepared()
         self.flush()
         self._slots.clear()
+        self._promised.clear()
         for seg in self._segs:
             try:
                 cu.call("cuMemHostUnregister", seg.addr)

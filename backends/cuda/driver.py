@@ -54,6 +54,10 @@ class CudaDriver(Driver):
     supports_pool = True
     #: 1 GiB physical chunks: a backed-up chunk is released as soon as its copy is done
     default_chunk_bytes = 1 << 30
+    #: release discarded regions while the backup copies run (their release overlaps the copy);
+    #: False waits for every copy first, so only a chunk whose own copy is complete is ever
+    #: released before a failure (see suspend)
+    release_discards_during_copies = True
 
     def __init__(self, device: int = 0, exportable: bool = False, **options):
         super().__init__(device, **options)
@@ -204,7 +208,10 @@ class CudaDriver(Driver):
         part-new bytes: they no longer match any digest) and re-raises: every region is still
         mapped, device bytes are untouched (copies only read them), skipped jobs keep their
         backups.  After the release point, a failure leaves each chunk of a saved region either
-        mapped with its bytes, or released with its whole copy complete in the store.
+        mapped with its bytes, or released with its whole copy complete in the store (so the
+        lifecycle can map it again and ``load_range`` it back); discarded regions are released
+        while the copies run (``release_discards_during_copies``, the speed of the pipelined
+        sleep) or, when that is False, only once every copy is complete.
         """
         self.synchronize()  # nothing in flight may touch memory we are about to unmap
         if not isinstance(store, PinnedArena):
@@ -212,14 +219,13 @@ class CudaDriver(Driver):
         tr = _Trace("suspend")
         copied, tracked = 0, []
         pieces = [((job.key, off), n) for job in saves if not job.skip_copy for off, n in job.ranges]
-        queued: list = []
         try:
-            store.reserve(pieces)  # raises HostBudgetError before any copy is queued
+            for key, n in pieces:  # a no-op for the room the lifecycle has reserved already
+                store.reserve(key, n)  # HostBudgetError before any copy is queued
             for job in saves:
                 if job.skip_copy:
                     continue
                 for off, n in job.ranges:
-                    queued.append((job.key, off))
                     marks = store.save((job.key, off), self.view(job.region.va + off, n), track=True)
                     if (off, n) == (0, job.region.size):
                         tracked.append((job, marks))
@@ -227,12 +233,13 @@ class CudaDriver(Driver):
             tr.mark("queue copies")
         except BaseException:
             try:
-                store.abandon(queued)
+                store.abandon([key for key, _ in pieces])
             except Exception as e:  # keep the original error; this one is secondary
                 log.warning("undoing the failed suspend's copies also failed: %s", e)
             raise
         # ---- the release point: from here on memory is handed back
-        released = sum(r.release(self) for r in discards)
+        early = self.release_discards_during_copies
+        released = sum(r.release(self) for r in discards) if early else 0
         tr.mark("release discarded")
         for job, marks in tracked:
             for c in job.region.chunks:
@@ -243,6 +250,8 @@ class CudaDriver(Driver):
         tr.mark("release copied chunks")
         store.flush()
         self.synchronize()
+        if not early:  # every copy is complete now
+            released += sum(r.release(self) for r in discards)
         for job in saves:
             released += job.region.release(self)
         tr.mark("release the rest")

@@ -54,7 +54,8 @@ def test_no_room_raises_before_anything_is_released(drv):
         assert kv.mapped
         _intact(drv, regions)
         assert drv.memory_info()[0] <= free0 + 2 * MiB
-        assert store.held_bytes == 0 and store.capacity == 0  # checked before any copy or growth
+        assert store.held_bytes == 0 and not store._promised  # no backup, no room held
+        assert store.capacity <= 256 * MiB
     finally:
         store.close()
         for r, _ in regions:
@@ -113,3 +114,34 @@ def test_failure_part_way_through_the_copies_leaves_everything_mapped(drv):
         good.close()
         for r in (a[0], b[0], kv):
             r.free(drv)
+
+
+def test_strict_order_and_partial_reload(drv):
+    """With ``release_discards_during_copies`` off, discards go only after every copy; a
+    released chunk reads back from the store by range (the lifecycle's rollback path)."""
+    from unisleep.backends.cuda.arena import PinnedArena
+
+    a = _region(drv, 768 * MiB, chunk=256 * MiB, seed=8)
+    kv, _ = _region(drv, 64 * MiB, seed=9)
+    store = PinnedArena(0, None)
+    drv.release_discards_during_copies = False
+    try:
+        store.reserve((0, 0), a[0].size)
+        assert store._promised == {(0, 0): a[0].size}
+        released, copied = drv.suspend([SaveJob(0, a[0], [(0, a[0].size)])], [kv], store)
+        assert copied == a[0].size and released == a[0].size + kv.size
+        assert a[0].unmapped and kv.unmapped and not store._promised
+        r, ref = a
+        r.map(drv)
+        for c in reversed(r.chunks):  # chunk by chunk, as an undo does
+            store.load_range((0, 0), c.offset, drv.view(r.va + c.offset, c.size))
+        _intact(drv, [a])
+        piece = torch.empty(1000, dtype=torch.uint8, device="cuda")
+        store.load_range((0, 0), 300 * MiB - 7, piece)  # across a piece boundary, unaligned
+        torch.cuda.synchronize()
+        assert torch.equal(piece, ref[300 * MiB - 7 : 300 * MiB + 993])
+    finally:
+        drv.release_discards_during_copies = True
+        store.close()
+        a[0].free(drv)
+        kv.free(drv)
