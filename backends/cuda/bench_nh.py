@@ -1,7 +1,10 @@
 """Bandwidth of the keyed NH level-1 kernel against the HBM read bandwidth measured in the same
 run (a torch reduction over the same bytes), and the cost of a whole keyed digest.
 
-    PYTHONPATH=. python3 -m unisleep.backends.cuda.bench_nh --gib 8 --out result.json
+    PYTHONPATH=. python3 -m unisleep.backends.cuda.bench_nh --gib 8 --out result.json [--sleep]
+
+``--sleep`` adds the level-1 sleep figures of 8 GiB weights + 16 GiB KV through the public API
+(steady and unchanged-weights sleeps, discards released during or after the copies).
 
 Every kernel variant is checked equal to ``keyed_hash.nh_level`` before it is timed.
 """
@@ -32,6 +35,65 @@ def _time(fn, iters=10, warm=3):
     return statistics.median(ts)
 
 
+def sleep_figures(weights_gib: float = 8, kv_gib: float = 16, cycles: int = 4) -> dict:
+    """Level-1 sleep/wake of ``weights`` (backed up) + ``kv`` (discarded) through the public API:
+    steady (weights changed, copied) and unchanged (skipped by the keyed digest) sleeps, with the
+    discarded memory released during the copies (default) and after them (strict order)."""
+    import torch
+
+    from unisleep import MemoryLifecycle
+
+    def timed(fn):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        r = fn()
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0, r
+
+    out: dict = {"weights_gib": weights_gib, "kv_gib": kv_gib}
+    lc = MemoryLifecycle("cuda")
+    try:
+        w = lc.empty((int(weights_gib * (1 << 30)),), torch.uint8, tag="weights")
+        kv = lc.empty((int(kv_gib * (1 << 30)),), torch.uint8, tag="kv_cache")
+        w.view(torch.int32).random_()
+        kv.fill_(1)
+        ref = w.clone()
+        lc.prepare_backup(background=False)
+        out["first_sleep_s"] = timed(lambda: lc.sleep(1))[0]
+        lc.wake_up()
+        ok = bool(torch.equal(w, ref))
+        for early in (True, False):
+            lc.driver.release_discards_during_copies = early
+            sl, wk, un, copied_unchanged = [], [], [], []
+            for _ in range(cycles):
+                w[:4096].add_(1)
+                ref[:4096].add_(1)
+                sl.append(timed(lambda: lc.sleep(1))[0])
+                wk.append(timed(lambda: lc.wake_up())[0])
+                ok = ok and bool(torch.equal(w, ref))
+            for _ in range(cycles):
+                t, rep = timed(lambda: lc.sleep(1))
+                un.append(t)
+                copied_unchanged.append(rep.bytes_copied)
+                lc.wake_up()
+                ok = ok and bool(torch.equal(w, ref))
+            name = "discards_during_copies" if early else "discards_after_copies"
+            out[name] = {
+                "steady_sleep_s": statistics.median(sl),
+                "steady_wake_s": statistics.median(wk),
+                "unchanged_sleep_s": statistics.median(un),
+                "unchanged_bytes_copied": copied_unchanged,
+                "all_sleep_s": sl,
+                "all_unchanged_s": un,
+            }
+            print(name, json.dumps(out[name]), flush=True)
+        lc.driver.release_discards_during_copies = True
+        out["verified"] = ok
+    finally:
+        lc.close()
+    return out
+
+
 def main(argv=None) -> int:
     import torch
 
@@ -42,6 +104,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gib", type=float, default=8.0)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--sleep", action="store_true", help="also the level-1 sleep figures (8 + 16 GiB)")
     ap.add_argument(
         "--sweep",
         default="pairs:1x4,pairs:2x4,pairs:2x8,pairs:4x4,pairs:4x8,pairs:8x8,pairs:8x16,pairs:16x16,"
@@ -123,6 +186,10 @@ def main(argv=None) -> int:
         {(v["blocks_per_program"], v["num_warps"]) for v in variants if v["kind"] == cs.KIND}
         | {(cs.BLOCKS_PER_PROGRAM, cs.NUM_WARPS)}
     )
+    del x, u8, probe
+    torch.cuda.empty_cache()
+    if args.sleep:
+        res["sleep"] = sleep_figures()
     print(json.dumps({k: v for k, v in res.items() if k != "variants"}, indent=1), flush=True)
     if args.out:
         with open(args.out, "w") as f:
