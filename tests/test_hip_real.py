@@ -33,6 +33,7 @@ import textwrap
 
 import pytest
 
+from sim import abi_probe
 from unisleep.backends.rocm import hip
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -64,143 +65,36 @@ def _gpu_present() -> bool:
     return os.path.exists("/dev/kfd") and bool(glob.glob("/dev/dri/renderD*"))
 
 
-# ---------------------------------------------------------------------------- what the bindings say
-def _struct_layout(cname: str, cls, base: int = 0, path: str = "") -> dict:
-    """sizeof/offsetof/size of a ctypes struct and every (nested) field, keyed like the probe."""
-    out = {} if path else {f"sizeof {cname}": ctypes.sizeof(cls), f"alignof {cname}": ctypes.alignment(cls)}
-    for name, ctype in cls._fields_:
-        field = path + name
-        off = base + getattr(cls, name).offset
-        out[f"offsetof {cname}.{field}"] = off
-        out[f"sizeof {cname}.{field}"] = ctypes.sizeof(ctype)
-        if isinstance(ctype, type) and issubclass(ctype, ctypes.Structure):
-            out.update(_struct_layout(cname, ctype, off, field + "."))
-    return out
+# ---------------------------------------------------------------------------- bindings vs header
+HIP_FLAGS = ["-D__HIP_PLATFORM_AMD__"]
 
 
 def bindings_layout(runtime_version: int) -> dict:
-    out = {}
-    for cname, cls in hip.structs(runtime_version).items():
-        out.update(_struct_layout(cname, cls))
-    out.update({f"value {name}": value for name, value in hip.ENUMS.items()})
-    return out
-
-
-def _ctype_abi(t):
-    if t in (ctypes.c_void_p, ctypes.c_char_p):
-        return ["ptr", None]
-    if isinstance(t, type) and issubclass(t, ctypes._Pointer):
-        return ["ptr", ctypes.sizeof(t._type_)]
-    return ["int", ctypes.sizeof(t)]
+    return abi_probe.binding_layout(hip.structs(runtime_version), hip.ENUMS)
 
 
 def bindings_prototypes(runtime_version: int) -> dict:
-    return {name: [_ctype_abi(res), [_ctype_abi(a) for a in args]]
-            for name, (res, args) in hip.prototypes(hip.alloc_prop_type(runtime_version)).items()}
+    return abi_probe.binding_prototypes(hip.prototypes(hip.alloc_prop_type(runtime_version)))
 
 
-# ---------------------------------------------------------------------------- what the header says
-def _compile_run(tmp_path, name: str, source: str, compiler: list) -> dict:
-    src = tmp_path / name
-    src.write_text(source)
-    exe = tmp_path / (name + ".bin")
-    cp = subprocess.run(compiler + ["-D__HIP_PLATFORM_AMD__", f"-I{INCLUDE}", str(src), "-o", str(exe)],
-                        capture_output=True, text=True, timeout=300)
-    assert cp.returncode == 0, f"the probe does not compile against {INCLUDE}/hip/hip_runtime_api.h:\n{cp.stderr[-4000:]}"
-    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
-    assert run.returncode == 0, run.stderr
-    return json.loads(run.stdout)
+def header_layout(tmp_path, include_dirs=None) -> dict:
+    """The C probe against the header; the header's HIP_VERSION picks which hipMemAllocationProp
+    layout of the bindings is asked for (5.2's or >= 5.3's)."""
+    flags = HIP_FLAGS + [f"-I{d}" for d in (include_dirs or [INCLUDE])]
+    out = abi_probe.c_layout_probe(
+        tmp_path, "hip/hip_runtime_api.h", flags, bindings_layout(hip.PROP_LAYOUT_CHANGED), "HIP_VERSION",
+        legacy=(hip.PROP_LAYOUT_CHANGED, bindings_layout(hip.PROP_LAYOUT_CHANGED - 1)))
+    out["HIP_VERSION"] = out.pop("VERSION")
+    return out
 
 
-def header_layout(tmp_path) -> dict:
-    """A C probe, generated from the bindings' own declarations (names only: every number comes
-    from the compiler), compiled with ``cc`` against the real header."""
-    keys = bindings_layout(hip.PROP_LAYOUT_CHANGED)
-    # the 5.2 layout has fields the >= 5.3 one lacks and the other way round: ask only for those
-    # of the layout the header's HIP_VERSION selects
-    legacy = bindings_layout(hip.PROP_LAYOUT_CHANGED - 1)
-    src = textwrap.dedent("""\
-        #include <stdio.h>
-        #include <stddef.h>
-        #include <hip/hip_runtime_api.h>
-        int main(void) {
-            printf("{\\n  \\"HIP_VERSION\\": %d", HIP_VERSION);
-        #if HIP_VERSION >= %(changed)d
-        %(current)s
-        #else
-        %(legacy)s
-        #endif
-            printf("\\n}\\n");
-            return 0;
-        }
-        """).replace("%(changed)d", str(hip.PROP_LAYOUT_CHANGED))
-
-    def body(keys_):
-        out = []
-        for key in keys_:
-            what, name = key.split(" ", 1)
-            cname, _, field = name.partition(".")
-            if what == "value":
-                expr = f"(long long)({name})"
-            elif what == "alignof":
-                expr = f"(long long)_Alignof({cname})"
-            elif what == "sizeof":
-                expr = f"(long long)sizeof({cname})" if not field else f"(long long)sizeof((({cname}*)0)->{field})"
-            else:
-                expr = f"(long long)offsetof({cname}, {field})"
-            out.append(f'    printf(",\\n  \\"{key}\\": %lld", {expr});')
-        return "\n".join(out)
-
-    src = src.replace("%(current)s", body(keys)).replace("%(legacy)s", body(legacy))
-    return _compile_run(tmp_path, "hip_abi_probe.c", src, ["cc", "-std=c11", "-Wall", "-Werror"])
+def header_prototypes(tmp_path, include_dirs=None) -> dict:
+    # the header's C++ overloads (templates of hipHostMalloc...) hidden: the C functions are compared
+    flags = HIP_FLAGS + ["-D__HIP_DISABLE_CPP_FUNCTIONS__"] + [f"-I{d}" for d in (include_dirs or [INCLUDE])]
+    return abi_probe.cxx_prototype_probe(tmp_path, "hip/hip_runtime_api.h", flags, hip.PROTOTYPES)
 
 
-CXX_PROBE = r"""
-#include <cstdio>
-#include <string>
-#include <type_traits>
-#include <hip/hip_runtime_api.h>
-template<class T, class = void> struct is_complete : std::false_type {};
-template<class T> struct is_complete<T, decltype(void(sizeof(T)))> : std::true_type {};
-template<class T> std::string abi() {
-  if constexpr (std::is_pointer<T>::value) {
-    using P = std::remove_cv_t<std::remove_pointer_t<T>>;
-    if constexpr (std::is_void<P>::value) return "[\"ptr\", null]";
-    else if constexpr (!is_complete<P>::value) return "[\"ptr\", null]";
-    else return "[\"ptr\", " + std::to_string(sizeof(P)) + "]";
-  } else if constexpr (std::is_integral<T>::value || std::is_enum<T>::value) {
-    return "[\"int\", " + std::to_string(sizeof(T)) + "]";
-  } else return "[\"other\", " + std::to_string(sizeof(T)) + "]";
-}
-template<class R, class... A> std::string sig(R (*)(A...)) {
-  std::string s = "[" + abi<R>() + ", [";
-  [[maybe_unused]] const char* sep = "";
-  ((s += sep, s += abi<A>(), sep = ", "), ...);
-  return s + "]]";
-}
-int main() {
-  std::printf("{\n");
-%(calls)s
-  std::printf("}\n");
-  return 0;
-}
-"""
-
-
-def header_prototypes(tmp_path) -> dict:
-    names = list(hip.PROTOTYPES)
-    calls = "\n".join(
-        f'  std::printf("  \\"{n}\\": %s{"," if i < len(names) - 1 else ""}\\n", '
-        f"sig(static_cast<decltype(&{n})>(nullptr)).c_str());"
-        for i, n in enumerate(names)
-    )
-    return _compile_run(tmp_path, "hip_proto_probe.cc", CXX_PROBE.replace("%(calls)s", calls),
-                        ["c++", "-std=c++17", "-Wall", "-Werror", "-D__HIP_DISABLE_CPP_FUNCTIONS__"])
-
-
-def _diff(ours: dict, theirs: dict) -> list[str]:
-    return [f"{k}: bindings {ours.get(k)!r}, header {theirs.get(k)!r}"
-            for k in sorted(set(ours) | set(theirs)) if ours.get(k) != theirs.get(k)]
+_diff = abi_probe.diff
 
 
 # ---------------------------------------------------------------------------- tests
