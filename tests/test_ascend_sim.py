@@ -189,6 +189,44 @@ def test_ascend_sim_doctor_warnings(monkeypatch):
     assert any("expandable" in w for w in environment_warnings(npu))
 
 
+def _cann_include():
+    """The CANN headers' include folder (the one holding ``acl/acl_rt.h``), if any."""
+    import os
+
+    cands = [os.environ.get("UNISLEEP_ACL_INCLUDE")]
+    for root in (os.environ.get("ASCEND_TOOLKIT_HOME"), os.environ.get("ASCEND_HOME_PATH"),
+                 "/usr/local/Ascend/ascend-toolkit/latest"):
+        if root:
+            cands.append(os.path.join(root, "include"))
+    for c in cands:
+        if c and os.path.exists(os.path.join(c, "acl", "acl_rt.h")):
+            return c
+    return None
+
+
+@pytest.mark.skipif(_cann_include() is None, reason="needs the CANN toolkit headers (acl/acl_rt.h): install CANN "
+                    "and source set_env.sh, or set UNISLEEP_ACL_INCLUDE to the folder holding acl/")
+def test_acl_bindings_match_the_cann_headers(tmp_path):
+    """The ACL bindings (structs, codes, prototypes) against the real CANN header, as
+    tests/test_hip_real.py does for HIP.  Run once against the public hicann/runtime headers
+    (docs/ascend.md); on a machine with CANN it runs against the installed ones."""
+    import shutil
+
+    from sim import abi_probe
+    from unisleep.backends.ascend import acl
+
+    if shutil.which("cc") is None or shutil.which("c++") is None:
+        pytest.skip("needs a C and a C++ compiler: apt-get install gcc g++")
+    flags = [f"-I{_cann_include()}"]
+    ours = abi_probe.binding_layout(acl.STRUCTS, acl.ENUMS)
+    theirs = abi_probe.c_layout_probe(tmp_path, "acl/acl_rt.h", flags, ours)
+    theirs.pop("VERSION")
+    problems = abi_probe.diff(ours, theirs)
+    protos = abi_probe.cxx_prototype_probe(tmp_path, "acl/acl_rt.h", flags, acl.PROTOTYPES)
+    problems += abi_probe.diff(abi_probe.binding_prototypes(acl.PROTOTYPES), protos)
+    assert not problems, "backends/ascend/acl.py differs from the CANN headers:\n  " + "\n  ".join(problems)
+
+
 def _ascend_present() -> bool:
     from unisleep.platform import detect_platform
 

@@ -53,6 +53,18 @@ ACL_MEMCPY_HOST_TO_DEVICE = 1
 ACL_MEMCPY_DEVICE_TO_HOST = 2
 ACL_MEMCPY_DEVICE_TO_DEVICE = 3
 
+#: every enumerator and code the bindings use: C name -> value (compared with CANN's headers by
+#: tests/test_ascend_sim.py::test_acl_bindings_match_the_cann_headers where they exist)
+ENUMS: dict[str, int] = {name: code for code, name in ERROR_NAMES.items()}
+ENUMS.update({
+    name: globals()[name]
+    for name in (
+        "ACL_MEM_HANDLE_TYPE_NONE", "ACL_MEM_ALLOCATION_TYPE_PINNED", "ACL_HBM_MEM", "ACL_HBM_MEM_HUGE",
+        "ACL_MEM_LOCATION_TYPE_DEVICE", "ACL_RT_MEM_ALLOC_GRANULARITY_MINIMUM", "ACL_MEMCPY_HOST_TO_HOST",
+        "ACL_MEMCPY_HOST_TO_DEVICE", "ACL_MEMCPY_DEVICE_TO_HOST", "ACL_MEMCPY_DEVICE_TO_DEVICE",
+    )
+})
+
 
 class aclrtMemLocation(ctypes.Structure):
     _fields_ = [("id", c_uint32), ("type", c_int)]  # id FIRST
@@ -67,6 +79,9 @@ class aclrtPhysicalMemProp(ctypes.Structure):
         ("reserve", c_uint64),
     ]
 
+
+#: C name -> ctypes declaration of every struct the bindings pass
+STRUCTS = {"aclrtMemLocation": aclrtMemLocation, "aclrtPhysicalMemProp": aclrtPhysicalMemProp}
 
 PROTOTYPES: dict[str, tuple[Any, list]] = {
     "aclrtSetDevice": (c_int, [c_int32]),
