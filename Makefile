@@ -35,15 +35,16 @@ demo: $(VENV)/.core
 # (a failed install fails `make test`); otherwise skipped, saying so, and those tests skip
 HIP_PKGS := libamdhip64-5 libamdhip64-dev
 hip-runtime:
-	@if dpkg -s $(HIP_PKGS) >/dev/null 2>&1 && command -v cc >/dev/null; then \
-	  echo "hip-runtime: $(HIP_PKGS) and cc present"; \
+	@need="$$(command -v cc >/dev/null || echo gcc) $$(command -v c++ >/dev/null || echo g++)"; \
+	if dpkg -s $(HIP_PKGS) >/dev/null 2>&1 && [ -z "$$(echo $$need)" ]; then \
+	  echo "hip-runtime: $(HIP_PKGS), cc and c++ present"; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	  echo "hip-runtime: apt-get install $(HIP_PKGS)$$(command -v cc >/dev/null || echo ' gcc')"; \
+	  echo "hip-runtime: apt-get install $(HIP_PKGS) $$need"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-	    $(HIP_PKGS) $$(command -v cc >/dev/null || echo gcc); \
+	    $(HIP_PKGS) $$need; \
 	else \
 	  echo "hip-runtime: SKIPPED (not root, or no apt-get): tests/test_hip_real.py will skip." \
-	       "Install with: sudo apt-get install $(HIP_PKGS) gcc"; \
+	       "Install with: sudo apt-get install $(HIP_PKGS) gcc g++"; \
 	fi
 
 test: $(VENV)/.vllm hip-runtime
