@@ -17,11 +17,6 @@ class InvalidTransitionError(UnisleepError):
     a level-1 sleep over a level-2 sleep).  Nothing was changed."""
 
 
-class HostBudgetError(UnisleepError):
-    """A level-1 sleep would need more host memory or spill space than allowed or available.
-    Checked before anything is released."""
-
-
 class BackupError(UnisleepError):
     """A level-1 backup could not be made (no room, ENOSPC, EIO, a read-only spill directory, a
     driver or hook failure).  The lifecycle was returned to exactly its state before the call:
@@ -31,6 +26,11 @@ class BackupError(UnisleepError):
     def __init__(self, message: str, *, tag=None, nbytes=None, path=None, cause=None):
         super().__init__(message)
         self.tag, self.nbytes, self.path, self.cause = tag, nbytes, path, cause
+
+
+class HostBudgetError(BackupError):
+    """A level-1 sleep would need more host memory or spill space than allowed or available.
+    Checked before anything is released."""
 
 
 class BackupCorruptError(BackupError):

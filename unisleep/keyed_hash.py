@@ -184,6 +184,8 @@ def digest(src, key: HashKey, level1: Optional[Level1] = None, algorithm: Option
     if level1 is None and src.device.type != "cpu":
         level1 = device_level1(src.device.type)
     nbytes = src.numel()
+    if src.data_ptr() % 8:  # the word views below need 8-byte alignment
+        src = src.clone()
     if nbytes % 8:
         pad = torch.zeros(8 - nbytes % 8, dtype=torch.uint8, device=src.device)
         src = torch.cat((src, pad))

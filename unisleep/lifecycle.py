@@ -766,17 +766,14 @@ class MemoryLifecycle:
         state = (
             f"tag(s) {', '.join(map(repr, lost))} could not be restored and are marked lost"
             if lost
-            else "every tag is as it was (mapped, bytes exact) and the partial backup was removed"
+            else "nothing was released: every tag is as it was (mapped, bytes exact) and the partial backup was removed"
         )
-        cause = str(e) or type(e).__name__
-        if isinstance(e, BackupError):
-            msg = f"{what} failed: {cause}; {state}."
-        else:
-            msg = (
-                f"{what} failed while backing up {human_bytes(nbytes)} of tag(s) {', '.join(map(repr, tags)) or '-'}"
-                + (f" to {path}" if path else f" ({self._store.where})")
-                + f": {type(e).__name__}: {cause}; {state}."
-            )
+        cause = str(e) if isinstance(e, BackupError) else f"{type(e).__name__}: {e}"
+        where = "" if (path and path in cause) else (f" to {path}" if path else f" ({self._store.where})")
+        msg = (
+            f"{what} failed while backing up {human_bytes(nbytes)} of tag(s) {', '.join(map(repr, tags)) or '-'}"
+            f"{where}: {cause}. {state[0].upper() + state[1:]}."
+        )
         err = (BackupLostError if lost else BackupError)(msg, tag=(lost or tags or [None])[0], nbytes=nbytes, path=path, cause=e)
         return err
 

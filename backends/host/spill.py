@@ -101,7 +101,7 @@ def clean_orphans(parent: str) -> list[str]:
 def _owner_alive(path: str, boot: str) -> bool:
     owner = os.path.join(path, OWNER_FILE)
     try:
-        fd = os.open(owner, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+        fd = os.open(owner, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
     except FileNotFoundError:
         # no owner file: made by an older unisleep (unisleep-<pid>-...), or being created now
         parts = os.path.basename(path).split("-")
@@ -242,9 +242,15 @@ class SpillStore(BackupStore):
 
     @staticmethod
     def _claim(path: str) -> int:
-        fd = os.open(os.path.join(path, OWNER_FILE), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        owner = os.path.join(path, OWNER_FILE)
+        fd = os.open(owner, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, json.dumps({"pid": os.getpid(), "boot_id": boot_id(), "created": time.time()}).encode())
+        finally:
+            os.close(fd)
+        # held read-only (a file open for writing would keep the filesystem from being remounted)
+        fd = os.open(owner, os.O_RDONLY | os.O_CLOEXEC)
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        os.write(fd, json.dumps({"pid": os.getpid(), "boot_id": boot_id(), "created": time.time()}).encode())
         return fd
 
     # -- accounting
@@ -284,8 +290,8 @@ class SpillStore(BackupStore):
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         except OSError as e:
             raise BackupError(
-                f"cannot create the backup file {path}: {e.strerror}. Point spill_dir= at a writable "
-                "disk, or sleep at level 2. Nothing was released.",
+                f"cannot create the backup file {path}: {e.strerror} (point spill_dir= at a writable disk "
+                "with room, or sleep at level 2)",
                 nbytes=nbytes, path=path, cause=e,
             ) from e
         try:
@@ -296,8 +302,8 @@ class SpillStore(BackupStore):
             _unlink(path)
             raise BackupError(
                 f"cannot reserve {human_bytes(nbytes)} for the backup file {path}: {e.strerror} "
-                f"({human_bytes(self.free_space())} free now). Free disk space or point spill_dir= at a "
-                "larger disk, or sleep at level 2. Nothing was released.",
+                f"({human_bytes(self.free_space())} free now; free disk space, point spill_dir= at a "
+                "larger disk, or sleep at level 2)",
                 nbytes=nbytes, path=path, cause=e,
             ) from e
         os.close(fd)
