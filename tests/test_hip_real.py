@@ -218,3 +218,24 @@ def test_the_runtime_already_in_the_process_wins(tmp_path):
     # nothing loaded, an override: used
     r = _run(LOAD, {"UNISLEEP_HIP_LIBRARY": str(copy)})
     assert r.get("path") == str(copy) and r.get("chosen") == "the override", r
+
+
+@needs_lib
+@pytest.mark.skipif(_gpu_present(), reason="an AMD GPU is present: the refused-probe path cannot be shown")
+def test_rereserve_probe_on_the_real_library_keeps_reservations_when_refused(monkeypatch):
+    """What can be shown of the free-and-re-reserve step without a GPU: the probe's real calls
+    (hipMemAddressReserve of one granule) are refused by the real runtime, and the driver then
+    keeps reservations — it never frees a region's address it might not get back."""
+    import threading
+
+    from unisleep.backends import _native
+    from unisleep.backends.rocm import RocmDriver
+
+    monkeypatch.setattr(_native, "_FALLBACKS", [])  # this process's record, restored afterwards
+    drv = RocmDriver.__new__(RocmDriver)  # no GPU: __init__ stops at HipNoDeviceError (tested above)
+    drv.api = hip.HipApi(hip.load_library())
+    drv.device, drv._gran, drv._tls = 0, 2 << 20, threading.local()
+    drv.kept_reason, drv._probed, drv.rereserve_on_sleep = None, False, True
+    drv._probe_rereserve()
+    assert drv._probed and "could not reserve 2097152 bytes (hipErrorInvalidDevice)" in drv.kept_reason
+    assert any(drv.kept_reason in m for m in _native.fallback_warnings())

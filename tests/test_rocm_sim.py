@@ -183,10 +183,12 @@ def test_rocm_sim_memory_kept_while_reserved(workaround):
     lib.close()
 
 
-def test_rocm_sim_rereserve_refuses_a_moved_address():
+def test_rocm_sim_rereserve_refuses_a_moved_address(monkeypatch):
     """The race the probe cannot rule out: another allocation takes a region's freed address."""
+    from unisleep.backends import _native
     from unisleep.backends.host import libc
 
+    monkeypatch.setattr(_native, "_FALLBACKS", [])  # this process's record, restored afterwards
     lib, drv = make()
     lc = MemoryLifecycle(drv)
     w, _ = fill(lc, "weights", 1 * MiB, 7)
@@ -210,12 +212,14 @@ def test_rocm_sim_rereserve_refuses_a_moved_address():
     lib.close()
 
 
-def test_rocm_sim_runtime_that_moves_reservations_keeps_them_visibly():
+def test_rocm_sim_runtime_that_moves_reservations_keeps_them_visibly(monkeypatch):
     """A runtime that does not re-reserve a freed address in place (simulated): the probe sees it
     before any region is freed; sleep keeps the reservations, and says so everywhere."""
+    from unisleep.backends import _native
     from unisleep.backends._native import fallback_warnings
     from unisleep.doctor import collect
 
+    monkeypatch.setattr(_native, "_FALLBACKS", [])  # this process's record, restored afterwards
     lib = FakeHip(granularity=GRAN, total_bytes=16 * MiB, ignore_address_hint=True)
     _, drv = make(lib)
     lc = MemoryLifecycle(drv)
