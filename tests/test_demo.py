@@ -30,13 +30,14 @@ def test_demo_runs_end_to_end_and_its_checks_pass(tmp_path, capsys):
     out = capsys.readouterr().out
     assert rc == 0 and res["ok"], out
     assert res["trainer_pid"] != res["engine_pid"] and res["transfer"]["backend"] == "gloo"
-    assert [c["name"] for c in res["checks"]] == ["weights arrived", "memory freed", "gap steady"]
+    assert [c["name"] for c in res["checks"]] == ["weights arrived", "memory freed", "gap steady", "policy learned"]
     assert all(c["ok"] for c in res["checks"])
     steps = res["steps"]
     assert [s["version"] for s in steps] == [str(i) for i in range(1, 7)]
     for s in steps:
         assert s["resident_before"] > 0 and s["resident_asleep"] == 0  # level 2 released everything
         assert s["probe_gap"] < 1e-3 and s["gap"] < 1e-3
+    assert [s["step"] for s in steps] == [1, 2, 3, 4, 5, 6]  # counted from 1, as the progress line does
     assert steps[-1]["reward"] > steps[0]["reward"] + 0.2  # the policy learned the target token
     assert "demo: OK" in out and "released KiB" in out  # the table was printed
     assert os.path.exists(tmp_path / "out" / "demo.png") or "plot skipped" in out

@@ -13,10 +13,12 @@ Exit 0 only when every check passed.
 
 from __future__ import annotations
 
+import os
 import sys
 
 from .checks import Check
-from .cli import build_parser
+from ..errors import UnisleepError
+from .cli import build_parser, validate
 from .constants import (BUCKET_BYTES, DEFAULT_LR, DEFAULT_STEPS, PROBE_PROMPTS, PROBE_TOL, RELEASED_MIN, SABOTAGES,
                         VLLM_KV_BYTES, VLLM_PROBE_PROMPTS, VLLM_PROBE_TOL, VLLM_REWARD_MOD, MiB)
 from .embedded import run_torch
@@ -26,20 +28,26 @@ from .vllm import run_vllm
 
 
 def main(argv=None) -> int:
+    if "torch" not in sys.modules:
+        # the demo reports a failed or dead trainer itself; c10d's C++ warnings with stack dumps
+        # (a store whose host process is gone) would only bury that message
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     if args.steps is None:
         args.steps = DEFAULT_STEPS[args.engine]
     if args.lr is None:
         args.lr = DEFAULT_LR[args.engine]
-    if args.steps < 1:
-        print("--steps must be >= 1", file=sys.stderr)
+    try:
+        validate(args)  # every option, before a process, a server or a folder is made
+    except UnisleepError as e:
+        print(f"unisleep demo: {e}", file=sys.stderr)
         return 2
     if args.engine == "vllm":
         return run_vllm(args)
     return run_torch(args)
 
 
-__all__ = ["main", "build_parser", "run_torch", "run_vllm", "Check", "DemoStep", "VLLMDemoStep", "format_table",
+__all__ = ["main", "build_parser", "validate", "run_torch", "run_vllm", "Check", "DemoStep", "VLLMDemoStep", "format_table",
            "format_table_vllm", "BUCKET_BYTES", "DEFAULT_LR", "DEFAULT_STEPS", "PROBE_PROMPTS", "PROBE_TOL",
            "RELEASED_MIN", "SABOTAGES", "VLLM_KV_BYTES", "VLLM_PROBE_PROMPTS", "VLLM_PROBE_TOL", "VLLM_REWARD_MOD",
            "MiB"]

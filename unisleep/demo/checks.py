@@ -1,13 +1,14 @@
 """The demo's verdict per claim (:class:`Check`: PASS, FAIL or SKIP when not observable here) —
-weights arrived, memory freed, gap steady and, for ``--engine vllm``, weights changed, version
-recorded and engine slept — and :func:`max_logprob_gap`, the probe's measure."""
+weights arrived, memory freed, gap steady, the policy learned (embedded engine) and, for
+``--engine vllm``, weights changed, version recorded and engine slept — and
+:func:`max_logprob_gap`, the probe's measure."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
 
-from .constants import PROBE_TOL, RELEASED_MIN, VLLM_PROBE_PROMPTS, VLLM_PROBE_TOL
+from .constants import LEARNED_MIN, LEARNED_MIN_STEPS, PROBE_TOL, RELEASED_MIN, VLLM_PROBE_PROMPTS, VLLM_PROBE_TOL
 from .report import kib, mib
 from .steps import DemoStep, VLLMDemoStep
 
@@ -41,8 +42,35 @@ def _gap_steady(steps: list, monitor) -> Check:
     )
 
 
-def embedded_checks(steps: list[DemoStep], monitor, failure: Optional[str]) -> list[Check]:
-    """The checks of the embedded engine's run (``failure``: why the loop stopped, or None)."""
+def reward_quarters(steps: list) -> tuple[float, float]:
+    """The mean reward over the first and over the last quarter of the steps (at least one each)."""
+    q = max(1, len(steps) // 4)
+    first, last = steps[:q], steps[-q:]
+    return sum(s.reward for s in first) / len(first), sum(s.reward for s in last) / len(last)
+
+
+def learned(steps: list, target) -> Check:
+    """The run learned something: the reward rose by at least LEARNED_MIN from the first quarter
+    of the steps to the last (SKIP with fewer than LEARNED_MIN_STEPS steps: too few to tell)."""
+    if len(steps) < LEARNED_MIN_STEPS:
+        return Check("policy learned", None,
+                     f"not observable in {len(steps)} step(s): run at least {LEARNED_MIN_STEPS} (--steps) to see "
+                     "the reward rise")
+    r0, r1 = reward_quarters(steps)
+    ok = r1 >= r0 + LEARNED_MIN
+    return Check(
+        "policy learned", ok,
+        f"reward (fraction of token {target}) rose {r0:.2f} -> {r1:.2f} from the first quarter of the steps to "
+        f"the last (>= +{LEARNED_MIN:g})" if ok else
+        f"reward went {r0:.2f} -> {r1:.2f} from the first quarter of the steps to the last, less than "
+        f"+{LEARNED_MIN:g}: the trainer's updates did not make the engine better at the task (more --steps, a "
+        "larger --lr, or weights that do not reach the engine)",
+    )
+
+
+def embedded_checks(steps: list[DemoStep], monitor, failure: Optional[str], target=None) -> list[Check]:
+    """The checks of the embedded engine's run (``failure``: why the loop stopped, or None;
+    ``target``: the rewarded token, named in the learning check)."""
     checks = _loop_ran(failure)
     if steps:
         bad = [s.step for s in steps if not s.probe_gap <= PROBE_TOL]
@@ -62,6 +90,7 @@ def embedded_checks(steps: list[DemoStep], monitor, failure: Optional[str]) -> l
             else f"steps {low} released less than {RELEASED_MIN:.0%} of the resident bytes",
         ))
         checks.append(_gap_steady(steps, monitor))
+        checks.append(learned(steps, target))
     return checks
 
 
@@ -92,7 +121,7 @@ def vllm_checks(steps: list[VLLMDemoStep], monitor, failure: Optional[str], base
              f"{steps[-1].greedy_changed}/{len(VLLM_PROBE_PROMPTS)} probes at the end") if not flat else
             f"steps {flat}: the engine's logprobs are within {10 * VLLM_PROBE_TOL:g} of the previous weights",
         ))
-        wrong = [(s.step, s.version) for s in steps if s.version != str(s.step + 1)]
+        wrong = [(s.step, s.version) for s in steps if s.version != str(s.step)]
         checks.append(Check(
             "version recorded", not wrong,
             f"/weight_info reported {', '.join(s.version for s in steps)} after the steps" if not wrong else

@@ -1,12 +1,14 @@
-"""The options of ``unisleep demo`` (:func:`build_parser`) and what ``--device`` names
-(:func:`platform_for`)."""
+"""The options of ``unisleep demo`` (:func:`build_parser`), their checks before anything starts
+(:func:`validate`) and what ``--device`` names (:func:`platform_for`)."""
 
 from __future__ import annotations
 
 import argparse
+import math
 
+from ..errors import InvalidArgumentError, PlatformError
 from ..platform import PLATFORM_NAMES, SPECS, detect_platform
-from .constants import DEFAULT_LR, DEFAULT_STEPS, SABOTAGES
+from .constants import DEFAULT_LR, DEFAULT_STEPS, PROMPT_LEN, SABOTAGES, VLLM_REWARD_MOD
 
 
 def _device_choices() -> list[str]:
@@ -26,7 +28,52 @@ def platform_for(device: str):
     for name, spec in SPECS.items():  # a torch device type: the first platform that uses it
         if spec.torch_device_type == device:
             return detect_platform(name)
-    raise SystemExit(f"unknown device {device!r}")
+    raise InvalidArgumentError(f"--device {device!r} is not a platform or torch device type; choose one of "
+                               f"{', '.join(_device_choices())}")
+
+
+def validate(args) -> None:
+    """Check the options before anything starts (the defaults already filled in); raise
+    :class:`InvalidArgumentError` saying which option is wrong and what to pass instead."""
+    from ..engines.torch_generator import TinyLMConfig
+
+    def bad(msg: str) -> None:
+        raise InvalidArgumentError(msg)
+
+    if args.steps < 1:
+        bad(f"--steps must be >= 1, got {args.steps}")
+    if args.batch < 1:
+        bad(f"--batch must be >= 1 (rollouts per step), got {args.batch}")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        bad(f"--lr must be a positive number, got {args.lr:g} (default {DEFAULT_LR[args.engine]:g})")
+    if not (0 < args.top_p <= 1):
+        bad(f"--top-p must be in (0, 1], got {args.top_p:g}")
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        bad(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
+    if args.engine == "torch":
+        cfg = TinyLMConfig()
+        room = cfg.max_len - PROMPT_LEN
+        if not 1 <= args.max_tokens <= room:
+            bad(f"--max-tokens must be in 1..{room} (the embedded model's context is {cfg.max_len} tokens and "
+                f"prompts take {PROMPT_LEN}), got {args.max_tokens}")
+        if not 0 <= args.target < cfg.vocab_size:
+            bad(f"--target must be a token of the embedded model's vocabulary, 0..{cfg.vocab_size - 1}, got "
+                f"{args.target}: any other token can never be sampled, so the reward would stay 0")
+    else:
+        if args.max_tokens < 1:
+            bad(f"--max-tokens must be >= 1, got {args.max_tokens}")
+        if args.target < 0:
+            bad(f"--target must be >= 0 (the reward counts tokens t with t % {VLLM_REWARD_MOD} == "
+                f"target % {VLLM_REWARD_MOD}), got {args.target}")
+        return
+    try:
+        plat = platform_for(args.device)
+    except PlatformError as e:
+        raise InvalidArgumentError(f"--device {args.device}: {e}") from e
+    if plat.is_accelerator and not plat.devices:
+        bad(f"--device {args.device}: no {plat.name} device was found on this machine, so the engine's memory "
+            "cannot live there. Leave --device out (host memory, the default) or run on a machine with one "
+            "(unisleep doctor shows what is found).")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -7,6 +7,9 @@ DEFAULT_LR = {"torch": 0.003, "vllm": 0.01}
 RELEASED_MIN = 0.9  # a sleep must free at least this share of the engine's resident bytes
 
 # the embedded engine (TorchGenerator)
+PROMPT_LEN = 4  # tokens per rollout prompt
+LEARNED_MIN = 0.05  # the reward must rise by at least this much (first quarter of steps -> last quarter)
+LEARNED_MIN_STEPS = 4  # fewer steps cannot show it
 PROBE_PROMPTS = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16]]
 PROBE_TOL = 1e-3  # |engine − trainer| logprob on the probe: kernel noise is ~1e-6 here
 BUCKET_BYTES = 4 << 20  # the model is ~0.5 MiB: one bucket

@@ -22,13 +22,14 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import statistics
+import sys
 import time
 from typing import Optional
 
 from ..errors import UnisleepError
-from .checks import embedded_checks, max_logprob_gap
+from .checks import embedded_checks, max_logprob_gap, reward_quarters
 from .cli import platform_for
-from .constants import PROBE_PROMPTS
+from .constants import PROBE_PROMPTS, PROMPT_LEN
 from .report import format_table, kib, plot_steps, print_checks, step_progress, verdict, write_json
 from .steps import DemoStep
 from .trainer_process import TrainerProcess, free_port, trainer_main
@@ -59,8 +60,12 @@ def run_torch(args) -> int:
     from ..loop import Handoff
 
     platform = platform_for(args.device)
+    try:
+        eng, lc, cfg = _make_engine(args, platform)
+    except UnisleepError as e:  # e.g. the platform's packages are missing: nothing was started
+        print(f"unisleep demo: the engine cannot start on {platform.name}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
     os.makedirs(args.out, exist_ok=True)
-    eng, lc, cfg = _make_engine(args, platform)
     import torch
 
     rng = torch.Generator().manual_seed(args.seed + 1)
@@ -78,11 +83,15 @@ def run_torch(args) -> int:
     monitor = LogprobGapMonitor()
     failure: Optional[str] = None
     transfer_info: dict = {}
+    group = None
     try:
         from ..transfer import TransferGroup, WeightReceiver
 
-        group = TransferGroup.create(rendezvous, rank=1, world_size=2, platform=platform, timeout_s=args.timeout)
-        trainer.wait("ready")
+        trainer.wait("init")  # its model and optimizer exist (a bad option would have failed there)
+        # joining blocks until the trainer joins too; if it fails or dies meanwhile, say so at once
+        group = trainer.run_beside(
+            lambda: TransferGroup.create(rendezvous, rank=1, world_size=2, platform=platform, timeout_s=args.timeout),
+            "ready")
 
         def apply(named):
             if args.sabotage == "drop-weights":
@@ -97,11 +106,11 @@ def run_torch(args) -> int:
         if not args.quiet:
             print(f"unisleep demo: engine={eng.kind} platform={platform.name} level={args.level} steps={args.steps} "
                   f"trainer pid={proc.pid} (another process) transfer={group.backend} out={args.out}")
-        for step in range(args.steps):
+        for step in range(1, args.steps + 1):  # counted from 1 everywhere: progress, table, demo.json
             # 1. rollouts with the engine's current weights
-            prompts = torch.randint(0, cfg.vocab_size, (args.batch, 4), generator=rng).tolist()
+            prompts = torch.randint(0, cfg.vocab_size, (args.batch, PROMPT_LEN), generator=rng).tolist()
             gens = eng.generate(prompts, max_tokens=args.max_tokens, temperature=1.0, top_p=args.top_p,
-                                seed=args.seed * 1000 + step)
+                                seed=args.seed * 1000 + step - 1)
             tokens = [g.token_ids for g in gens]
             rewards = [_reward(t, args.target) for t in tokens]
             version_served = eng.weight_version()
@@ -114,7 +123,7 @@ def run_torch(args) -> int:
             gs = monitor.observe([g.logprobs for g in gens], tr["logprobs"], top_p=args.top_p,
                                  kept_mass=tr["kept_mass"], step=step, version=version_served)
             # 4. take the memory back with the new weights
-            version = str(step + 1)
+            version = str(step)
 
             def send_weights(engine, version=version):
                 trainer.conn.send(("send", version))
@@ -142,21 +151,22 @@ def run_torch(args) -> int:
     except (UnisleepError, OSError) as e:
         failure = f"{type(e).__name__}: {e}"
     finally:
+        if group is not None:
+            group.close()  # before the trainer (which hosts the group's store) goes
         trainer.stop()
         eng.close()
         lc.close()
     elapsed = time.perf_counter() - t_start
 
-    checks = embedded_checks(steps, monitor, failure)
-    ok = bool(steps) and all(c.ok for c in checks) and len(steps) == args.steps
+    checks = embedded_checks(steps, monitor, failure, args.target)
+    ok = bool(steps) and all(c.ok is not False for c in checks) and len(steps) == args.steps
 
     # ---- report
     print()
     if steps:
         print(format_table(steps))
         print()
-        r0 = statistics.fmean(s.reward for s in steps[: max(1, len(steps) // 4)])
-        r1 = statistics.fmean(s.reward for s in steps[-max(1, len(steps) // 4):])
+        r0, r1 = reward_quarters(steps)
         print(f"reward (fraction of token {args.target}): {r0:.2f} in the first quarter -> {r1:.2f} in the last; "
               f"{len(steps)} steps in {elapsed:.1f} s")
     print_checks(checks)

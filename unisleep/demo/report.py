@@ -23,9 +23,9 @@ def progress(args, text: str, final: bool = False) -> None:
 
 
 def step_progress(args, step: int, text: str, findings) -> None:
-    """The progress line of a finished step (``step`` counts from 0; the last one ends the line),
-    then one line per gap finding."""
-    progress(args, f"step {step + 1}/{args.steps}  {text}", final=step + 1 == args.steps)
+    """The progress line of a finished step (``step`` counts from 1, as in the table; the last one
+    ends the line), then one line per gap finding."""
+    progress(args, f"step {step}/{args.steps}  {text}", final=step == args.steps)
     for f in findings:
         progress(args, f"  ! {f}", final=True)
 

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
-from typing import Any, Optional
+import traceback
+from typing import Any, Callable, Optional
 
-from ..errors import EngineError
+from ..errors import EngineError, UnisleepError
 from ..platform import detect_platform
 from .constants import BUCKET_BYTES
 
@@ -23,14 +25,23 @@ def trainer_main(conn, rendezvous: str, cfg: dict, platform_name: str, lr: float
     from ..transfer import TransferGroup, WeightSender
 
     torch.set_num_threads(1)
-    plat = detect_platform(platform_name)
-    device = torch.device(plat.torch_device(0))
-    model = TinyLM(TinyLMConfig(**cfg)).to(device)
-    opt = torch.optim.Adam(model.parameters(), lr=lr)
-    group = TransferGroup.create(rendezvous, rank=0, world_size=2, platform=plat, timeout_s=timeout_s)
-    # host: the collective (gloo) path, as the demo is meant to show; an accelerator: "auto", which
-    # picks IPC when both processes share one device (NCCL cannot join two processes on one GPU)
-    sender = WeightSender(group, bucket_bytes=BUCKET_BYTES, path="auto" if plat.is_accelerator else "collective")
+    try:  # a failure here (a bad option, a platform that cannot work) goes back to the engine side
+        plat = detect_platform(platform_name)
+        device = torch.device(plat.torch_device(0))
+        model = TinyLM(TinyLMConfig(**cfg)).to(device)
+        opt = torch.optim.Adam(model.parameters(), lr=lr)
+        conn.send(("init", os.getpid()))
+        group = TransferGroup.create(rendezvous, rank=0, world_size=2, platform=plat, timeout_s=timeout_s)
+        # host: the collective (gloo) path, as the demo is meant to show; an accelerator: "auto", which
+        # picks IPC when both processes share one device (NCCL cannot join two processes on one GPU)
+        sender = WeightSender(group, bucket_bytes=BUCKET_BYTES, path="auto" if plat.is_accelerator else "collective")
+    except BaseException as e:
+        _report(conn, e)
+        if not isinstance(e, (UnisleepError, ValueError, OSError)):
+            traceback.print_exc()  # a bug, not a bad option: keep the trace
+        if "group" in locals():
+            group.close()
+        raise SystemExit(1)  # the engine side shows the error; no traceback here
     conn.send(("ready", os.getpid()))
     try:
         while True:
@@ -60,7 +71,7 @@ def trainer_main(conn, rendezvous: str, cfg: dict, platform_name: str, lr: float
                 opt.step()
                 conn.send(("trained", {
                     "logprobs": lp.detach().cpu().tolist(), "kept_mass": kept.detach().cpu().tolist(),
-                    "loss": float(loss), "seconds": time.perf_counter() - t0,
+                    "loss": loss.detach().item(), "seconds": time.perf_counter() - t0,
                 }))
             elif cmd == "send":  # the engine side is receiving now (and is awake: it asked)
                 t0 = time.perf_counter()
@@ -70,16 +81,20 @@ def trainer_main(conn, rendezvous: str, cfg: dict, platform_name: str, lr: float
             else:
                 conn.send(("error", f"unknown command {cmd!r}"))
     except BaseException as e:  # tell the engine side why, then die
-        try:
-            conn.send(("error", f"{type(e).__name__}: {e}"))
-        except Exception:
-            pass
+        _report(conn, e)
         raise
     finally:
         try:
             group.close()
         except Exception:
             pass
+
+
+def _report(conn, e: BaseException) -> None:
+    try:
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+    except Exception:
+        pass
 
 
 class TrainerProcess:
@@ -92,19 +107,57 @@ class TrainerProcess:
         self.conn.send((cmd, arg))
         return self.wait(expect)
 
-    def wait(self, expect: Optional[str]) -> Any:
+    def _next(self, also: Optional[Callable[[], bool]] = None) -> Optional[tuple]:
+        """The trainer's next message ``(kind, payload)``.  Raises :class:`EngineError` with the
+        trainer's own error, or within ~0.1 s of its process dying, or after ``timeout_s``.
+        ``also``: return None as soon as it is true."""
         deadline = time.monotonic() + self.timeout_s
         while not self.conn.poll(0.05):
+            if also is not None and also():
+                return None
             if not self.proc.is_alive():
-                raise EngineError(f"the trainer process died (exit code {self.proc.exitcode})")
+                if self.conn.poll(0):  # its last words, sent before it exited
+                    break
+                raise EngineError(f"the trainer process {self.proc.pid} died (exit code {self.proc.exitcode}) "
+                                  "without saying why; its output above shows the cause")
             if time.monotonic() > deadline:
-                raise EngineError(f"the trainer did not answer within {self.timeout_s:.0f} s")
+                raise EngineError(f"the trainer did not answer within {self.timeout_s:.0f} s (--timeout)")
         kind, payload = self.conn.recv()
         if kind == "error":
-            raise EngineError(f"trainer process: {payload}")
+            raise EngineError(f"the trainer process failed: {payload}")
+        return kind, payload
+
+    def wait(self, expect: Optional[str]) -> Any:
+        kind, payload = self._next()
         if expect is not None and kind != expect:
             raise EngineError(f"trainer answered {kind!r}, expected {expect!r}")
         return payload
+
+    def run_beside(self, fn: Callable[[], Any], expect: str) -> Any:
+        """Run ``fn`` (e.g. joining the transfer group, which blocks until the trainer joins too) in
+        a thread while watching the trainer, whose answer when it is done is ``expect``: the
+        trainer's error or death is raised within a fraction of a second instead of after ``fn``'s
+        own timeout.  Returns what ``fn`` returned."""
+        box: dict = {}
+
+        def target():
+            try:
+                box["value"] = fn()
+            except BaseException as e:  # re-raised in the caller
+                box["error"] = e
+
+        t = threading.Thread(target=target, name="unisleep-demo-join", daemon=True)
+        t.start()
+        got = None
+        while got is None and t.is_alive():
+            got = self._next(also=lambda: not t.is_alive())
+        t.join()
+        if "error" in box:
+            raise box["error"]
+        kind = (got or self._next())[0]
+        if kind != expect:
+            raise EngineError(f"trainer answered {kind!r}, expected {expect!r}")
+        return box["value"]
 
     def stop(self) -> None:
         try:

@@ -128,11 +128,11 @@ def run_vllm(args) -> int:
             sc0 = policy.score(VLLM_PROBE_PROMPTS, tok0)
             base_gap = max_logprob_gap(probe0, sc0)
             info["version0"] = eng.weight_version()
-            for step in range(args.steps):
+            for step in range(1, args.steps + 1):  # counted from 1: progress, table, demo.json
                 # 1. rollouts with the engine's current weights (raw logprobs, full vocabulary)
                 prompts = [[0, *row] for row in torch.randint(3, 1024, (args.batch, 4), generator=rng).tolist()]
                 gens = eng.generate(prompts, max_tokens=n, temperature=1.0, top_p=args.top_p,
-                                    seed=args.seed * 1000 + step, ignore_eos=True)
+                                    seed=args.seed * 1000 + step - 1, ignore_eos=True)
                 tokens = [g.token_ids for g in gens]
                 rewards = [_reward_mod(t, args.target) for t in tokens]
                 version_served = eng.weight_version()
@@ -153,7 +153,7 @@ def run_vllm(args) -> int:
                 gs = monitor.observe([g.logprobs for g in gens], lp_train, top_p=args.top_p, step=step,
                                      version=version_served)
                 # 4. reacquire: wake weights -> start/update/finish (version) -> wake KV -> reset -> resume
-                version = str(step + 1)
+                version = str(step)
                 named = policy.named(previous=args.sabotage == "drop-weights")
                 rep = handoff.reacquire(lambda e, named=named, v=version: pusher.send(named, v), version=version)
                 reported = eng.weight_version()
