@@ -149,3 +149,75 @@ def test_bench_check_exit_code_follows_the_table(tmp_path, check):
     else:
         assert r.returncode == 0, r.stderr
         assert ("goal missed" in r.stdout) == bool(missed)
+
+
+# ------------------------------------------------------------------------- a script beside the clone folder
+SCRIPT = "from unisleep import MemoryLifecycle\nprint('imported', MemoryLifecycle.__module__)\n"
+
+
+def _editable_finder() -> bool:
+    """Whether unisleep is installed with setuptools' editable import hook (pip install -e .)."""
+    import site
+
+    dirs = site.getsitepackages() + [site.getusersitepackages()]
+    return any(os.path.isdir(d) and any(f.startswith("__editable___unisleep") and f.endswith("_finder.py")
+                                        for f in os.listdir(d)) for d in dirs)
+
+
+def _run_script(where, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    script = where / "use_unisleep.py"
+    script.write_text(SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=str(where), env=env,
+                          timeout=120)
+
+
+def test_script_beside_a_folder_named_unisleep(tmp_path):
+    """What the README's Use section says: beside a folder called unisleep/ (a clone), the editable
+    install loses to that folder; a script elsewhere works."""
+    (tmp_path / "unisleep").mkdir()  # the clone's folder as seen from above: no __init__.py at its top
+    (tmp_path / "unisleep" / "README.md").write_text("a clone\n")
+    r = _run_script(tmp_path)
+    if _editable_finder():
+        assert r.returncode == 1
+        assert "cannot import name 'MemoryLifecycle' from 'unisleep' (unknown location)" in r.stderr
+    else:  # a regular install wins over a folder without __init__.py
+        assert r.returncode == 0, r.stderr
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    r = _run_script(elsewhere)
+    assert r.returncode == 0 and "imported unisleep.lifecycle" in r.stdout, r.stderr
+
+
+def test_script_inside_the_clone_works(tmp_path):
+    script = os.path.join(ROOT, f"_use_unisleep_{os.getpid()}.py")
+    with open(script, "w") as f:
+        f.write(SCRIPT + "import unisleep.backends.host\n")
+    try:
+        r = subprocess.run([sys.executable, script], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    finally:
+        os.unlink(script)
+    assert r.returncode == 0 and "imported unisleep.lifecycle" in r.stdout, r.stderr
+
+
+def test_regular_install_beside_the_folder_works(tmp_path):
+    """The README's fix `pip install .` (no -e): a regular package wins over the clone folder. Built
+    from a copy of the sources, without dependencies or network."""
+    import shutil
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(os.path.join(ROOT, name), src / name)
+    for name in ("unisleep", "backends"):
+        shutil.copytree(os.path.join(ROOT, name), src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    target = tmp_path / "site"
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                        "--no-index", "--target", str(target), str(src)], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    beside = tmp_path / "work"
+    (beside / "unisleep").mkdir(parents=True)
+    r = _run_script(beside, {"PYTHONPATH": str(target)})
+    assert r.returncode == 0 and "imported unisleep.lifecycle" in r.stdout, r.stderr
