@@ -127,6 +127,20 @@ def test_bench_refuses_a_size_that_cannot_fit(tmp_path, size):
     assert check_room(parse_size(hint), str(spill)) == str(spill)
 
 
+def test_bench_refuses_a_size_that_does_not_fit_in_the_spill_dir(tmp_path):
+    """A 16 MB filesystem as the spill directory: 32 MiB fits in memory but its two spill files do not."""
+    sys.path.insert(0, os.path.join(ROOT, "tests", "trust"))
+    from trust_helpers import small_filesystem
+
+    with small_filesystem(16, tmp_path) as (mnt, kind):
+        spill = os.path.join(mnt, "spill")
+        r = cli("bench", "--size", "32M", "--spill-dir", spill, "--json", str(tmp_path / "b.json"), timeout=60)
+        assert r.returncode == 2, (r.stdout, r.stderr)
+        assert f"does not fit in the spill directory {spill}" in r.stderr, r.stderr
+        assert f"{mnt} has" in r.stderr and "Pass --size" in r.stderr and "--spill-dir" in r.stderr
+        assert not os.path.exists(spill) and not (tmp_path / "b.json").exists()  # nothing created
+
+
 def test_bench_refuses_a_file_as_spill_dir(tmp_path):
     f = tmp_path / "afile"
     f.write_text("x")
@@ -221,3 +235,60 @@ def test_regular_install_beside_the_folder_works(tmp_path):
     (beside / "unisleep").mkdir(parents=True)
     r = _run_script(beside, {"PYTHONPATH": str(target)})
     assert r.returncode == 0 and "imported unisleep.lifecycle" in r.stdout, r.stderr
+
+
+# ------------------------------------------------------------------------- what the docs promise
+DOCS = [os.path.join(ROOT, "README.md")] + [os.path.join(ROOT, "docs", f) for f in sorted(os.listdir(
+    os.path.join(ROOT, "docs"))) if f.endswith(".md")]
+
+
+def _test_files() -> list[str]:
+    out = []
+    for root, dirs, files in os.walk(os.path.join(ROOT, "tests")):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        out += [os.path.join(root, f) for f in files if f.endswith(".py")]
+    return out
+
+
+@pytest.mark.parametrize("phrase", ["device tool", "this workplace", "/opt/wheels", "local wheel folder",
+                                    "device-figures.md", "nvidia-h200-x"])
+def test_docs_and_tests_speak_of_the_project_only(phrase):
+    """Docs and skip reasons name the hardware and the command, not the tooling a run happened on
+    (this file is exempt: it holds the phrases to look for)."""
+    hits = []
+    for path in DOCS + [p for p in _test_files() if os.path.abspath(p) != os.path.abspath(__file__)]:
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if phrase.lower() in line.lower():
+                    hits.append(f"{os.path.relpath(path, ROOT)}:{n}: {line.strip()}")
+    assert not hits, "\n".join(hits)
+
+
+def test_readme_and_lifecycle_doc_agree_with_the_library(lifecycle):
+    """README: waking what is awake (and sleeping what already sleeps the same way) is a no-op; a
+    level-1 sleep over a level-2 sleep and a level 3 sleep raise before anything changes."""
+    import torch
+
+    from unisleep.errors import InvalidArgumentError, InvalidTransitionError
+
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    lifecycle_md = open(os.path.join(ROOT, "docs", "lifecycle.md"), encoding="utf-8").read()
+    assert "(waking what is awake" in readme and "is a harmless no-op" in readme
+    assert "raises a named error *before* anything" in readme
+    assert "Waking an\n  awake tag is a no-op" in lifecycle_md or "Waking an awake tag is a no-op" in lifecycle_md
+
+    lc = lifecycle
+    w = lc.empty((1 << 16,), torch.uint8, tag="weights")
+    w.fill_(7)
+    lc.wake_up()  # awake: nothing happens
+    assert lc.state() == {"weights": "awake"} and int(w[0]) == 7
+    lc.sleep(2)
+    lc.sleep(2)  # the same sleep again: nothing happens
+    with pytest.raises(InvalidTransitionError):
+        lc.sleep(1)  # level 1 over level 2
+    with pytest.raises(InvalidArgumentError):
+        lc.sleep(3)
+    assert lc.state() == {"weights": "discarded"}
+    lc.wake_up()
+    lc.wake_up()
+    assert lc.state() == {"weights": "awake"} and int(w.sum()) == 0
