@@ -178,10 +178,14 @@ def _buffer(ptr: int, n: int):
     return memoryview((ctypes.c_char * n).from_address(ptr)).cast("B") if n else memoryview(b"")
 
 
-def _xxh3(mv) -> int:
+def _hasher():
     import xxhash
 
-    return xxhash.xxh3_64_intdigest(mv)
+    return xxhash.xxh3_64()
+
+
+#: bytes read or written between checksum updates: small enough to still be in cache
+_STEP = 4 << 20
 
 
 #: verification piece of a backup written in one go
@@ -327,10 +331,13 @@ class SpillStore(BackupStore):
                 mv, done = _buffer(src.data_ptr(), n), 0
                 while done < n:
                     end = min(n, done + max(1, piece))
-                    part = mv[done:end]
-                    pieces.append((done, end - done, _xxh3(part)))
-                    while done < end:
-                        done += os.pwrite(fd, mv[done:end], done)
+                    h, start = _hasher(), done
+                    while done < end:  # hash each step just before writing it (still in cache)
+                        step_end = min(end, done + _STEP)
+                        h.update(mv[done:step_end])
+                        while done < step_end:
+                            done += os.pwrite(fd, mv[done:step_end], done)
+                    pieces.append((start, end - start, h.intdigest()))
                     on_written(done)
             finally:
                 os.close(fd)
@@ -383,13 +390,10 @@ class SpillStore(BackupStore):
                 if lo >= hi:
                     continue
                 if lo == p_off and hi == p_off + p_len:
-                    target = dmv[lo - offset : hi - offset]
-                    _read_exact(fd, target, p_off, path, total)
-                    got = _xxh3(target)
+                    got = _read_hashed(fd, dmv[lo - offset : hi - offset], p_off, path, total)
                 else:
                     scratch = bytearray(p_len)
-                    _read_exact(fd, memoryview(scratch), p_off, path, total)
-                    got = _xxh3(scratch)
+                    got = _read_hashed(fd, memoryview(scratch), p_off, path, total)
                     dmv[lo - offset : hi - offset] = scratch[lo - p_off : hi - p_off]
                 if got != p_sum:
                     raise BackupCorruptError(
@@ -433,6 +437,17 @@ def _unlink(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+def _read_hashed(fd: int, target, offset: int, path: str, total: int) -> int:
+    """Read ``target`` from ``offset``, hashing each step right after it lands; the XXH3-64."""
+    h, done, n = _hasher(), 0, len(target)
+    while done < n:
+        end = min(n, done + _STEP)
+        _read_exact(fd, target[done:end], offset + done, path, total)
+        h.update(target[done:end])
+        done = end
+    return h.intdigest()
 
 
 def _read_exact(fd: int, target, offset: int, path: str, total: int) -> None:
