@@ -233,6 +233,8 @@ def test_rocm_sim_runtime_that_moves_reservations_keeps_them_visibly(monkeypatch
     assert drv.last_sleep_kept == {"bytes": 3 * MiB, "regions": 2, "reason": drv.kept_reason}
     assert lib.dev.used_bytes == 3 * MiB  # memory not returned (this ROCm holds it while reserved)...
     assert lc.last_report.bytes_released == 0  # ...and the report does not claim it was
+    assert any("3.00 MiB in 2 region(s) not returned" in n for n in lc.last_report.notes), lc.last_report.notes
+    assert "not returned to the device" in str(lc.last_report)
     assert any(drv.kept_reason in m for m in fallback_warnings())
     assert any(drv.kept_reason in m for m in collect()["warnings"])  # unisleep doctor, same process
     lc.wake_up()

@@ -54,6 +54,7 @@ class Report:
     bytes_released: int = 0
     bytes_copied: int = 0
     seconds: float = 0.0
+    notes: list = field(default_factory=list)  # what the backend wants said (e.g. memory it kept)
 
     @property
     def gbps(self) -> float:
@@ -67,6 +68,7 @@ class Report:
             "bytes_copied": self.bytes_copied,
             "seconds": self.seconds,
             "gbps": self.gbps,
+            "notes": list(self.notes),
         }
 
     def __str__(self) -> str:
@@ -74,6 +76,7 @@ class Report:
             f"{self.operation} {','.join(self.tags) or '-'}: released {human_bytes(self.bytes_released)}, "
             f"copied {human_bytes(self.bytes_copied)} in {self.seconds * 1e3:.1f} ms"
             + (f" ({self.gbps:.1f} GB/s)" if self.bytes_copied else "")
+            + "".join(f"; {n}" for n in self.notes)
         )
 
 
@@ -462,6 +465,12 @@ class MemoryLifecycle:
             for tag, st in {**plan, **settle}.items():
                 self._tags[tag] = st
             rep = Report(f"sleep(level={level})", sorted({**plan, **settle}), released, copied, time.perf_counter() - t0)
+            kept = getattr(self._driver, "last_sleep_kept", None)
+            if kept:  # e.g. ROCm keeping address reservations it could not safely give back
+                rep.notes.append(
+                    f"{human_bytes(kept.get('bytes', 0))} in {kept.get('regions', '?')} region(s) not returned to the "
+                    f"device: {kept.get('reason', 'the backend kept them')}"
+                )
             if retained:
                 log.debug("skipped copying %d unchanged bytes", retained)
             return self._done(rep)
