@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -151,3 +152,21 @@ def test_vllm_version_reported(clean_env, capsys):
     else:
         if installed:
             assert rep["vllm"] and installed in rep["vllm"][0]
+
+
+def test_sizes_in_human_units(tmp_path):
+    """Figures under a GiB are not printed as 0.0 GiB: a spill directory on a 16 MB filesystem shows
+    its free space in MiB; the devices' memory is in the same units as unisleep.units.human_bytes."""
+    sys.path.insert(0, os.path.join(ROOT, "tests", "trust"))
+    from trust_helpers import small_filesystem
+
+    from unisleep.units import human_bytes
+
+    with small_filesystem(16, tmp_path) as (mnt, kind):
+        r = run_doctor(env_extra={"UNISLEEP_SPILL_DIR": mnt, "UNISLEEP_PLATFORM": "host"})
+        rep = json.loads(run_doctor("--json", env_extra={"UNISLEEP_SPILL_DIR": mnt, "UNISLEEP_PLATFORM": "host"}).stdout)
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("host spill directory:"))
+    assert re.search(r", \d+(\.\d+)? MiB free\)", line), line
+    assert "0.0 GiB" not in r.stdout
+    dev = rep["platform"]["devices"][0]
+    assert f"{human_bytes(dev['total_bytes'])}" in r.stdout

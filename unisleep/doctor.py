@@ -18,8 +18,10 @@ from importlib import util as importlib_util
 from typing import Any, Optional, Sequence
 
 
-def _gib(n: Optional[int]) -> str:
-    return "?" if n is None else f"{n / 2**30:.1f} GiB"
+def _size(n: Optional[int]) -> str:
+    from .units import human_bytes
+
+    return "?" if n is None else human_bytes(n)
 
 
 def _version(*dists: str) -> Optional[str]:
@@ -182,7 +184,7 @@ def render(report: dict[str, Any]) -> str:
         lines.append(f"platform: {p['name']} — {p['reason']}")
         lines.append(f"  torch device type: {p['torch_device']}; weight-transfer collective: {p['collective_backend']}")
         for d in p["devices"]:
-            mem = f"{_gib(d['free_bytes'])} free of {_gib(d['total_bytes'])}"
+            mem = f"{_size(d['free_bytes'])} free of {_size(d['total_bytes'])}"
             lines.append(f"  device {d['index']}: {d['name']}, {mem}" + (f" ({d['uuid']})" if d.get("uuid") else ""))
         if not p["devices"]:
             lines.append("  no device found")
@@ -200,7 +202,7 @@ def render(report: dict[str, Any]) -> str:
         found = "" if b["module_found"] else "  (module not found)"
         lines.append(f" {mark} {name:8} {b['target']}{found}")
     s = report["spill"]
-    lines += ["", f"host spill directory: {s['path']} ({s['filesystem']}, {_gib(s.get('free_bytes'))} free)"
+    lines += ["", f"host spill directory: {s['path']} ({s['filesystem']}, {_size(s.get('free_bytes'))} free)"
               + (" [UNISLEEP_SPILL_DIR]" if s["from_env"] else "")]
     lines += ["", f"vLLM: {report['vllm_version'] or 'not installed'}"]
     lines += [f"  {line}" for line in report["vllm"]]
