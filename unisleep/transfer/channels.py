@@ -67,7 +67,7 @@ class IpcConn:
         self.n_out = self.n_in = 1
 
     def send(self, op: str, fds: Sequence[int] = (), **fields) -> None:
-        send_sealed(self.sock, self.key, f"{self.ctx}/{self.out_dir}", op, self.n_out, fields, fds)
+        send_sealed(self.sock, self.key, f"{self.ctx}/{self.out_dir}", op, self.n_out, fields, fds, peer=self.peer)
         self.n_out += 1
 
     def recv(self, what: str, timeout_s: Optional[float] = None) -> tuple[dict, list[int]]:
@@ -83,7 +83,8 @@ class IpcConn:
             pass
 
 
-def send_sealed(sock: socket.socket, key: bytes, ctx: str, op: str, n: int, fields: dict, fds: Sequence[int] = ()) -> None:
+def send_sealed(sock: socket.socket, key: bytes, ctx: str, op: str, n: int, fields: dict, fds: Sequence[int] = (),
+                peer: str = "the peer") -> None:
     body = dict(_BLANK, op=op, **fields)
     data = R.seal(key, ctx, "ipc", n, 0, body)
     try:
@@ -92,7 +93,7 @@ def send_sealed(sock: socket.socket, key: bytes, ctx: str, op: str, n: int, fiel
         else:
             sock.sendall(data)
     except OSError as e:
-        raise TransferError(f"the IPC socket failed sending {op!r}: {e} (the peer died or gave up)") from e
+        raise TransferError(f"the IPC socket failed sending {op!r} to {peer}: {e} (it died or gave up)") from e
 
 
 def recv_sealed(sock: socket.socket, key: bytes, ctx: str, n: Optional[int], what: str, peer: str,
@@ -332,6 +333,8 @@ class IpcSendChannel:
         while st.busy[slot]:
             for r in list(st.busy[slot]):
                 msg, _ = st.conns[r].recv(f"receiver rank {r} to release bucket memory")
+                if msg["op"] == "free" and msg["u"] != self.seq:
+                    continue  # a late release from an aborted update
                 if msg["op"] == "free" and msg["slot"] in (0, 1):
                     st.busy[msg["slot"]].discard(r)
                 elif msg["op"] == "error":

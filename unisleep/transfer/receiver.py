@@ -291,6 +291,15 @@ class WeightReceiver:
         self._conn = self._sock_name = None
         self._ready = False
 
+    @staticmethod
+    def _free(conn: IpcConn, slot: int, seq: int) -> None:
+        """Hand bucket memory back; if the sender already hung up (an abort), its last messages
+        are still queued on the socket: the loop reads them (``end``, or the end of the stream)."""
+        try:
+            conn.send("free", slot=slot, u=seq)
+        except TransferError:
+            pass
+
     def _recv_ipc(self, st: "RecvState") -> None:
         import torch
 
@@ -329,12 +338,12 @@ class WeightReceiver:
                     buf = torch.empty(msg["nbytes"], dtype=torch.uint8, device=dev)
                     buf.copy_(src)
                     ipc.synchronize(self.group.device_index)
-                    conn.send("free", slot=msg["slot"], u=st.seq)
+                    self._free(conn, msg["slot"], st.seq)
                     st.take(msg["k"], buf)
                 else:  # verify and apply straight from the shared memory, then hand it back
                     st.take(msg["k"], src)
                     ipc.synchronize(self.group.device_index)
-                    conn.send("free", slot=msg["slot"], u=st.seq)
+                    self._free(conn, msg["slot"], st.seq)
             elif op == "end":
                 if msg["u"] != st.seq:
                     raise TransferError(f"the sender ended update {msg['u']} while this side received update {st.seq}")

@@ -178,18 +178,25 @@ class WeightSender:
                 seal = UpdateSeal(g.hash_key(seq, epoch), g.subkey("pad"), g.group_id, epoch, seq)
             self._stream(items, manifest, plans, seq, chan, seal)
         except Exception as e:  # the generator, a spec mismatch, the transport...
+            ended = False
             try:
                 g.put(f"u{seq}/abort", {"why": f"{type(e).__name__}: {e}"[:4000]}, seq, epoch)
                 if "chan" in locals():
                     chan.end(abort=True)
+                    ended = True
             except Exception:
                 pass
-            if path == "ipc":
-                self._drop_ipc()
+            if path == "ipc" and not ended:
+                self._drop_ipc()  # the socket is out of step; an ended one stays (the receivers read 'end')
             else:
                 g.channel_broke(f"update {seq} broke off")
-            if isinstance(e, UnisleepError):
+            dead = self._dead_receivers()
+            if isinstance(e, UnisleepError) and not dead:
                 raise
+            if dead:
+                g.broken = dead[0]
+                raise TransferError(f"update {seq} (version {version!r}) broke off: {'; '.join(dead)}; recreate the "
+                                    f"group ({type(e).__name__}: {str(e)[:300]})") from e
             raise TransferError(f"update {seq} (version {version!r}) aborted on the sender: {type(e).__name__}: {e}") from e
         finally:
             if seal is not None:
@@ -218,6 +225,19 @@ class WeightSender:
                                           phases={"handshake": t_ack - t0, "stream": t_sent - t_ack, "commit_wait": t1 - t_sent},
                                           intrusions=list(g.intrusions[intrusions0:]))
         return self.last_report
+
+    def _dead_receivers(self) -> list[str]:
+        """Why receivers are dead, for a transport failure (a process that exited is seen at
+        once; a silent heartbeat after a few seconds)."""
+        out: list[str] = []
+        for r in self.group.receivers:
+            try:
+                why = self.group.peer_dead(r)
+            except Exception:  # noqa: BLE001
+                why = None
+            if why:
+                out.append(why)
+        return out
 
     def _call_off(self, seq: int, epoch: int, why: str) -> None:
         """Before any byte moved: withdraw the header (a late receiver waits for the next one)

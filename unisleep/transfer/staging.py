@@ -15,8 +15,8 @@ if TYPE_CHECKING:
 
 
 class VerifyError(TransferError):
-    """The update's bytes fail the manifest (missing, corrupt, out of place): refused, the IPC
-    socket is still in step."""
+    """The update's bytes fail the manifest (missing, corrupt, out of place), or the sender
+    aborted it and said so: refused, and the IPC socket is still in step."""
 
 
 class RecvState:
@@ -66,7 +66,9 @@ class RecvState:
                                          peer="the sender (rank 0)", watch=[0], what="the sender's reason")["why"]
             except TransferError:
                 why = "no reason given"
-            raise TransferError(f"the sender aborted update {self.seq} (version {version!r}): {why}")
+            tail = (f"the target was partly updated ({self.applied} buckets applied) and is now inconsistent"
+                    if self.applied else f"still serving version {self.rx.version!r}")
+            raise VerifyError(f"the sender aborted update {self.seq} (version {version!r}): {why}; {tail}")
         missing_b = [p for p in self.plans if p.index not in self.got and p.index not in self.rejected]
         missing = [self.specs[s.index].name for p in missing_b for s in p.slots]
         if missing or self.corrupt or self.problems:
