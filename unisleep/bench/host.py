@@ -5,7 +5,7 @@ all measured in the same run on the same bytes and the same filesystem.
 ours                           limit                                                  goal
 =============================  =====================================================  ===========
 level-1 sleep (backup+free)    write the same bytes to a file in the spill directory  >= 80 %
-wake from level 1 (restore)    read that file back into fresh memory                  >= 80 %
+wake from level 1 (restore)    read that file back into fresh memory                  >= 90 %
 level-2 sleep (free only)      kernel: munmap + close of a touched memfd, same size   <= 5 ms
 wake from level 2 (zeroed)     kernel: memfd_create + fallocate + mmap, same size     >= 80 %
 -                              plain memcpy of the same size, for scale               -
@@ -39,6 +39,8 @@ from ..units import human_bytes
 from .common import print_table, progress, write_json
 
 GOAL_RATIO = 0.8
+#: the verified wake (every spill piece checked against its XXH3 checksum) against the plain read
+GOAL_WAKE1_RATIO = 0.9
 GOAL_L2_SLEEP_S = 0.005
 #: peak memory per byte of --size: the tag, its reference copy, and the fresh buffer the wake's
 #: limit reads into (at the start, the tag and the pattern that fills it)
@@ -292,8 +294,8 @@ def run(size: int, cycles: int, spill_dir: Optional[str]) -> dict:
          "met": med["write"] / med["sleep1"] >= GOAL_RATIO},
         {"operation": "wake from level 1 (restore)", "ours_gbps": gbps["wake1"], "ours_ms": med["wake1"] * 1e3,
          "limit": "read the file into fresh memory", "limit_gbps": gbps["read"], "limit_ms": med["read"] * 1e3,
-         "ratio": med["read"] / med["wake1"], "goal": f">= {GOAL_RATIO:.0%}",
-         "met": med["read"] / med["wake1"] >= GOAL_RATIO},
+         "ratio": med["read"] / med["wake1"], "goal": f">= {GOAL_WAKE1_RATIO:.0%}",
+         "met": med["read"] / med["wake1"] >= GOAL_WAKE1_RATIO},
         {"operation": "level-2 sleep (free only)", "ours_gbps": None, "ours_ms": med["sleep2"] * 1e3,
          "limit": "kernel: munmap + close touched memfd", "limit_gbps": None,
          "limit_ms": med["kernel_release"] * 1e3, "ratio": med["kernel_release"] / med["sleep2"],
