@@ -1,0 +1,598 @@
+"""The public surface of torch_memory_saver 0.0.10, backed by :class:`~unisleep.MemoryLifecycle`.
+
+Same names, arguments and meaning as torch_memory_saver (tms) 0.0.10: the ``torch_memory_saver``
+singleton and the ``TorchMemorySaver`` class with ``region``, ``cuda_graph``, ``pause``,
+``resume``, ``disable``, ``enabled``, ``hook_mode``, ``memory_margin_bytes``,
+``retain_cpu_backup``, ``get_cpu_backup``, ``set_disk_backup_dir``, and the module-level
+``configure_subprocess()``.  It runs on every unisleep platform (CUDA, ROCm, Ascend, host), never
+needs ``LD_PRELOAD``, accepts ``expandable_segments`` and reports per-tag resident bytes
+(``resident_bytes(tag)``, ``state()``).  docs/compat-tms.md has the method table and every
+difference; the main ones:
+
+* a region routes the framework's own allocations into the tag on accelerators (the lifecycle's
+  ``pool(tag)``); the **host backend has no pool**, so there only tensors made through the
+  region's helpers (``with tms.region(...) as r: r.empty(...)`` / ``r.adopt(module)``, or
+  ``tms.empty``/``tms.adopt`` inside the region) sleep — plain ``torch.empty`` stays ordinary
+  memory;
+* memory paused without a backup comes back zeroed (tms: "thrown away", contents undefined);
+* pausing a paused allocation or resuming a running one raises
+  :class:`~unisleep.errors.InvalidTransitionError` before anything changes (tms 0.0.10 ends the
+  process with ``exit(1)``; ``MemoryLifecycle`` alone would make both a no-op); a tag with no
+  allocations is a no-op, as in tms (``MemoryLifecycle`` would raise ``UnknownTagError``).
+
+Backing: one lifecycle holds every tag without a backup (pause = ``discard([tag])``), and each
+backed-up tag has a lifecycle of its own (pause = ``sleep(1, offload_tags=[tag])``), because a
+``MemoryLifecycle`` sleep acts on all of its tags at once and tms pauses one tag at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any, Iterator, Literal, Optional
+
+from ..errors import (
+    InsufficientMemoryError,
+    InvalidArgumentError,
+    InvalidTransitionError,
+    UnsupportedError,
+)
+from ..units import human_bytes
+
+log = logging.getLogger("unisleep.compat")
+
+__all__ = ["TorchMemorySaver", "torch_memory_saver", "configure_subprocess", "RegionHandle"]
+
+_TAG_DEFAULT = "default"
+CpuBackupBackend = Literal["mmap", "pinned"]
+HookMode = Literal["preload", "torch"]
+_HOOK_MODES = ("preload", "torch")
+_BACKENDS = ("mmap", "pinned")
+NONE, CPU, DISK = "none", "cpu", "disk"  # backup kinds
+
+#: the variable that makes ``import torch_memory_saver`` resolve to this facade in child
+#: processes that have the shim folder on their path (see unisleep.compat)
+ENV_SWITCH = "UNISLEEP_TMS"
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+@dataclass
+class _Slot:
+    """One lifecycle tag behind a tms tag: (tms tag, backup kind, device, lifecycle tag)."""
+
+    tag: str
+    kind: str
+    device: int
+    ltag: str
+    lc: Any  # MemoryLifecycle
+
+
+class RegionHandle:
+    """What ``with torch_memory_saver.region(...) as r`` yields (tms yields ``None``, so code
+    written for tms is unaffected): ``r.empty`` / ``r.adopt`` put tensors into the region's tag
+    on every platform — on the host backend they are the only way in."""
+
+    def __init__(self, saver: "TorchMemorySaver", slot: _Slot):
+        self._saver, self._slot = saver, slot
+
+    @property
+    def tag(self) -> str:
+        return self._slot.tag
+
+    def empty(self, shape, dtype=None):
+        """A new tensor in the region's tag (zeros), on the platform's device."""
+        return self._saver._empty(self._slot, shape, dtype)
+
+    def adopt(self, obj):
+        """Move ``obj``'s tensors (a module, optimizer state, tensor, dict…) into the region's
+        tag in place (see ``MemoryLifecycle.adopt``).  Returns ``obj``."""
+        return self._saver._adopt(self._slot, obj)
+
+
+class TorchMemorySaver:
+    """torch_memory_saver 0.0.10's ``TorchMemorySaver``, on unisleep.  One per process is the
+    norm (the module's ``torch_memory_saver``); each instance owns its own memory."""
+
+    def __init__(self):
+        self._lock = threading.RLock()
+        self._local = threading.local()  # per-thread stack of regions, and the disable flag
+        self._platform = None
+        self._plain: dict[int, Any] = {}  # device -> lifecycle of the tags without backup
+        self._slots: dict[tuple[str, int, str], _Slot] = {}  # (kind, device, ltag) -> slot
+        self._graph_pools: dict[Any, _Slot] = {}  # graph pool id / caller's handle -> slot
+        self._graphs = 0
+        self._hook_mode: Optional[str] = None
+        self._initialized = False
+        self._margin = 0
+        self._retain = _env_flag("TMS_RETAIN_CPU_BACKUP")
+        self._disk_dir: Optional[str] = os.environ.get("TMS_DISK_BACKUP_DIR") or None
+        self._default_backend = os.environ.get("TMS_INIT_CPU_BACKUP_BACKEND") or "pinned"
+        self._warned: set[str] = set()
+
+    # ------------------------------------------------------------------ tms surface
+    @contextlib.contextmanager
+    def region(
+        self,
+        tag: str = _TAG_DEFAULT,
+        enable_cpu_backup: bool = False,
+        enable_disk_backup: bool = False,
+        cpu_backup_backend: Optional[CpuBackupBackend] = None,
+    ) -> Iterator[RegionHandle]:
+        """Memory allocated inside may be paused; ``enable_cpu_backup`` keeps its bytes across a
+        pause (host memory), ``enable_disk_backup`` keeps them in files under the disk backup
+        directory (host backend; on accelerators it is the same host backup as the CPU one).
+        The two are mutually exclusive, as in tms."""
+        self._check_backend(enable_cpu_backup, cpu_backup_backend)
+        if enable_cpu_backup and enable_disk_backup:
+            raise InvalidArgumentError(
+                "enable_cpu_backup and enable_disk_backup are mutually exclusive; pass one of them"
+            )
+        _check_tag(tag)
+        self._ensure_initialized()
+        kind = CPU if enable_cpu_backup else DISK if enable_disk_backup else NONE
+        slot = self._slot(tag, kind, self._current_device(), tag)
+        handle = RegionHandle(self, slot)
+        lc = slot.lc
+        if lc.driver.supports_pool:
+            with lc.pool(slot.ltag), self._pushed(slot):
+                yield handle
+        else:
+            self._say_once(
+                "host-region",
+                f"torch_memory_saver.region() on the {lc.platform_name} backend: torch's own allocations are not "
+                "routed into the tag there (the backend has no memory pool); allocate with "
+                "`with torch_memory_saver.region(...) as r: r.empty(...)` or r.adopt(module)",
+            )
+            with self._pushed(slot):
+                yield handle
+
+    @contextlib.contextmanager
+    def cuda_graph(
+        self,
+        cuda_graph,
+        pool=None,
+        stream=None,
+        capture_error_mode: str = "global",
+        tag: str = _TAG_DEFAULT,
+        enable_cpu_backup: bool = False,
+        cpu_backup_backend: Optional[CpuBackupBackend] = None,
+    ) -> Iterator[RegionHandle]:
+        """Like the device module's ``graph(...)`` capture context, with the graph's memory (its
+        intermediate tensors) in ``tag`` so ``pause(tag)`` releases it.  ``pool=None`` gives the
+        graph a private pool, as the device module does; a ``pool`` shared between captures
+        (``graph.pool()`` of an earlier capture, or a graph pool handle) is shared here too."""
+        import torch
+
+        self._check_backend(enable_cpu_backup, cpu_backup_backend)
+        _check_tag(tag)
+        self._ensure_initialized()
+        if not self._platform.is_accelerator:
+            raise UnsupportedError(
+                "cuda_graph() needs an accelerator with graph capture; the host backend has none. Run the "
+                "captured code directly, or on a GPU/NPU"
+            )
+        devmod = torch.get_device_module(self._platform.torch_device_type)
+        kind = CPU if enable_cpu_backup else NONE
+        device = self._current_device()
+        with self._lock:
+            slot = self._graph_pools.get(_pool_key(pool)) if pool is not None else None
+            if slot is None:
+                self._graphs += 1
+                slot = self._slot(tag, kind, device, f"{tag}/graph-pool-{self._graphs}")
+                if pool is not None:  # the caller's handle: every capture passing it shares our pool
+                    self._graph_pools[_pool_key(pool)] = slot
+        lc = slot.lc
+        graph_pool = getattr(lc.driver, "graph_pool", None)
+        if graph_pool is None:
+            self._say_once(
+                "graph-pool",
+                f"cuda_graph(): the {lc.platform_name} backend cannot put graph memory in a tag; the graph is "
+                "captured as usual and its memory is not released by pause()",
+            )
+            with devmod.graph(cuda_graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode), \
+                    self._pushed(slot):
+                yield RegionHandle(self, slot)
+            return
+        with lc.pool(slot.ltag):  # the tag exists and is awake before the capture allocates
+            pid = graph_pool(lc, slot.ltag)
+        with self._lock:
+            self._graph_pools[_pool_key(pid)] = slot
+        with devmod.graph(cuda_graph, pool=pid, stream=stream, capture_error_mode=capture_error_mode), \
+                self._pushed(slot):
+            yield RegionHandle(self, slot)
+
+    @contextlib.contextmanager
+    def disable(self) -> Iterator[None]:
+        """Allocations inside are ordinary memory, outside any tag (e.g. weight-update buffers
+        that must not be paused; slime runs its weight sync in it)."""
+        import torch
+
+        self._ensure_initialized()
+        st = self._state()
+        st.disabled += 1
+        try:
+            if self._platform.is_accelerator and st.stack:
+                devmod = torch.get_device_module(self._platform.torch_device_type)
+                mem_pool, use_pool = _plain_pool_api(devmod)
+                pool = mem_pool()  # a throwaway pool of the default allocator, as tms does
+                with use_pool(pool):
+                    yield
+                del pool
+            else:  # outside a region nothing is routed anyway; on the host nothing ever is
+                yield
+        finally:
+            st.disabled -= 1
+
+    def pause(self, tag: Optional[str] = None) -> None:
+        """Release the memory of ``tag`` (every tag if ``None``); backed-up regions keep their
+        bytes, the others come back zeroed.  Addresses never change."""
+        self._ensure_initialized()
+        with self._lock:
+            slots = self._targets(tag)
+            busy = [s for s in slots if s.lc.state().get(s.ltag) != "awake"]
+            if busy:
+                raise InvalidTransitionError(
+                    f"cannot pause tag(s) {_names(busy)}: already paused (torch_memory_saver 0.0.10 ends the process "
+                    f"here). Resume first (resume({tag!r})) — nothing was changed."
+                )
+            for s in slots:  # backups first: a failing backup leaves every discard undone
+                if s.kind != NONE:
+                    s.lc.sleep(1, offload_tags=[s.ltag])
+            by_dev: dict[int, list[str]] = {}
+            for s in slots:
+                if s.kind == NONE:
+                    by_dev.setdefault(s.device, []).append(s.ltag)
+            for dev, ltags in by_dev.items():
+                self._plain[dev].discard(ltags)
+
+    def resume(self, tag: Optional[str] = None) -> None:
+        """Map the memory of ``tag`` (every tag if ``None``) back at the same addresses."""
+        self._ensure_initialized()
+        with self._lock:
+            slots = self._targets(tag)
+            awake = [s for s in slots if s.lc.state().get(s.ltag) == "awake"]
+            if awake:
+                raise InvalidTransitionError(
+                    f"cannot resume tag(s) {_names(awake)}: not paused (torch_memory_saver 0.0.10 ends the process "
+                    f"here). Pause first, or resume only the paused tags — nothing was changed."
+                )
+            by_lc: dict[int, tuple[Any, list[str]]] = {}
+            for s in slots:
+                by_lc.setdefault(id(s.lc), (s.lc, []))[1].append(s.ltag)
+            for lc, ltags in by_lc.values():
+                lc.wake_up(ltags)
+
+    @property
+    def enabled(self) -> bool:
+        return True
+
+    @property
+    def hook_mode(self):
+        raise AttributeError("hook_mode can only be set (as in torch_memory_saver 0.0.10)")
+
+    @hook_mode.setter
+    def hook_mode(self, hook_mode: HookMode) -> None:
+        if hook_mode not in _HOOK_MODES:
+            raise InvalidArgumentError(f"hook_mode must be 'preload' or 'torch', got {hook_mode!r}")
+        if self._initialized:
+            raise InvalidTransitionError(
+                "hook_mode must be set before the first region()/pause()/resume() (as in torch_memory_saver); "
+                "unisleep needs no hook either way, so the value only has to be valid"
+            )
+        self._hook_mode = hook_mode
+
+    @property
+    def memory_margin_bytes(self):
+        raise NotImplementedError("Only setter is supported")
+
+    @memory_margin_bytes.setter
+    def memory_margin_bytes(self, value: int) -> None:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise InvalidArgumentError(f"memory_margin_bytes must be an int >= 0, got {value!r}")
+        self._ensure_initialized()
+        self._margin = value
+
+    @property
+    def retain_cpu_backup(self) -> bool:
+        self._ensure_initialized()
+        return self._retain
+
+    @retain_cpu_backup.setter
+    def retain_cpu_backup(self, value: bool) -> None:
+        self._ensure_initialized()
+        self._retain = bool(value)
+
+    def get_cpu_backup(self, x, zero_copy: bool = False):
+        """The host copy of ``x``'s bytes: while ``x`` is paused with a CPU backup, or after
+        resume when ``retain_cpu_backup`` is on and the backend still holds it; ``None`` when
+        there is none (disk-backed regions always give ``None``, as in tms).  The result is a
+        new CPU tensor (``zero_copy=True`` also copies: the backup may be a spill file or split
+        over arena segments; writes to it never reach the backup)."""
+        import torch
+
+        self._ensure_initialized()
+        if not isinstance(x, torch.Tensor):
+            raise InvalidArgumentError(f"get_cpu_backup() takes a tensor, got {type(x).__name__}")
+        if not x.is_contiguous():
+            raise InvalidArgumentError(
+                f"get_cpu_backup() needs a contiguous tensor (shape {tuple(x.shape)}, stride {x.stride()}); "
+                "pass the contiguous tensor the region allocated"
+            )
+        ptr, n = x.data_ptr(), x.numel() * x.element_size()
+        with self._lock:
+            found = None
+            for s in self._slots.values():
+                a = _allocation_at(s.lc, s.ltag, ptr, n)
+                if a is not None:
+                    found = (s, a)
+                    break
+            if found is None:
+                raise InvalidArgumentError(
+                    f"get_cpu_backup(): the tensor at {ptr:#x} ({human_bytes(n)}) was not allocated in a "
+                    "torch_memory_saver region (torch_memory_saver 0.0.10 ends the process here)"
+                )
+            s, a = found
+            if s.kind == DISK:
+                return None
+            paused = s.lc.state().get(s.ltag) != "awake"
+            if not paused and not self._retain:
+                return None
+            if s.kind == NONE:
+                if paused:
+                    raise InvalidTransitionError(
+                        f"get_cpu_backup(): tag {s.tag!r} is paused without a CPU backup; its bytes are gone. "
+                        "Allocate it in region(..., enable_cpu_backup=True) to read it while paused"
+                    )
+                return None
+            out = torch.empty(n, dtype=torch.uint8)
+            if not _read_backup(s.lc, a, ptr - a.region.va, out):
+                if paused:  # pragma: no cover - a paused backed-up tag always has its backup
+                    raise InvalidTransitionError(f"get_cpu_backup(): no backup of tag {s.tag!r} is held")
+                return None
+        return out.view(x.dtype).view(x.shape)
+
+    def set_disk_backup_dir(self, path: str) -> None:
+        """The directory of disk backups (created if needed); applies to regions whose tag is
+        first used after this call."""
+        self._ensure_initialized()
+        os.makedirs(path, exist_ok=True)
+        self._disk_dir = str(path)
+
+    # ------------------------------------------------------------------ unisleep additions
+    def empty(self, shape, dtype=None):
+        """A new tensor (zeros) in the innermost active region's tag on this thread; inside
+        ``disable()`` an ordinary tensor on the device."""
+        return self._empty(self._current_slot("empty"), shape, dtype)
+
+    def adopt(self, obj):
+        """Move ``obj``'s tensors into the innermost active region's tag, in place."""
+        return self._adopt(self._current_slot("adopt"), obj)
+
+    def resident_bytes(self, tag: Optional[str] = None) -> int:
+        """Physical bytes the backend holds now for ``tag`` (all tags if ``None``)."""
+        with self._lock:
+            return sum(
+                s.lc.resident_bytes(s.ltag) for s in self._slots.values()
+                if (tag is None or s.tag == tag) and s.ltag in s.lc.tags
+            )
+
+    def state(self) -> dict[str, str]:
+        """Each tms tag's state: ``"active"``, ``"paused"`` or ``"mixed"`` (some of its
+        allocations paused — e.g. a graph pool resumed apart)."""
+        with self._lock:
+            seen: dict[str, set[str]] = {}
+            for s in self._slots.values():
+                st = s.lc.state().get(s.ltag)
+                if st is not None:
+                    seen.setdefault(s.tag, set()).add("active" if st == "awake" else "paused")
+            return {t: (next(iter(v)) if len(v) == 1 else "mixed") for t, v in seen.items()}
+
+    def lifecycles(self) -> list:
+        """The ``MemoryLifecycle`` objects behind this facade (for reports)."""
+        with self._lock:
+            out = list(self._plain.values())
+            out += [s.lc for s in self._slots.values() if s.kind != NONE]
+            return out
+
+    @property
+    def platform_name(self) -> str:
+        self._ensure_initialized()
+        return self._platform.name
+
+    def close(self) -> None:
+        """Free every region of this facade (its tensors must no longer be used)."""
+        with self._lock:
+            for lc in self.lifecycles():
+                lc.close()
+            self._plain.clear()
+            self._slots.clear()
+            self._graph_pools.clear()
+
+    # ------------------------------------------------------------------ internals
+    def _ensure_initialized(self) -> None:
+        if self._initialized:
+            return
+        with self._lock:
+            if self._initialized:
+                return
+            from ..platform import detect_platform
+
+            self._platform = detect_platform()
+            if _env_flag("TMS_INIT_ENABLE"):
+                self._say_once(
+                    "init-enable",
+                    "TMS_INIT_ENABLE=1 is set: unisleep's torch_memory_saver routes nothing process-wide (it has no "
+                    "LD_PRELOAD hook); wrap the allocations to pause in torch_memory_saver.region()",
+                )
+            self._initialized = True
+
+    def _check_backend(self, enable_cpu_backup, cpu_backup_backend) -> None:
+        if cpu_backup_backend is None:
+            return
+        if not enable_cpu_backup:
+            raise InvalidArgumentError("cpu_backup_backend requires enable_cpu_backup=True")
+        if cpu_backup_backend not in _BACKENDS:
+            raise InvalidArgumentError(f"cpu_backup_backend must be 'pinned' or 'mmap', got {cpu_backup_backend!r}")
+
+    def _current_device(self) -> int:
+        if not self._platform.is_accelerator:
+            return 0
+        import torch
+
+        return int(torch.get_device_module(self._platform.torch_device_type).current_device())
+
+    def _new_lifecycle(self, device: int, kind: str):
+        from ..lifecycle import MemoryLifecycle
+
+        spill = self._disk_dir if kind == DISK else None
+        return MemoryLifecycle(self._platform, device=device, spill_dir=spill)
+
+    def _slot(self, tag: str, kind: str, device: int, ltag: str) -> _Slot:
+        key = (kind, device, ltag)
+        with self._lock:
+            s = self._slots.get(key)
+            if s is None:
+                if kind == NONE:
+                    if device not in self._plain:
+                        self._plain[device] = self._new_lifecycle(device, NONE)
+                    lc = self._plain[device]
+                else:
+                    lc = self._new_lifecycle(device, kind)
+                s = self._slots[key] = _Slot(tag, kind, device, ltag, lc)
+            return s
+
+    def _targets(self, tag: Optional[str]) -> list[_Slot]:
+        if tag is not None and not isinstance(tag, str):
+            raise InvalidArgumentError(f"tag must be a string or None, got {tag!r}")
+        # slots without allocations yet are not tags of their lifecycle: nothing to do (as in tms)
+        return [s for s in self._slots.values() if (tag is None or s.tag == tag) and s.ltag in s.lc.tags]
+
+    def _state(self):
+        st = self._local
+        if not hasattr(st, "stack"):
+            st.stack, st.disabled = [], 0
+        return st
+
+    @contextlib.contextmanager
+    def _pushed(self, slot: _Slot):
+        st = self._state()
+        st.stack.append(slot)
+        try:
+            yield
+        finally:
+            st.stack.pop()
+
+    def _current_slot(self, what: str) -> Optional[_Slot]:
+        self._ensure_initialized()
+        st = self._state()
+        if st.disabled:
+            return None
+        if not st.stack:
+            raise InvalidTransitionError(
+                f"torch_memory_saver.{what}() is called outside a region; call it inside "
+                f"`with torch_memory_saver.region(tag=...):`"
+            )
+        return st.stack[-1]
+
+    def _check_margin(self, lc, nbytes: int) -> None:
+        if self._margin <= 0:
+            return
+        free, _ = lc.driver.memory_info()
+        if self._margin + nbytes > free:
+            raise InsufficientMemoryError(
+                f"{human_bytes(nbytes)} asked for, but only {human_bytes(free)} is free and memory_margin_bytes keeps "
+                f"{human_bytes(self._margin)} free; lower memory_margin_bytes or free memory first. Nothing was allocated."
+            )
+
+    def _empty(self, slot: Optional[_Slot], shape, dtype):
+        import torch
+
+        if slot is None or self._state().disabled:  # inside disable(): ordinary memory
+            dev = self._platform.torch_device(self._current_device())
+            return torch.zeros(shape, dtype=dtype, device=dev)
+        elem = torch.empty((), dtype=dtype if dtype is not None else torch.float32).element_size()
+        numel = 1
+        for s in (tuple(shape) if isinstance(shape, (tuple, list, torch.Size)) else (shape,)):
+            numel *= int(s)
+        self._check_margin(slot.lc, numel * elem)
+        return slot.lc.empty(shape, dtype, tag=slot.ltag)
+
+    def _adopt(self, slot: Optional[_Slot], obj):
+        if slot is None or self._state().disabled:
+            return obj  # disable(): nothing moves into a tag
+        return slot.lc.adopt(obj, tag=slot.ltag)
+
+    def _say_once(self, key: str, msg: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning("%s", msg)
+
+
+# ---------------------------------------------------------------------- helpers
+def _check_tag(tag) -> None:
+    if not isinstance(tag, str) or not tag:
+        raise InvalidArgumentError(f"tag must be a non-empty string, got {tag!r}")
+
+
+def _names(slots) -> str:
+    return ", ".join(sorted({repr(s.tag) for s in slots}))
+
+
+def _pool_key(pool):
+    return tuple(pool) if isinstance(pool, (tuple, list)) else pool
+
+
+def _plain_pool_api(devmod):
+    """(MemPool class, use_mem_pool) of a torch device module, where it has them."""
+    mem_pool = getattr(devmod, "MemPool", None) or getattr(getattr(devmod, "memory", None), "MemPool", None)
+    use_pool = getattr(devmod, "use_mem_pool", None) or getattr(getattr(devmod, "memory", None), "use_mem_pool", None)
+    if mem_pool is None or use_pool is None:
+        raise UnsupportedError(
+            f"disable() needs {devmod.__name__}.MemPool and use_mem_pool (torch >= 2.6); upgrade torch, or "
+            "allocate the memory to keep outside any region() instead"
+        )
+    return mem_pool, use_pool
+
+
+# Workaround (see docs/compat-tms.md, "What the facade needs from the core"): MemoryLifecycle has
+# no public way to find the allocation behind an address or to read a backup into a host tensor,
+# so these two read its bookkeeping and backup store.  Both only read.
+def _allocation_at(lc, ltag: str, ptr: int, nbytes: int):
+    with lc._lock:
+        for a in lc._allocs.values():
+            if a.tag == ltag and a.region.va <= ptr and ptr + nbytes <= a.region.va + max(a.nbytes, 1):
+                return a
+    return None
+
+
+def _read_backup(lc, a, offset: int, out) -> bool:
+    """Copy ``out.numel()`` bytes of allocation ``a``'s full backup, from ``offset``, into the
+    host tensor ``out``; False when no full backup is held."""
+    with lc._lock:
+        if a.saved != [(0, a.region.size)] or not lc._store.has((a.id, 0)):
+            return False
+        lc._store.flush()
+        lc._store.load_range((a.id, 0), offset, out)
+        lc._store.flush()
+        return True
+
+
+@contextlib.contextmanager
+def configure_subprocess() -> Iterator[None]:
+    """For the processes started inside: ``import torch_memory_saver`` there gets this facade
+    (tms 0.0.10 sets ``LD_PRELOAD`` here; unisleep needs none).  Sets ``UNISLEEP_TMS=1`` and puts
+    the shim folder first on ``PYTHONPATH``; both are restored on exit."""
+    from . import shim_env
+
+    with shim_env():
+        yield
+
+
+#: the global singleton, as ``from torch_memory_saver import torch_memory_saver`` gives it
+torch_memory_saver = TorchMemorySaver()
