@@ -1,12 +1,31 @@
-"""vLLM general plugin: registers unisleep's weight-transfer engine and sleep-mode backend.
+"""vLLM general plugin: registers unisleep's weight-transfer engine and sleep-mode backend, and
+puts vLLM's sleep-mode memory into a :class:`~unisleep.MemoryLifecycle` when asked to.
 
 Declared in pyproject as ``[project.entry-points."vllm.general_plugins"] unisleep =
 "unisleep.vllm_plugin:register"``; vLLM calls :func:`register` in the API server, the engine core
 and every worker before it builds either factory's product.  Select them with::
 
     --weight-transfer-config '{"backend": "unisleep"}'     # weight transfer over unisleep.transfer
-    --sleep-mode-backend unisleep --enable-sleep-mode      # accelerators only; vLLM refuses
-                                                           # sleep mode on CPU
+    --enable-sleep-mode --sleep-mode-backend unisleep      # vLLM >= 0.33 (the flag); accelerators
+                                                           # only: vLLM refuses sleep mode on CPU
+
+**The allocator.**  With ``--sleep-mode-backend unisleep``, vLLM's ``get_mem_allocator_instance()``
+(and ``CuMemAllocator.get_instance()``, which the worker and the graph-capture code reach through
+it) returns :class:`~unisleep.engines.vllm_allocator.UnisleepAllocator`: weights, KV cache,
+runtime, workspace and graph memory live in one ``MemoryLifecycle`` per worker process.  The
+choice is read from the worker's ``VllmConfig`` (``model_config.sleep_mode_backend``) the first
+time the worker asks for a memory pool (a post-import hook wraps
+``Worker._maybe_get_memory_pool_context``, which runs before vLLM sets its current config for
+the weights) and then stays fixed for the process: memory never straddles two allocators.
+``UNISLEEP_VLLM_ALLOCATOR=1`` forces it on (``0`` off) — the only way on vllm-ascend, whose
+``NPUWorker`` calls ``CaMemAllocator`` directly (no sleep-mode backend there); there the plugin
+makes ``CaMemAllocator.get_instance()`` return the same allocator on unisleep's Ascend driver, and
+``UNISLEEP_EXTRA_CLEANUP=1`` adds the extra-cleanup policy (:mod:`unisleep.extra_cleanup`).
+
+vLLM 0.33 keeps CUDA graphs out of the sleeping pool unless the backend is ``"cumem"``
+(``VllmConfig.use_cumem_cudagraph_pool``); the plugin extends that property so that
+``--sleep-mode-offload-cudagraph`` with the unisleep backend captures into the lifecycle's
+graph pool (tag ``"cudagraph"``), offloaded at every level like vLLM's.
 
 ``VLLM_PLUGINS`` is an allow-list: when it is set, it must name ``unisleep``.  :func:`register`
 is idempotent (vLLM may call it several times per process, and it raises on duplicate names).
@@ -14,19 +33,255 @@ is idempotent (vLLM may call it several times per process, and it raises on dupl
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
 import logging
+import os
+import sys
 import threading
+from typing import Optional
 
 log = logging.getLogger(__name__)
 
 NAME = "unisleep"
 WEIGHT_TRANSFER_TARGET = ("unisleep.engines.vllm_weight_transfer", "UnisleepWeightTransferEngine")
 SLEEP_BACKEND_TARGET = ("unisleep.engines.vllm_sleep_backend", "UnisleepSleepBackend")
+ALLOCATOR_ENV = "UNISLEEP_VLLM_ALLOCATOR"
+EXTRA_CLEANUP_ENV = "UNISLEEP_EXTRA_CLEANUP"
 
-_lock = threading.Lock()
+#: modules whose allocator class is redirected: module -> class name (an out-of-tree platform
+#: plugin's own allocator, e.g. vllm-ascend's ``CaMemAllocator``, is added by
+#: :func:`install_allocator_hooks` from the platform plugin's package name)
+_ALLOCATOR_CLASSES = {"vllm.device_allocator.cumem": "CuMemAllocator"}
+PLUGIN_ALLOCATOR = ("device_allocator.camem", "CaMemAllocator")
+_WORKER_MODULES = ("vllm.v1.worker.gpu_worker",)
+
+_lock = threading.RLock()
 _status: dict[str, str] = {}
+_choice: Optional[bool] = None  # the process's allocator choice, once made
+_patched: set[str] = set()
 
 
+# ---------------------------------------------------------------------- the allocator choice
+def _env_choice() -> Optional[bool]:
+    v = os.environ.get(ALLOCATOR_ENV, "").strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    return None
+
+
+def _config_choice(vllm_config) -> Optional[bool]:
+    mc = getattr(vllm_config, "model_config", None)
+    name = getattr(mc, "sleep_mode_backend", None)
+    return None if name is None else name == NAME
+
+
+def decide(vllm_config=None) -> Optional[bool]:
+    """Make (once) and return the process's choice: True = unisleep's allocator.  The
+    environment variable wins, then ``vllm_config`` (or vLLM's current config); None while
+    neither says anything (nothing is decided then)."""
+    global _choice
+    with _lock:
+        if _choice is not None:
+            return _choice
+        choice = _env_choice()
+        if choice is None:
+            if vllm_config is None:
+                try:
+                    from vllm.config import get_current_vllm_config_or_none
+
+                    vllm_config = get_current_vllm_config_or_none()
+                except Exception:
+                    vllm_config = None
+            choice = _config_choice(vllm_config) if vllm_config is not None else None
+        if choice is not None:
+            _choice = choice
+            log.info("unisleep: vLLM's sleep-mode memory %s", "lives in a unisleep MemoryLifecycle"
+                     if choice else "stays in vLLM's allocator")
+        return _choice
+
+
+def select_allocator(enabled: Optional[bool]) -> None:
+    """Set the process's choice explicitly (a harness or a test; ``None`` = undecided)."""
+    global _choice
+    with _lock:
+        _choice = enabled
+
+
+def allocator_selected() -> bool:
+    return bool(decide())
+
+
+def _allocator():
+    from .engines.vllm_allocator import UnisleepAllocator
+
+    return UnisleepAllocator.get_instance()
+
+
+def _patch_allocator_class(module) -> None:
+    cls_name = _ALLOCATOR_CLASSES[module.__name__]
+    cls = getattr(module, cls_name, None)
+    if cls is None or getattr(cls.get_instance, "_unisleep", False):
+        return
+    original = cls.get_instance
+
+    def get_instance():
+        if decide():
+            return _allocator()
+        return original()
+
+    get_instance._unisleep = True  # type: ignore[attr-defined]
+    get_instance._original = original  # type: ignore[attr-defined]
+    cls.get_instance = staticmethod(get_instance)
+    _patched.add(module.__name__)
+
+
+def _patch_worker(module) -> None:
+    worker = getattr(module, "Worker", None)
+    meth = getattr(worker, "_maybe_get_memory_pool_context", None)
+    if meth is None or getattr(meth, "_unisleep", False):
+        return
+
+    def _maybe_get_memory_pool_context(self, tag):
+        decide(getattr(self, "vllm_config", None))
+        return meth(self, tag)
+
+    _maybe_get_memory_pool_context._unisleep = True  # type: ignore[attr-defined]
+    worker._maybe_get_memory_pool_context = _maybe_get_memory_pool_context
+    _patched.add(module.__name__)
+
+
+def _patch_device_allocator(module) -> None:
+    """``vllm.device_allocator.get_mem_allocator_instance`` (looked up at call time by the
+    sleep-mode backend): ours when chosen, also on platforms where vLLM has no allocator."""
+    fn = getattr(module, "get_mem_allocator_instance", None)
+    if fn is None or getattr(fn, "_unisleep", False):
+        return
+
+    def get_mem_allocator_instance():
+        if decide():
+            return _allocator()
+        return fn()
+
+    get_mem_allocator_instance._unisleep = True  # type: ignore[attr-defined]
+    get_mem_allocator_instance._original = fn  # type: ignore[attr-defined]
+    module.get_mem_allocator_instance = get_mem_allocator_instance
+    _patched.add(module.__name__)
+
+
+def graph_pool_wanted(vllm_config) -> bool:
+    """vLLM's ``use_cumem_cudagraph_pool`` test with the unisleep backend in place of cumem."""
+    mc = getattr(vllm_config, "model_config", None)
+    if mc is None or getattr(mc, "sleep_mode_backend", None) != NAME:
+        return False
+    if not (getattr(mc, "sleep_mode_offload_cudagraph", False) and getattr(mc, "enable_sleep_mode", False)):
+        return False
+    try:
+        from vllm.config import CUDAGraphMode
+        from vllm.platforms import current_platform
+
+        mode = vllm_config.compilation_config.cudagraph_mode
+        return mode != CUDAGraphMode.NONE and bool(current_platform.is_cuda_alike())
+    except Exception:
+        return False
+
+
+def _patch_config(module) -> None:
+    cls = getattr(module, "VllmConfig", None)
+    prop = getattr(cls, "use_cumem_cudagraph_pool", None) if cls is not None else None
+    if not isinstance(prop, property) or getattr(prop.fget, "_unisleep", False):
+        return
+    original = prop.fget
+
+    def use_cumem_cudagraph_pool(self) -> bool:
+        return bool(original(self)) or graph_pool_wanted(self)
+
+    use_cumem_cudagraph_pool._unisleep = True  # type: ignore[attr-defined]
+    cls.use_cumem_cudagraph_pool = property(use_cumem_cudagraph_pool, doc=prop.__doc__)
+    _patched.add(module.__name__)
+
+
+_PATCHERS = {
+    "vllm.device_allocator": _patch_device_allocator,
+    "vllm.config.vllm": _patch_config,
+    **{m: _patch_allocator_class for m in _ALLOCATOR_CLASSES},
+    **{m: _patch_worker for m in _WORKER_MODULES},
+}
+
+
+class _PostImport(importlib.abc.MetaPathFinder):
+    """Patches a module of :data:`_PATCHERS` right after it is imported (lazily: the plugin
+    imports nothing of vLLM's worker or allocator itself)."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in _PATCHERS or fullname in _patched:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                loader = spec.loader
+
+                class _Loader(importlib.abc.Loader):
+                    def create_module(self, spec):
+                        return loader.create_module(spec)
+
+                    def __getattr__(self, name):  # get_source, get_filename, ...
+                        return getattr(loader, name)
+
+                    def exec_module(self, module):
+                        loader.exec_module(module)
+                        try:
+                            _PATCHERS[fullname](module)
+                        except Exception as e:  # never break vLLM's import
+                            log.warning("unisleep: could not patch %s: %s", fullname, e)
+
+                spec.loader = _Loader()
+                return spec
+            if spec is not None:
+                return None
+        return None
+
+
+_finder = _PostImport()
+
+
+def _platform_plugin_package() -> Optional[str]:
+    """The package of vLLM's current platform when it comes from an out-of-tree plugin."""
+    try:
+        from vllm.platforms import current_platform
+
+        pkg = type(current_platform).__module__.split(".")[0]
+    except Exception:
+        return None
+    return None if pkg == "vllm" else pkg
+
+
+def install_allocator_hooks(plugin_package: Optional[str] = None) -> str:
+    """Patch what is imported already and hook what is not.  Idempotent.  ``plugin_package``
+    (default: the current platform's, when out of tree) adds that plugin's allocator class."""
+    with _lock:
+        pkg = plugin_package or _platform_plugin_package()
+        if pkg:
+            mod = f"{pkg}.{PLUGIN_ALLOCATOR[0]}"
+            _ALLOCATOR_CLASSES[mod] = PLUGIN_ALLOCATOR[1]
+            _PATCHERS[mod] = _patch_allocator_class
+        for name, patch in _PATCHERS.items():
+            mod = sys.modules.get(name)
+            if mod is not None:
+                try:
+                    patch(mod)
+                except Exception as e:
+                    log.warning("unisleep: could not patch %s: %s", name, e)
+        if _finder not in sys.meta_path:
+            sys.meta_path.insert(0, _finder)
+    return "hooked"
+
+
+# ---------------------------------------------------------------------- registration
 def _register_weight_transfer() -> str:
     try:
         from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
@@ -56,12 +311,13 @@ def _register_sleep_backend() -> str:
 def register() -> dict[str, str]:
     """Register both extensions with vLLM (safe to call any number of times).
 
-    Returns what happened: ``{"weight_transfer": ..., "sleep_backend": ...}``.
+    Returns what happened: ``{"weight_transfer": ..., "sleep_backend": ..., "allocator": ...}``.
     """
     with _lock:
         if not _status:
             _status["weight_transfer"] = _register_weight_transfer()
             _status["sleep_backend"] = _register_sleep_backend()
+            _status["allocator"] = install_allocator_hooks()
             log.debug("unisleep vLLM plugin: %s", _status)
         return dict(_status)
 
@@ -72,4 +328,5 @@ def status() -> dict[str, str]:
         return dict(_status)
 
 
-__all__ = ["register", "status", "NAME"]
+__all__ = ["register", "status", "NAME", "decide", "select_allocator", "allocator_selected",
+           "install_allocator_hooks", "graph_pool_wanted", "ALLOCATOR_ENV"]

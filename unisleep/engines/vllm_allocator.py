@@ -1,0 +1,257 @@
+"""vLLM's sleep-mode allocator on a :class:`~unisleep.MemoryLifecycle`.
+
+:class:`UnisleepAllocator` offers what vLLM's GPU worker, its sleep-mode backend and its CUDA-graph
+capture call on ``CuMemAllocator`` (``vllm/device_allocator/__init__.py`` ``MemAllocator`` protocol
+plus ``cudagraph_pool()``), and what vllm-ascend's ``NPUWorker`` calls on ``CaMemAllocator``:
+
+=====================================  =====================================================
+vLLM call                              here
+=====================================  =====================================================
+``get_instance()``                     one allocator, so one ``MemoryLifecycle``, per process
+``use_memory_pool(tag)``               ``lifecycle.pool(tag)`` (tag ``None`` = ``"default"``)
+``cudagraph_pool()``                   a graph-capture pool id whose memory is tag
+                                       ``"cudagraph"`` (``driver.graph_pool``)
+``sleep(offload_tags)``                ``lifecycle.sleep``: the offload tags backed up,
+                                       every other tag discarded (weights at level 1 only,
+                                       because vLLM's backend names them only then)
+``discard(tags)``                      ``lifecycle.discard`` of the awake ones
+``wake_up(tags)``                      the named deferrable tags (weights, kv_cache) and
+                                       every other tag; ``None`` = all
+``get_current_usage()``                bytes allocated in the pools, asleep or not
+=====================================  =====================================================
+
+vLLM's semantics are kept exactly where they differ from the lifecycle's own rules:
+
+* an allocation already asleep keeps its policy; a sleep or discard asking for another one logs
+  vLLM's warning ("the existing policy was kept") instead of raising;
+* tags vLLM names but never allocated (``"cudagraph"`` without graph offload, ``"runtime"``
+  before the KV cache exists) are ignored, as vLLM's per-allocation loop ignores them;
+* a wake of a tag that is not asleep, or unknown, does nothing.
+
+What the lifecycle adds under vLLM: the persistent pinned backup arena (the first sleep does not
+pay for pinned host allocations: :meth:`UnisleepAllocator.use_memory_pool` prepares room for the
+weights when their pool closes), the keyed skip of unchanged weights, the host-budget check before
+anything is released, the platform's mapping policy (chunks on ROCm), the Ascend driver, and a
+report per operation (:attr:`UnisleepAllocator.last_report`).
+
+Limits.  ``use_memory_pool`` routes the framework's allocations only where the platform's driver
+can (``driver.supports_pool``: CUDA, Ascend).  On host memory (CPU) nothing routes torch's CPU
+allocator: the context only sets :attr:`current_tag`, and memory enters a tag through the
+lifecycle's own means (``allocator.lifecycle.empty(..., tag=...)`` / ``adopt``) — the unit tests
+do that; vLLM never calls the allocator on CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from typing import Iterator, Optional
+
+from ..errors import InvalidArgumentError, UnsupportedError
+
+log = logging.getLogger("unisleep.vllm")
+
+#: vLLM's ``DEFERRABLE_TAGS``: a selective wake may leave these asleep; every other tag wakes
+DEFERRABLE_TAGS: tuple[str, ...] = ("weights", "kv_cache")
+DEFAULT_TAG = "default"
+GRAPH_TAG = "cudagraph"  # vLLM's tag name for graph-capture memory
+
+_OFFLOADED, _DISCARDED, _AWAKE = "offloaded", "discarded", "awake"
+
+
+class UnisleepAllocator:
+    """vLLM's ``MemAllocator`` (and ``CuMemAllocator``/``CaMemAllocator`` extras) over one
+    :class:`~unisleep.MemoryLifecycle`.  See the module docstring."""
+
+    instance: "Optional[UnisleepAllocator]" = None
+    default_tag: str = DEFAULT_TAG
+    _instance_lock = threading.Lock()
+
+    def __init__(self, lifecycle=None, *, prepare_backup: bool = True, **lifecycle_options):
+        if lifecycle is None:
+            from ..lifecycle import MemoryLifecycle
+
+            lifecycle_options.setdefault("device", _current_device_index())
+            lifecycle = MemoryLifecycle(**lifecycle_options)
+        elif lifecycle_options:
+            raise InvalidArgumentError(
+                "pass either a MemoryLifecycle or options to build one, not both: "
+                f"got lifecycle and {sorted(lifecycle_options)}")
+        self.lifecycle = lifecycle
+        self.current_tag: str = DEFAULT_TAG
+        self.prepare_backup = prepare_backup
+        self.last_report = None
+        self._warned_no_route = False
+
+    # ------------------------------------------------------------------ singleton
+    @classmethod
+    def get_instance(cls) -> "UnisleepAllocator":
+        """The process's allocator (built on first use): vLLM assumes one per process."""
+        with cls._instance_lock:
+            if cls.instance is None:
+                cls.instance = cls()
+            return cls.instance
+
+    @classmethod
+    def reset_instance(cls) -> None:
+        """Close and forget the process's allocator (tests, or a process that starts over)."""
+        with cls._instance_lock:
+            inst, cls.instance = cls.instance, None
+        if inst is not None:
+            inst.close()
+
+    # ------------------------------------------------------------------ allocation
+    @contextlib.contextmanager
+    def use_memory_pool(self, tag: Optional[str] = None) -> Iterator[None]:
+        """Allocations made inside land in ``tag`` (vLLM: ``"weights"``, ``"kv_cache"``,
+        ``"runtime"``, ``"workspace"``; ``None`` = ``"default"``)."""
+        tag = DEFAULT_TAG if tag is None else tag
+        if not isinstance(tag, str) or not tag:
+            raise InvalidArgumentError(f"tag must be a non-empty string or None, got {tag!r}")
+        old, self.current_tag = self.current_tag, tag
+        try:
+            if getattr(self.lifecycle.driver, "supports_pool", False):
+                with self.lifecycle.pool(tag):
+                    yield
+            else:
+                if not self._warned_no_route:
+                    self._warned_no_route = True
+                    log.warning(
+                        "the %s backend cannot route the framework's allocations: inside "
+                        "use_memory_pool(%r) nothing is placed in the tag; allocate with "
+                        "allocator.lifecycle.empty(..., tag=...) instead",
+                        self.lifecycle.platform_name, tag)
+                yield
+        finally:
+            self.current_tag = old
+        if tag == "weights" and self.prepare_backup:
+            self._prepare_weights_backup()
+
+    @contextlib.contextmanager
+    def cudagraph_pool(self) -> Iterator[object]:
+        """What ``vllm/compilation/cudagraph_pool.py`` calls: yields the pool id to capture into;
+        the graphs' memory is tag ``"cudagraph"`` (offloaded at every level by vLLM's backend,
+        restored in place, so replays stay valid)."""
+        graph_pool = getattr(self.lifecycle.driver, "graph_pool", None)
+        if graph_pool is None:
+            raise UnsupportedError(
+                f"the {self.lifecycle.platform_name} backend has no graph-capture pool; run vLLM "
+                "without --sleep-mode-offload-cudagraph (graphs then stay resident)")
+        pool_id = graph_pool(self.lifecycle, GRAPH_TAG)
+        old, self.current_tag = self.current_tag, GRAPH_TAG
+        try:
+            yield pool_id
+        finally:
+            self.current_tag = old
+
+    def get_current_usage(self) -> int:
+        """Bytes allocated in the pools, awake or asleep (vLLM asserts 0 before loading weights)."""
+        return self.lifecycle.allocated_bytes()
+
+    # ------------------------------------------------------------------ sleep / wake
+    def sleep(self, offload_tags=None) -> None:
+        """vLLM's ``allocator.sleep``: ``offload_tags`` backed up, everything else discarded."""
+        offload = set(_tag_tuple(offload_tags, (DEFAULT_TAG,)))
+        lc = self.lifecycle
+        state = lc.state()
+        conflict = False
+        keep_offloaded = []
+        for tag, st in state.items():
+            if st == _AWAKE:
+                continue
+            requested = tag in offload
+            if requested != (st == _OFFLOADED):
+                conflict = True
+            if st == _OFFLOADED:
+                keep_offloaded.append(tag)
+        # the lifecycle offloads "weights" at level 1 and discards them at level 2; an asleep
+        # weights tag keeps its policy (vLLM: the existing policy is kept)
+        w = state.get("weights")
+        if w == _OFFLOADED:
+            level = 1
+        elif w == _DISCARDED:
+            level = 2
+        else:
+            level = 1 if "weights" in offload else 2
+        awake_offload = [t for t in offload if state.get(t) == _AWAKE and t != "weights"]
+        tags = sorted(set(awake_offload) | {t for t in keep_offloaded if t != "weights"})
+        if any(st == _AWAKE for st in state.values()):
+            self.last_report = lc.sleep(level, offload_tags=tags)
+        if conflict:
+            log.warning("UnisleepAllocator: sleep cannot change the policy of already-asleep "
+                        "allocations; the existing policy was kept.")
+
+    def discard(self, tags) -> None:
+        """vLLM's ``allocator.discard``: release the awake allocations of ``tags`` with no backup."""
+        tags = _tag_tuple(tags, None)
+        state = self.lifecycle.state()
+        if any(state.get(t) == _OFFLOADED for t in tags):
+            log.warning("UnisleepAllocator: discard cannot change the policy of already-asleep "
+                        "allocations; the existing policy was kept.")
+        todo = [t for t in tags if state.get(t) == _AWAKE]
+        if todo:
+            self.last_report = self.lifecycle.discard(todo)
+
+    def wake_up(self, tags=None) -> None:
+        """vLLM's ``allocator.wake_up``: ``None`` wakes everything; otherwise the named deferrable
+        tags and every tag that is not deferrable (runtime, cudagraph, workspace, default)."""
+        state = self.lifecycle.state()
+        if tags is None:
+            todo = [t for t, s in state.items() if s != _AWAKE]
+        else:
+            if isinstance(tags, str):
+                raise InvalidArgumentError(f"tags must be a list of tags, not the string {tags!r}")
+            want = set(tags)
+            todo = [t for t, s in state.items()
+                    if s != _AWAKE and (t in want or t not in DEFERRABLE_TAGS)]
+        if todo:
+            self.last_report = self.lifecycle.wake_up(todo)
+
+    # ------------------------------------------------------------------ extras
+    def resident_bytes(self, tag: Optional[str] = None) -> int:
+        return self.lifecycle.resident_bytes(tag)
+
+    def release_pools(self) -> None:
+        """vLLM calls this on ``CuMemAllocator.instance`` at shutdown; the lifecycle's driver
+        releases its pools before their allocators when it closes."""
+
+    def close(self) -> None:
+        self.lifecycle.close()
+
+    def _prepare_weights_backup(self) -> None:
+        try:
+            lc = self.lifecycle
+            if lc.driver.retain_backups or getattr(lc.driver, "supports_pool", False):
+                lc.prepare_backup()  # room for the first level-1 sleep, grown in the background
+        except Exception as e:  # an optimisation: the first sleep then allocates as it goes
+            log.info("could not prepare the weights' backup room ahead of the first sleep: %s", e)
+
+
+def _tag_tuple(tags, default) -> tuple[str, ...]:
+    if tags is None:
+        if default is None:
+            raise InvalidArgumentError("tags must be given (a tuple of tag names)")
+        return tuple(default)
+    if isinstance(tags, str):
+        return (tags,)
+    out = tuple(tags)
+    for t in out:
+        if not isinstance(t, str) or not t:
+            raise InvalidArgumentError(f"tags must be non-empty strings, got {t!r}")
+    return out
+
+
+def _current_device_index() -> int:
+    try:
+        import torch
+
+        acc = getattr(torch, "accelerator", None)
+        if acc is not None and acc.is_available():
+            return int(acc.current_device_index())
+    except Exception:
+        pass
+    return 0
+
+
+__all__ = ["UnisleepAllocator", "DEFERRABLE_TAGS"]
