@@ -57,6 +57,11 @@ def _spill_info() -> dict[str, Any]:
         info["free_bytes"] = None
         info["error"] = str(e)
     info["in_ram"] = info["filesystem"] in RAM_FILESYSTEMS
+    from .backends.host.spill import clean_orphans, tree_bytes
+
+    orphans = clean_orphans(path, remove=False)
+    info["orphans"] = orphans
+    info["orphan_bytes"] = sum(tree_bytes(o) for o in orphans)
     return info
 
 
@@ -172,6 +177,11 @@ def collect() -> dict[str, Any]:
             f"the host spill directory {spill['path']} is on {spill['filesystem']} (RAM): level-1 backups "
             "written there free no memory; set UNISLEEP_SPILL_DIR or pass spill_dir= to a disk-backed directory."
         )
+    if spill["orphans"]:
+        warnings.append(
+            f"{len(spill['orphans'])} spill director{'y' if len(spill['orphans']) == 1 else 'ies'} in {spill['path']} "
+            f"left by processes that are gone hold {_size(spill['orphan_bytes'])}; `unisleep doctor --clean` removes them"
+        )
     report["vllm"] = _vllm_lines()
     report["warnings"] = warnings
     return report
@@ -215,13 +225,42 @@ def render(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _clean(spill_dir: Optional[str]) -> int:
+    from .backends.host.spill import clean_orphans, default_spill_parent, tree_bytes
+    from .units import human_bytes
+
+    parent = os.path.abspath(spill_dir or default_spill_parent())
+    if not os.path.isdir(parent):
+        print(f"doctor --clean: {parent} is not a directory", file=sys.stderr)
+        return 2
+    found = clean_orphans(parent, remove=False)
+    sizes = {p: tree_bytes(p) for p in found}
+    removed = clean_orphans(parent)
+    for p in removed:
+        print(f"removed {p} ({human_bytes(sizes.get(p, 0))})")
+    left = [p for p in found if p not in removed]
+    for p in left:
+        print(f"could not remove {p}", file=sys.stderr)
+    print(f"doctor --clean: {len(removed)} leftover spill director{'y' if len(removed) == 1 else 'ies'} removed "
+          f"from {parent} ({human_bytes(sum(sizes.get(p, 0) for p in removed))}); live processes' were not touched")
+    return 1 if left else 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from .cli import plain
 
     parser = argparse.ArgumentParser(prog="unisleep doctor", description=plain(__doc__),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    parser.add_argument("--clean", action="store_true",
+                        help="remove spill directories left by processes that are gone (never a live one's), then exit")
+    parser.add_argument("--spill-dir", default=None,
+                        help="with --clean: the spill_dir to clean (default: $UNISLEEP_SPILL_DIR or the default spill directory)")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.spill_dir and not args.clean:
+        parser.error("--spill-dir goes with --clean")
+    if args.clean:
+        return _clean(args.spill_dir)
     report = collect()
     if args.json:
         print(json.dumps(report, indent=2, default=str))

@@ -66,11 +66,11 @@ OWNER_FILE = ".owner"
 DIR_PREFIX = "unisleep-"
 
 
-def clean_orphans(parent: str) -> list[str]:
+def clean_orphans(parent: str, remove: bool = True) -> list[str]:
     """Remove the spill directories under ``parent`` whose owner is gone (its ``flock`` is free,
     or it was made before the last boot, or — for directories from before owner files — its pid
     no longer runs).  Only directories of this user are touched; a live owner's never.  Returns
-    the paths removed."""
+    the paths removed (with ``remove=False``: the paths that would be)."""
     removed: list[str] = []
     try:
         names = os.listdir(parent)
@@ -91,11 +91,26 @@ def clean_orphans(parent: str) -> list[str]:
             continue
         if _owner_alive(path, boot):
             continue
+        if not remove:
+            removed.append(path)
+            continue
         shutil.rmtree(path, ignore_errors=True)
         if not os.path.exists(path):
             removed.append(path)
             log.warning("removed the spill directory %s left by a process that is gone", path)
     return removed
+
+
+def tree_bytes(path: str) -> int:
+    """Bytes allocated on disk under ``path``."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(root, f)).st_blocks * 512
+            except OSError:
+                pass
+    return total
 
 
 def _owner_alive(path: str, boot: str) -> bool:

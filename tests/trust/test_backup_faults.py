@@ -421,3 +421,40 @@ def test_failing_adopt_changes_nothing_and_leaks_nothing(tmp_path):
         assert fds() == base, (kind, fds(), base)
     report(ok=True)
     """, tmp_path)
+
+
+def test_doctor_reports_and_cleans_orphans_but_not_a_live_process(tmp_path):
+    import json
+    import sys
+
+    spill = str(tmp_path / "spill")
+    sleeper = f"""
+    lc = MemoryLifecycle("host", spill_dir={spill!r})
+    w = fill(lc.empty((4 * MiB,), torch.uint8, tag="weights"), 5)
+    lc.sleep(1)
+    print("ASLEEP " + lc._store.dir, flush=True)
+    while not os.path.exists(lc._store.dir + ".wake"):
+        time.sleep(0.02)
+    lc.wake_up()
+    report(ok=True)
+    """
+    doomed, alive = Child(sleeper, tmp_path, "doomed"), Child(sleeper, tmp_path, "alive")
+    dirs = []
+    for c in (doomed, alive):
+        line = c.proc.stdout.readline()
+        assert line.startswith("ASLEEP "), line + c.proc.stderr.read()
+        dirs.append(line.split(" ", 1)[1].strip())
+    kill_tree(doomed.proc)
+    env = {**os.environ, "UNISLEEP_SPILL_DIR": spill}
+    rep = subprocess.run([sys.executable, "-m", "unisleep", "doctor", "--json"], capture_output=True, text=True, env=env)
+    info = json.loads(rep.stdout)["spill"]
+    assert info["orphans"] == [dirs[0]] and info["orphan_bytes"] >= 4 << 20, info
+    text = subprocess.run([sys.executable, "-m", "unisleep", "doctor"], capture_output=True, text=True, env=env).stdout
+    assert "left by processes that are gone" in text and "doctor --clean" in text, text
+    out = subprocess.run([sys.executable, "-m", "unisleep", "doctor", "--clean", "--spill-dir", spill],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert f"removed {dirs[0]}" in out.stdout and "1 leftover spill directory removed" in out.stdout, out.stdout
+    assert not os.path.exists(dirs[0]) and os.path.isdir(dirs[1])
+    open(dirs[1] + ".wake", "w").close()
+    alive.ok(60)
