@@ -174,8 +174,8 @@ class TorchMemorySaver:
         self._ensure_initialized()
         if not self._platform.is_accelerator:
             raise UnsupportedError(
-                "cuda_graph() needs an accelerator with graph capture; the host backend has none. Run the "
-                "captured code directly, or on a GPU/NPU"
+                f"{self.cuda_graph.__name__}() needs an accelerator with graph capture; the host backend has "
+                "none. Run the captured code directly, or on an accelerator"
             )
         devmod = torch.get_device_module(self._platform.torch_device_type)
         kind = CPU if enable_cpu_backup else NONE
@@ -192,7 +192,7 @@ class TorchMemorySaver:
         if graph_pool is None:
             self._say_once(
                 "graph-pool",
-                f"cuda_graph(): the {lc.platform_name} backend cannot put graph memory in a tag; the graph is "
+                f"{self.cuda_graph.__name__}(): the {lc.platform_name} backend cannot put graph memory in a tag; the graph is "
                 "captured as usual and its memory is not released by pause()",
             )
             with devmod.graph(cuda_graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode), \
