@@ -3,6 +3,8 @@ CPU), over HTTP against the session server and in process."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from unisleep.errors import InvalidTransitionError, TransferError
@@ -107,3 +109,37 @@ def test_push_in_process(vllm_inprocess, state_a, state_b):
         assert out_b != base
         p.push(state_a.items(), version="A")
         assert greedy(eng) == base
+
+
+def test_the_engine_gets_a_secret_file_never_the_secret(http_engine, state_a, baseline_a):
+    """The group is authenticated: the engine is handed the path of a 0600 file, the update still
+    lands, and the file goes when the pusher closes."""
+    import os
+    import stat
+
+    from unisleep.engines.vllm_trainer import VLLMWeightPusher
+
+    p = VLLMWeightPusher(http_engine, timeout_s=60).init()
+    try:
+        info = p.init_info()
+        path = info["secret_file"]
+        assert path and os.path.isfile(path)
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        secret = open(path).read().strip()
+        assert len(secret) == 64 and secret not in repr(info) and secret not in repr(p.group)
+        p.push(state_a.items(), version="A-secret")
+        assert greedy(http_engine) == baseline_a and http_engine.weight_version() == "A-secret"
+    finally:
+        p.close()
+    assert not os.path.exists(path)
+
+
+def test_memory_figures_need_no_insecure_serialization():
+    """vLLM workers get a method by name for their allocator figures (nothing pickled over ZMQ)."""
+    from unisleep.engines.vllm_async import WORKER_RESIDENT_BYTES, register_worker_methods
+
+    assert register_worker_methods() == "registered"
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    assert callable(getattr(WorkerBase, WORKER_RESIDENT_BYTES))
+    assert "VLLM_ALLOW_INSECURE_SERIALIZATION" not in os.environ

@@ -33,8 +33,9 @@ used yet can be passed without ``loop=`` and is then driven by the private loop.
   weight-update guard refuses whenever the engine reports sleeping and the record cannot show
   that this adapter itself caused that state with the weights awake (as the HTTP adapter does);
 * :meth:`VLLMAsyncEngine.resident_bytes` reads vLLM's sleep-mode allocator in the worker through
-  ``collective_rpc`` — only possible with sleep mode on and ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``
-  (callables over ZMQ); otherwise None (always on CPU, where vLLM refuses sleep mode).
+  ``collective_rpc`` of a worker method by name (``unisleep_resident_bytes``, added by unisleep's
+  vLLM plugin; no callable crosses vLLM's link, so no insecure serialization is needed) — with
+  sleep mode on; otherwise None (always on CPU, where vLLM refuses sleep mode).
 
 Scripts need an ``if __name__ == "__main__":`` guard (vLLM spawns the engine core).
 """
@@ -44,7 +45,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import os
 import threading
 import uuid
 from typing import Any, Awaitable, Optional, Sequence
@@ -52,7 +52,6 @@ from typing import Any, Awaitable, Optional, Sequence
 from ..errors import EngineError, InvalidArgumentError, InvalidTransitionError, UnisleepError
 from .base import Engine, Generation
 from .vllm_common import (
-    allocator_resident_bytes,
     check_level,
     check_mode,
     check_wake_tags,
@@ -69,10 +68,28 @@ log = logging.getLogger(__name__)
 #: name of the private event-loop thread (tests look for leftovers by it)
 LOOP_THREAD_NAME = "unisleep-asyncllm"
 
+#: a method every vLLM worker gets (``collective_rpc`` by name: no callable crosses vLLM's link,
+#: so ``VLLM_ALLOW_INSECURE_SERIALIZATION`` is never needed): its sleep-mode allocator's awake bytes
+WORKER_RESIDENT_BYTES = "unisleep_resident_bytes"
 
-def _worker_resident_bytes(worker) -> Optional[int]:
-    """Runs in a vLLM worker (``collective_rpc``): its sleep-mode allocator's awake bytes."""
+
+def _worker_resident_bytes(self) -> Optional[int]:
+    """Runs in a vLLM worker (``collective_rpc("unisleep_resident_bytes")``)."""
+    from .vllm_common import allocator_resident_bytes
+
     return allocator_resident_bytes()
+
+
+def register_worker_methods() -> str:
+    """Give vLLM's workers the methods unisleep calls by name (idempotent; runs in each worker,
+    from the unisleep vLLM plugin and the unisleep weight-transfer engine)."""
+    try:
+        from vllm.v1.worker.worker_base import WorkerBase
+    except Exception as e:  # vLLM too old or absent
+        return f"unavailable ({type(e).__name__}: {e})"
+    if getattr(WorkerBase, WORKER_RESIDENT_BYTES, None) is None:
+        setattr(WorkerBase, WORKER_RESIDENT_BYTES, _worker_resident_bytes)
+    return "registered"
 
 
 class _LoopThread:
@@ -378,18 +395,16 @@ class VLLMAsyncEngine(Engine):
 
     def resident_bytes(self) -> Optional[int]:
         """Bytes vLLM's sleep-mode allocator holds awake, summed over the workers (read there
-        through ``collective_rpc``).  None when it cannot tell: sleep mode off (always on CPU),
-        or callables may not cross vLLM's ZMQ link (``VLLM_ALLOW_INSECURE_SERIALIZATION`` unset)."""
+        through ``collective_rpc`` of the worker method the unisleep plugin adds).  None when it
+        cannot tell: sleep mode off (always on CPU), or the plugin did not run in the workers."""
         llm = self.llm
         cfg = getattr(llm, "model_config", None)
         if llm is None or not getattr(cfg, "enable_sleep_mode", False):
             return None
-        if os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION", "0") in ("", "0"):
-            return None
         try:
             per_worker = self._run("collective_rpc(resident_bytes)",
-                                   llm.collective_rpc(_worker_resident_bytes))
-        except EngineError:
+                                   llm.collective_rpc(WORKER_RESIDENT_BYTES))
+        except (EngineError, NotImplementedError):
             return None
         if not per_worker or any(n is None for n in per_worker):
             return None

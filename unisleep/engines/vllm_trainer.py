@@ -13,6 +13,11 @@ vLLM #57853), ``start_weight_update``, then for each chunk ``update_weights`` in
 this process sends the chunk over the :class:`~unisleep.transfer.TransferGroup`, then
 ``finish_weight_update(version)``.  The engine must have been started with
 ``--weight-transfer-config '{"backend": "unisleep"}'``.
+
+The group is authenticated with a 256-bit secret: by default a fresh one in a 0600 file in this
+user's private run directory, whose *path* goes to the engine in ``init_info`` (the engine must
+run on this machine as this user, or as root); give ``secret_file=`` (a path both sides can read)
+or ``UNISLEEP_TRANSFER_SECRET_FILE`` on both sides for anything else (docs/security.md).
 """
 
 from __future__ import annotations
@@ -60,9 +65,15 @@ class VLLMWeightPusher:
 
     def __init__(self, engine, *, rendezvous: Optional[str] = None, host: str = "127.0.0.1",
                  timeout_s: float = 120.0, world_size: int = 2, group_name: str = "vllm",
-                 path: str = "auto") -> None:
+                 path: str = "auto", secret_file: Optional[str] = None, insecure: bool = False) -> None:
         self.engine = engine
         self.rendezvous = rendezvous or f"tcp://{host}:{free_port(host)}"
+        # the group secret: a file of mode 0600 whose path (never the secret) goes to the engine;
+        # by default a fresh one in this user's private run directory (same-machine engines)
+        self.secret_file = secret_file
+        self.insecure = insecure
+        self._own_secret_file: Optional[str] = None
+        self._updates = 0
         self.timeout_s = float(timeout_s)
         self.world_size = int(world_size)
         self.group_name = group_name
@@ -72,7 +83,23 @@ class VLLMWeightPusher:
     # ---- setup -----------------------------------------------------------------------
     def init_info(self) -> dict:
         return {"rendezvous": self.rendezvous, "rank_offset": 1, "world_size": self.world_size,
-                "timeout_s": self.timeout_s, "group_name": self.group_name}
+                "timeout_s": self.timeout_s, "group_name": self.group_name,
+                "secret_file": self.secret_file or "", "insecure": self.insecure}
+
+    def _prepare_secret(self) -> None:
+        import os
+
+        from ..transfer.group import is_loopback, parse_rendezvous
+        from ..transfer.secret import ENV_SECRET, ENV_SECRET_FILE, private_dir, write_secret_file
+
+        if self.secret_file or os.environ.get(ENV_SECRET) or os.environ.get(ENV_SECRET_FILE):
+            return  # given: the engine must be given the same (docs/security.md)
+        host, port = parse_rendezvous(self.rendezvous)
+        if not is_loopback(host):
+            return  # TransferGroup refuses without a secret (unless insecure=True) and says how
+        path = os.path.join(private_dir(), f"vllm-{port}-{self.group_name}.secret")
+        write_secret_file(path)
+        self.secret_file = self._own_secret_file = path
 
     def init(self) -> "VLLMWeightPusher":
         """``/init_weight_transfer_engine`` and this side's group, concurrently (a rendezvous)."""
@@ -80,11 +107,14 @@ class VLLMWeightPusher:
 
         if self.group is not None:
             return self
+        self._updates = 0
+        self._prepare_secret()
         call = _Call(self.engine.init_weight_transfer, self.init_info())
         call.start()
         try:
             self.group = TransferGroup.create(self.rendezvous, rank=0, world_size=self.world_size,
-                                              timeout_s=self.timeout_s, name=self.group_name)
+                                              timeout_s=self.timeout_s, name=self.group_name,
+                                              secret_file=self.secret_file, insecure=self.insecure)
         finally:
             call.join(self.timeout_s + 30)
         if call.error is not None:
@@ -160,7 +190,13 @@ class VLLMWeightPusher:
         from ..transfer import WeightSender
 
         parts = _split(items, chunks)
-        sender = WeightSender(self.group, path=self.path)
+        # the transfer version: this pusher's update number and vLLM's label; the engine checks
+        # that the numbers increase (the chunks of one update share theirs)
+        self._updates += 1
+        tag = f"{self._updates}:{version}"
+        if len(tag) > 256:
+            raise InvalidArgumentError(f"version {version!r} is too long (at most ~240 characters)")
+        sender = WeightSender(self.group, path=self.path, allow_equal_versions=True)
         for i, part in enumerate(parts):
             final = i == len(parts) - 1
             call = _Call(self.engine.update_weights,
@@ -168,7 +204,7 @@ class VLLMWeightPusher:
             call.start()
             send_error: Optional[BaseException] = None
             try:
-                sender.send(part, version=str(version))
+                sender.send(part, version=tag)
             except BaseException as e:
                 send_error = e
             call.join(self.timeout_s + 30)
@@ -192,6 +228,15 @@ class VLLMWeightPusher:
                 group.close()
             except Exception:  # pragma: no cover
                 pass
+        own, self._own_secret_file = self._own_secret_file, None
+        if own is not None:
+            import os
+
+            try:
+                os.unlink(own)
+            except OSError:
+                pass
+            self.secret_file = None
 
     def __enter__(self) -> "VLLMWeightPusher":
         return self.init()

@@ -23,8 +23,12 @@ Differences from vLLM's built-in engines, on purpose:
   (vLLM #57853), before anything is received.
 
 init_info: ``{"rendezvous": "tcp://127.0.0.1:PORT", "rank_offset": 1, "world_size": 2,
-"timeout_s": 300}`` — worker rank = ``rank_offset + dp_index * tp_pp_size + worker rank``; the
-trainer is rank 0.  update_info: ``{"version": str|None, "final": true, "partial": false}``;
+"timeout_s": 300, "secret_file": "/path/of/a/0600/file"}`` — worker rank = ``rank_offset +
+dp_index * tp_pp_size + worker rank``; the trainer is rank 0.  The group secret travels as a file
+path (or ``UNISLEEP_TRANSFER_SECRET_FILE`` in the engine's environment), never as the secret:
+every control record of the group is authenticated with it (docs/security.md).  update_info:
+``{"version": str|None, "final": true, "partial": false, "allow_equal_versions": false}`` —
+versions must increase from one update to the next (the chunks of one update share theirs);
 ``{"abort": true}`` drops what was staged and closes vLLM's update session (vLLM has no abort
 route: the call answers with an error naming :data:`ABORTED`, and the worker closes the session
 as it does for every failed chunk).
@@ -67,6 +71,8 @@ class UnisleepInitInfo(WeightTransferInitInfo):
     world_size: int = 2
     timeout_s: float = 300.0
     group_name: str = "vllm"
+    secret_file: str = ""    # path of the group secret (mode 0600), never the secret itself
+    insecure: bool = False   # a non-loopback group without a secret (warns)
 
 
 @dataclass
@@ -75,6 +81,7 @@ class UnisleepUpdateInfo(WeightTransferUpdateInfo):
     final: bool = True              # last chunk: check coverage now
     partial: bool = False           # allow an update that covers only some tensors
     abort: bool = False             # drop the staged tensors and close the session; receives nothing
+    allow_equal_versions: bool = False  # accept a version equal to the one applied last
 
 
 def checkpoint_specs(model_path: str) -> Optional[dict[str, tuple[int, ...]]]:
@@ -102,11 +109,16 @@ class UnisleepWeightTransferEngine(WeightTransferEngine[UnisleepInitInfo, Unisle
 
     def __init__(self, config, vllm_config, device, model) -> None:
         super().__init__(config, vllm_config, device, model)
+        from .vllm_async import register_worker_methods
+
+        register_worker_methods()  # memory figures by method name (no insecure serialization)
         self.group = None
         self._staged: dict[str, torch.Tensor] = {}
         self._verified = False
         self._active = False
         self.last_version: Optional[str] = None
+        self._session_version: Any = None
+        self._floor: Any = None  # transfer version of the update applied last (in this group)
         self.applied_versions: list[Optional[str]] = []
         self._expected: Optional[dict[str, tuple[int, ...]]] = None
 
@@ -148,10 +160,13 @@ class UnisleepWeightTransferEngine(WeightTransferEngine[UnisleepInitInfo, Unisle
         if self.group is not None:
             self.shutdown()
         rank = self._worker_rank(init_info)
+        self._floor = self._session_version = None  # a new group: its update numbers start again
         self.group = TransferGroup.create(init_info.rendezvous, rank=rank,
                                           world_size=init_info.world_size,
                                           timeout_s=init_info.timeout_s,
-                                          name=init_info.group_name)
+                                          name=init_info.group_name,
+                                          secret_file=init_info.secret_file or None,
+                                          insecure=bool(init_info.insecure))
         log.info("unisleep weight transfer: joined %s as rank %d/%d", init_info.rendezvous,
                  rank, init_info.world_size)
 
@@ -163,6 +178,7 @@ class UnisleepWeightTransferEngine(WeightTransferEngine[UnisleepInitInfo, Unisle
         self._staged = {}
         self._verified = False
         self._active = True
+        self._session_version = None  # version of this session's chunks (set by the first)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # the base class would call torch.accelerator.synchronize(), which raises on host
@@ -193,12 +209,24 @@ class UnisleepWeightTransferEngine(WeightTransferEngine[UnisleepInitInfo, Unisle
         if not self._active:
             raise RuntimeError("update_weights without start_weight_update")
         t0 = time.perf_counter()
-        report = WeightReceiver(self.group, apply=self._stage).receive()
-        got = getattr(report, "version", None)
+        # versions increase from one update to the next; the chunks of one update share theirs
+        if self._session_version is None:
+            rx = WeightReceiver(self.group, apply=self._stage, initial_version=self._floor,
+                                allow_equal_versions=update_info.allow_equal_versions)
+        else:
+            rx = WeightReceiver(self.group, apply=self._stage, initial_version=self._session_version,
+                                allow_equal_versions=True)
+        report = rx.receive()
+        tag = getattr(report, "version", None)
+        # the sender's transfer version is "<update number>:<label>" (VLLMWeightPusher): the
+        # number increases from update to update, the label is vLLM's weight version
+        got = str(tag).split(":", 1)[1] if isinstance(tag, str) and ":" in tag else tag
         if update_info.version is not None and got is not None and str(got) != update_info.version:
             raise TransferError(f"the sender sent version {got!r}, the update announced "
                                 f"{update_info.version!r}; nothing was applied")
         self.last_version = None if got is None else str(got)
+        if self._session_version is None:
+            self._session_version = tag
         log.info("unisleep weight transfer: staged %d tensors (version %s) over %s in %.3f s",
                  len(self._staged), self.last_version, getattr(report, "path", "?"),
                  time.perf_counter() - t0)
@@ -252,6 +280,7 @@ class UnisleepWeightTransferEngine(WeightTransferEngine[UnisleepInitInfo, Unisle
                       type(e).__name__, e)
             raise RuntimeError(f"{RESTART_REQUIRED} ({type(e).__name__}: {e})") from e
         self.applied_versions.append(self.last_version)
+        self._floor, self._session_version = self._session_version, None
         log.info("unisleep weight transfer: applied %d tensors (version %s) in %.3f s",
                  len(staged), self.last_version, time.perf_counter() - t0)
 
