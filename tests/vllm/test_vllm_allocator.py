@@ -12,6 +12,7 @@ tests/cuda/test_vllm_contract.py.
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -253,3 +254,34 @@ def test_graph_pool_property_extended_for_the_unisleep_backend():
     assert prop.fget(cfg) is False
     MC.sleep_mode_backend = "cumem"
     assert vllm_plugin.graph_pool_wanted(cfg) is False
+
+
+def test_post_import_hook_reads_the_workers_config(tmp_path):
+    """In a fresh process: the plugin hooks modules imported after it; the worker's
+    _maybe_get_memory_pool_context (called for the weights before vLLM sets its current config)
+    makes the choice from the worker's own VllmConfig, and vLLM's lookups then return ours."""
+    pytest.importorskip("vllm")
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, types\n"
+        "from unisleep import vllm_plugin\n"
+        "print(sorted(vllm_plugin.register()))\n"
+        "assert 'vllm.device_allocator.cumem' not in sys.modules\n"
+        "from vllm.device_allocator.cumem import CuMemAllocator\n"
+        "from vllm.v1.worker.gpu_worker import Worker\n"
+        "from vllm.device_allocator import get_mem_allocator_instance\n"
+        "mc = types.SimpleNamespace(sleep_mode_backend='unisleep', enable_cumem_allocator=True,\n"
+        "                           enable_sleep_mode=True)\n"
+        "me = types.SimpleNamespace(vllm_config=types.SimpleNamespace(model_config=mc))\n"
+        "ctx = Worker._maybe_get_memory_pool_context(me, 'weights')\n"
+        "assert vllm_plugin.decide() is True\n"
+        "a = get_mem_allocator_instance()\n"
+        "assert type(a).__name__ == 'UnisleepAllocator' and CuMemAllocator.get_instance() is a\n"
+        "print('OK', type(a).__name__, a.lifecycle.platform_name)\n"
+    )
+    env = dict(os.environ, UNISLEEP_PLATFORM="host")
+    env.pop("UNISLEEP_VLLM_ALLOCATOR", None)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert p.returncode == 0 and "OK UnisleepAllocator host" in p.stdout, p.stdout[-2000:] + p.stderr[-3000:]

@@ -1,0 +1,316 @@
+#!/usr/bin/env python3
+"""vLLM's sleep-mode contract on a GPU: the ``unisleep`` backend and vLLM's own ``cumem`` backend,
+driven through vLLM's real code (extracted by ``fetch.py``) in the GPU worker's order, same run.
+
+    python tools/vllm_contract/fetch.py                                  # once, on a CPU machine
+    PYTHONPATH=. python3 tools/vllm_contract/harness.py --weights-gib 8 --kv-gib 16 --json out.json
+
+Per backend (``SleepModeBackendFactory.create_backend`` with ``sleep_mode_backend`` = the name;
+vLLM's ``get_mem_allocator_instance()`` answers — the unisleep plugin makes it our allocator):
+
+1. weights under ``use_memory_pool("weights")`` (``get_current_usage() == 0`` first, like the
+   worker), KV cache under ``"kv_cache"``, a runtime buffer under ``"runtime"``, and a CUDA graph
+   captured through vLLM's ``compilation/cudagraph_pool.capture_pool`` (the ``cudagraph`` pool)
+   reading the weights and the runtime buffer;
+2. first sleep (level 1), ``resume(["weights"])`` then ``resume(["kv_cache"])``;
+3. steady level-1 cycles (one byte of every weight tensor changed before each sleep, as after a
+   training step), then unchanged cycles, then a level-2 sleep (weights reloaded after the wake),
+   then ``discard(("kv_cache",))``;
+
+checking each time: weights bytes exact against a reference copy, runtime bytes exact, graph
+replay exact against eager, the memory freed by ``cuMemGetInfo`` (``torch.cuda.mem_get_info``).
+Prints a table and writes JSON.  Exit 1 when a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import glob
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from types import SimpleNamespace
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PKG = os.path.join(HERE, "vllm_pkg")
+GiB = 1 << 30
+
+
+def _setup():
+    if not os.path.isdir(os.path.join(PKG, "vllm")):
+        raise SystemExit(f"{PKG} is missing: run `python tools/vllm_contract/fetch.py` first")
+    sys.path.insert(0, PKG)
+    import torch
+
+    torch.cuda.init()
+    # vLLM's cuMem extension is linked against libnvrtc (as well as torch's libraries)
+    for pat in ("nvidia/cu13/lib/libnvrtc.so.13*", "nvidia/cuda_nvrtc/lib/libnvrtc.so.*",
+                "nvidia/*/lib/libnvrtc.so.*"):
+        for sp in sys.path:
+            hits = sorted(glob.glob(os.path.join(sp, pat)))
+            if hits:
+                ctypes.CDLL(hits[0], mode=ctypes.RTLD_GLOBAL)
+                return
+    print("note: no libnvrtc found in the nvidia wheels; the cuMem extension may not load")
+
+
+def _sync():
+    import torch
+
+    torch.cuda.synchronize()
+
+
+def _free():
+    import torch
+
+    torch.cuda.synchronize()
+    return torch.cuda.mem_get_info()[0]
+
+
+class Run:
+    def __init__(self, name, args):
+        self.name, self.args = name, args
+        self.checks: list[tuple[str, bool, str]] = []
+        self.t: dict[str, list[float]] = {}
+        self.mem: dict[str, int] = {}
+
+    def check(self, what, ok, detail=""):
+        self.checks.append((what, bool(ok), detail))
+        if not ok:
+            print(f"  FAIL [{self.name}] {what} {detail}")
+
+    def time(self, key, fn):
+        _sync()
+        t0 = time.perf_counter()
+        fn()
+        _sync()
+        dt = time.perf_counter() - t0
+        self.t.setdefault(key, []).append(dt)
+        return dt
+
+
+def run_backend(name: str, args) -> Run:
+    import torch
+    from vllm.compilation.cudagraph_pool import capture_pool
+    from vllm.device_allocator import get_mem_allocator_instance
+    from vllm.device_allocator.sleep_mode_backend import SleepModeBackendFactory
+
+    from unisleep import vllm_plugin
+
+    r = Run(name, args)
+    vllm_plugin.select_allocator(name == "unisleep")
+    backend = SleepModeBackendFactory.create_backend(SimpleNamespace(sleep_mode_backend=name))
+    alloc = get_mem_allocator_instance()
+    r.check("allocator", (type(alloc).__name__ == "UnisleepAllocator") == (name == "unisleep"),
+            type(alloc).__name__)
+    r.allocator = type(alloc).__name__
+    r.backend = type(backend).__name__
+    dev = torch.device("cuda", torch.cuda.current_device())
+    gen = torch.Generator(device=dev).manual_seed(1234)
+    W, K = int(args.weights_gib * GiB), int(args.kv_gib * GiB)
+    nw, nk = args.weight_tensors, args.kv_tensors
+    free0 = _free()
+
+    # 1. load -----------------------------------------------------------------------------
+    r.check("usage 0 before weights", alloc.get_current_usage() == 0, str(alloc.get_current_usage()))
+    with alloc.use_memory_pool(tag="weights"):
+        weights = [torch.randint(0, 256, (W // nw,), dtype=torch.uint8, device=dev, generator=gen)
+                   for _ in range(nw)]
+    ref = [w.clone() for w in weights]  # outside every pool
+    with alloc.use_memory_pool(tag="kv_cache"):
+        kv = [torch.empty((K // nk,), dtype=torch.uint8, device=dev) for _ in range(nk)]
+        for k in kv:
+            k.fill_(7)
+    n = 1 << 20
+    with alloc.use_memory_pool(tag="runtime"):
+        rt = torch.randint(0, 256, (args.runtime_mib << 20,), dtype=torch.uint8, device=dev, generator=gen)
+        x = torch.zeros((n,), dtype=torch.int32, device=dev)
+    rt_ref = rt.clone()
+    graph = torch.cuda.CUDAGraph()
+    vcfg = SimpleNamespace(use_cumem_cudagraph_pool=True)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up before capture, as torch asks
+        _ = x * 3 + weights[0][:n].to(torch.int32) + rt[:n].to(torch.int32)
+    torch.cuda.current_stream().wait_stream(side)
+    with capture_pool(None, vcfg) as pool:
+        with torch.cuda.graph(graph, pool=pool):
+            y = x * 3 + weights[0][:n].to(torch.int32) + rt[:n].to(torch.int32)
+    _sync()
+    loaded = free0 - _free()
+    r.mem["loaded_bytes"] = loaded
+    r.mem["usage_bytes"] = alloc.get_current_usage()
+
+    def replay_ok(tag):
+        x.copy_(torch.randint(0, 1 << 20, (n,), dtype=torch.int32, device=dev, generator=gen))
+        graph.replay()
+        want = x * 3 + weights[0][:n].to(torch.int32) + rt[:n].to(torch.int32)
+        r.check(f"graph replay exact ({tag})", torch.equal(y, want))
+
+    def weights_ok(tag):
+        r.check(f"weights exact ({tag})", all(torch.equal(a, b) for a, b in zip(weights, ref)))
+        r.check(f"runtime exact ({tag})", torch.equal(rt, rt_ref))
+
+    replay_ok("loaded")
+
+    def sleep(level, key):
+        before = _free()
+        r.time(key, lambda: backend.suspend(level))
+        freed = _free() - before
+        r.mem.setdefault(f"{key}_freed_bytes", freed)
+        want = K + (W if level >= 1 else 0)
+        r.check(f"{key}: memory freed >= weights+kv ({freed / GiB:.2f} GiB)", freed >= 0.98 * want,
+                f"{freed} < {want}")
+        return freed
+
+    def wake(key):
+        r.time(key + "_weights", lambda: backend.resume(["weights"]))
+        replay_ok(key + " after weights")  # runtime + graph pool came back with the weights
+        r.time(key + "_kv", lambda: backend.resume(["kv_cache"]))
+        r.t.setdefault(key, []).append(r.t[key + "_weights"][-1] + r.t[key + "_kv"][-1])
+
+    # 2. first sleep ----------------------------------------------------------------------
+    if args.settle_s:
+        time.sleep(args.settle_s)  # the worker profiles and captures between load and first sleep
+    sleep(1, "first_sleep")
+    wake("first_wake")
+    weights_ok("first wake")
+    for k in kv:  # the KV cache is usable again (contents undefined on vLLM, zero on unisleep)
+        k.fill_(9)
+    r.check("kv usable after wake", int(kv[-1][:16].sum()) == 9 * 16)
+
+    # 3. steady (weights changed) ---------------------------------------------------------
+    for i in range(args.cycles):
+        for a, b in zip(weights, ref):
+            a[i * 4097 % a.numel()] += 1
+            b[i * 4097 % b.numel()] += 1
+        sleep(1, "steady_sleep")
+        wake("steady_wake")
+        weights_ok(f"steady {i}")
+    for i in range(args.cycles):
+        sleep(1, "unchanged_sleep")
+        wake("unchanged_wake")
+        weights_ok(f"unchanged {i}")
+
+    # level 2 -----------------------------------------------------------------------------
+    sleep(2, "l2_sleep")
+    r.time("l2_wake_weights", lambda: backend.resume(["weights"]))
+    with torch.no_grad():
+        for a, b in zip(weights, ref):  # the worker reloads the weights after a level-2 wake
+            a.copy_(b)
+    r.time("l2_wake_kv", lambda: backend.resume(["kv_cache"]))
+    weights_ok("after level 2 + reload")
+    replay_ok("after level 2")
+
+    # discard -----------------------------------------------------------------------------
+    before = _free()
+    r.time("discard_kv", lambda: backend.discard(("kv_cache",)))
+    freed = _free() - before
+    r.mem["discard_freed_bytes"] = freed
+    r.check(f"discard kv_cache freed ({freed / GiB:.2f} GiB)", freed >= 0.98 * K, f"{freed} < {K}")
+    backend.resume(["kv_cache"])
+    weights_ok("after discard")
+    replay_ok("after discard")
+
+    # cleanup -----------------------------------------------------------------------------
+    del graph, y, weights, kv, rt, x, ref, rt_ref
+    gc.collect()
+    if name == "unisleep":
+        from unisleep.engines.vllm_allocator import UnisleepAllocator
+
+        UnisleepAllocator.reset_instance()
+    else:
+        alloc.release_pools()
+    gc.collect()
+    torch.cuda.empty_cache()
+    vllm_plugin.select_allocator(None)
+    r.mem["left_after_cleanup_bytes"] = free0 - _free()
+    return r
+
+
+def summarize(runs, args) -> dict:
+    import torch
+
+    out = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "machine": f"{torch.cuda.get_device_name()} ({platform.node()}), torch {torch.__version__}",
+        "vllm": open(os.path.join(PKG, "VERSION")).read().strip(),
+        "command": " ".join(sys.argv),
+        "weights_gib": args.weights_gib, "kv_gib": args.kv_gib, "cycles": args.cycles,
+        "backends": {},
+    }
+    for r in runs:
+        t = {k: {"min": min(v), "median": statistics.median(v), "max": max(v), "n": len(v)}
+             for k, v in r.t.items()}
+        out["backends"][r.name] = {
+            "allocator": getattr(r, "allocator", None), "backend": getattr(r, "backend", None),
+            "times_s": t, "memory": r.mem,
+            "checks": [{"what": w, "ok": ok, "detail": d} for w, ok, d in r.checks],
+            "passed": all(ok for _, ok, _ in r.checks),
+        }
+    return out
+
+
+def table(out) -> str:
+    rows = [("first sleep (L1)", "first_sleep"), ("first wake (weights+kv)", "first_wake"),
+            ("steady L1 sleep", "steady_sleep"), ("steady L1 wake", "steady_wake"),
+            ("unchanged L1 sleep", "unchanged_sleep"), ("unchanged L1 wake", "unchanged_wake"),
+            ("L2 sleep", "l2_sleep"), ("L2 wake weights", "l2_wake_weights"),
+            ("discard kv_cache", "discard_kv")]
+    names = list(out["backends"])
+    lines = ["| step (median s) | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for label, key in rows:
+        cells = []
+        for nm in names:
+            t = out["backends"][nm]["times_s"].get(key)
+            cells.append(f"{t['median']:.4f}" if t else "-")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--weights-gib", type=float, default=8.0)
+    ap.add_argument("--kv-gib", type=float, default=16.0)
+    ap.add_argument("--weight-tensors", type=int, default=32)
+    ap.add_argument("--kv-tensors", type=int, default=16)
+    ap.add_argument("--runtime-mib", type=int, default=64)
+    ap.add_argument("--cycles", type=int, default=3)
+    ap.add_argument("--settle-s", type=float, default=2.0,
+                    help="idle seconds between load and the first sleep (vLLM profiles there)")
+    ap.add_argument("--backends", default="cumem,unisleep")
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args()
+    _setup()
+    from unisleep import vllm_plugin
+
+    print("plugin:", vllm_plugin.register())
+    runs = []
+    for name in args.backends.split(","):
+        print(f"== {name}", flush=True)
+        try:
+            runs.append(run_backend(name, args))
+        except Exception as e:  # report the backend that could not run, keep the other
+            import traceback
+
+            traceback.print_exc()
+            r = Run(name, args)
+            r.check("ran", False, f"{type(e).__name__}: {e}")
+            runs.append(r)
+    out = summarize(runs, args)
+    print(table(out))
+    for nm, b in out["backends"].items():
+        print(nm, "passed" if b["passed"] else "FAILED", json.dumps(b["memory"]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0 if all(b["passed"] for b in out["backends"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
