@@ -5,6 +5,7 @@
 ``--backend NAME``     sleep/wake on a backend (an accelerator: the large workload, with peers)
 ``--transfer``         weight transfer by path (``unisleep.bench.transfer``)
 ``--chunk-sweep``      map/unmap cost by chunk size (``unisleep.bench.chunk_sweep``)
+``--compat-tms``       tms facade beside tms 0.0.10 (``unisleep.bench.compat_tms``)
 =====================  ===================================================================
 
 Every mode prints a table and writes JSON (``--json PATH``).
@@ -21,12 +22,13 @@ MODES = (
     ("--backend NAME", "sleep/wake on a backend's devices (the large workload, beside other libraries)"),
     ("--transfer", "weight transfer by path"),
     ("--chunk-sweep", "map/unmap cost by chunk size"),
+    ("--compat-tms", "the torch_memory_saver facade beside torch_memory_saver 0.0.10, same run"),
 )
 
 
 def mode_help() -> str:
     width = max(len(m) for m, _ in MODES)
-    lines = ["usage: unisleep bench [--backend NAME | --transfer | --chunk-sweep] [options]", "",
+    lines = ["usage: unisleep bench [--backend NAME | --transfer | --chunk-sweep | --compat-tms] [options]", "",
              "Benchmarks; every mode prints a table and writes JSON. Modes:"]
     lines += [f"  {m:<{width}}  {d}" for m, d in MODES]
     lines += ["", "Each mode's options: unisleep bench --transfer --help, unisleep bench --chunk-sweep --help,",
@@ -42,6 +44,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     elif "--chunk-sweep" in argv:
         argv.remove("--chunk-sweep")
         mod = "unisleep.bench.chunk_sweep"
+    elif "--compat-tms" in argv:
+        argv.remove("--compat-tms")
+        mod = "unisleep.bench.compat_tms"
     else:
         backend = None
         for i, a in enumerate(argv):

@@ -1,0 +1,169 @@
+"""``unisleep bench --compat-tms``: unisleep's torch_memory_saver facade beside the real
+torch_memory_saver 0.0.10, in the same run, on the same workload written once against the tms API.
+
+Workload: ``--weights`` GiB allocated by ``torch.empty`` inside ``region(tag="weights",
+enable_cpu_backup=True)`` (backed up) + ``--kv`` GiB inside ``region(tag="kv_cache")``
+(discarded); ``retain_cpu_backup = True`` for both.  Figures: the first ``pause()`` (cold: nothing
+prepared), ``--cycles`` steady ``pause()``/``resume()`` pairs with the weights changed every cycle
+(so the copy really runs) and verified byte-exact after each resume, then ``pause()`` of unchanged
+weights.  Each implementation runs in its own process; the real torch_memory_saver runs with
+``hook_mode = "torch"`` (its ``"preload"`` mode needs ``LD_PRELOAD``) and is skipped, said so, when
+it is not installed.  Needs an accelerator: the facade's regions route torch's own allocations
+only there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Optional, Sequence
+
+from ..cli import plain
+from .common import print_table, progress, write_json
+
+GiB = 1 << 30
+IMPLS = ("unisleep-facade", "torch_memory_saver")
+GOALS = {"first_pause_s": 0.6, "steady_pause_s": 0.17, "steady_resume_s": 0.17, "unchanged_pause_s": 0.02}
+LABELS = {
+    "first_pause_s": "first pause (cold)",
+    "first_resume_s": "first resume",
+    "steady_pause_s": "steady pause (weights changed)",
+    "steady_resume_s": "steady resume",
+    "unchanged_pause_s": "pause, unchanged weights",
+}
+
+
+def run_workload(impl: str, weights_gib: float, kv_gib: float, cycles: int) -> dict:
+    import torch
+
+    from unisleep.platform import detect_platform
+
+    plat = detect_platform()
+    if not plat.is_accelerator:
+        raise SystemExit("unisleep bench --compat-tms needs an accelerator (the host backend has no pool)")
+    devtype = plat.torch_device_type
+    if impl == "unisleep-facade":
+        from unisleep.compat.torch_memory_saver import torch_memory_saver as tms
+    else:
+        from torch_memory_saver import torch_memory_saver as tms
+
+        tms.hook_mode = "torch"  # "preload" needs LD_PRELOAD
+    devmod = torch.get_device_module(devtype)
+    dev = torch.device(devtype, devmod.current_device())
+
+    def sync():
+        devmod.synchronize()
+
+    def timed(fn):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        return time.perf_counter() - t0
+
+    W, K = int(weights_gib * GiB), int(kv_gib * GiB)
+    out: dict = {"impl": impl}
+    tms.retain_cpu_backup = True
+    with tms.region(tag="weights", enable_cpu_backup=True):
+        w = torch.empty(W, dtype=torch.uint8, device=dev)
+    with tms.region(tag="kv_cache"):
+        kv = torch.empty(K, dtype=torch.uint8, device=dev)
+    w.view(torch.int32).random_()
+    kv.fill_(1)
+    ref = w.clone()
+    ptrs = (w.data_ptr(), kv.data_ptr())
+    free0 = devmod.mem_get_info()[0]
+    out["first_pause_s"] = timed(lambda: tms.pause())
+    out["freed_bytes"] = devmod.mem_get_info()[0] - free0
+    out["paused_bytes"] = W + K
+    out["first_resume_s"] = timed(lambda: tms.resume())
+    ok = bool(torch.equal(w, ref)) and (w.data_ptr(), kv.data_ptr()) == ptrs
+    pauses, resumes = [], []
+    for i in range(cycles):
+        w[:4096].add_(1)  # a real change: nothing may skip the copy
+        ref[:4096].add_(1)
+        pauses.append(timed(lambda: tms.pause()))
+        resumes.append(timed(lambda: tms.resume()))
+        ok = ok and bool(torch.equal(w, ref))
+        progress(f"{impl} cycle {i + 1}/{cycles}: pause {pauses[-1]:.3f}s resume {resumes[-1]:.3f}s")
+    out["steady_pause_s"], out["steady_resume_s"] = statistics.median(pauses), statistics.median(resumes)
+    out["pause_all_s"], out["resume_all_s"] = pauses, resumes
+    unchanged = []
+    for _ in range(max(2, cycles // 2)):
+        unchanged.append(timed(lambda: tms.pause()))
+        tms.resume()
+        ok = ok and bool(torch.equal(w, ref))
+    out["unchanged_pause_s"] = statistics.median(unchanged)
+    out["unchanged_all_s"] = unchanged
+    kv_zero = not bool(kv.view(torch.int64).any())
+    out["kv_zero_after_resume"] = kv_zero  # unisleep's contract; torch_memory_saver leaves it undefined
+    out["verified"] = ok
+    if impl == "unisleep-facade":
+        out["resident_bytes_by_tag"] = {t: tms.resident_bytes(t) for t in ("weights", "kv_cache")}
+        out["last_copy_reports"] = [lc.last_report.as_dict() for lc in tms.lifecycles() if lc.last_report]
+    return out
+
+
+def _available(impl: str) -> bool:
+    return impl == "unisleep-facade" or importlib.util.find_spec("torch_memory_saver") is not None
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="unisleep bench --compat-tms", description=plain(__doc__))
+    ap.add_argument("--weights", type=float, default=8.0, help="GiB in the backed-up 'weights' region (default 8)")
+    ap.add_argument("--kv", type=float, default=16.0, help="GiB in the discarded 'kv_cache' region (default 16)")
+    ap.add_argument("--cycles", type=int, default=4, help="steady pause/resume cycles (default 4)")
+    ap.add_argument("--json", default="bench-compat-tms.json", help="write results here")
+    ap.add_argument("--check", action="store_true", help="exit 1 when the facade misses a goal")
+    ap.add_argument("--worker", choices=IMPLS, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(list(argv or []))
+    if args.worker:
+        print("UNISLEEP_RESULT " + json.dumps(run_workload(args.worker, args.weights, args.kv, args.cycles)), flush=True)
+        os._exit(0)  # neither library's exit path is what is measured
+
+    results: dict = {}
+    for impl in IMPLS:
+        if not _available(impl):
+            progress(f"{impl} is not installed: its column is empty (pip install torch-memory-saver==0.0.10)")
+            results[impl] = {"impl": impl, "error": "not installed"}
+            continue
+        progress(f"running {impl} ...")
+        cmd = [sys.executable, "-m", "unisleep", "bench", "--compat-tms", "--weights", str(args.weights),
+               "--kv", str(args.kv), "--cycles", str(args.cycles), "--worker", impl]
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=os.environ.copy())
+        line = next((l for l in proc.stdout.splitlines() if l.startswith("UNISLEEP_RESULT ")), None)
+        if proc.returncode != 0 or line is None:
+            progress(f"{impl} failed (exit {proc.returncode})")
+            results[impl] = {"impl": impl, "error": f"exit {proc.returncode}"}
+            continue
+        results[impl] = json.loads(line.split(" ", 1)[1])
+
+    rows = []
+    fac = results.get("unisleep-facade", {})
+    for key, label in LABELS.items():
+        goal = GOALS.get(key)
+        ours = fac.get(key)
+        met = "-" if goal is None else ("yes" if ours is not None and ours <= goal else "no")
+        rows.append([label, goal] + [results[i].get(key, results[i].get("error")) for i in IMPLS] + [met])
+    print_table(
+        f"torch_memory_saver API: {args.weights:g} GiB backed-up 'weights' + {args.kv:g} GiB discarded 'kv_cache' "
+        "(seconds, medians)",
+        ["figure", "goal"] + list(IMPLS) + ["goal met"], rows,
+    )
+    for impl in IMPLS:
+        r = results[impl]
+        if "freed_bytes" in r:
+            print(f"{impl}: freed by the first pause {r['freed_bytes'] / GiB:.2f} of {r['paused_bytes'] / GiB:.2f} GiB; "
+                  f"verified {r['verified']}; kv_cache zero after resume {r['kv_zero_after_resume']}")
+    write_json(args.json, "compat-tms", {"goals": GOALS, **results}, argv)
+    if not fac.get("verified"):
+        return 1
+    if args.check and any(fac.get(k) is None or fac[k] > g for k, g in GOALS.items()):
+        return 1
+    return 0
