@@ -1,0 +1,208 @@
+"""unisleep.compat.torch_memory_saver on an NVIDIA GPU (marker ``cuda``): the behaviour of
+tests/test_compat_tms.py with torch's own allocations (``torch.empty``/``torch.full`` inside a
+region, as tms users write it), memory really freed (``torch.cuda.mem_get_info``), retained
+backups, ``expandable_segments``, and CUDA graphs captured through ``cuda_graph`` replaying exactly
+after pause/resume."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from unisleep.compat.torch_memory_saver import TorchMemorySaver
+from unisleep.errors import InsufficientMemoryError, InvalidTransitionError
+
+pytestmark = pytest.mark.cuda
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MiB, GiB = 1 << 20, 1 << 30
+
+
+@pytest.fixture
+def tms(monkeypatch):
+    monkeypatch.delenv("UNISLEEP_PLATFORM", raising=False)
+    monkeypatch.delenv("TMS_RETAIN_CPU_BACKUP", raising=False)
+    s = TorchMemorySaver()
+    yield s
+    torch.cuda.synchronize()
+    s.close()
+
+
+def _free() -> int:
+    torch.cuda.synchronize()
+    return torch.cuda.mem_get_info()[0]
+
+
+def test_region_routes_torch_allocations_and_pause_frees_them(tms):
+    with tms.region(tag="kv_cache"):
+        kv = torch.full((GiB,), 100, dtype=torch.uint8, device="cuda")
+    with tms.region(tag="weights", enable_cpu_backup=True):
+        w = torch.randint(0, 256, (GiB // 2,), dtype=torch.uint8, device="cuda")
+    ref = w.clone()
+    ptrs = (kv.data_ptr(), w.data_ptr())
+    assert tms.resident_bytes("kv_cache") >= GiB and tms.resident_bytes("weights") >= GiB // 2
+    before = _free()
+    tms.pause()
+    assert _free() - before >= 1.4 * GiB  # the driver sees the memory back
+    assert tms.resident_bytes() == 0 and tms.state() == {"kv_cache": "paused", "weights": "paused"}
+    tms.resume()
+    assert (kv.data_ptr(), w.data_ptr()) == ptrs
+    assert torch.equal(w, ref) and int(kv.max()) == 0
+    del kv, w, ref
+
+
+def test_tags_pause_one_and_all(tms):
+    with tms.region(tag="type1"):
+        t1 = torch.full((256 * MiB,), 1, dtype=torch.uint8, device="cuda")
+    with tms.region(tag="type2", enable_cpu_backup=True):
+        t2 = torch.full((256 * MiB,), 2, dtype=torch.uint8, device="cuda")
+    tms.pause("type1")
+    assert tms.resident_bytes("type1") == 0 and int(t2.min()) == 2
+    with pytest.raises(InvalidTransitionError):
+        tms.pause("type1")
+    with pytest.raises(InvalidTransitionError):
+        tms.resume("type2")
+    tms.pause("type2")
+    tms.resume("type2")
+    tms.resume("type1")
+    assert int(t2.min()) == 2 and int(t1.max()) == 0
+    for _ in range(2):
+        tms.pause()
+        tms.resume()
+    assert int(t2.min()) == 2 == int(t2.max())
+    del t1, t2
+
+
+def test_get_cpu_backup_paused_and_retained(tms):
+    with tms.region(enable_cpu_backup=True):
+        x = torch.randn((10, 20, 30), device="cuda")
+    want = x.cpu()
+    tms.pause()
+    got = tms.get_cpu_backup(x)
+    assert got.device.type == "cpu" and got.shape == x.shape and torch.equal(got, want)
+    tms.resume()
+    assert tms.get_cpu_backup(x) is None  # no retention: only while paused (tms README)
+    tms.retain_cpu_backup = True
+    tms.pause()
+    tms.resume()
+    kept = tms.get_cpu_backup(x, zero_copy=True)  # CUDA keeps the backup after resume
+    assert kept is not None and torch.equal(kept, want)
+    del x
+
+
+def test_disable_keeps_memory_out_of_the_tag(tms):
+    with tms.region(tag="trainer", enable_cpu_backup=True):
+        w = torch.full((64 * MiB,), 3, dtype=torch.uint8, device="cuda")
+        with tms.disable():
+            buf = torch.full((64 * MiB,), 9, dtype=torch.uint8, device="cuda")
+    r = tms.resident_bytes("trainer")
+    assert 64 * MiB <= r < 128 * MiB
+    tms.pause()
+    assert int(buf.min()) == 9  # ordinary memory: usable while the tag sleeps
+    tms.resume()
+    assert int(w.min()) == 3
+    del w, buf
+
+
+def test_disk_backup_and_margin(tms, tmp_path):
+    tms.set_disk_backup_dir(str(tmp_path / "disk"))
+    with tms.region(tag="d", enable_disk_backup=True):
+        t = torch.randint(0, 256, (32 * MiB,), dtype=torch.uint8, device="cuda")
+    ref = t.clone()
+    tms.pause("d")
+    assert tms.get_cpu_backup(t) is None  # disk-backed: no CPU copy, as in tms
+    tms.resume("d")
+    assert torch.equal(t, ref)
+    tms.memory_margin_bytes = torch.cuda.mem_get_info()[1]  # more than can ever be free
+    with tms.region(tag="m") as r:
+        with pytest.raises(InsufficientMemoryError):
+            r.empty((MiB,), torch.uint8)
+    tms.memory_margin_bytes = 0
+    del t, ref
+
+
+def _graph_case(tms, enable_cpu_backup: bool):
+    """tms's test/examples/cuda_graph.py: a KV cache in a region, a graph with a big
+    intermediate captured through cuda_graph(tag="graph"); both paused and resumed."""
+    with tms.region(tag="kv_cache", enable_cpu_backup=True):
+        kv = torch.randn((5, 10_000_000), device="cuda")
+    static_in = torch.zeros((5,), device="cuda")
+    holder = {}
+
+    def fn():
+        ans = (static_in + kv.mean(dim=1)).mean()
+        big = torch.ones((250_000_000,), device="cuda") * ans  # 1 GB intermediate in the graph pool
+        holder["out"] = big.mean() + big[:7].sum()
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with tms.cuda_graph(g, tag="graph", enable_cpu_backup=enable_cpu_backup):
+        fn()
+    static_in.fill_(100)
+    g.replay()
+    first = holder["out"].clone()
+    graph_bytes = tms.resident_bytes("graph")
+    assert graph_bytes >= 900_000_000  # the intermediate lives in the tag
+    before = _free()
+    tms.pause("kv_cache")
+    tms.pause("graph")
+    assert _free() - before >= graph_bytes + 150_000_000
+    assert tms.resident_bytes("graph") == 0
+    tms.resume("graph")
+    tms.resume("kv_cache")
+    for _ in range(2):
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(holder["out"], first)  # bit-exact replay after pause/resume
+    # a second capture sharing the first one's pool (as SGLang captures batch sizes) shares the tag
+    g2 = torch.cuda.CUDAGraph()
+    with tms.cuda_graph(g2, pool=g.pool(), tag="graph", enable_cpu_backup=enable_cpu_backup):
+        fn()
+    g2.replay()
+    second = holder["out"].clone()
+    tms.pause()
+    tms.resume()
+    g2.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(holder["out"], second)
+    del g, g2, holder, kv, static_in
+
+
+def test_cuda_graph_memory_pauses_and_replays_exactly(tms):
+    _graph_case(tms, enable_cpu_backup=False)
+
+
+def test_cuda_graph_with_cpu_backup_replays_exactly(tms):
+    _graph_case(tms, enable_cpu_backup=True)
+
+
+def test_expandable_segments_are_accepted():
+    code = """
+        import torch
+        from unisleep.compat.torch_memory_saver import torch_memory_saver as tms
+        with tms.region(tag="weights", enable_cpu_backup=True):
+            w = torch.randint(0, 256, (256 << 20,), dtype=torch.uint8, device="cuda")
+        ref = w.clone()
+        torch.cuda.synchronize(); free0 = torch.cuda.mem_get_info()[0]
+        tms.pause()
+        torch.cuda.synchronize(); freed = torch.cuda.mem_get_info()[0] - free0
+        tms.resume()
+        plain = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")  # outside: expandable again
+        print(freed >= (256 << 20), bool(torch.equal(w, ref)))
+    """
+    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
+    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.pop("UNISLEEP_PLATFORM", None)
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env,
+                          timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[-2:] == ["True", "True"]
