@@ -45,7 +45,7 @@ log = logging.getLogger("unisleep.transfer")
 DEFAULT_TIMEOUT_S = 300.0
 HEARTBEAT_S = 0.5
 #: a peer whose heartbeat did not move for this long is dead
-DEAD_AFTER_S = 3.0
+DEAD_AFTER_S = 4.0
 
 
 def vendor_module(platform: Platform, name: str):
@@ -179,6 +179,7 @@ class TransferGroup:
         self._hb_seen: dict[int, tuple[int, float]] = {}
         self._hb_thread: Optional[threading.Thread] = None
         self._lock = threading.Lock()
+        self._secret_path: Optional[str] = None
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -245,6 +246,10 @@ class TransferGroup:
                   timeout_s=timeout_s, peers=[], host=host, port=port, master_store=base, secret=key,
                   group_id=f"{name}/", insecure=source == "insecure",
                   hb_store=dist.PrefixStore(prefix, hb_base))
+        if rank == 0 and source == "loopback file":
+            from .secret import loopback_secret_path
+
+            grp._secret_path = loopback_secret_path(port, name)  # removed when the group closes
         try:
             grp._join(me, source, secret_file, name)
         except BaseException:
@@ -544,6 +549,12 @@ class TransferGroup:
             return
         self.closed = True
         self._hb_stop.set()
+        if self._secret_path is not None:
+            try:
+                os.unlink(self._secret_path)
+            except OSError:
+                pass
+            self._secret_path = None
         pg, self._pg = self._pg, None
         if pg is not None:
             try:
