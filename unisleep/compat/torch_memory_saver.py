@@ -278,13 +278,11 @@ class TorchMemorySaver:
 
     @hook_mode.setter
     def hook_mode(self, hook_mode: HookMode) -> None:
+        # tms 0.0.10 refuses this after its first use (it picks its hook then); unisleep installs
+        # no hook in either mode, so any valid value is accepted at any time and changes nothing
+        # (SGLang's adapter sets "torch" or "preload" whenever it is created)
         if hook_mode not in _HOOK_MODES:
             raise InvalidArgumentError(f"hook_mode must be 'preload' or 'torch', got {hook_mode!r}")
-        if self._initialized:
-            raise InvalidTransitionError(
-                "hook_mode must be set before the first region()/pause()/resume() (as in torch_memory_saver); "
-                "unisleep needs no hook either way, so the value only has to be valid"
-            )
         self._hook_mode = hook_mode
 
     @property
