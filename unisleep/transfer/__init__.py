@@ -15,19 +15,23 @@
     report = receiver.receive()                       # verified, then applied; report.version
 
 The group is private (its own store and process-group backend; the default process group is
-untouched).  Bytes move over the platform's collective, or — when both ends share a device — by
-IPC through a shared file descriptor.  Every update is checked against a manifest (names,
-shapes, dtypes, checksums) before it is applied; a failure leaves the previous version in place.
+untouched) and authenticated: control records are fixed-schema JSON with an HMAC-SHA256 tag under
+a 256-bit group secret (a loopback group of one user makes its own; across machines give every
+member ``UNISLEEP_TRANSFER_SECRET_FILE``; see docs/security.md); nothing received is unpickled.
+Bytes move over the platform's collective, or — when both ends share a device — by IPC through a
+shared file descriptor, handed only to a process that proved the secret.  Every update is checked
+against a manifest (names, shapes, dtypes, keyed digests) before it is applied; a failure leaves
+the previous version in place.
 
 One update, in order (every step can fail cleanly; the receiver keeps its previous version):
 
-1. sender: header on the store — version, update number, tensor specs (or only their id when
-   they are unchanged: metadata is reused), bucket size, path;
+1. sender: header on the store — version (increasing), update number, epoch, tensor specs (or
+   only their id when they are unchanged: metadata is reused), bucket size, path;
 2. receiver: guard check (target memory awake?) and target check (names, shapes, dtypes) —
    then an acknowledgement; a refusal stops the sender before a byte moves;
 3. sender: ``go``; buckets stream, double buffered — bucket k+1 is packed while bucket k is in
-   flight; each bucket carries the checksums of its tensors in a trailer;
-4. receiver: each bucket is verified against the manifest (checksums, order, completeness) and
+   flight; each bucket carries the keyed digests of its tensors in a trailer;
+4. receiver: each bucket is verified against the manifest (digests, order, completeness) and
    staged; only when all of them are good is the update applied (``apply`` callback or in-place
    copy into ``target``) and the version committed;
 5. receiver: a ``done`` acknowledgement (or the error), which ``send`` waits for.
@@ -36,7 +40,8 @@ Paths: ``collective`` (the group's process-group backend: gloo on host, the vend
 accelerators) or ``ipc`` (colocated: bucket memory shared through a file descriptor passed over a
 Unix socket; the vendor's ``ipc`` module makes the shareable memory).
 
-Modules: ``group`` (the private group and its store), ``manifest`` (specs, buckets, checksums),
+Modules: ``group`` (the private group, its store, heartbeats and epochs), ``records`` (the
+authenticated control records), ``secret`` (the group secret), ``manifest`` (specs, buckets, digests),
 ``sender`` (``WeightSender``), ``receiver`` (``WeightReceiver``), ``staging`` (the receiver's
 buckets of one update), ``channels`` (how bucket bytes move: collective and IPC), ``names``
 (``(name, tensor)`` pairs), ``report`` (``TransferReport``).
@@ -46,6 +51,7 @@ from .group import DEFAULT_TIMEOUT_S, TransferGroup
 from .manifest import Manifest, TensorSpec
 from .receiver import WeightReceiver
 from .report import TransferReport
+from .secret import new_secret, read_secret_file, write_secret_file
 from .sender import PATHS, WeightSender, default_bucket_bytes
 
 __all__ = [
@@ -58,4 +64,7 @@ __all__ = [
     "default_bucket_bytes",
     "PATHS",
     "DEFAULT_TIMEOUT_S",
+    "new_secret",
+    "read_secret_file",
+    "write_secret_file",
 ]
