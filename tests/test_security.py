@@ -467,3 +467,23 @@ def test_sender_and_receiver_refuse_old_versions():
         assert r.error is None and rx.version == 6 and _exact(tgt, _weights(6))
     finally:
         g0.close(), g1.close()
+
+
+def test_collective_bootstrap_records_are_authenticated():
+    """The collective's own bootstrap values (addresses, unique ids) are sealed too: a planted one
+    is named and waited past, so nobody redirects a member's connection to their own socket."""
+    import torch.distributed as dist
+
+    from unisleep.transfer.group import _sealed_store_class
+
+    g0, g1 = _pair()
+    try:
+        s0 = _sealed_store_class()(dist.PrefixStore("boot", g0.store), g0, "boot")
+        s1 = _sealed_store_class()(dist.PrefixStore("boot", g1.store), g1, "boot")
+        dist.PrefixStore("boot", g1.store).set("rank_0", b"10.6.6.6:4242 (an intruder's address)")
+        later = threading.Timer(0.5, lambda: s0.set("rank_0", b"127.0.0.1:5555"))
+        later.start()
+        assert s1.get("rank_0") == b"127.0.0.1:5555"
+        assert any("bootstrap record boot/rank_0" in m for m in g1.intrusions), g1.intrusions
+    finally:
+        g0.close(), g1.close()

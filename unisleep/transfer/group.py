@@ -394,9 +394,10 @@ class TransferGroup:
             except Exception:
                 pass
         timeout = datetime.timedelta(seconds=self.timeout_s)
+        store = _sealed_store_class()(dist.PrefixStore(f"pg{epoch}", self.store), self, f"pg{epoch}")
         try:
-            self._pg = self._collective.create_backend(dist.PrefixStore(f"pg{epoch}", self.store), self.rank,
-                                                       self.world_size, timeout, self.device_index, host=self.host)
+            self._pg = self._collective.create_backend(store, self.rank, self.world_size, timeout, self.device_index,
+                                                       host=self.host)
         except Exception as e:
             self.broken = f"the data channel (epoch {epoch}) could not connect: {type(e).__name__}: {e}"
             raise TransferError(f"{self.broken}; recreate the group") from e
@@ -571,6 +572,70 @@ class TransferGroup:
     def __repr__(self) -> str:
         return (f"TransferGroup(rank={self.rank}/{self.world_size}, platform={self.platform.name}, "
                 f"backend={self.backend}, device={self.device}, colocated={self.colocated}, epoch={self.epoch})")
+
+
+_SEALED: list = []
+
+
+def _sealed_store_class():
+    """A store for the collective's own bootstrap (addresses, unique ids): every value it writes
+    carries an HMAC-SHA256 tag under the group secret, and a value read back without a valid tag
+    (planted to point a member at someone else's socket) is logged as an intrusion and waited
+    past until the genuine one is there."""
+    if _SEALED:
+        return _SEALED[0]
+    import hashlib
+    import hmac
+
+    import torch.distributed as dist
+
+    class SealedStore(dist.Store):
+        def __init__(self, inner, group: "TransferGroup", prefix: str):
+            super().__init__()
+            self._inner, self._group, self._prefix = inner, group, prefix
+            self._key = group.subkey("collective bootstrap")
+
+        def _tag(self, k: str, v: bytes) -> bytes:
+            ctx = f"{self._group.group_id}/{self._prefix}/{k}".encode()
+            return hmac.new(self._key, ctx + b"\0" + v, hashlib.sha256).digest()
+
+        def set(self, key, value):
+            v = value.encode() if isinstance(value, str) else bytes(value)
+            self._inner.set(key, self._tag(key, v) + v)
+
+        def get(self, key):
+            deadline = time.monotonic() + self._group.timeout_s
+            while True:
+                raw = bytes(self._inner.get(key))
+                tag, v = raw[:32], raw[32:]
+                if len(raw) >= 32 and hmac.compare_digest(tag, self._tag(key, v)):
+                    return v
+                self._group._intrusion(f"the collective's bootstrap record {self._prefix}/{key} fails authentication "
+                                       "(planted by a process without the group secret)")
+                if time.monotonic() > deadline:
+                    raise TransferError(f"the collective's bootstrap record {key} never authenticated")
+                time.sleep(0.01)
+
+        def wait(self, keys, timeout=None):
+            return self._inner.wait(keys) if timeout is None else self._inner.wait(keys, timeout)
+
+        def add(self, key, amount):
+            return self._inner.add(key, amount)
+
+        def check(self, keys):
+            return self._inner.check(keys)
+
+        def delete_key(self, key):
+            return self._inner.delete_key(key)
+
+        def num_keys(self):
+            return self._inner.num_keys()
+
+        def set_timeout(self, timeout):
+            return self._inner.set_timeout(timeout)
+
+    _SEALED.append(SealedStore)
+    return SealedStore
 
 
 def _peer_of(body: dict) -> Peer:
