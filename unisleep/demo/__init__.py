@@ -21,7 +21,9 @@ from ..errors import UnisleepError
 from .cli import build_parser, validate
 from .constants import (BUCKET_BYTES, DEFAULT_LR, DEFAULT_STEPS, PROBE_PROMPTS, PROBE_TOL, RELEASED_MIN, SABOTAGES,
                         VLLM_KV_BYTES, VLLM_PROBE_PROMPTS, VLLM_PROBE_TOL, VLLM_REWARD_MOD, MiB)
+MODEL_STEPS = 10  # default --steps with --model
 from .embedded import run_torch
+from .presets import PRESETS
 from .report import format_table, format_table_vllm
 from .steps import DemoStep, VLLMDemoStep
 from .vllm import run_vllm
@@ -34,9 +36,9 @@ def main(argv=None) -> int:
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     if args.steps is None:
-        args.steps = DEFAULT_STEPS[args.engine]
+        args.steps = MODEL_STEPS if args.model is not None else DEFAULT_STEPS[args.engine]
     if args.lr is None:
-        args.lr = DEFAULT_LR[args.engine]
+        args.lr = PRESETS[args.model].lr if args.model in PRESETS else DEFAULT_LR[args.engine]
     try:
         validate(args)  # every option, before a process, a server or a folder is made
     except UnisleepError as e:
@@ -44,6 +46,14 @@ def main(argv=None) -> int:
         return 2
     if args.engine == "vllm":
         return run_vllm(args)
+    if args.ray:
+        from .ray_demo import run_ray
+
+        return run_ray(args)
+    if args.model is not None:
+        from .scaled import run_model
+
+        return run_model(args)
     return run_torch(args)
 
 

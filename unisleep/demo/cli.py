@@ -8,6 +8,7 @@ import math
 
 from ..errors import InvalidArgumentError, PlatformError
 from ..platform import PLATFORM_NAMES, SPECS, detect_platform
+from .presets import MODEL_NAMES
 from .constants import DEFAULT_LR, DEFAULT_STEPS, PROMPT_LEN, SABOTAGES, VLLM_REWARD_MOD
 
 
@@ -50,7 +51,26 @@ def validate(args) -> None:
         bad(f"--top-p must be in (0, 1], got {args.top_p:g}")
     if not (math.isfinite(args.timeout) and args.timeout > 0):
         bad(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
-    if args.engine == "torch":
+    if getattr(args, "ray", False):
+        import importlib.util
+
+        if args.engine != "torch" or args.model is not None:
+            bad("--ray runs the embedded tiny model's loop as Ray actors; leave out --engine vllm and --model")
+        if importlib.util.find_spec("ray") is None:
+            bad("--ray needs Ray, which is not installed: pip install 'unisleep[ray]'")
+    if getattr(args, "model", None) is not None:
+        from .presets import ACTIONS, preset, require_transformers
+
+        if args.engine != "torch":
+            bad("--model runs the embedded engine on a transformers model; leave out --engine vllm")
+        pr = preset(args.model)
+        require_transformers()
+        room = max(pr.kv_len, pr.prompt_len + args.max_tokens) - pr.prompt_len
+        if not 1 <= args.max_tokens <= room:
+            bad(f"--max-tokens must be in 1..{room} for --model {args.model}, got {args.max_tokens}")
+        if not 0 <= args.target < ACTIONS:
+            bad(f"--target must be one of the policy's actions, token ids 0..{ACTIONS - 1}, got {args.target}")
+    elif args.engine == "torch":
         cfg = TinyLMConfig()
         room = cfg.max_len - PROMPT_LEN
         if not 1 <= args.max_tokens <= room:
@@ -92,6 +112,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=_device_choices(), default="cpu",
                    help="where the engine's memory lives: a platform name, a torch device type, or auto "
                         "(default: cpu = host memory)")
+    p.add_argument("--model", choices=MODEL_NAMES, default=None,
+                   help="run the loop on a Qwen2-shaped transformers model built locally with random weights "
+                        "(tiny-hf: a few MiB for CPU; 0.5b, 1.5b, 7b: those shapes, bf16 engine, fp32 AdamW trainer) "
+                        "with BOTH sides sleeping: the trainer offloaded while the engine generates. Default: the "
+                        "embedded tiny model")
+    p.add_argument("--ray", action="store_true",
+                   help="run the trainer and the engine as Ray actors (pip install 'unisleep[ray]'); a local Ray "
+                        "cluster is started unless RAY_ADDRESS names one")
     p.add_argument("--batch", type=int, default=64, help="rollouts per step")
     p.add_argument("--max-tokens", type=int, default=8, help="tokens generated per rollout")
     p.add_argument("--target", type=int, default=7, help="the token the reward asks for")

@@ -1,0 +1,112 @@
+"""The rollout engine of ``unisleep demo --model``: a Qwen2-shaped transformers model whose
+parameters live in a :class:`~unisleep.lifecycle.MemoryLifecycle` (tag ``"weights"``) and whose
+KV cache is lifecycle memory too (tag ``"kv_cache"``), decoded by its own loop over the model's
+modules (embedding, rotary, attention projections, MLP, norms) with that cache — the engine shape
+of vLLM (preallocated KV, weights updated in place), on any platform torch runs on.
+
+It reuses :class:`~unisleep.engines.torch_generator.TorchGenerator`'s engine verbs (pause, sleep,
+wake, in-place weight updates with checks, guards) and replaces the model and the decoding.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Optional
+
+from ..engines.torch_generator import LOGPROBS_MODES, TorchGenerator, top_p_filter
+from ..errors import InvalidArgumentError
+from .presets import ACTIONS, Preset, build_model, torch_dtype
+
+
+class HFGenerator(TorchGenerator):
+    kind = "hf"
+
+    def __init__(self, p: Preset, *, lifecycle, device: str, max_batch: int, kv_len: int,
+                 logprobs_mode: str = "raw_logprobs", seed: int = 0):
+        import torch
+
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise InvalidArgumentError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
+        self.preset = p
+        self.lifecycle = lifecycle
+        self._own_lifecycle = False
+        self.logprobs_mode = logprobs_mode
+        self.max_batch = max_batch
+        model = build_model(p, device, seed)
+        dt = torch_dtype(p.dtype)
+        with torch.no_grad():
+            for prm in model.parameters():  # parameters in the serving dtype; the rotary buffer stays float32
+                prm.data = prm.data.to(dt)
+        model.requires_grad_(False)
+        # the parameters (not the buffers: the rotary table is not a weight and never sent) become
+        # lifecycle memory; tied embeddings stay tied
+        lifecycle.adopt(dict(model.named_parameters()), tag="weights")
+        self.model = model
+        self._params = dict(model.named_parameters())
+        c = p.config
+        self.n_layers, self.n_heads, self.n_kv = c["num_hidden_layers"], c["num_attention_heads"], c["num_key_value_heads"]
+        self.head_dim = c["hidden_size"] // self.n_heads
+        self.kv_cache = lifecycle.empty((self.n_layers, 2, max_batch, self.n_kv, kv_len, self.head_dim), dt,
+                                        tag="kv_cache")
+        self.device = self.kv_cache.device
+        self.config = SimpleNamespace(vocab_size=c["vocab_size"], max_len=kv_len)  # what generate() checks
+        self._rng = torch.Generator(device=self.device)
+        self._rng.manual_seed(seed)
+        self._version = "0"
+        self._paused = False
+        self._pause_mode: Optional[str] = None
+        self._updating: Optional[set[str]] = None
+        self._closed = False
+        self._receiver = None
+
+    def _forward(self, ids, pos0: int):
+        """Logits of the last position of ``ids`` ([B, T]) at positions pos0.., writing K/V into the cache."""
+        import torch
+        import torch.nn.functional as F
+        from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
+
+        m = self.model.model
+        B, T = ids.shape
+        S = pos0 + T
+        x = m.embed_tokens(ids)
+        pos = torch.arange(pos0, S, device=ids.device)[None].expand(B, T)
+        cos, sin = m.rotary_emb(x, pos)
+        groups = self.n_heads // self.n_kv
+        for i, layer in enumerate(m.layers):
+            a = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = a.q_proj(h).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+            k = a.k_proj(h).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+            v = a.v_proj(h).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            kv = self.kv_cache[i]
+            kv[0, :B, :, pos0:S] = k
+            kv[1, :B, :, pos0:S] = v
+            k = kv[0, :B, :, :S].repeat_interleave(groups, dim=1)
+            v = kv[1, :B, :, :S].repeat_interleave(groups, dim=1)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1 and pos0 == 0)
+            x = x + a.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.model.lm_head(m.norm(x[:, -1:]))[:, -1, :ACTIONS].float()
+
+    def _decode(self, ids, max_tokens, temperature, top_p, rng):
+        import torch
+
+        B, P = ids.shape
+        logits = self._forward(ids, 0)
+        toks, lps = [], []
+        for t in range(max_tokens):
+            raw = logits.log_softmax(dim=-1)
+            if temperature == 0.0:
+                tok = raw.argmax(dim=-1)
+                proc = raw
+            else:
+                masked, _ = top_p_filter(logits / temperature, top_p)
+                proc = masked.log_softmax(dim=-1)
+                tok = torch.multinomial(proc.exp(), 1, generator=rng).squeeze(-1)
+            chosen = raw if self.logprobs_mode == "raw_logprobs" else proc
+            toks.append(tok)
+            lps.append(chosen.gather(-1, tok[:, None]).squeeze(-1))
+            if t + 1 < max_tokens:
+                logits = self._forward(tok[:, None], P + t)
+        return torch.stack(toks, 1).cpu(), torch.stack(lps, 1).cpu()

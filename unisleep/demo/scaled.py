@@ -1,0 +1,391 @@
+"""``unisleep demo --model NAME``: the main job at model size, both sides sleeping.
+
+The engine (:class:`~.hf_engine.HFGenerator`, this process) and the trainer
+(:func:`~.hf_trainer.hf_trainer_main`, another process) share one device and take turns, as verl
+and slime colocate them.  Each step:
+
+1. the engine generates rollouts while the trainer is OFFLOADED (its weights and AdamW state in
+   host memory, its gradients discarded);
+2. ``Handoff.release(level)``: the engine sleeps (level 2 by default: weights and KV cache released);
+3. the trainer wakes (restores weights and optimizer state), scores the rollouts (the gap) and takes
+   one policy-gradient step with AdamW;
+4. ``Handoff.reacquire``: the engine wakes its weights, the new weights arrive (colocated IPC on an
+   accelerator, gloo on host) verified against their manifest, the KV cache wakes;
+5. probe: the engine's greedy outputs scored by the trainer; the engine's weights compared byte for
+   byte with what the trainer sent (fingerprints);
+6. the trainer offloads again.
+
+Recorded per step: GiB freed on each side, the handoff in sleep / wake / transfer phases, the
+trainer's offload and restore against the host<->device copy limit measured in the same run,
+rollout tokens per second; a timeline of both sides' memory (``demo.png``).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ..errors import UnisleepError
+from .checks import Check, _gap_steady, _loop_ran, learned, max_logprob_gap
+from .cli import platform_for
+from .constants import PROBE_PROMPTS, RELEASED_MIN
+from .presets import ACTIONS, fingerprint, preset
+from .report import print_checks, step_progress, verdict, write_json
+from .trainer_process import TrainerProcess, free_port
+
+GiB = 1 << 30
+#: goals on an accelerator (issue: the main job at real size)
+GOAL_COPY_SHARE = 0.9  # trainer offload and restore, each, >= this share of the copy limit
+GOAL_ENGINE_MS = 30.0  # engine level-2 sleep + weights wake + verified update, per step
+
+
+@dataclass
+class ScaledStep:
+    step: int
+    version: str
+    level: int
+    engine_before: int  # engine resident bytes (lifecycle) awake
+    engine_asleep: int  # ... while the trainer trains
+    trainer_awake: int  # trainer resident bytes (lifecycle) after training
+    trainer_asleep: int  # ... while the engine generates
+    trainer_allocator: int  # the trainer's framework allocator after training (activations, the bf16 copy)
+    offload_s: float
+    offload_bytes: int
+    restore_s: float
+    restore_bytes: int
+    sleep_ms: float
+    wake_weights_ms: float
+    wake_kv_ms: float
+    transfer_ms: float  # start + send (handshake, stream with per-bucket verification, commit) + finish
+    transfer_phases_ms: dict
+    release_ms: float
+    reacquire_ms: float
+    train_ms: float
+    gen_s: float
+    gen_tokens: int
+    gap: float
+    probe_gap: float
+    weights_exact: bool
+    reward: float
+    findings: list = field(default_factory=list)
+
+    @property
+    def engine_freed(self) -> int:
+        return self.engine_before - self.engine_asleep
+
+    @property
+    def trainer_freed(self) -> int:
+        return self.trainer_awake - self.trainer_asleep
+
+    @property
+    def engine_goal_ms(self) -> float:
+        return self.sleep_ms + self.wake_weights_ms + self.transfer_ms
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.gen_tokens / self.gen_s if self.gen_s > 0 else 0.0
+
+    @property
+    def handoff_ms(self) -> float:
+        return self.release_ms + self.reacquire_ms
+
+    def as_dict(self) -> dict:
+        d = dict(self.__dict__)
+        for k in ("engine_freed", "trainer_freed", "engine_goal_ms", "tokens_per_s", "handoff_ms"):
+            d[k] = getattr(self, k)
+        return d
+
+
+def gib(n) -> str:
+    return "n/a" if n is None else f"{n / GiB:.2f}"
+
+
+def format_table_scaled(steps: list[ScaledStep]) -> str:
+    head = (f"{'step':>4} {'eng freed GiB':>13} {'trn freed GiB':>13} {'offload s':>9} {'restore s':>9} "
+            f"{'sleep ms':>8} {'wake ms':>7} {'xfer ms':>8} {'eng sum ms':>10} {'kv wake ms':>10} {'train s':>7} "
+            f"{'tok/s':>8} {'gap':>8} {'probe Δ':>8} {'exact':>5} {'reward':>6}")
+    lines = [head, "-" * len(head)]
+    for s in steps:
+        lines.append(
+            f"{s.step:>4} {gib(s.engine_freed):>13} {gib(s.trainer_freed):>13} {s.offload_s:>9.3f} {s.restore_s:>9.3f} "
+            f"{s.sleep_ms:>8.2f} {s.wake_weights_ms:>7.2f} {s.transfer_ms:>8.1f} {s.engine_goal_ms:>10.1f} "
+            f"{s.wake_kv_ms:>10.2f} {s.train_ms / 1e3:>7.2f} {s.tokens_per_s:>8.0f} {s.gap:>8.1e} {s.probe_gap:>8.1e} "
+            f"{'yes' if s.weights_exact else 'NO':>5} {s.reward:>6.2f}")
+    return "\n".join(lines)
+
+
+def scaled_checks(steps: list[ScaledStep], monitor, failure: Optional[str], target: int, tol: float) -> list[Check]:
+    checks = _loop_ran(failure)
+    if not steps:
+        return checks
+    inexact = [s.step for s in steps if not s.weights_exact]
+    far = [s.step for s in steps if not s.probe_gap <= tol]
+    checks.append(Check(
+        "weights arrived", not inexact and not far,
+        (f"after every update the engine's weights are byte-exact to what the trainer sent (per-tensor "
+         f"fingerprints) and its greedy probe logprobs match the trainer's (max Δ "
+         f"{max(s.probe_gap for s in steps):.1e} <= {tol:g})") if not inexact and not far else
+        (f"steps {inexact}: the engine's weights differ from what the trainer sent; " if inexact else "") +
+        (f"steps {far}: probe logprobs differ by up to {max(s.probe_gap for s in steps):.3f} (> {tol:g})" if far else ""),
+    ))
+    low_e = [s.step for s in steps if s.engine_freed < RELEASED_MIN * s.engine_before]
+    low_t = [s.step for s in steps if s.trainer_freed < RELEASED_MIN * s.trainer_awake]
+    s0 = steps[0]
+    checks.append(Check(
+        "memory freed", not low_e and not low_t,
+        (f"both sides slept every step: the engine released >= {RELEASED_MIN:.0%} of its bytes "
+         f"({gib(s0.engine_before)} -> {gib(s0.engine_asleep)} GiB) while the trainer trained, and the trainer "
+         f">= {RELEASED_MIN:.0%} of its ({gib(s0.trainer_awake)} -> {gib(s0.trainer_asleep)} GiB) while the engine "
+         "generated") if not low_e and not low_t else
+        f"engine released too little at steps {low_e}; trainer at steps {low_t}",
+    ))
+    checks.append(_gap_steady(steps, monitor))
+    checks.append(learned(steps, target))
+    return checks
+
+
+def goals(steps: list[ScaledStep], limit: dict) -> list[tuple[str, str, Optional[bool]]]:
+    """(goal, figure, met) — performance goals on an accelerator; None: not measurable here."""
+    if not steps or not limit:
+        return [("trainer offload/restore >= 90 % of the copy limit; engine sleep + wake + update <= 30 ms",
+                 "not measured: no accelerator (host memory has no host<->device copy)", None)]
+    later = steps[1:] or steps  # the first offload also pins its host buffers
+    off = statistics.median(s.offload_bytes / s.offload_s / 1e9 for s in later if s.offload_s > 0)
+    res = statistics.median(s.restore_bytes / s.restore_s / 1e9 for s in later if s.restore_s > 0)
+    eng = statistics.median(s.engine_goal_ms for s in later)
+    out = [
+        (f"trainer offload >= {GOAL_COPY_SHARE:.0%} of the device->host copy limit",
+         f"{off:.1f} GB/s median = {off / limit['d2h_gbps']:.0%} of {limit['d2h_gbps']:.1f} GB/s",
+         off >= GOAL_COPY_SHARE * limit["d2h_gbps"]),
+        (f"trainer restore >= {GOAL_COPY_SHARE:.0%} of the host->device copy limit",
+         f"{res:.1f} GB/s median = {res / limit['h2d_gbps']:.0%} of {limit['h2d_gbps']:.1f} GB/s",
+         res >= GOAL_COPY_SHARE * limit["h2d_gbps"]),
+        (f"engine level-{steps[0].level} sleep + weights wake + verified update <= {GOAL_ENGINE_MS:g} ms",
+         f"{eng:.1f} ms median (sleep {statistics.median(s.sleep_ms for s in later):.1f} + wake "
+         f"{statistics.median(s.wake_weights_ms for s in later):.1f} + transfer "
+         f"{statistics.median(s.transfer_ms for s in later):.1f})", eng <= GOAL_ENGINE_MS),
+    ]
+    return out
+
+
+def plot_scaled(steps, timeline, path: str, title: str) -> Optional[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:
+        return None
+    fig, (ax1, ax2, ax3) = plt.subplots(3, 1, figsize=(9, 9))
+    ts = [e["t"] for e in timeline]
+    for key, label in (("engine", "engine (lifecycle: weights + KV cache)"),
+                       ("trainer", "trainer (lifecycle: weights + AdamW state + grads)"),
+                       ("trainer_allocator", "trainer (framework allocator: activations, bf16 copy)")):
+        ax1.step(ts, [e[key] / GiB for e in timeline], where="post", label=label)
+    if any(e.get("device_used") for e in timeline):
+        ax1.step(ts, [(e.get("device_used") or 0) / GiB for e in timeline], where="post", color="k", lw=0.8,
+                 ls="--", label="device memory in use (all processes)")
+    ax1.set_xlabel("seconds")
+    ax1.set_ylabel("GiB on the device")
+    ax1.set_title(title)
+    ax1.legend(fontsize=7)
+    xs = [s.step for s in steps]
+    b1 = [s.sleep_ms for s in steps]
+    b2 = [s.wake_weights_ms for s in steps]
+    b3 = [s.transfer_ms for s in steps]
+    ax2.bar(xs, b1, label="engine sleep")
+    ax2.bar(xs, b2, bottom=b1, label="weights wake")
+    ax2.bar(xs, b3, bottom=[a + b for a, b in zip(b1, b2)], label="transfer (verified)")
+    ax2.set_ylabel("ms")
+    ax2.legend(fontsize=7)
+    ax3.plot(xs, [s.reward for s in steps], "o-", color="tab:green")
+    ax3.set_ylabel("reward")
+    ax3.set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def run_model(args) -> int:
+    import torch
+
+    from ..lifecycle import MemoryLifecycle
+    from ..logprob_gap import LogprobGapMonitor
+    from ..loop import Handoff
+    from ..transfer import TransferGroup, WeightReceiver
+    from .hf_engine import HFGenerator
+    from .hf_trainer import allocator_bytes, hf_trainer_main
+
+    p = preset(args.model)
+    platform = platform_for(args.device)
+    lc = MemoryLifecycle(platform)
+    dev = torch.device(platform.torch_device(0))
+    try:
+        eng = HFGenerator(p, lifecycle=lc, device=str(dev), max_batch=args.batch,
+                          kv_len=max(p.kv_len, p.prompt_len + args.max_tokens), logprobs_mode=args.logprobs_mode,
+                          seed=args.seed)
+    except UnisleepError as e:
+        lc.close()
+        print(f"unisleep demo: the engine cannot start on {platform.name}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    if args.sabotage == "skip-sleep":
+        eng.sleep = lambda level=1: None  # accepts the call and frees nothing
+    os.makedirs(args.out, exist_ok=True)
+    rng = torch.Generator().manual_seed(args.seed + 1)
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    rendezvous = f"tcp://127.0.0.1:{free_port()}"
+    proc = ctx.Process(target=hf_trainer_main, name="unisleep-demo-trainer", daemon=True,
+                       args=(there, rendezvous, args.model, platform.name, args.lr, args.top_p, args.timeout, args.seed))
+    t_start = time.perf_counter()
+    proc.start()
+    trainer = TrainerProcess(proc, here, args.timeout)
+    steps: list[ScaledStep] = []
+    timeline: list[dict] = []
+    monitor = LogprobGapMonitor()
+    failure: Optional[str] = None
+    init: dict = {}
+    group = None
+    mod = getattr(torch, dev.type, None)
+    tr_mem = {"resident": 0, "allocator": 0}
+
+    def mark(phase: str, step: int) -> None:
+        used = None
+        if dev.type != "cpu" and mod is not None and hasattr(mod, "mem_get_info"):
+            free, total = mod.mem_get_info(dev)
+            used = total - free
+        timeline.append({"t": time.perf_counter() - t_start, "phase": phase, "step": step,
+                         "engine": lc.resident_bytes(), "trainer": tr_mem["resident"],
+                         "trainer_allocator": tr_mem["allocator"], "engine_allocator": allocator_bytes(torch, dev),
+                         "device_used": used})
+
+    try:
+        init = trainer.wait("init")
+        group = trainer.run_beside(
+            lambda: TransferGroup.create(rendezvous, rank=1, world_size=2, platform=platform, timeout_s=args.timeout),
+            "ready")
+
+        def apply(named):
+            if args.sabotage == "drop-weights":
+                named = [(n, eng._params[n].detach().clone()) for n, _ in named]
+            eng.update_weights(named)
+
+        receiver = WeightReceiver(group, apply=apply, guard=eng.can_receive_weights)
+        handoff = Handoff(eng, pause_mode="wait")
+        if not args.quiet:
+            print(f"unisleep demo: model={p.name} ({init['params'] / 1e9:.3f} B parameters, engine {p.dtype}) "
+                  f"platform={platform.name} level={args.level} steps={args.steps} batch={args.batch} "
+                  f"trainer pid={proc.pid} (another process) transfer={group.backend} out={args.out}")
+            if init["copy_limit"]:
+                cl = init["copy_limit"]
+                print(f"copy limit measured now (pinned, 1 GiB): host->device {cl['h2d_gbps']:.1f} GB/s, "
+                      f"device->host {cl['d2h_gbps']:.1f} GB/s")
+        mark("start", 0)
+        off = trainer.call("offload", None, "offloaded")
+        tr_mem.update(off["after"])
+        mark("trainer offloaded", 0)
+        for step in range(1, args.steps + 1):
+            prompts = torch.randint(0, p.config["vocab_size"], (args.batch, p.prompt_len), generator=rng).tolist()
+            t0 = time.perf_counter()
+            gens = eng.generate(prompts, max_tokens=args.max_tokens, temperature=1.0, top_p=args.top_p,
+                                seed=args.seed * 1000 + step - 1)
+            gen_s = time.perf_counter() - t0
+            tokens = [g.token_ids for g in gens]
+            rewards = [sum(t == args.target for t in tk) / len(tk) for tk in tokens]
+            version_served = eng.weight_version()
+            mark("engine generated", step)
+            rel = handoff.release(level=args.level)
+            mark("engine asleep", step)
+            t0 = time.perf_counter()
+            tr = trainer.call("train", {"prompts": prompts, "tokens": tokens, "rewards": rewards}, "trained")
+            train_ms = (time.perf_counter() - t0) * 1e3
+            tr_mem.update(tr["after"])
+            mark("trainer trained", step)
+            gs = monitor.observe([g.logprobs for g in gens], tr["logprobs"], top_p=args.top_p, step=step,
+                                 version=version_served)
+            version = str(step)
+            sent: dict = {}
+
+            def send_weights(engine, version=version):
+                trainer.conn.send(("send", version))
+                got = receiver.receive()
+                sent.update(trainer.wait("sent"))
+                sent["recv"] = got.as_dict()
+                if got.version != version:
+                    raise UnisleepError(f"received version {got.version!r}, expected {version!r}")
+
+            rep = handoff.reacquire(send_weights, version=version)
+            exact = fingerprint(list(eng._params.items())) == tr["fingerprint"]
+            mark("engine updated", step)
+            probe = eng.generate(PROBE_PROMPTS, max_tokens=args.max_tokens, temperature=0.0)
+            sc = trainer.call("score", {"prompts": PROBE_PROMPTS, "tokens": [g.token_ids for g in probe]}, "scored")
+            probe_gap = max_logprob_gap(probe, sc["logprobs"])
+            off = trainer.call("offload", None, "offloaded")
+            tr_mem.update(off["after"])
+            mark("trainer offloaded", step)
+            tm = rep.timings
+            ph = sent["recv"].get("phases", {})
+            ds = ScaledStep(
+                step=step, version=version, level=args.level, engine_before=rel.resident_before or 0,
+                engine_asleep=rel.resident_asleep or 0, trainer_awake=tr["after"]["resident"],
+                trainer_asleep=off["after"]["resident"], trainer_allocator=tr["after"]["allocator"],
+                offload_s=off["seconds"], offload_bytes=off["bytes_copied"], restore_s=tr["restore"]["seconds"],
+                restore_bytes=tr["restore"]["bytes_copied"], sleep_ms=tm.get("sleep", 0) * 1e3,
+                wake_weights_ms=tm.get("wake_weights", 0) * 1e3, wake_kv_ms=tm.get("wake_kv", 0) * 1e3,
+                transfer_ms=rep.transfer_s * 1e3, transfer_phases_ms={k: v * 1e3 for k, v in ph.items()},
+                release_ms=rel.release_s * 1e3, reacquire_ms=rep.reacquire_s * 1e3, train_ms=train_ms, gen_s=gen_s,
+                gen_tokens=sum(len(t) for t in tokens), gap=gs.median_abs_gap, probe_gap=probe_gap,
+                weights_exact=exact, reward=statistics.fmean(rewards), findings=[str(f) for f in gs.findings])
+            steps.append(ds)
+            step_progress(args, step, f"v{version}  freed engine {gib(ds.engine_freed)} GiB, trainer "
+                                      f"{gib(ds.trainer_freed)} GiB  engine sleep+wake+xfer {ds.engine_goal_ms:.1f} ms  "
+                                      f"offload {ds.offload_s:.2f} s  {ds.tokens_per_s:,.0f} tok/s  gap {ds.gap:.1e}  "
+                                      f"probe {ds.probe_gap:.1e}  reward {ds.reward:.2f}", gs.findings)
+    except (UnisleepError, OSError) as e:
+        failure = f"{type(e).__name__}: {e}"
+    finally:
+        if group is not None:
+            group.close()
+        trainer.stop()
+        eng.close()
+        lc.close()
+    elapsed = time.perf_counter() - t_start
+    checks = scaled_checks(steps, monitor, failure, args.target, p.probe_tol)
+    ok = bool(steps) and all(c.ok is not False for c in checks) and len(steps) == args.steps
+    gl = goals(steps, init.get("copy_limit") or {})
+    print()
+    if steps:
+        print(format_table_scaled(steps))
+        print()
+        print(f"{p.name}: {init.get('params', 0) / 1e9:.3f} B parameters; trainer lifecycle tags "
+              + ", ".join(f"{t} {gib(n)} GiB" for t, n in (init.get("tags") or {}).items())
+              + f"; {len(steps)} steps in {elapsed:.1f} s")
+    for name, fig, met in gl:
+        print(f"[goal {'n/a' if met is None else ('MET' if met else 'MISSED')}] {name}: {fig}")
+    print_checks(checks)
+    result = {
+        "ok": ok, "engine": "hf", "model": p.name, "params": init.get("params"), "platform": platform.name,
+        "args": vars(args), "seconds": elapsed, "copy_limit": init.get("copy_limit"),
+        "trainer_tags": init.get("tags"), "steps": [s.as_dict() for s in steps], "timeline": timeline,
+        "goals": [{"goal": g, "figure": f, "met": m} for g, f, m in gl], "checks": [c.__dict__ for c in checks],
+        "gap": monitor.summary(), "failure": failure, "engine_pid": os.getpid(), "trainer_pid": proc.pid,
+        "transfer": {"backend": getattr(group, "backend", None), "path": (steps and sent.get("recv", {}).get("path"))},
+    }
+    jpath = write_json(args.out, result)
+    ppath = None
+    if not args.no_plot and steps:
+        ppath = plot_scaled(steps, timeline, os.path.join(args.out, "demo.png"),
+                            f"unisleep demo --model {p.name} on {platform.name}: device memory of both sides")
+        if ppath is None:
+            print("plot skipped: matplotlib is not installed (pip install 'unisleep[plot]')")
+    print(f"wrote {jpath}" + (f" and {ppath}" if ppath else ""))
+    return verdict(ok)
+
+
+__all__ = ["run_model", "ScaledStep", "format_table_scaled", "scaled_checks", "goals", "ACTIONS"]
