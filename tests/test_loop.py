@@ -230,6 +230,17 @@ def test_draft_reload_and_acceptance_collapse_warning(lifecycle):
     assert eng.reloads == 2 and rep.warnings and rep.spec_acceptance == 0.02
 
 
+def test_draft_is_not_reloaded_after_a_level1_release(lifecycle):
+    """Level 1 keeps the draft (it sleeps with the weights): only a level-2 release reloads it;
+    the acceptance is read either way."""
+    eng = Speculative(lifecycle=lifecycle)
+    h = Handoff(eng, min_acceptance=0.3)
+    h.step(lambda: None, _send(_trained(steps=1)), version=1, level=1)
+    assert eng.reloads == 0 and h.history[-1].spec_acceptance == 0.9
+    h.step(lambda: None, _send(_trained(steps=1)), version=2, level=2)
+    assert eng.reloads == 1
+
+
 class NoTagReport(TorchGenerator):
     def sleeping_tags(self):  # like vLLM's /is_sleeping: one boolean
         return None

@@ -7,8 +7,8 @@ Two calls wrap every training step::
     train()                           # the trainer uses the freed memory
     handoff.reacquire(send_weights, version="3")
         # wake weights -> verify -> start/update/finish the transfer, check the version
-        # -> wake KV cache -> reset prefix cache -> reload draft (speculation)
-        # -> read acceptance (warn on collapse) -> resume
+        # -> wake KV cache -> reset prefix cache -> reload the draft (after a level-2 release,
+        # engines that can) -> read acceptance (warn on collapse) -> resume
 
 The order is the one vLLM's RL transaction needs (pause, sleep, train, wake weights, update,
 wake KV cache, reset the prefix cache, resume) and it is the same for every engine.  Two rules
@@ -286,10 +286,13 @@ class Handoff:
             )
 
     def reload_draft(self) -> bool:
-        """Reload the speculative draft when speculation is on (a level-2 wake reloads only the
-        target).  Returns whether a draft was reloaded."""
+        """Reload the speculative draft after a level-2 release when speculation is on (a
+        level-2 wake reloads only the target; a level-1 sleep keeps the draft).  Returns whether
+        a draft was reloaded.  The vLLM adapters cannot reload a draft (vLLM has no call for it,
+        #52479) and so refuse a level-2 sleep while a draft is configured: this step is then
+        never reached for them."""
         eng = self.engine
-        if not eng.has_draft_model():
+        if not eng.has_draft_model() or self.current is None or self.current.level != 2:
             return False
         self._timed("reload_draft", eng.reload_draft)
         return True
@@ -348,7 +351,8 @@ class Handoff:
 
     def reacquire(self, send_weights: Optional[SendWeights], version: Any = None) -> StepReport:
         """wake weights -> transfer (start, ``send_weights(engine)``, finish, check version) ->
-        wake KV cache -> reset prefix cache -> reload draft -> read acceptance -> resume.
+        wake KV cache -> reset prefix cache -> reload the draft (after level 2) -> read
+        acceptance -> resume.
 
         ``send_weights`` may be None only after a level-1 release (the weights were kept)."""
         rep = self.current

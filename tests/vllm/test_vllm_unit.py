@@ -137,3 +137,82 @@ def test_parse_sleep_state_and_abort_answers():
     assert abort_answer_closed_session(f"POST /update_weights -> HTTP 500: ... {UPDATE_ABORTED} ...")
     assert abort_answer_closed_session(f"... '{NO_UPDATE_SESSION}.' ...")
     assert not abort_answer_closed_session("Invalid update_info: unexpected keyword argument 'abort'")
+
+
+# ---------------------------------------------------------------- the version table drives the adapters
+def _unreachable_engine(**kw):
+    """An HTTP adapter pointed at a loopback port nobody listens on: a move that gets past the
+    adapter's own checks fails with EngineError (it was sent); a refused one never gets there."""
+    from unisleep.engines.vllm_http import VLLMHTTPEngine
+    from unisleep.engines.vllm_server import free_port
+
+    return VLLMHTTPEngine(f"http://127.0.0.1:{free_port()}", timeout=5, **kw)
+
+
+def test_level2_with_a_draft_is_refused_on_a_version_with_52479():
+    from unisleep.errors import EngineError, InvalidTransitionError
+
+    eng = _unreachable_engine(vllm_version="0.33.0", speculative=True)
+    with pytest.raises(InvalidTransitionError, match="#52479"):
+        eng.sleep(2)
+    with pytest.raises(EngineError):  # level 1 keeps the draft: it is sent
+        eng.sleep(1)
+    opted = _unreachable_engine(vllm_version="0.33.0", speculative=True, allow_level2_with_draft=True)
+    with pytest.raises(EngineError):  # the caller re-sends the draft itself: sent
+        opted.sleep(2)
+    plain = _unreachable_engine(vllm_version="0.33.0", speculative=False)
+    with pytest.raises(EngineError):  # no draft: nothing to protect
+        plain.sleep(2)
+
+
+def test_level2_with_fp8_kv_cache_is_refused_before_0_32_only():
+    from unisleep.errors import EngineError, InvalidTransitionError
+
+    old = _unreachable_engine(vllm_version="0.31.0", speculative=False, kv_cache_dtype="fp8_e4m3")
+    with pytest.raises(InvalidTransitionError, match="#25800"):
+        old.sleep(2)
+    fixed = _unreachable_engine(vllm_version="0.32.0", speculative=False, kv_cache_dtype="fp8_e4m3")
+    with pytest.raises(EngineError):  # fixed in 0.32: sent
+        fixed.sleep(2)
+
+
+def test_vllm_adapters_cannot_reload_a_draft():
+    from unisleep.errors import UnsupportedError
+
+    with pytest.raises(UnsupportedError, match="#52479"):
+        _unreachable_engine(vllm_version="0.33.0").reload_draft()
+
+
+def test_spec_acceptance_from_vllm_metrics_text():
+    from unisleep.engines.vllm_versions import AcceptanceMeter, spec_counters_from_metrics
+
+    def text(acc, drafted):
+        return "\n".join([
+            "# HELP vllm:spec_decode_num_accepted_tokens_total Number of accepted tokens.",
+            "# TYPE vllm:spec_decode_num_accepted_tokens_total counter",
+            f'vllm:spec_decode_num_accepted_tokens_total{{engine="0",model_name="m"}} {acc}',
+            f'vllm:spec_decode_num_draft_tokens_total{{engine="0",model_name="m"}} {drafted}',
+            'vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 40.0',
+        ])
+
+    assert spec_counters_from_metrics("vllm:num_requests_running 0.0") is None
+    assert spec_counters_from_metrics(text(30.0, 100.0)) == (30.0, 100.0)
+    meter = AcceptanceMeter()
+    assert meter.read(spec_counters_from_metrics(text(30.0, 100.0))) == pytest.approx(0.3)
+    assert meter.read(spec_counters_from_metrics(text(31.0, 200.0))) == pytest.approx(0.01)  # collapse
+    assert meter.read(spec_counters_from_metrics(text(31.0, 200.0))) is None  # nothing drafted since
+
+
+def test_inprocess_adapter_applies_the_table(vllm_inprocess):
+    """The real in-process engine: its own config says no draft (level 2 allowed); the same
+    engine described as running a draft on 0.33 refuses level 2 before vLLM is called."""
+    from unisleep.engines.vllm_inprocess import VLLMEngine
+    from unisleep.errors import InvalidTransitionError
+
+    assert vllm_inprocess.has_draft_model() is False
+    assert vllm_inprocess.engine_version().startswith("0.3")
+    assert vllm_inprocess.spec_acceptance() is None  # no speculative decoding here
+    stub = VLLMEngine(llm=vllm_inprocess.llm, vllm_version="0.33.0", speculative=True)
+    with pytest.raises(InvalidTransitionError, match="#52479"):
+        stub.sleep(2)
+    assert vllm_inprocess.is_sleeping() is False  # nothing was sent

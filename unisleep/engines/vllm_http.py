@@ -26,8 +26,9 @@ import threading
 from typing import Any, Callable, Mapping, Optional, Sequence
 from urllib.parse import urlsplit
 
-from ..errors import EngineError, InvalidArgumentError, InvalidTransitionError
+from ..errors import EngineError, InvalidArgumentError, InvalidTransitionError, UnsupportedError
 from .base import Engine, Generation
+from .vllm_versions import AcceptanceMeter, level2_refusal, spec_counters_from_metrics
 
 log = logging.getLogger(__name__)
 
@@ -108,8 +109,20 @@ class VLLMHTTPEngine(Engine):
     def __init__(self, base_url: str, *, allow_remote: bool = False, timeout: float = 120.0,
                  api_key: Optional[str] = None, model: Optional[str] = None,
                  session: Any = None,
-                 memory_probe: Optional[Callable[[], Optional[int]]] = None) -> None:
+                 memory_probe: Optional[Callable[[], Optional[int]]] = None,
+                 vllm_version: Optional[str] = None, speculative: Optional[bool] = None,
+                 kv_cache_dtype: Optional[str] = None,
+                 allow_level2_with_draft: bool = False) -> None:
+        """``vllm_version``, ``speculative`` (a draft model is configured) and
+        ``kv_cache_dtype`` default to what the server reports (``/version``, ``/server_info``);
+        they decide which known-bug workarounds apply (:mod:`.vllm_versions`)."""
         self.base_url = check_engine_url(base_url, allow_remote=allow_remote)
+        self._vllm_version = vllm_version
+        self._speculative = speculative
+        self._kv_cache_dtype = kv_cache_dtype
+        self._engine_config: Optional[dict] = None
+        self.allow_level2_with_draft = bool(allow_level2_with_draft)
+        self._acceptance = AcceptanceMeter()
         # vLLM's HTTP API reports no memory figures; a caller that can read the server's device
         # memory (e.g. from the accelerator's management library) passes it here
         self.memory_probe = memory_probe
@@ -249,12 +262,73 @@ class VLLMHTTPEngine(Engine):
     def is_paused(self) -> bool:
         return bool(self._get("/is_paused")["is_paused"])
 
+    # ---- what the server runs (decides the workarounds) ----------------------------------
+    def engine_version(self) -> Optional[str]:
+        """The server's vLLM version (``/version``, once), or the one given; None if unknown."""
+        if self._vllm_version is None:
+            try:
+                self._vllm_version = self.version()
+            except (EngineError, KeyError, TypeError):
+                return None
+        return self._vllm_version
+
+    def engine_config(self) -> Optional[dict]:
+        """The server's ``vllm_config`` from ``GET /server_info?config_format=json`` (a dev
+        route), once; None when the server does not answer it."""
+        if self._engine_config is None:
+            try:
+                info = self._get("/server_info", params={"config_format": "json"}) or {}
+            except EngineError:
+                return None
+            cfg = info.get("vllm_config")
+            self._engine_config = cfg if isinstance(cfg, dict) else {}
+        return self._engine_config
+
+    def has_draft_model(self) -> bool:
+        """Whether the server runs speculative decoding with a draft (``speculative_config``)."""
+        if self._speculative is None:
+            cfg = self.engine_config()
+            if cfg is None:
+                return False  # cannot tell (not cached: asked again next time)
+            spec = cfg.get("speculative_config")
+            self._speculative = bool(spec) and spec not in ("None", "null")
+        return bool(self._speculative)
+
+    def kv_cache_dtype(self) -> Optional[str]:
+        if self._kv_cache_dtype is None:
+            cache = (self.engine_config() or {}).get("cache_config")
+            if isinstance(cache, dict) and cache.get("cache_dtype") is not None:
+                self._kv_cache_dtype = str(cache["cache_dtype"])
+        return self._kv_cache_dtype
+
+    def spec_acceptance(self) -> Optional[float]:
+        """Fraction of draft tokens accepted since the previous call, from vLLM's counters
+        ``vllm:spec_decode_num_accepted_tokens`` / ``..._num_draft_tokens`` (``/metrics``);
+        None without speculative decoding, metrics, or drafts since the last call."""
+        try:
+            text = self.request("GET", "/metrics", text=True, timeout=min(self.timeout, 10.0))
+        except EngineError:
+            return None
+        return self._acceptance.read(spec_counters_from_metrics(text))
+
+    def reload_draft(self) -> None:
+        raise UnsupportedError(
+            "vLLM has no route that reloads the speculative draft from its checkpoint (vLLM #52479 is "
+            "open); this adapter refuses a level-2 sleep while a draft is configured instead. Sleep at "
+            "level 1, or re-send the draft's weights with start_draft_weight_update.")
+
     # ---- memory ----------------------------------------------------------------------
     def sleep(self, level: int = 1, mode: str = "abort") -> None:
         if isinstance(level, bool) or level not in (0, 1, 2):
             raise InvalidArgumentError(f"sleep level must be 0, 1 or 2, got {level!r}")
         if mode not in PAUSE_MODES:
             raise InvalidArgumentError(f"sleep mode must be one of {PAUSE_MODES}, got {mode!r}")
+        if level == 2:  # known-bug versions (vllm_versions): refuse before anything is sent
+            why = level2_refusal(self.engine_version(), has_draft=self.has_draft_model(),
+                                 kv_cache_dtype=self.kv_cache_dtype(),
+                                 allow_with_draft=self.allow_level2_with_draft)
+            if why:
+                raise InvalidTransitionError(why)
         self._post("/sleep", params={"level": level, "mode": mode})
         with self._lock:
             self._paused_by_me = True

@@ -18,8 +18,9 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional, Sequence
 
-from ..errors import EngineError, InvalidArgumentError, InvalidTransitionError
+from ..errors import EngineError, InvalidArgumentError, InvalidTransitionError, UnsupportedError
 from .base import Engine, Generation
+from .vllm_versions import AcceptanceMeter, level2_refusal, spec_counters_from_reader
 from .vllm_common import (  # noqa: F401  (SLEEP_TAGS, WAKE_TAGS, PAUSE_MODES: re-exported)
     PAUSE_MODES,
     SLEEP_TAGS,
@@ -44,7 +45,15 @@ class VLLMEngine(Engine):
 
     kind = "vllm"
 
-    def __init__(self, model: Optional[str] = None, *, llm: Any = None, **llm_kwargs) -> None:
+    def __init__(self, model: Optional[str] = None, *, llm: Any = None,
+                 vllm_version: Optional[str] = None, speculative: Optional[bool] = None,
+                 allow_level2_with_draft: bool = False, **llm_kwargs) -> None:
+        """``vllm_version`` / ``speculative`` default to the installed vLLM and the engine's
+        ``speculative_config``; they decide which known-bug workarounds apply."""
+        self._vllm_version = vllm_version
+        self._speculative = speculative
+        self.allow_level2_with_draft = bool(allow_level2_with_draft)
+        self._acceptance = AcceptanceMeter()
         if llm is None:
             if model is None:
                 raise InvalidArgumentError("VLLMEngine needs a model directory or llm=")
@@ -79,6 +88,46 @@ class VLLMEngine(Engine):
     def version(self) -> str:
         return vllm_version()
 
+    # ---- what the engine runs (decides the workarounds) ------------------------------
+    def engine_version(self) -> Optional[str]:
+        if self._vllm_version is None:
+            try:
+                self._vllm_version = self.version()
+            except Exception:
+                return None
+        return self._vllm_version
+
+    def _vllm_config(self):
+        return getattr(getattr(self.llm, "llm_engine", None), "vllm_config", None)
+
+    def has_draft_model(self) -> bool:
+        if self._speculative is None:
+            cfg = self._vllm_config()
+            if cfg is None:
+                return False
+            self._speculative = getattr(cfg, "speculative_config", None) is not None
+        return bool(self._speculative)
+
+    def kv_cache_dtype(self) -> Optional[str]:
+        cache = getattr(self._vllm_config(), "cache_config", None)
+        dt = getattr(cache, "cache_dtype", None)
+        return None if dt is None else str(dt)
+
+    def spec_acceptance(self) -> Optional[float]:
+        """Fraction of draft tokens accepted since the previous call, from vLLM's counters
+        (``LLM.get_metrics()``; needs ``disable_log_stats=False``); None when unknown."""
+        try:
+            metrics = self.llm.get_metrics()
+        except Exception:
+            return None
+        return self._acceptance.read(spec_counters_from_reader(metrics))
+
+    def reload_draft(self) -> None:
+        raise UnsupportedError(
+            "vLLM has no call that reloads the speculative draft from its checkpoint (vLLM #52479 is "
+            "open); this adapter refuses a level-2 sleep while a draft is configured instead. Sleep at "
+            "level 1, or re-send the draft's weights with start_draft_weight_update.")
+
     # ---- generation ----------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], *, max_tokens: int = 16,
                  temperature: float = 0.0, top_p: float = 1.0, seed: Optional[int] = None,
@@ -108,6 +157,12 @@ class VLLMEngine(Engine):
     # ---- memory ----------------------------------------------------------------------
     def sleep(self, level: int = 1, mode: str = "abort") -> None:
         check_level(level)
+        if level == 2:  # known-bug versions (vllm_versions): refuse before anything changes
+            why = level2_refusal(self.engine_version(), has_draft=self.has_draft_model(),
+                                 kv_cache_dtype=self.kv_cache_dtype(),
+                                 allow_with_draft=self.allow_level2_with_draft)
+            if why:
+                raise InvalidTransitionError(why)
         self._call(f"sleep(level={level})", self.llm.sleep, level=level, mode=mode)
         record_sleep(self._asleep, level)
         self._paused = True

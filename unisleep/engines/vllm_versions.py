@@ -57,14 +57,17 @@ TABLE: tuple[Workaround, ...] = (
         "draft-not-reloaded-after-l2-wake", None, None, "vLLM #52479 (PR #52487)",
         "a level-2 wake reloads only the target model; the speculative draft keeps garbage, "
         "the target rejects every draft token (acceptance ~0, decode ~2x slower, no error)",
-        "after every level-2 wake with a draft model: reload the draft and read the acceptance "
-        "counters; treat acceptance ~0 as a failed wake", RELOAD),
+        "the vLLM adapters refuse a level-2 sleep while a draft model is configured "
+        "(InvalidTransitionError: sleep at level 1, which keeps the draft; or pass "
+        "allow_level2_with_draft=True when you re-send the draft yourself with "
+        "start_draft_weight_update); the guarded step reads the acceptance after every wake "
+        "and warns when it collapses", GUARD),
     Workaround(
         "fp8-kv-scales-cleared-by-l2", None, "0.32.0", "vLLM #25800 / #45617 / #53508",
         "a level-2 sleep resets calibrated FP8 KV-cache scales; the first request after the "
         "reload returns NaN logprobs and a wrong first token; a weight reload does not restore "
-        "them", "with an FP8 KV cache before 0.32: back up the k/v scale buffers before a "
-        "level-2 sleep and restore them after the weights wake, or refuse level 2", BACKUP),
+        "them", "with an FP8 KV cache before 0.32 the vLLM adapters refuse a level-2 sleep "
+        "(InvalidTransitionError: sleep at level 1, or upgrade vLLM to >= 0.32)", GUARD),
     Workaround(
         "weight-update-while-asleep-kills-engine", None, None, "vLLM #57853 (PR #57854)",
         "sending weights while the weights sleep writes into unmapped memory: segfault, "
@@ -167,6 +170,85 @@ def has(version: str, key: str, platform: Optional[str] = None) -> bool:
     return any(w.key == key for w in workarounds_for(version, platform))
 
 
+def level2_refusal(version: Optional[str], *, has_draft: bool = False,
+                   kv_cache_dtype: Optional[str] = None, platform: Optional[str] = None,
+                   allow_with_draft: bool = False) -> Optional[str]:
+    """Why a level-2 sleep must be refused on vLLM ``version`` (None = allowed).  An unknown
+    version counts as affected (refusing is the safe side)."""
+    def applies(key: str) -> bool:
+        return version is None or has(version, key, platform)
+
+    shown = version or "(version unknown)"
+    if has_draft and not allow_with_draft and applies("draft-not-reloaded-after-l2-wake"):
+        return (f"refusing a level-2 sleep: vLLM {shown} does not reload the speculative draft after a "
+                "level-2 wake (vLLM #52479): the target would reject every draft token. Sleep at level 1 "
+                "(it keeps the draft), or pass allow_level2_with_draft=True if you re-send the draft's "
+                "weights yourself (start_draft_weight_update). Nothing was changed.")
+    if kv_cache_dtype and str(kv_cache_dtype).lower().startswith("fp8") \
+            and applies("fp8-kv-scales-cleared-by-l2"):
+        return (f"refusing a level-2 sleep: vLLM {shown} clears the calibrated FP8 KV-cache scales at "
+                "level 2 and a weight reload does not restore them (vLLM #25800/#53508): the first request "
+                "after the wake returns NaN logprobs. Sleep at level 1, or upgrade vLLM to >= 0.32. "
+                "Nothing was changed.")
+    return None
+
+
+SPEC_ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
+SPEC_DRAFTED = "vllm:spec_decode_num_draft_tokens"
+
+
+def _add_counter(acc, drafted, name, value):
+    if name in (SPEC_ACCEPTED, SPEC_ACCEPTED + "_total"):
+        acc = (acc or 0.0) + value
+    elif name in (SPEC_DRAFTED, SPEC_DRAFTED + "_total"):
+        drafted = (drafted or 0.0) + value
+    return acc, drafted
+
+
+def spec_counters_from_metrics(text: Optional[str]) -> Optional[tuple[float, float]]:
+    """(accepted, drafted) token counters, summed over engines, from Prometheus text
+    (``GET /metrics``); None when the server has no speculative-decoding counters."""
+    acc = drafted = None
+    for line in (text or "").splitlines():
+        if not line.startswith("vllm:spec_decode_num_"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        try:
+            value = float(line.rsplit(" ", 1)[1])
+        except (IndexError, ValueError):
+            continue
+        acc, drafted = _add_counter(acc, drafted, name, value)
+    return None if acc is None or drafted is None else (acc, drafted)
+
+
+def spec_counters_from_reader(metrics) -> Optional[tuple[float, float]]:
+    """The same from ``LLM.get_metrics()`` (vLLM's metric reader objects: ``.name``, ``.value``)."""
+    acc = drafted = None
+    for m in metrics or ():
+        value = getattr(m, "value", None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            acc, drafted = _add_counter(acc, drafted, getattr(m, "name", ""), float(value))
+    return None if acc is None or drafted is None else (acc, drafted)
+
+
+class AcceptanceMeter:
+    """Fraction of draft tokens accepted since the previous reading (vLLM's counters are
+    cumulative).  None when nothing was drafted in between or the counters are missing."""
+
+    def __init__(self) -> None:
+        self._last: Optional[tuple[float, float]] = None
+
+    def read(self, counters: Optional[tuple[float, float]]) -> Optional[float]:
+        if counters is None:
+            return None
+        last, self._last = self._last, counters
+        acc0, dr0 = last if last is not None else (0.0, 0.0)
+        if counters[1] < dr0:  # the engine restarted: its counters started over
+            acc0, dr0 = 0.0, 0.0
+        drafted = counters[1] - dr0
+        return None if drafted <= 0 else max(0.0, min(1.0, (counters[0] - acc0) / drafted))
+
+
 def doctor_lines(version: Optional[str] = None, platform: Optional[str] = None) -> list[str]:
     """Lines for ``unisleep doctor``: the vLLM version and what unisleep works around there."""
     if version is None:
@@ -189,5 +271,7 @@ def doctor_lines(version: Optional[str] = None, platform: Optional[str] = None) 
 
 
 __all__ = ["Workaround", "TABLE", "workarounds_for", "doctor_lines", "parse_version",
+           "level2_refusal", "spec_counters_from_metrics", "spec_counters_from_reader",
+           "AcceptanceMeter",
            "installed_vllm_version", "has", "GUARD", "RELOAD", "BACKUP", "VERIFY", "REFUSE",
            "NOTE"]
