@@ -114,10 +114,10 @@ def allocator_selected() -> bool:
     return bool(decide())
 
 
-def _allocator():
+def _allocator(**options):
     from .engines.vllm_allocator import UnisleepAllocator
 
-    return UnisleepAllocator.get_instance()
+    return UnisleepAllocator.get_instance(**options)
 
 
 def _patch_allocator_class(module) -> None:
@@ -126,10 +126,13 @@ def _patch_allocator_class(module) -> None:
     if cls is None or getattr(cls.get_instance, "_unisleep", False):
         return
     original = cls.get_instance
+    # vLLM's CuMemAllocator wakes the deferrable tags it is asked for and every other tag;
+    # a platform plugin's CaMemAllocator wakes exactly the tags named
+    options = {} if module.__name__ == "vllm.device_allocator.cumem" else {"deferrable_tags": None}
 
     def get_instance():
         if decide():
-            return _allocator()
+            return _allocator(**options)
         return original()
 
     get_instance._unisleep = True  # type: ignore[attr-defined]

@@ -285,3 +285,46 @@ def test_post_import_hook_reads_the_workers_config(tmp_path):
     env.pop("UNISLEEP_VLLM_ALLOCATOR", None)
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert p.returncode == 0 and "OK UnisleepAllocator host" in p.stdout, p.stdout[-2000:] + p.stderr[-3000:]
+
+
+# ------------------------------------------------------------------ vllm-ascend's CaMemAllocator calls
+def test_ascend_camem_order_on_the_simulated_acl_library():
+    """SIMULATED Ascend (tests/sim/fake_acl.py, no NPU): the calls vllm-ascend's NPUWorker makes
+    on CaMemAllocator — sleep(offload_tags=("weights",)) at level 1, sleep(offload_tags=()) at
+    level 2, wake_up(tags) waking exactly the tags named — on unisleep's Ascend driver, with the
+    extra-cleanup policy (graphs released on sleep, recaptured only once the KV cache wakes).
+    Pool routing needs torch_npu, so the tensors enter their tags through the lifecycle."""
+    from sim.fake_acl import FakeAcl
+
+    from unisleep.backends.ascend import AscendDriver
+
+    lib = FakeAcl(granularity=2 * MiB, total_bytes=64 * MiB)
+    drv = AscendDriver(lib=lib, tensor_device="cpu")
+    alloc = UnisleepAllocator(MemoryLifecycle(drv), deferrable_tags=None, extra_cleanup=True)
+    try:
+        counts = {"capture": 0, "release": 0}
+        alloc.extra_cleanup.add_graphs(
+            "decode", capture=lambda: counts.__setitem__("capture", counts["capture"] + 1),
+            release=lambda: counts.__setitem__("release", counts["release"] + 1))
+        lc = alloc.lifecycle
+        w = lc.empty((4 * MiB,), torch.uint8, tag="weights")
+        w.copy_(_expect(4 * MiB, 1))
+        kv = lc.empty((8 * MiB,), torch.uint8, tag="kv_cache")
+        kv.fill_(3)
+        used = lib.dev.used_bytes
+        assert alloc.get_current_usage() == 12 * MiB
+        alloc.sleep(offload_tags=("weights",))  # NPUWorker.sleep(level=1)
+        free, total = drv.memory_info()
+        assert free == total and lib.dev.used_bytes == 0 and counts["release"] == 1
+        alloc.wake_up(["weights"])  # exactly the weights (no deferrable rule on Ascend)
+        assert lc.state() == {"weights": "awake", "kv_cache": "discarded"}
+        assert torch.equal(w, _expect(4 * MiB, 1)) and counts["capture"] == 0
+        alloc.wake_up(["kv_cache"])
+        assert lib.dev.used_bytes == used and int(kv.count_nonzero()) == 0 and counts["capture"] == 1
+        alloc.sleep(offload_tags=())  # NPUWorker.sleep(level=2): everything discarded
+        assert lc.state() == {"weights": "discarded", "kv_cache": "discarded"}
+        alloc.wake_up(None)
+        assert int(w.count_nonzero()) == 0 and counts["capture"] == 2
+    finally:
+        alloc.close()
+        lib.close()

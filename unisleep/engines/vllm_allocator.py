@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 from typing import Iterator, Optional
 
@@ -55,6 +56,7 @@ log = logging.getLogger("unisleep.vllm")
 #: vLLM's ``DEFERRABLE_TAGS``: a selective wake may leave these asleep; every other tag wakes
 DEFERRABLE_TAGS: tuple[str, ...] = ("weights", "kv_cache")
 DEFAULT_TAG = "default"
+EXTRA_CLEANUP_ENV = "UNISLEEP_EXTRA_CLEANUP"
 GRAPH_TAG = "cudagraph"  # vLLM's tag name for graph-capture memory
 
 _OFFLOADED, _DISCARDED, _AWAKE = "offloaded", "discarded", "awake"
@@ -66,9 +68,18 @@ class UnisleepAllocator:
 
     instance: "Optional[UnisleepAllocator]" = None
     default_tag: str = DEFAULT_TAG
+    #: vllm-ascend's tag for memory that must survive every sleep (here: always backed up)
+    sleep_persistent_tag: str = "sleep_persistent"
     _instance_lock = threading.Lock()
 
-    def __init__(self, lifecycle=None, *, prepare_backup: bool = True, **lifecycle_options):
+    def __init__(self, lifecycle=None, *, prepare_backup: bool = True,
+                 deferrable_tags: Optional[tuple[str, ...]] = DEFERRABLE_TAGS,
+                 extra_cleanup: Optional[bool] = None, **lifecycle_options):
+        """``deferrable_tags``: vLLM's selective-wake rule (a wake with tags also restores every
+        tag not in this tuple); ``None`` = vllm-ascend's ``CaMemAllocator`` rule (a wake restores
+        exactly the tags named).  ``extra_cleanup``: install the extra-cleanup policy
+        (:mod:`unisleep.extra_cleanup`) on the lifecycle — default: ``UNISLEEP_EXTRA_CLEANUP=1``;
+        the worker then registers its groups and graphs on :attr:`extra_cleanup`."""
         if lifecycle is None:
             from ..lifecycle import MemoryLifecycle
 
@@ -81,16 +92,26 @@ class UnisleepAllocator:
         self.lifecycle = lifecycle
         self.current_tag: str = DEFAULT_TAG
         self.prepare_backup = prepare_backup
+        self.deferrable_tags = None if deferrable_tags is None else tuple(deferrable_tags)
         self.last_report = None
         self._warned_no_route = False
+        if extra_cleanup is None:
+            extra_cleanup = os.environ.get(EXTRA_CLEANUP_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+        self.extra_cleanup = None
+        if extra_cleanup:
+            # the policy module sits above the engines; imported only when asked for
+            from ..extra_cleanup import install_extra_cleanup
+
+            self.extra_cleanup = install_extra_cleanup(lifecycle, enabled=True)
 
     # ------------------------------------------------------------------ singleton
     @classmethod
-    def get_instance(cls) -> "UnisleepAllocator":
-        """The process's allocator (built on first use): vLLM assumes one per process."""
+    def get_instance(cls, **options) -> "UnisleepAllocator":
+        """The process's allocator (built on first use, with ``options``): vLLM assumes one per
+        process."""
         with cls._instance_lock:
             if cls.instance is None:
-                cls.instance = cls()
+                cls.instance = cls(**options)
             return cls.instance
 
     @classmethod
@@ -128,6 +149,10 @@ class UnisleepAllocator:
         if tag == "weights" and self.prepare_backup:
             self._prepare_weights_backup()
 
+    def use_allocation_tag(self, tag: Optional[str] = None):
+        """vllm-ascend's name for the same context (newer ``CaMemAllocator``)."""
+        return self.use_memory_pool(tag)
+
     @contextlib.contextmanager
     def cudagraph_pool(self) -> Iterator[object]:
         """What ``vllm/compilation/cudagraph_pool.py`` calls: yields the pool id to capture into;
@@ -152,7 +177,7 @@ class UnisleepAllocator:
     # ------------------------------------------------------------------ sleep / wake
     def sleep(self, offload_tags=None) -> None:
         """vLLM's ``allocator.sleep``: ``offload_tags`` backed up, everything else discarded."""
-        offload = set(_tag_tuple(offload_tags, (DEFAULT_TAG,)))
+        offload = set(_tag_tuple(offload_tags, (DEFAULT_TAG,))) | {self.sleep_persistent_tag}
         lc = self.lifecycle
         state = lc.state()
         conflict = False
@@ -203,8 +228,12 @@ class UnisleepAllocator:
             if isinstance(tags, str):
                 raise InvalidArgumentError(f"tags must be a list of tags, not the string {tags!r}")
             want = set(tags)
-            todo = [t for t, s in state.items()
-                    if s != _AWAKE and (t in want or t not in DEFERRABLE_TAGS)]
+            if self.deferrable_tags is None:  # vllm-ascend: exactly the tags named
+                want.add(self.sleep_persistent_tag)
+                todo = [t for t, s in state.items() if s != _AWAKE and t in want]
+            else:
+                todo = [t for t, s in state.items()
+                        if s != _AWAKE and (t in want or t not in self.deferrable_tags)]
         if todo:
             self.last_report = self.lifecycle.wake_up(todo)
 
@@ -254,4 +283,4 @@ def _current_device_index() -> int:
     return 0
 
 
-__all__ = ["UnisleepAllocator", "DEFERRABLE_TAGS"]
+__all__ = ["UnisleepAllocator", "DEFERRABLE_TAGS", "EXTRA_CLEANUP_ENV"]
