@@ -129,3 +129,11 @@ def test_sender_killed_mid_update_leaves_old_version(run):
     assert "sender died" in r["msg"] and "still serving version 8" in r["msg"], r["msg"]
     assert r["version_after"] == 8 and r["holds_expected"] is True
     assert r["seconds"] < 25  # noticed, not hung until some far timeout
+
+
+def test_after_the_sender_died_the_receiver_says_recreate_the_group_at_once(run):
+    r = run["receiver"]["v10_after_sender_death"]
+    assert not r["ok"] and r["type"] == "TransferError"
+    assert "recreate the group" in r["msg"], r["msg"]
+    assert r["version_after"] == 8 and r["holds_expected"] is True
+    assert r["seconds"] < 5, r["seconds"]

@@ -139,6 +139,7 @@ def receiver(port: int, out: dict, path_out: str) -> None:
     out["v7_asleep"]["holds_expected"] = holds(target, 3)
     step("v8_after_wake", 8)
     step("v9_sender_killed", 8)
+    step("v10_after_sender_death", 8)  # at once: the sender is gone, recreate the group
 
 
 def main() -> int:

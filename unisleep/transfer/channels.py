@@ -223,7 +223,7 @@ def wait_work(group: TransferGroup, work) -> None:
             if now - t0 > group.timeout_s:
                 raise TransferError(f"a collective did not complete within {group.timeout_s:.0f} s")
         time.sleep(delay)
-        delay = min(delay * 2, 0.005)
+        delay = min(delay * 2, 0.001)
     work.wait()
 
 

@@ -480,8 +480,9 @@ class TransferGroup:
         except TransferError:
             raise
         except Exception as e:
+            self.broken = "the connection to the group's store is lost (its host, rank 0, may have died)"
             raise TransferError(f"lost the connection to the transfer store writing {key} "
-                                f"(its host, rank 0, may have died): {e}") from e
+                                f"(its host, rank 0, may have died): {e}; recreate the group") from e
 
     def _wait_raw(self, key: str, what: str) -> bytes:
         deadline = time.monotonic() + self.timeout_s
@@ -512,8 +513,10 @@ class TransferGroup:
             try:
                 raw = self.store.get(key) if self.store.check([key]) else None
             except Exception as e:
+                self.broken = "the connection to the group's store is lost (its host, rank 0, may have died)"
                 raise TransferError(f"waiting for {what or key}: lost the connection to the transfer store after "
-                                    f"{time.monotonic() - t0:.1f} s (its host, rank 0, may have died): {e}") from e
+                                    f"{time.monotonic() - t0:.1f} s (its host, rank 0, may have died): {e}; "
+                                    "recreate the group") from e
             if raw is not None and raw != bad:
                 try:
                     rs, re_, body = R.open_record(self._rec_key, self.group_id, raw, name=key, peer=peer, schema=schema,
