@@ -220,7 +220,9 @@ def test_disable_allocates_outside_any_tag(tms):
     tms.resume()
     assert int(kept.max()) == 0
     with tms.disable():  # outside a region: nothing is routed anyway
-        pass
+        with tms.region(tag="inside-disable"):  # a region inside disable() is a region again (tms)
+            tms.empty((MiB,), torch.uint8)
+    assert tms.resident_bytes("inside-disable") >= MiB
 
 
 # ---------------------------------------------------------------------------- disk backup
@@ -494,3 +496,66 @@ def test_uninstall_restores_path_environment_and_modules():
 def test_pythonpath_helper_prints_the_shim_folder():
     proc = _run("import runpy, sys; sys.argv = ['x', '--pythonpath']; runpy.run_module('unisleep.compat', run_name='__main__')")
     assert proc.returncode == 0 and proc.stdout.strip() == shim_dir()
+
+
+# ---------------------------------------------------------------------------- pool routing order
+class _RecordingLifecycle:
+    """Stands in for an accelerator's lifecycle (the host one has no pool): records which tag's
+    pool routing is entered and left, so the facade's order can be checked on CPU."""
+
+    platform_name = "recording"
+
+    def __init__(self, log):
+        self.log, self.tags = log, []
+
+        class _Driver:
+            supports_pool = True
+
+        self.driver = _Driver()
+
+    def pool(self, tag):
+        import contextlib
+
+        @contextlib.contextmanager
+        def ctx():
+            self.log.append(("on", tag))
+            try:
+                yield
+            finally:
+                self.log.append(("off", tag))
+
+        return ctx()
+
+    def state(self):
+        return {}
+
+    def close(self):
+        pass
+
+
+def test_at_most_one_pool_routing_is_active_per_thread(tms, monkeypatch):
+    log = []
+    monkeypatch.setattr(tms, "_new_lifecycle", lambda device, kind: _RecordingLifecycle(log))
+    with tms.region(tag="outer"):
+        with tms.region(tag="inner", enable_cpu_backup=True):
+            with tms.disable():
+                pass
+        with tms.disable():
+            with tms.region(tag="nested-in-disable"):
+                pass
+    active, seen = set(), []
+    for what, tag in log:
+        if what == "on":
+            assert not active, f"{tag} routed while {active} still routed: {log}"
+            active.add(tag)
+        else:
+            active.remove(tag)
+        seen.append((what, tag))
+    assert not active
+    assert seen == [
+        ("on", "outer"), ("off", "outer"), ("on", "inner"),  # the inner region suspends the outer one
+        ("off", "inner"), ("on", "inner"),  # disable() inside "inner" switches it off, then back on
+        ("off", "inner"), ("on", "outer"),  # leaving "inner" gives the routing back to "outer"
+        ("off", "outer"), ("on", "nested-in-disable"),  # a region inside disable() routes, as in tms
+        ("off", "nested-in-disable"), ("on", "outer"), ("off", "outer"),
+    ]

@@ -161,7 +161,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if "freed_bytes" in r:
             print(f"{impl}: freed by the first pause {r['freed_bytes'] / GiB:.2f} of {r['paused_bytes'] / GiB:.2f} GiB; "
                   f"verified {r['verified']}; kv_cache zero after resume {r['kv_zero_after_resume']}")
-    write_json(args.json, "compat-tms", {"goals": GOALS, **results}, argv)
+    write_json(args.json, "compat-tms", {"goals": GOALS, **results}, ["--compat-tms"] + list(argv or []))
     if not fac.get("verified"):
         return 1
     if args.check and any(fac.get(k) is None or fac[k] > g for k, g in GOALS.items()):

@@ -140,7 +140,7 @@ class TorchMemorySaver:
         handle = RegionHandle(self, slot)
         lc = slot.lc
         if lc.driver.supports_pool:
-            with lc.pool(slot.ltag), self._pushed(slot):
+            with self._pushed(slot, route=True):
                 yield handle
         else:
             self._say_once(
@@ -149,7 +149,7 @@ class TorchMemorySaver:
                 "routed into the tag there (the backend has no memory pool); allocate with "
                 "`with torch_memory_saver.region(...) as r: r.empty(...)` or r.adopt(module)",
             )
-            with self._pushed(slot):
+            with self._pushed(slot, route=False):
                 yield handle
 
     @contextlib.contextmanager
@@ -195,39 +195,33 @@ class TorchMemorySaver:
                 f"{self.cuda_graph.__name__}(): the {lc.platform_name} backend cannot put graph memory in a tag; the graph is "
                 "captured as usual and its memory is not released by pause()",
             )
-            with devmod.graph(cuda_graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode), \
-                    self._pushed(slot):
+            with self._pushed(slot, route=False), \
+                    devmod.graph(cuda_graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode):
                 yield RegionHandle(self, slot)
             return
-        with lc.pool(slot.ltag):  # the tag exists and is awake before the capture allocates
-            pid = graph_pool(lc, slot.ltag)
+        if lc.state().get(slot.ltag, "awake") != "awake":
+            raise InvalidTransitionError(
+                f"tag {tag!r} is paused; resume it (resume({tag!r})) before capturing into it — nothing was changed"
+            )
+        pid = graph_pool(lc, slot.ltag)
         with self._lock:
             self._graph_pools[_pool_key(pid)] = slot
-        with devmod.graph(cuda_graph, pool=pid, stream=stream, capture_error_mode=capture_error_mode), \
-                self._pushed(slot):
+        # the capture allocates from its own pool: no region's routing may be active meanwhile
+        with self._pushed(slot, route=False), \
+                devmod.graph(cuda_graph, pool=pid, stream=stream, capture_error_mode=capture_error_mode):
             yield RegionHandle(self, slot)
 
     @contextlib.contextmanager
     def disable(self) -> Iterator[None]:
         """Allocations inside are ordinary memory, outside any tag (e.g. weight-update buffers
         that must not be paused; slime runs its weight sync in it)."""
-        import torch
-
         self._ensure_initialized()
         st = self._state()
-        st.disabled += 1
-        try:
-            if self._platform.is_accelerator and st.stack:
-                devmod = torch.get_device_module(self._platform.torch_device_type)
-                mem_pool, use_pool = _plain_pool_api(devmod)
-                pool = mem_pool()  # a throwaway pool of the default allocator, as tms does
-                with use_pool(pool):
-                    yield
-                del pool
-            else:  # outside a region nothing is routed anyway; on the host nothing ever is
-                yield
-        finally:
-            st.disabled -= 1
+        # the routing into the current region's pool is switched off (tms: "interesting region"
+        # off, a throwaway pool of the default allocator); torch's default allocator serves
+        # what is allocated inside, as outside any region
+        with self._pushed(None, route=False):  # a region entered inside routes again, as in tms
+            yield
 
     def pause(self, tag: Optional[str] = None) -> None:
         """Release the memory of ``tag`` (every tag if ``None``); backed-up regions keep their
@@ -474,29 +468,54 @@ class TorchMemorySaver:
     def _state(self):
         st = self._local
         if not hasattr(st, "stack"):
-            st.stack, st.disabled = [], 0
+            st.stack, st.active = [], None  # stack of (slot, routes) and (None, False) for disable()
         return st
 
+    # At most one pool routing is active per thread: the innermost region's.  Entering a nested
+    # region, a graph capture or disable() switches the outer routing off, leaving switches it
+    # back on, so pool contexts are never nested (torch's allocator picks the first matching
+    # pool when several are active, and a nested pool's exit aborted under torch 2.11).
+    def _route_off(self, st) -> None:
+        ctx, st.active = st.active, None
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
+
+    def _route_on(self, st) -> None:
+        if st.active is not None or not st.stack:
+            return
+        slot, route = st.stack[-1]
+        if route:
+            ctx = slot.lc.pool(slot.ltag)
+            ctx.__enter__()
+            st.active = ctx
+
     @contextlib.contextmanager
-    def _pushed(self, slot: _Slot):
+    def _pushed(self, slot: Optional[_Slot], route: bool):
         st = self._state()
-        st.stack.append(slot)
+        self._route_off(st)
+        st.stack.append((slot, route))
+        try:
+            self._route_on(st)
+        except BaseException:
+            st.stack.pop()
+            self._route_on(st)
+            raise
         try:
             yield
         finally:
+            self._route_off(st)
             st.stack.pop()
+            self._route_on(st)
 
     def _current_slot(self, what: str) -> Optional[_Slot]:
         self._ensure_initialized()
         st = self._state()
-        if st.disabled:
-            return None
         if not st.stack:
             raise InvalidTransitionError(
                 f"torch_memory_saver.{what}() is called outside a region; call it inside "
                 f"`with torch_memory_saver.region(tag=...):`"
             )
-        return st.stack[-1]
+        return st.stack[-1][0]  # None inside disable()
 
     def _check_margin(self, lc, nbytes: int) -> None:
         if self._margin <= 0:
@@ -511,7 +530,7 @@ class TorchMemorySaver:
     def _empty(self, slot: Optional[_Slot], shape, dtype):
         import torch
 
-        if slot is None or self._state().disabled:  # inside disable(): ordinary memory
+        if slot is None:  # inside disable(): ordinary memory
             dev = self._platform.torch_device(self._current_device())
             return torch.zeros(shape, dtype=dtype, device=dev)
         elem = torch.empty((), dtype=dtype if dtype is not None else torch.float32).element_size()
@@ -522,7 +541,7 @@ class TorchMemorySaver:
         return slot.lc.empty(shape, dtype, tag=slot.ltag)
 
     def _adopt(self, slot: Optional[_Slot], obj):
-        if slot is None or self._state().disabled:
+        if slot is None:
             return obj  # disable(): nothing moves into a tag
         return slot.lc.adopt(obj, tag=slot.ltag)
 
@@ -544,18 +563,6 @@ def _names(slots) -> str:
 
 def _pool_key(pool):
     return tuple(pool) if isinstance(pool, (tuple, list)) else pool
-
-
-def _plain_pool_api(devmod):
-    """(MemPool class, use_mem_pool) of a torch device module, where it has them."""
-    mem_pool = getattr(devmod, "MemPool", None) or getattr(getattr(devmod, "memory", None), "MemPool", None)
-    use_pool = getattr(devmod, "use_mem_pool", None) or getattr(getattr(devmod, "memory", None), "use_mem_pool", None)
-    if mem_pool is None or use_pool is None:
-        raise UnsupportedError(
-            f"disable() needs {devmod.__name__}.MemPool and use_mem_pool (torch >= 2.6); upgrade torch, or "
-            "allocate the memory to keep outside any region() instead"
-        )
-    return mem_pool, use_pool
 
 
 # Workaround (see docs/compat-tms.md, "What the facade needs from the core"): MemoryLifecycle has
