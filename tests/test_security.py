@@ -487,3 +487,16 @@ def test_collective_bootstrap_records_are_authenticated():
         assert any("bootstrap record boot/rank_0" in m for m in g1.intrusions), g1.intrusions
     finally:
         g0.close(), g1.close()
+
+
+def test_nothing_in_the_transfer_path_unpickles():
+    import re
+
+    pat = re.compile(r"\bpickle\.loads?\b|\bimport pickle\b|\btorch\.load\(|\bcloudpickle\b|\bmarshal\.loads?\b")
+    files = [os.path.join(ROOT, "unisleep", "transfer", f) for f in os.listdir(os.path.join(ROOT, "unisleep", "transfer"))
+             if f.endswith(".py")]
+    files += [os.path.join(ROOT, "unisleep", "engines", f) for f in
+              ("vllm_weight_transfer.py", "vllm_trainer.py", "vllm_async.py")]
+    for f in files:
+        for n, line in enumerate(open(f), 1):
+            assert not pat.search(line), f"{f}:{n}: {line.strip()}"
