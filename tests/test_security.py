@@ -97,8 +97,9 @@ def _nobody_problem():
         r = subprocess.run(_as_nobody(["-c", "import torch, unisleep, os; print(os.getuid())"]),
                            capture_output=True, text=True, timeout=120)
         if r.returncode != 0 or r.stdout.strip() != str(NOBODY):
-            why = (f"setpriv --reuid={NOBODY} could not run this Python with torch and unisleep: "
-                   f"{(r.stderr or r.stdout).strip()[-300:]}")
+            last = ((r.stderr or r.stdout).strip().splitlines() or ["no output"])[-1]
+            why = (f"setpriv --reuid={NOBODY} could not run this Python with torch and unisleep (are the "
+                   f"interpreter and the checkout readable by uid {NOBODY}?): {last.split(':')[0][:80]}")
     _NOBODY_PROBLEM.append(why)
     return why
 
