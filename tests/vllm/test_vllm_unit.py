@@ -216,3 +216,17 @@ def test_inprocess_adapter_applies_the_table(vllm_inprocess):
     with pytest.raises(InvalidTransitionError, match="#52479"):
         stub.sleep(2)
     assert vllm_inprocess.is_sleeping() is False  # nothing was sent
+
+
+def test_doctor_says_what_sleep_mode_offers_per_version():
+    from unisleep.engines.vllm_versions import doctor_lines, sleep_mode_lines
+
+    old = "\n".join(sleep_mode_lines("0.31.0", "cuda", platform_plugin=False))
+    assert "NOT available" in old and "SleepModeBackendFactory" in old
+    v32 = "\n".join(sleep_mode_lines("0.32.0", "cuda", platform_plugin=False))
+    assert "--sleep-mode-backend does NOT exist" in v32 and "UNISLEEP_VLLM_ALLOCATOR=1" in v32
+    v33 = "\n".join(sleep_mode_lines("0.33.0", "cuda", platform_plugin=True))
+    assert "--sleep-mode-backend unisleep" in v33 and "CaMemAllocator" in v33
+    assert "refuses --enable-sleep-mode on CPU" in "\n".join(sleep_mode_lines("0.32.0", "host"))
+    # what `unisleep doctor` prints for the installed vLLM (0.32 here) carries the same lines
+    assert any("--sleep-mode-backend does NOT exist" in line for line in doctor_lines())

@@ -267,11 +267,49 @@ def doctor_lines(version: Optional[str] = None, platform: Optional[str] = None) 
              + f": {len(ws)} known problem(s) handled or flagged"]
     for w in ws:
         lines.append(f"  [{w.kind}] {w.key} ({w.issue}): {w.action}")
+    lines += sleep_mode_lines(version, platform)
     return lines
+
+
+def sleep_mode_lines(version: str, platform: Optional[str] = None,
+                     platform_plugin: Optional[bool] = None) -> list[str]:
+    """What of unisleep's vLLM sleep-mode integration this vLLM offers (for ``unisleep doctor``).
+
+    ``platform_plugin``: an out-of-tree vLLM platform plugin (e.g. vllm-ascend) is installed;
+    default: any entry point in vLLM's ``vllm.platform_plugins`` group (nothing is imported)."""
+    v = parse_version(version)
+    if platform_plugin is None:
+        from importlib.metadata import entry_points
+
+        try:
+            platform_plugin = bool(list(entry_points(group="vllm.platform_plugins")))
+        except Exception:
+            platform_plugin = False
+    out = []
+    if v < (0, 32, 0):
+        out.append("  sleep mode: NOT available — this vLLM has no pluggable sleep-mode backends "
+                   "(SleepModeBackendFactory, vLLM >= 0.32): neither the unisleep backend nor its "
+                   "allocator can be used; vLLM's own CuMemAllocator sleeps")
+    elif v < (0, 33, 0):
+        out.append("  sleep mode: --sleep-mode-backend does NOT exist before vLLM 0.33: the 'unisleep' "
+                   "backend is registered but cannot be selected from the command line")
+        out.append("  sleep mode: available — UNISLEEP_VLLM_ALLOCATOR=1 puts vLLM's sleep-mode memory in "
+                   "a unisleep MemoryLifecycle (vLLM's own cumem backend then drives it, graph pool "
+                   "included with --sleep-mode-offload-cudagraph); no per-operation reports")
+    else:
+        out.append("  sleep mode: available — --enable-sleep-mode --sleep-mode-backend unisleep (memory "
+                   "in a unisleep MemoryLifecycle; with --sleep-mode-offload-cudagraph the graphs too)")
+    if platform == "host":
+        out.append("  sleep mode on this host: vLLM refuses --enable-sleep-mode on CPU (state flags only)")
+    if platform_plugin:
+        out.append("  platform plugin's CaMemAllocator: UNISLEEP_VLLM_ALLOCATOR=1 (and "
+                   "UNISLEEP_EXTRA_CLEANUP=1 for the extra cleanup) puts its memory in unisleep; "
+                   "tested against a simulated device library only")
+    return out
 
 
 __all__ = ["Workaround", "TABLE", "workarounds_for", "doctor_lines", "parse_version",
            "level2_refusal", "spec_counters_from_metrics", "spec_counters_from_reader",
-           "AcceptanceMeter",
+           "AcceptanceMeter", "sleep_mode_lines",
            "installed_vllm_version", "has", "GUARD", "RELOAD", "BACKUP", "VERIFY", "REFUSE",
            "NOTE"]
