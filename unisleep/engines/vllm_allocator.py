@@ -283,4 +283,43 @@ def _current_device_index() -> int:
     return 0
 
 
-__all__ = ["UnisleepAllocator", "DEFERRABLE_TAGS", "EXTRA_CLEANUP_ENV"]
+__all__ = ["UnisleepAllocator", "DEFERRABLE_TAGS", "EXTRA_CLEANUP_ENV", "vllm_weights_asleep"]
+
+
+def vllm_weights_asleep() -> tuple[Optional[bool], str]:
+    """Whether the weights of this vLLM worker process are asleep, read from the sleep-mode
+    allocator that holds them: ``(True|False, where it was read)``, or ``(None, why not)`` when
+    no allocator can tell (the caller then refuses — it fails closed)."""
+    inst = UnisleepAllocator.instance
+    if inst is not None:
+        st = inst.lifecycle.state().get("weights")
+        if st is None:
+            return None, "the unisleep allocator holds no 'weights' tag"
+        return st != _AWAKE, f"unisleep allocator: weights {st}"
+    problems = []
+    allocs = []
+    try:
+        from vllm.device_allocator import get_mem_allocator_instance
+
+        allocs.append(get_mem_allocator_instance())
+    except Exception as e:
+        problems.append(f"get_mem_allocator_instance(): {type(e).__name__}: {e}")
+    import sys
+
+    from .. import vllm_plugin
+
+    for mod, cls_name in list(vllm_plugin._ALLOCATOR_CLASSES.items()):  # a platform plugin's own
+        cls = getattr(sys.modules.get(mod), cls_name, None)
+        if cls is not None and getattr(cls, "instance", None) is not None:
+            allocs.append(cls.instance)
+    for alloc in allocs:
+        data = getattr(alloc, "pointer_to_data", None)
+        if data is None:
+            problems.append(f"{type(alloc).__name__} has no pointer_to_data")
+            continue
+        weights = [d for d in list(data.values()) if getattr(d, "tag", None) == "weights"]
+        if weights:
+            return any(getattr(d, "is_asleep", False) for d in weights), \
+                f"{type(alloc).__name__}: {len(weights)} weights allocation(s)"
+        problems.append(f"{type(alloc).__name__} holds no 'weights' allocation")
+    return None, "; ".join(problems) or "no sleep-mode allocator in this process"
