@@ -230,3 +230,59 @@ def test_doctor_says_what_sleep_mode_offers_per_version():
     assert "refuses --enable-sleep-mode on CPU" in "\n".join(sleep_mode_lines("0.32.0", "host"))
     # what `unisleep doctor` prints for the installed vLLM (0.32 here) carries the same lines
     assert any("--sleep-mode-backend does NOT exist" in line for line in doctor_lines())
+
+
+# ---------------------------------------------------------------- the unisleep transfer engine (worker side)
+def _transfer_engine(model_path="", enable_sleep_mode=True):
+    """The real engine class, built the way vLLM's worker builds it (configs as vLLM passes them)."""
+    import types
+
+    import torch
+
+    from unisleep.engines.vllm_weight_transfer import UnisleepWeightTransferEngine
+
+    mc = types.SimpleNamespace(model=model_path, enable_sleep_mode=enable_sleep_mode)
+    vc = types.SimpleNamespace(model_config=mc, parallel_config=types.SimpleNamespace(
+        world_size=1, rank=0, data_parallel_index=0))
+    return UnisleepWeightTransferEngine(None, vc, torch.device("cpu"), torch.nn.Linear(2, 2))
+
+
+def test_transfer_guard_fails_closed_when_nothing_can_tell(monkeypatch):
+    """Sleep mode on and no allocator answers (vLLM has none on this platform): refused, naming
+    why — it used to pass silently."""
+    from unisleep.engines.vllm_allocator import UnisleepAllocator
+    from unisleep.errors import InvalidTransitionError
+
+    monkeypatch.setattr(UnisleepAllocator, "instance", None)
+    with pytest.raises(InvalidTransitionError, match="cannot establish.*get_mem_allocator_instance"):
+        _transfer_engine()._check_weights_awake()
+    _transfer_engine(enable_sleep_mode=False)._check_weights_awake()  # nothing can sleep: allowed
+
+
+def test_transfer_guard_reads_the_unisleep_allocator(tmp_path, monkeypatch):
+    import torch
+
+    from unisleep import MemoryLifecycle
+    from unisleep.engines.vllm_allocator import UnisleepAllocator
+    from unisleep.errors import InvalidTransitionError
+
+    alloc = UnisleepAllocator(MemoryLifecycle("host", spill_dir=str(tmp_path)))
+    monkeypatch.setattr(UnisleepAllocator, "instance", alloc)
+    try:
+        alloc.lifecycle.empty((1 << 20,), torch.uint8, tag="weights")
+        eng = _transfer_engine()
+        eng._check_weights_awake()  # awake: allowed
+        alloc.sleep(offload_tags=("weights",))
+        with pytest.raises(InvalidTransitionError, match="wake the weights first"):
+            eng._check_weights_awake()
+        # a draft target's model config does not turn the guard off
+        import types
+
+        eng.set_weight_update_target(torch.nn.Linear(2, 2),
+                                     types.SimpleNamespace(model="", enable_sleep_mode=False))
+        with pytest.raises(InvalidTransitionError, match="wake the weights first"):
+            eng._check_weights_awake()
+        alloc.wake_up(["weights"])
+        eng._check_weights_awake()
+    finally:
+        alloc.close()

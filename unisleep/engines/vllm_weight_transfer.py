@@ -19,8 +19,10 @@ Differences from vLLM's built-in engines, on purpose:
   the next forward.
 * **No accelerator sync on host.**  The base ``update_weights`` calls
   ``torch.accelerator.synchronize()``, which raises on CPU.
-* **Refuses to write into sleeping weights** when vLLM's allocator reports them asleep
-  (vLLM #57853), before anything is received.
+* **Refuses to write into sleeping weights** (vLLM #57853), before anything is received and
+  again before the apply: with sleep mode on, the update goes ahead only when the allocator that
+  holds the weights (unisleep's, vLLM's, or a platform plugin's) reports them awake; when none
+  can tell, it refuses and says why (fail closed).
 
 init_info: ``{"rendezvous": "tcp://127.0.0.1:PORT", "rank_offset": 1, "world_size": 2,
 "timeout_s": 300, "secret_file": "/path/of/a/0600/file"}`` — worker rank = ``rank_offset +
@@ -138,18 +140,24 @@ class UnisleepWeightTransferEngine(WeightTransferEngine[UnisleepInitInfo, Unisle
         return self._expected or None
 
     def _check_weights_awake(self) -> None:
-        if not getattr(self.model_config, "enable_sleep_mode", False):
-            return  # no allocator pools: nothing can sleep
-        try:
-            from vllm.device_allocator import get_mem_allocator_instance
+        """Fail closed: with sleep mode on, refuse unless the allocator holding the weights says
+        they are awake (read from the engine's own model config: a draft's says nothing)."""
+        mc = getattr(self, "_default_model_config", self.model_config)
+        if not getattr(mc, "enable_sleep_mode", False):
+            return  # vLLM keeps no sleep pools: the weights are never released
+        from .vllm_allocator import vllm_weights_asleep
 
-            data = get_mem_allocator_instance().pointer_to_data.values()
-        except Exception:
-            return
-        if any(getattr(d, "is_asleep", False) and d.tag == "weights" for d in data):
+        asleep, how = vllm_weights_asleep()
+        if asleep is None:
+            raise InvalidTransitionError(
+                f"refusing the weight update: sleep mode is on and this worker cannot establish that "
+                f"its weights are awake ({how}); an update into sleeping weights kills the engine "
+                "(vLLM #57853). Wake the weights (wake_up(['weights'])) and make sure the worker's "
+                "sleep-mode allocator is the one holding them. Nothing was received.")
+        if asleep:
             raise InvalidTransitionError(
                 "wake the weights first: they are asleep in this worker and a weight update "
-                "would write into unmapped memory (vLLM #57853)")
+                f"would write into unmapped memory (vLLM #57853; {how}). Nothing was received.")
 
     # ---- WeightTransferEngine --------------------------------------------------------
     def init_transfer_engine(self, init_info: UnisleepInitInfo) -> None:
@@ -261,6 +269,7 @@ class UnisleepWeightTransferEngine(WeightTransferEngine[UnisleepInitInfo, Unisle
             raise TransferError("finish_weight_update before a final, verified update_weights "
                                 "chunk; nothing was applied (send the last chunk with "
                                 "final=True, then finish)")
+        self._check_weights_awake()  # the engine may have been put to sleep since the start
         from vllm.model_executor.model_loader.reload import (
             finalize_layerwise_reload,
             initialize_layerwise_reload,
