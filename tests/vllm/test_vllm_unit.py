@@ -286,3 +286,32 @@ def test_transfer_guard_reads_the_unisleep_allocator(tmp_path, monkeypatch):
         eng._check_weights_awake()
     finally:
         alloc.close()
+
+
+def test_draft_update_is_checked_against_the_drafts_checkpoint(tmp_path, tiny_models):
+    """vLLM points the engine at the draft (set_weight_update_target) for a draft update: the
+    coverage check must then use the draft's checkpoint, not the main model's cached specs."""
+    import types
+
+    import torch
+    from safetensors.torch import save_file
+
+    from unisleep.engines.vllm_weight_transfer import checkpoint_specs
+    from unisleep.errors import TransferError
+
+    draft_dir = tmp_path / "draft"
+    draft_dir.mkdir()
+    save_file({"draft.fc.weight": torch.zeros(4, 3)}, str(draft_dir / "model.safetensors"))
+    eng = _transfer_engine(model_path=tiny_models[0], enable_sleep_mode=False)
+    main = eng._expected_specs()
+    assert main == checkpoint_specs(tiny_models[0]) and "draft.fc.weight" not in main
+    eng.set_weight_update_target(torch.nn.Linear(3, 4),
+                                 types.SimpleNamespace(model=str(draft_dir), enable_sleep_mode=False))
+    assert eng._expected_specs() == {"draft.fc.weight": (4, 3)}
+    eng._staged = {"draft.fc.weight": torch.zeros(4, 3)}
+    eng._verify_coverage(partial=False)  # the full draft: accepted
+    eng._staged = {"draft.fc.weight": torch.zeros(4, 4)}
+    with pytest.raises(TransferError, match="wrong shape"):
+        eng._verify_coverage(partial=False)
+    eng.reset_weight_update_target()
+    assert eng._expected_specs() == main

@@ -122,7 +122,8 @@ class UnisleepWeightTransferEngine(WeightTransferEngine[UnisleepInitInfo, Unisle
         self._session_version: Any = None
         self._floor: Any = None  # transfer version of the update applied last (in this group)
         self.applied_versions: list[Optional[str]] = []
-        self._expected: Optional[dict[str, tuple[int, ...]]] = None
+        # checkpoint specs per update target (the model's, the draft's): keyed by checkpoint path
+        self._expected: dict[str, dict[str, tuple[int, ...]]] = {}
 
     # ---- helpers --------------------------------------------------------------------
     def _worker_rank(self, info: UnisleepInitInfo) -> int:
@@ -131,13 +132,16 @@ class UnisleepWeightTransferEngine(WeightTransferEngine[UnisleepInitInfo, Unisle
                 + getattr(pc, "rank", 0))
 
     def _expected_specs(self) -> Optional[dict[str, tuple[int, ...]]]:
-        if self._expected is None:
+        """Specs of the checkpoint of the current update target: the model's, or the draft's
+        after vLLM's ``set_weight_update_target`` (a draft update is checked against the draft)."""
+        path = str(getattr(self.model_config, "model", "") or "")
+        if path not in self._expected:
             try:
-                self._expected = checkpoint_specs(str(self.model_config.model)) or {}
+                self._expected[path] = checkpoint_specs(path) or {}
             except Exception as e:  # unreadable checkpoint: no coverage check possible
                 log.warning("unisleep: cannot read checkpoint names for coverage checks: %s", e)
-                self._expected = {}
-        return self._expected or None
+                self._expected[path] = {}
+        return self._expected[path] or None
 
     def _check_weights_awake(self) -> None:
         """Fail closed: with sleep mode on, refuse unless the allocator holding the weights says
