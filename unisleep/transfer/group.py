@@ -32,7 +32,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 from urllib.parse import urlparse
 
 from ..errors import InvalidArgumentError, TransferError, UnsupportedError
