@@ -195,9 +195,13 @@ def test_expandable_segments_are_accepted():
         torch.cuda.synchronize(); free0 = torch.cuda.mem_get_info()[0]
         tms.pause()
         torch.cuda.synchronize(); freed = torch.cuda.mem_get_info()[0] - free0
+        resident = tms.resident_bytes("weights")
         tms.resume()
         plain = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")  # outside: expandable again
-        print(freed >= (256 << 20), bool(torch.equal(w, ref)))
+        print("freed", freed, "resident_while_paused", resident)
+        # the pause's own small allocations (e.g. the digest's output) map 2 MiB pages of an
+        # expandable segment, so the driver sees a little less than the 256 MiB returned
+        print(resident == 0 and freed >= (240 << 20), bool(torch.equal(w, ref)))
     """
     env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
     env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
