@@ -41,6 +41,9 @@ class HFGenerator(TorchGenerator):
         # the parameters (not the buffers: the rotary table is not a weight and never sent) become
         # lifecycle memory; tied embeddings stay tied
         lifecycle.adopt(dict(model.named_parameters()), tag="weights")
+        mod = getattr(torch, torch.device(device).type, None)
+        if torch.device(device).type != "cpu" and hasattr(mod, "empty_cache"):
+            mod.empty_cache()  # the float32 build and the pre-adoption copies: give them back to the device
         self.model = model
         self._params = dict(model.named_parameters())
         c = p.config

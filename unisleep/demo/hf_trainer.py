@@ -93,6 +93,7 @@ def hf_trainer_main(conn, rendezvous: str, model_name: str, platform_name: str, 
         model.train()
         params = dict(model.named_parameters())
         lc.adopt(params, tag="weights")
+        empty_cache(torch, device)  # the pre-adoption copies: back to the device before the optimizer state
         plist = list(params.values())
         sizes = [t.numel() for t in plist]
         total = sum(sizes)

@@ -25,9 +25,9 @@ class Preset:
     config: dict  # transformers.Qwen2Config keyword arguments
     dtype: str  # the engine's weights (and what the trainer sends): "bfloat16" or "float32"
     lr: float  # AdamW
-    batch: int
+    batch: int  # what the preset was sized for (docs/scale.md); --batch sets the run's
     prompt_len: int
-    max_tokens: int
+    max_tokens: int  # likewise; --max-tokens sets the run's
     kv_len: int  # the engine's KV cache holds --batch sequences of this many tokens
     probe_tol: float  # |engine − trainer| logprob on the greedy probe
     notes: str = ""
@@ -63,11 +63,11 @@ def _qwen2(hidden, layers, heads, kv_heads, inter, vocab, tie) -> dict:
 PRESETS = {
     "tiny-hf": Preset("tiny-hf", _qwen2(128, 2, 4, 2, 256, 2048, True), "float32", 3e-3, 64, 4, 8, 64, 1e-3,
                       "a few MiB, float32 end to end: the CPU CI size"),
-    "0.5b": Preset("0.5b", _qwen2(896, 24, 14, 2, 4864, 151936, True), "bfloat16", 1e-5, 64, 16, 16, 2048, 0.1,
+    "0.5b": Preset("0.5b", _qwen2(896, 24, 14, 2, 4864, 151936, True), "bfloat16", 1e-4, 64, 16, 16, 2048, 0.1,
                    "Qwen2.5-0.5B shape"),
-    "1.5b": Preset("1.5b", _qwen2(1536, 28, 12, 2, 8960, 151936, True), "bfloat16", 1e-5, 64, 16, 16, 2048, 0.1,
+    "1.5b": Preset("1.5b", _qwen2(1536, 28, 12, 2, 8960, 151936, True), "bfloat16", 1e-4, 64, 16, 16, 2048, 0.1,
                    "Qwen2.5-1.5B shape"),
-    "7b": Preset("7b", _qwen2(3584, 28, 28, 4, 18944, 152064, False), "bfloat16", 1e-6, 32, 16, 16, 1024, 0.1,
+    "7b": Preset("7b", _qwen2(3584, 28, 28, 4, 18944, 152064, False), "bfloat16", 5e-5, 32, 16, 16, 1024, 0.1,
                  "Qwen2.5-7B shape"),
 }
 MODEL_NAMES = tuple(PRESETS)
