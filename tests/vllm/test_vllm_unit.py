@@ -315,3 +315,57 @@ def test_draft_update_is_checked_against_the_drafts_checkpoint(tmp_path, tiny_mo
         eng._verify_coverage(partial=False)
     eng.reset_weight_update_target()
     assert eng._expected_specs() == main
+
+
+def _sparse_checkpoint(path, nbytes):
+    """A safetensors checkpoint whose header declares one uint8 tensor of ``nbytes`` (a sparse
+    file: the bytes are never written)."""
+    import json
+    import struct
+
+    path.mkdir()
+    header = json.dumps({"w": {"dtype": "U8", "shape": [nbytes], "data_offsets": [0, nbytes]}}).encode()
+    header += b" " * (-len(header) % 8)
+    with open(path / "model.safetensors", "wb") as f:
+        f.write(struct.pack("<Q", len(header)) + header)
+        f.truncate(8 + len(header) + nbytes)
+    return str(path)
+
+
+def test_staging_is_host_by_default_and_device_staging_is_fit_checked(tmp_path, tiny_models):
+    from unisleep.engines.vllm_weight_transfer import UnisleepWeightTransferEngine, checkpoint_nbytes
+    from unisleep.errors import TransferError
+
+    eng = _transfer_engine(model_path=tiny_models[0], enable_sleep_mode=False)
+    assert isinstance(eng, UnisleepWeightTransferEngine)
+    info = eng.parse_init_info({"rendezvous": "tcp://127.0.0.1:1"})
+    assert info.staging == "host" and eng.staging == "host"
+    bad = eng.parse_init_info({"rendezvous": "tcp://127.0.0.1:1", "staging": "gpu"})
+    with pytest.raises(ValueError, match="staging must be one of"):
+        eng.init_transfer_engine(bad)  # refused before any group is joined
+    # device staging: the tiny model fits; a checkpoint larger than the free memory is refused
+    eng.staging = "device"
+    assert 0 < checkpoint_nbytes(tiny_models[0]) < 64 << 20
+    eng._check_device_staging_fits()
+    from unisleep.backup import host_available_bytes
+
+    big = int(0.97 * host_available_bytes())  # over the 90 % that device staging may use (here: host)
+    huge = _transfer_engine(model_path=_sparse_checkpoint(tmp_path / "huge", big), enable_sleep_mode=False)
+    huge.staging = "device"
+    with pytest.raises(TransferError, match="does not fit.*staging='host'"):
+        huge._check_device_staging_fits()
+    none = _transfer_engine(model_path=str(tmp_path), enable_sleep_mode=False)
+    none.staging = "device"
+    with pytest.raises(TransferError, match="needs the update's size"):
+        none._check_device_staging_fits()
+
+
+def test_host_staging_keeps_its_own_copy():
+    import torch
+
+    eng = _transfer_engine(enable_sleep_mode=False)
+    src = torch.arange(12, dtype=torch.float32).view(3, 4)[:, 1:3]  # a view, as the transfer hands out
+    eng._stage([("w", src)])
+    src.zero_()
+    assert eng._staged["w"].tolist() == [[1.0, 2.0], [5.0, 6.0], [9.0, 10.0]]
+    assert eng._staged["w"].device.type == "cpu"

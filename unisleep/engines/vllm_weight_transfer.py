@@ -10,6 +10,13 @@ accelerators), never over the worker's own process group.
 
 Differences from vLLM's built-in engines, on purpose:
 
+* **Staging in host memory by default.**  Each verified bucket is copied at once into pinned host
+  memory (plain host memory on CPU); the transfer itself holds two bucket buffers on the device,
+  so an update never needs a second copy of the model there.  ``init_info.staging="device"``
+  (opt-in) keeps the staged copy on the device instead — faster to apply, and refused at
+  ``start_weight_update`` unless the update (sized from the checkpoint) fits in 90 % of the free
+  device memory.
+
 * **Atomic.**  ``update_weights`` receives into host-side staging (the receiver verifies every
   tensor against the sender's manifest and checksums); the model is touched only in
   ``finish_weight_update``, and only when the staged set covers every tensor of the checkpoint
@@ -25,7 +32,7 @@ Differences from vLLM's built-in engines, on purpose:
   can tell, it refuses and says why (fail closed).
 
 init_info: ``{"rendezvous": "tcp://127.0.0.1:PORT", "rank_offset": 1, "world_size": 2,
-"timeout_s": 300, "secret_file": "/path/of/a/0600/file"}`` — worker rank = ``rank_offset +
+"timeout_s": 300, "secret_file": "/path/of/a/0600/file", "staging": "host"}`` — worker rank = ``rank_offset +
 dp_index * tp_pp_size + worker rank``; the trainer is rank 0.  The group secret travels as a file
 path (or ``UNISLEEP_TRANSFER_SECRET_FILE`` in the engine's environment), never as the secret:
 every control record of the group is authenticated with it (docs/security.md).  update_info:
@@ -75,6 +82,7 @@ class UnisleepInitInfo(WeightTransferInitInfo):
     group_name: str = "vllm"
     secret_file: str = ""    # path of the group secret (mode 0600), never the secret itself
     insecure: bool = False   # a non-loopback group without a secret (warns)
+    staging: str = "host"    # "host" (pinned on accelerators) or "device" (opt-in, fit-checked)
 
 
 @dataclass
@@ -84,6 +92,36 @@ class UnisleepUpdateInfo(WeightTransferUpdateInfo):
     partial: bool = False           # allow an update that covers only some tensors
     abort: bool = False             # drop the staged tensors and close the session; receives nothing
     allow_equal_versions: bool = False  # accept a version equal to the one applied last
+
+
+STAGING = ("host", "device")
+_DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2,
+                "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+def checkpoint_nbytes(model_path: str) -> Optional[int]:
+    """Bytes of every tensor in the safetensors checkpoint at ``model_path`` (headers only), or
+    None when that cannot be told (no local safetensors checkpoint, an unknown dtype)."""
+    if not model_path or not os.path.isdir(model_path):
+        return None
+    files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
+    if not files:
+        return None
+    from safetensors import safe_open
+
+    total = 0
+    for f in files:
+        with safe_open(f, framework="pt") as sf:
+            for k in sf.keys():
+                sl = sf.get_slice(k)
+                size = _DTYPE_BYTES.get(str(sl.get_dtype()))
+                if size is None:
+                    return None
+                n = 1
+                for d in sl.get_shape():
+                    n *= int(d)
+                total += n * size
+    return total
 
 
 def checkpoint_specs(model_path: str) -> Optional[dict[str, tuple[int, ...]]]:
@@ -122,6 +160,7 @@ class UnisleepWeightTransferEngine(WeightTransferEngine[UnisleepInitInfo, Unisle
         self._session_version: Any = None
         self._floor: Any = None  # transfer version of the update applied last (in this group)
         self.applied_versions: list[Optional[str]] = []
+        self.staging = "host"  # where update_weights stages the received tensors (init_info)
         # checkpoint specs per update target (the model's, the draft's): keyed by checkpoint path
         self._expected: dict[str, dict[str, tuple[int, ...]]] = {}
 
@@ -169,6 +208,9 @@ class UnisleepWeightTransferEngine(WeightTransferEngine[UnisleepInitInfo, Unisle
 
         if not init_info.rendezvous:
             raise ValueError("init_info.rendezvous is required (tcp://HOST:PORT of the trainer)")
+        if init_info.staging not in STAGING:
+            raise ValueError(f"init_info.staging must be one of {STAGING}, got {init_info.staging!r}")
+        self.staging = init_info.staging
         if self.group is not None:
             self.shutdown()
         rank = self._worker_rank(init_info)
@@ -187,6 +229,8 @@ class UnisleepWeightTransferEngine(WeightTransferEngine[UnisleepInitInfo, Unisle
             raise RuntimeError("unisleep weight transfer not initialized: call "
                                "init_weight_transfer_engine first")
         self._check_weights_awake()
+        if self.staging == "device":
+            self._check_device_staging_fits()
         self._staged = {}
         self._verified = False
         self._active = True
@@ -211,9 +255,40 @@ class UnisleepWeightTransferEngine(WeightTransferEngine[UnisleepInitInfo, Unisle
         if self.device.type != "cpu" and hasattr(torch, "accelerator"):
             torch.accelerator.synchronize()
 
+    def _check_device_staging_fits(self) -> None:
+        """Device staging holds a whole update on the device: refuse it, before anything is
+        received, unless the update (sized from the target's checkpoint) fits in free memory."""
+        from ..backup import host_available_bytes
+        from ..units import human_bytes
+
+        need = checkpoint_nbytes(str(getattr(self.model_config, "model", "") or ""))
+        if need is None:
+            raise TransferError("device staging needs the update's size, read from a local safetensors "
+                                "checkpoint, and there is none: use staging='host' (the default). "
+                                "Nothing was received.")
+        if self.device.type == "cpu":
+            free = host_available_bytes()
+        else:
+            free = int(torch.accelerator.get_memory_info(self.device)[0])
+        if not free or need > 0.9 * free:
+            raise TransferError(
+                f"device staging of {human_bytes(need)} does not fit: {human_bytes(free)} is free on "
+                f"{self.device} (90 % may be used); use staging='host' (the default, pinned host "
+                "memory). Nothing was received.")
+
     def _stage(self, named: list) -> None:
+        """Keep one verified bucket's tensors (views of transfer memory, valid during the call):
+        in pinned host memory (accelerators; plain host memory on CPU) or, when opted in, as a
+        device copy."""
+        pin = self.staging == "host" and self.device.type != "cpu"
         for name, t in named:
-            self._staged[name] = t.detach().to("cpu", copy=True)
+            t = t.detach()
+            if self.staging == "device":
+                self._staged[name] = t.clone()
+            else:
+                dst = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+                dst.copy_(t)
+                self._staged[name] = dst
 
     def receive_weights(self, update_info: UnisleepUpdateInfo) -> None:
         from ..transfer import WeightReceiver
@@ -222,12 +297,15 @@ class UnisleepWeightTransferEngine(WeightTransferEngine[UnisleepInitInfo, Unisle
             raise RuntimeError("update_weights without start_weight_update")
         t0 = time.perf_counter()
         # versions increase from one update to the next; the chunks of one update share theirs
+        # staged=False: each verified bucket goes straight to this engine's own staging (host by
+        # default), so the transfer holds two bucket buffers on the device, not a second copy
+        # of the update; atomicity comes from that staging (the model is touched in finish)
         if self._session_version is None:
             rx = WeightReceiver(self.group, apply=self._stage, initial_version=self._floor,
-                                allow_equal_versions=update_info.allow_equal_versions)
+                                allow_equal_versions=update_info.allow_equal_versions, staged=False)
         else:
             rx = WeightReceiver(self.group, apply=self._stage, initial_version=self._session_version,
-                                allow_equal_versions=True)
+                                allow_equal_versions=True, staged=False)
         report = rx.receive()
         tag = getattr(report, "version", None)
         # the sender's transfer version is "<update number>:<label>" (VLLMWeightPusher): the
@@ -309,4 +387,4 @@ class UnisleepWeightTransferEngine(WeightTransferEngine[UnisleepInitInfo, Unisle
 
 
 __all__ = ["UnisleepWeightTransferEngine", "UnisleepInitInfo", "UnisleepUpdateInfo",
-           "checkpoint_specs", "RESTART_REQUIRED", "ABORTED"]
+           "checkpoint_specs", "checkpoint_nbytes", "STAGING", "RESTART_REQUIRED", "ABORTED"]
