@@ -529,20 +529,39 @@ class MemoryLifecycle:
                 )
             t0 = time.perf_counter()
             copied, woken, failures = 0, [], []
-            for tag in todo:
-                allocs = [a for a in self._allocs.values() if a.tag == tag]
-                jobs = [RestoreJob(a.id, a.region, list(a.saved), zero=a.saved != [(0, a.region.size)]) for a in allocs]
-                try:
-                    copied += self._driver.resume(jobs, self._store)
-                except BaseException as e:
-                    failures.append(self._failed_wake(tag, allocs, e))
-                    if not isinstance(e, Exception):
-                        raise
-                    continue
-                for a in allocs:
-                    self._after_restore(a)
-                self._tags[tag] = AWAKE
-                woken.append(tag)
+            by_tag = {tag: [a for a in self._allocs.values() if a.tag == tag] for tag in todo}
+
+            def jobs_of(tags):
+                return [RestoreJob(a.id, a.region, list(a.saved), zero=a.saved != [(0, a.region.size)])
+                        for t in tags for a in by_tag[t]]
+
+            groups, retry = [todo], False  # one pass over every tag: the backend overlaps restores and mapping
+            try:
+                copied += self._driver.resume(jobs_of(todo), self._store)
+            except BaseException as e:
+                if not isinstance(e, Exception):
+                    self._failed_wake(",".join(todo), [a for t in todo for a in by_tag[t]], e)
+                    raise
+                # unmap what that pass mapped, then tag by tag: which ones are bad, wake the rest
+                for t in todo:
+                    for a in by_tag[t]:
+                        a.region.release(self._driver)
+                groups, copied, retry = [[t] for t in todo], 0, True
+            for group in groups:
+                if retry:
+                    tag = group[0]
+                    try:
+                        copied += self._driver.resume(jobs_of(group), self._store)
+                    except BaseException as e:
+                        failures.append(self._failed_wake(tag, by_tag[tag], e))
+                        if not isinstance(e, Exception):
+                            raise
+                        continue
+                for tag in group:
+                    for a in by_tag[tag]:
+                        self._after_restore(a)
+                    self._tags[tag] = AWAKE
+                    woken.append(tag)
             if woken:
                 for hook in self._after_wake:
                     hook(None if (tags is None and not failures) else list(woken))
