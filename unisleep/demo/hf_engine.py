@@ -18,6 +18,9 @@ from ..errors import InvalidArgumentError
 from .presets import ACTIONS, Preset, build_model, torch_dtype
 
 
+FLAT_NAME = "flat"  # the one tensor of a whole-model update
+
+
 class HFGenerator(TorchGenerator):
     kind = "hf"
 
@@ -39,8 +42,18 @@ class HFGenerator(TorchGenerator):
                 prm.data = prm.data.to(dt)
         model.requires_grad_(False)
         # the parameters (not the buffers: the rotary table is not a weight and never sent) become
-        # lifecycle memory; tied embeddings stay tied
-        lifecycle.adopt(dict(model.named_parameters()), tag="weights")
+        # views of ONE flat buffer of lifecycle memory, in named_parameters() order (tied embeddings
+        # once): the trainer sends that buffer as one tensor (:data:`FLAT_NAME`)
+        named = list(model.named_parameters())
+        self.layout = [(n, t.numel()) for n, t in named]
+        self.flat = lifecycle.empty((sum(n for _, n in self.layout),), dt, tag="weights")
+        with torch.no_grad():
+            off = 0
+            for _, t in named:
+                v = self.flat[off:off + t.numel()].view(t.shape)
+                v.copy_(t)
+                t.data = v
+                off += t.numel()
         mod = getattr(torch, torch.device(device).type, None)
         if torch.device(device).type != "cpu" and hasattr(mod, "empty_cache"):
             mod.empty_cache()  # the float32 build and the pre-adoption copies: give them back to the device
@@ -61,6 +74,25 @@ class HFGenerator(TorchGenerator):
         self._updating: Optional[set[str]] = None
         self._closed = False
         self._receiver = None
+
+    def update_weights(self, update_info) -> None:
+        """``[(FLAT_NAME, flat)]``: the whole set in one tensor, copied into the flat buffer in place
+        (every parameter counts as written); anything else: per tensor, as TorchGenerator does."""
+        items = list(update_info.items()) if hasattr(update_info, "items") else list(update_info)
+        if len(items) == 1 and items[0][0] == FLAT_NAME:
+            from ..errors import InvalidTransitionError, TransferError
+
+            if self._updating is None:
+                raise InvalidTransitionError("call start_weight_update() before update_weights()")
+            self._require_awake(("weights",), "write weights")
+            t = items[0][1]
+            if tuple(t.shape) != tuple(self.flat.shape) or t.dtype != self.flat.dtype:
+                raise TransferError(f"{FLAT_NAME}: {tuple(t.shape)} {t.dtype} != the engine's "
+                                    f"{tuple(self.flat.shape)} {self.flat.dtype}")
+            self.flat.copy_(t)
+            self._updating.update(self._params)
+            return
+        super().update_weights(items)
 
     def _forward(self, ids, pos0: int):
         """Logits of the last position of ``ids`` ([B, T]) at positions pos0.., writing K/V into the cache."""

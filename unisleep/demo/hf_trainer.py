@@ -23,6 +23,7 @@ import traceback
 from ..errors import UnisleepError
 from ..platform import detect_platform
 from .presets import action_logprobs, build_model, fingerprint, preset, torch_dtype
+from .hf_engine import FLAT_NAME
 from .trainer_process import _report
 
 BUCKET_BYTES_MODEL = 512 << 20
@@ -118,7 +119,7 @@ def hf_trainer_main(conn, rendezvous: str, model_name: str, platform_name: str, 
         send_dtype = torch_dtype(p.dtype)
         autocast = (torch.autocast(device_type=device.type, dtype=send_dtype) if p.mixed
                     else torch.autocast(device_type=device.type, enabled=False))
-        conn.send(("init", {"pid": os.getpid(), "params": total, "copy_limit": limit,
+        conn.send(("init", {"pid": os.getpid(), "params": total, "layout": [(n, t.numel()) for n, t in params.items()], "copy_limit": limit,
                             "tags": {t: lc.allocated_bytes(t) for t in lc.tags}}))
         group = TransferGroup.create(rendezvous, rank=0, world_size=2, platform=plat, timeout_s=timeout_s)
         sender = WeightSender(group, bucket_bytes=BUCKET_BYTES_MODEL, path="auto" if plat.is_accelerator else "collective")
@@ -176,14 +177,22 @@ def hf_trainer_main(conn, rendezvous: str, model_name: str, platform_name: str, 
                                         "lifecycle; this torch version replaces .grad")
                 opt.step()
                 lc.discard(["grads"])  # used: release them now (they wake as zeros)
-                with torch.no_grad():
-                    outgoing = [(n, t.detach().to(send_dtype)) for n, t in params.items()]
+                with torch.no_grad():  # the engine's layout: one flat buffer in the serving dtype
+                    flat_out = torch.empty(total, dtype=send_dtype, device=device)
+                    out_views = views(flat_out)
+                    for v, t in zip(out_views, plist):
+                        v.copy_(t)
+                outgoing = [(FLAT_NAME, flat_out)]
+                lp_list, loss_v = lp.detach().cpu().tolist(), loss.detach().item()
+                del lp, loss
+                empty_cache(torch, device)  # the autocast weight casts and activations: back to the device
                 _sync(torch, device)
                 conn.send(("trained", {
-                    "logprobs": lp.detach().cpu().tolist(), "loss": loss.detach().item(),
+                    "logprobs": lp_list, "loss": loss_v,
                     "seconds": time.perf_counter() - t0, "restore": restore, "before": before, "after": memory(),
-                    "fingerprint": fingerprint(outgoing),
+                    "fingerprint": fingerprint(zip(params, out_views)),
                 }))
+                flat_out = out_views = None  # outgoing holds the buffer until the next offload
             elif cmd == "send":
                 t0 = time.perf_counter()
                 rep = sender.send(outgoing, version=arg)

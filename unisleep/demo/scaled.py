@@ -267,13 +267,17 @@ def run_model(args) -> int:
 
     try:
         init = trainer.wait("init")
+        if [tuple(x) for x in init["layout"]] != eng.layout:
+            raise UnisleepError("the trainer's parameters (names, sizes, order) differ from the engine's; both build "
+                                f"--model {p.name} from the same config, so this is a bug: trainer "
+                                f"{init['layout'][:3]}..., engine {eng.layout[:3]}...")
         group = trainer.run_beside(
             lambda: TransferGroup.create(rendezvous, rank=1, world_size=2, platform=platform, timeout_s=args.timeout),
             "ready")
 
         def apply(named):
-            if args.sabotage == "drop-weights":
-                named = [(n, eng._params[n].detach().clone()) for n, _ in named]
+            if args.sabotage == "drop-weights":  # a loader that "succeeds" but keeps the engine's own bytes
+                named = [(n, eng.flat.detach().clone()) for n, _ in named]
             eng.update_weights(named)
 
         receiver = WeightReceiver(group, apply=apply, guard=eng.can_receive_weights)
