@@ -19,6 +19,21 @@ from .presets import ACTIONS, Preset, build_model, torch_dtype
 
 
 FLAT_NAME = "flat"  # the one tensor of a whole-model update
+#: above this, the flat buffer travels as chunks of CHUNK_BYTES ("flat.0", "flat.1", ...): one IPC
+#: bucket is as large as the largest tensor, so one 14 GiB tensor (7b) would need a 14 GiB bucket on
+#: the trainer's side on top of the receiver's staging copy
+CHUNK_ABOVE = 8 << 30
+CHUNK_BYTES = 512 << 20
+
+
+def flat_pieces(flat) -> list:
+    """``[(name, view)]`` of a flat weight buffer as it is sent: itself up to CHUNK_ABOVE bytes,
+    else consecutive chunks of CHUNK_BYTES."""
+    nbytes = flat.numel() * flat.element_size()
+    if nbytes <= CHUNK_ABOVE:
+        return [(FLAT_NAME, flat)]
+    step = CHUNK_BYTES // flat.element_size()
+    return [(f"{FLAT_NAME}.{i}", flat[o:o + step]) for i, o in enumerate(range(0, flat.numel(), step))]
 
 
 class HFGenerator(TorchGenerator):
@@ -79,17 +94,24 @@ class HFGenerator(TorchGenerator):
         """``[(FLAT_NAME, flat)]``: the whole set in one tensor, copied into the flat buffer in place
         (every parameter counts as written); anything else: per tensor, as TorchGenerator does."""
         items = list(update_info.items()) if hasattr(update_info, "items") else list(update_info)
-        if len(items) == 1 and items[0][0] == FLAT_NAME:
+        if items and all(n == FLAT_NAME or n.startswith(FLAT_NAME + ".") for n, _ in items):
             from ..errors import InvalidTransitionError, TransferError
 
             if self._updating is None:
                 raise InvalidTransitionError("call start_weight_update() before update_weights()")
             self._require_awake(("weights",), "write weights")
-            t = items[0][1]
-            if tuple(t.shape) != tuple(self.flat.shape) or t.dtype != self.flat.dtype:
-                raise TransferError(f"{FLAT_NAME}: {tuple(t.shape)} {t.dtype} != the engine's "
-                                    f"{tuple(self.flat.shape)} {self.flat.dtype}")
-            self.flat.copy_(t)
+            mine = flat_pieces(self.flat)
+            got = dict(items)
+            if sorted(got) != sorted(n for n, _ in mine):
+                raise TransferError(f"a flat update must carry {[n for n, _ in mine][:4]}... exactly, got "
+                                    f"{sorted(got)[:4]}...; nothing was written")
+            for n, v in mine:
+                t = got[n]
+                if tuple(t.shape) != tuple(v.shape) or t.dtype != v.dtype:
+                    raise TransferError(f"{n}: {tuple(t.shape)} {t.dtype} != the engine's {tuple(v.shape)} {v.dtype}; "
+                                        "nothing was written")
+            for n, v in mine:
+                v.copy_(got[n])
             self._updating.update(self._params)
             return
         super().update_weights(items)

@@ -23,7 +23,7 @@ import traceback
 from ..errors import UnisleepError
 from ..platform import detect_platform
 from .presets import action_logprobs, build_model, fingerprint, preset, torch_dtype
-from .hf_engine import FLAT_NAME
+from .hf_engine import flat_pieces
 from .trainer_process import _report
 
 BUCKET_BYTES_MODEL = 512 << 20
@@ -182,7 +182,7 @@ def hf_trainer_main(conn, rendezvous: str, model_name: str, platform_name: str, 
                     out_views = views(flat_out)
                     for v, t in zip(out_views, plist):
                         v.copy_(t)
-                outgoing = [(FLAT_NAME, flat_out)]
+                outgoing = flat_pieces(flat_out)
                 lp_list, loss_v = lp.detach().cpu().tolist(), loss.detach().item()
                 del lp, loss
                 empty_cache(torch, device)  # the autocast weight casts and activations: back to the device

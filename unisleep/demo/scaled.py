@@ -219,7 +219,7 @@ def run_model(args) -> int:
     from ..logprob_gap import LogprobGapMonitor
     from ..loop import Handoff
     from ..transfer import TransferGroup, WeightReceiver
-    from .hf_engine import HFGenerator
+    from .hf_engine import HFGenerator, flat_pieces
     from .hf_trainer import allocator_bytes, hf_trainer_main
 
     p = preset(args.model)
@@ -277,7 +277,7 @@ def run_model(args) -> int:
 
         def apply(named):
             if args.sabotage == "drop-weights":  # a loader that "succeeds" but keeps the engine's own bytes
-                named = [(n, eng.flat.detach().clone()) for n, _ in named]
+                named = [(n, v.detach().clone()) for n, v in flat_pieces(eng.flat)]
             eng.update_weights(named)
 
         receiver = WeightReceiver(group, apply=apply, guard=eng.can_receive_weights)
