@@ -129,12 +129,14 @@ def test_abort_then_next_update_works(session, path):
 
 
 @pytest.mark.parametrize("path", ["collective", "ipc"])
-@pytest.mark.parametrize("when", ["idle", "mid-update"])
+@pytest.mark.parametrize("when", ["idle", "mid-update", "frozen-mid-update"])
 def test_sigkilled_receiver_is_named_at_once(session, path, when):
+    """Killed (SIGKILL) while idle or mid-update, or frozen (SIGSTOP: alive, silent) mid-update:
+    the sender names the receiver within 5 s, and its next send says at once to recreate the group."""
     g, rx = session("-,-")
     tx = WeightSender(g, bucket_bytes=256 << 10, path=path)
     send = threading.Thread(target=lambda: None)
-    if when == "mid-update":
+    if when != "idle":
         # a slow generator: the receiver is killed while buckets are moving
         w = weights(1)
         specs = [(k, tuple(v.shape), v.dtype) for k, v in w.items()]
@@ -155,7 +157,7 @@ def test_sigkilled_receiver_is_named_at_once(session, path, when):
         while not g.check("u0/go") and time.monotonic() - t0 < 30:
             time.sleep(0.01)
         time.sleep(0.4)
-        os.kill(rx.p.pid, signal.SIGKILL)
+        os.kill(rx.p.pid, signal.SIGSTOP if when.startswith("frozen") else signal.SIGKILL)
         killed = time.monotonic()
         send.join(60)
         assert isinstance(res["err"], TransferError), res

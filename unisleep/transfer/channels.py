@@ -59,8 +59,9 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
 class IpcConn:
     """One authenticated IPC connection: sealed messages with a counter per direction."""
 
-    def __init__(self, sock: socket.socket, group: TransferGroup, ctx: str, out_dir: str, in_dir: str, peer: str):
-        self.sock, self.group, self.peer = sock, group, peer
+    def __init__(self, sock: socket.socket, group: TransferGroup, ctx: str, out_dir: str, in_dir: str, peer: str,
+                 peer_rank: int):
+        self.sock, self.group, self.peer, self.peer_rank = sock, group, peer, peer_rank
         self.key = group.subkey("ipc")
         self.ctx = ctx
         self.out_dir, self.in_dir = out_dir, in_dir
@@ -71,8 +72,20 @@ class IpcConn:
         self.n_out += 1
 
     def recv(self, what: str, timeout_s: Optional[float] = None) -> tuple[dict, list[int]]:
-        body, fds = recv_sealed(self.sock, self.key, f"{self.ctx}/{self.in_dir}", self.n_in, what, self.peer,
-                                timeout_s=timeout_s)
+        """The next message; while waiting, the peer's liveness is checked every half second (a
+        frozen or vanished peer ends the wait within a few seconds, named)."""
+        limit = self.group.timeout_s if timeout_s is None else timeout_s
+        t0 = time.monotonic()
+        while True:
+            try:
+                body, fds = recv_sealed(self.sock, self.key, f"{self.ctx}/{self.in_dir}", self.n_in, what, self.peer,
+                                        timeout_s=min(0.5, max(0.01, limit - (time.monotonic() - t0))),
+                                        quiet_timeout=True)
+                break
+            except socket.timeout:
+                if time.monotonic() - t0 >= limit:
+                    raise TransferError(f"timed out waiting for {what} on the IPC socket ({self.peer})") from None
+                self.group.check_alive([self.peer_rank])
         self.n_in += 1
         return body, fds
 
@@ -97,13 +110,15 @@ def send_sealed(sock: socket.socket, key: bytes, ctx: str, op: str, n: int, fiel
 
 
 def recv_sealed(sock: socket.socket, key: bytes, ctx: str, n: Optional[int], what: str, peer: str,
-                timeout_s: Optional[float] = None) -> tuple[dict, list[int]]:
+                timeout_s: Optional[float] = None, quiet_timeout: bool = False) -> tuple[dict, list[int]]:
     old = sock.gettimeout()
     if timeout_s is not None:
         sock.settimeout(timeout_s)
     try:
         data, fds, _flags, _addr = socket.recv_fds(sock, MAX_MSG + 64, 4)
     except socket.timeout as e:
+        if quiet_timeout:
+            raise
         raise TransferError(f"timed out waiting for {what} on the IPC socket ({peer})") from e
     except OSError as e:
         raise TransferError(f"IPC socket failed while waiting for {what} ({peer}): {e}") from e
@@ -137,7 +152,7 @@ def connect_ipc(group: TransferGroup, name: str) -> IpcConn:
     except OSError:
         s.close()
         raise
-    return IpcConn(s, group, ipc_context(group, name), "r", "s", "the sender (rank 0)")
+    return IpcConn(s, group, ipc_context(group, name), "r", "s", "the sender (rank 0)", 0)
 
 
 def handshake_receiver(conn: IpcConn, timeout_s: float) -> None:
@@ -305,7 +320,7 @@ class IpcSenderState:
             g._intrusion(f"refused an IPC connection from {who}: {e}")
             return None
         sock.settimeout(g.timeout_s)
-        return r, IpcConn(sock, g, f"{base}/{nonce}{mine}/{r}", "s", "r", f"receiver rank {r}")
+        return r, IpcConn(sock, g, f"{base}/{nonce}{mine}/{r}", "s", "r", f"receiver rank {r}", r)
 
     def close(self) -> None:
         for c in self.conns.values():
