@@ -171,6 +171,12 @@ class Driver(abc.ABC):
 
         return digest(src, key)
 
+    def keyed_digests(self, srcs: list, keys: list) -> list:
+        """:meth:`keyed_digest` of several tensors at once (one wait for the device)."""
+        from .keyed_hash import digest_many
+
+        return digest_many(srcs, keys)
+
     @property
     def torch_device(self):
         import torch

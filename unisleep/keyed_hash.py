@@ -168,23 +168,47 @@ def digest(src, key: HashKey, level1: Optional[Level1] = None, algorithm: Option
 
     Bytes in host memory are hashed with keyed BLAKE3 (a cryptographic MAC from the ``blake3``
     package, several GB/s on all cores) unless ``algorithm="nh2"``; bytes on a device with the
-    NH tree on that device.  ``level1`` optionally replaces NH's first (big) level with a fused
-    kernel that returns the same values as :func:`nh_level`.  To verify a digest, pass its
-    ``algorithm`` so both sides compute the same function."""
+    NH tree on that device.  ``level1`` optionally replaces the torch ops of every NH level with
+    a fused kernel that returns the same values as :func:`nh_level` (the backend's own is found
+    by :func:`device_level1`).  To verify a digest, pass its ``algorithm`` so both sides compute
+    the same function."""
+    return digest_many([src], [key], level1=level1, algorithm=algorithm)[0]
+
+
+def digest_many(srcs, keys, level1: Optional[Level1] = None, algorithm: Optional[str] = None) -> list:
+    """:func:`digest` of several tensors (each with its own key), with one wait for the device
+    at the end instead of one per tensor."""
     import torch
 
-    if src.dtype != torch.uint8 or src.dim() != 1:
-        src = src.reshape(-1).view(torch.uint8)
-    if algorithm is None:
-        algorithm = BLAKE3 if src.device.type == "cpu" else NH2
-    if algorithm == BLAKE3:
-        return _blake3_digest(src, key)
-    if algorithm != NH2:
-        raise ValueError(f"unknown digest algorithm {algorithm!r} (known: {', '.join(ALGORITHMS)})")
-    if level1 is None and src.device.type != "cpu":
-        level1 = device_level1(src.device.type)
+    if len(srcs) != len(keys):
+        raise ValueError("digest_many needs one key per tensor")
+    out: list = [None] * len(srcs)
+    pending = []  # (index, nbytes, device tensor of the two lanes)
+    for i, (src, key) in enumerate(zip(srcs, keys)):
+        if src.dtype != torch.uint8 or src.dim() != 1:
+            src = src.reshape(-1).view(torch.uint8)
+        algo = algorithm or (BLAKE3 if src.device.type == "cpu" else NH2)
+        if algo == BLAKE3:
+            out[i] = _blake3_digest(src, key)
+            continue
+        if algo != NH2:
+            raise ValueError(f"unknown digest algorithm {algo!r} (known: {', '.join(ALGORITHMS)})")
+        kern = level1 if level1 is not None else (device_level1(src.device.type) if src.device.type != "cpu" else None)
+        pending.append((i, src.numel(), _nh_lanes(src, key, kern)))
+    if pending:
+        values = torch.cat([t for _, _, t in pending]).tolist()  # the one wait
+        for j, (i, nbytes, _) in enumerate(pending):
+            a, b = values[2 * j] & 0xFFFFFFFFFFFFFFFF, values[2 * j + 1] & 0xFFFFFFFFFFFFFFFF
+            out[i] = Digest(nbytes, a, b)
+    return out
+
+
+def _nh_lanes(src, key: HashKey, kern: Optional[Level1]):
+    """The NH tree of a uint8 tensor, left on its device: an int64 tensor of the two lanes."""
+    import torch
+
     nbytes = src.numel()
-    if src.data_ptr() % 8:  # the word views below need 8-byte alignment
+    if nbytes and src.data_ptr() % 8:  # the word views below need 8-byte alignment
         src = src.clone()
     if nbytes % 8:
         pad = torch.zeros(8 - nbytes % 8, dtype=torch.uint8, device=src.device)
@@ -193,13 +217,11 @@ def digest(src, key: HashKey, level1: Optional[Level1] = None, algorithm: Option
     level = 0
     while True:
         k = key.level_tensor(level, words.device)
-        out = level1(words, k) if (level == 0 and level1 is not None) else nh_level(words, k)
+        out = kern(words, k) if kern is not None else nh_level(words, k)
         if words.numel() <= BLOCK:
-            break
+            return out
         words = out.view(torch.int32)
         level += 1
-    a, b = (int(v) & 0xFFFFFFFFFFFFFFFF for v in out.tolist())
-    return Digest(nbytes, a, b)
 
 
 _LEVEL1: dict = {}

@@ -866,29 +866,13 @@ class MemoryLifecycle:
         return [(o, n) for o, n in merged if n]
 
     def _plan_sleep(self, plan: dict[str, str]):
-        saves, discards = [], []
+        saves, discards, offloads = [], [], []
         for a in self._allocs.values():
             want = plan.get(a.tag)
             if want is None:
                 continue
             if want == OFFLOADED:
-                whole = [(0, a.region.size)]
-                skip = False
-                if self._driver.retain_backups:
-                    # keyed digest of the bytes now, with the retained backup's key: equal => skip
-                    # the copy; otherwise a fresh key for the new backup (see keyed_hash)
-                    from .keyed_hash import HashKey
-
-                    view = self._driver.view(a.region.va, a.region.size)
-                    if a.digest is not None and a.saved == whole and not a.corrupt:
-                        key, old = a.digest
-                        skip = self._driver.keyed_digest(view, key) == old
-                    if skip:
-                        a.pending_digest = a.digest
-                    else:
-                        key = HashKey.new()
-                        a.pending_digest = (key, self._driver.keyed_digest(view, key))
-                saves.append(SaveJob(a.id, a.region, whole, skip_copy=skip))
+                offloads.append(a)
             else:
                 keep = self._preserved_ranges(a)
                 if keep:
@@ -896,7 +880,33 @@ class MemoryLifecycle:
                     saves.append(SaveJob(a.id, a.region, keep))
                 else:
                     discards.append(a.region)
+        skip = self._unchanged(offloads) if self._driver.retain_backups else set()
+        for a in offloads:
+            saves.append(SaveJob(a.id, a.region, [(0, a.region.size)], skip_copy=a.id in skip))
         return saves, discards
+
+    def _unchanged(self, allocs: list) -> set:
+        """Ids of the allocations whose bytes equal their retained full backup, proven by the
+        keyed digest under that backup's key; every other one gets a fresh key and the digest
+        of its bytes now, for the backup about to be written (``pending_digest``).  All digests
+        of one sleep are taken in two batches (one device wait each)."""
+        from .keyed_hash import HashKey
+
+        views = {a.id: self._driver.view(a.region.va, a.region.size) for a in allocs}
+        retained = [a for a in allocs if a.digest is not None and a.saved == [(0, a.region.size)] and not a.corrupt]
+        same = set()
+        if retained:
+            now = self._driver.keyed_digests([views[a.id] for a in retained], [a.digest[0] for a in retained])
+            same = {a.id for a, d in zip(retained, now) if d == a.digest[1]}
+        for a in allocs:
+            if a.id in same:
+                a.pending_digest = a.digest
+        fresh = [a for a in allocs if a.id not in same]
+        if fresh:
+            keys = [HashKey.new() for _ in fresh]
+            for a, key, d in zip(fresh, keys, self._driver.keyed_digests([views[a.id] for a in fresh], keys)):
+                a.pending_digest = (key, d)
+        return same
 
     def _ensure_backup_fits(self, need: int, keep_ids: set[int]) -> None:
         if need <= 0:
