@@ -30,7 +30,7 @@ import hashlib
 import hmac
 import secrets
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 BLOCK = 2048  # 32-bit words per NH block (8 KiB)
@@ -46,6 +46,8 @@ class HashKey:
     """The random key of one digest: ``MAX_LEVELS`` independent NH keys of ``KEY_WORDS`` words."""
 
     material: bytes  # MAX_LEVELS * KEY_WORDS * 4 bytes
+    # the levels' key tensors per device, made on first use; they die with the key
+    _tensors: dict = field(default_factory=dict, compare=False, repr=False, hash=False)
 
     @classmethod
     def new(cls) -> "HashKey":
@@ -77,21 +79,14 @@ class HashKey:
         """The level's key as int64 words (values < 2**32) on ``device``, cached per device."""
         import torch
 
-        cache = _key_cache.setdefault(id(self), {})
-        if cache.get("owner") is not self:
-            cache.clear()
-            cache["owner"] = self
-        k = cache.get((level, str(device)))
+        k = self._tensors.get((level, str(device)))
         if k is None:
             k = torch.tensor(self.level_words(level), dtype=torch.int64, device=device)
-            cache[(level, str(device))] = k
+            self._tensors[(level, str(device))] = k
         return k
 
     def __repr__(self) -> str:  # never print key material
         return "HashKey(<secret>)"
-
-
-_key_cache: dict[int, dict] = {}
 
 
 NH2, BLAKE3 = "nh2", "blake3"
