@@ -7,6 +7,11 @@ Exit 0 only when every check passed.
   with its trainer in another process (:mod:`.trainer_process`);
 * :mod:`.vllm` — ``--engine vllm``: the loop against a real vLLM server, its trainer a Hugging Face
   Llama in this process (:mod:`.hf_policy`);
+* :mod:`.scaled` — ``--model``: a Qwen2-shaped transformers model (:mod:`.presets`), the engine
+  (:mod:`.hf_engine`) and an AdamW trainer with its own lifecycle (:mod:`.hf_trainer`), both sides
+  sleeping (docs/scale.md);
+* :mod:`.ray_demo` — ``--ray``: the embedded loop with trainer and engine as Ray actors
+  (:mod:`unisleep.ray`);
 * :mod:`.steps` — what each step records; :mod:`.checks` — the verdicts; :mod:`.report` — the
   progress line, tables, ``demo.json``, ``demo.png``; :mod:`.constants` — the fixed numbers.
 """

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import os
 import statistics
-import sys
 import time
 from typing import Optional
 
 from ..errors import InvalidArgumentError, UnisleepError
-from .checks import Check, embedded_checks, max_logprob_gap, reward_quarters
+from .checks import Check, embedded_checks, reward_quarters
 from .constants import BUCKET_BYTES, PROBE_PROMPTS, PROMPT_LEN
 from .report import format_table, kib, plot_steps, print_checks, step_progress, verdict, write_json
 from .steps import DemoStep
