@@ -169,10 +169,10 @@ class UpdateSeal:
         return struct.unpack_from("<QQ", m)
 
     def release(self) -> None:
-        """Drop the device copies of this update's hash key (they are cached per key)."""
-        from .. import keyed_hash
-
-        keyed_hash._key_cache.pop(id(self.hash_key), None)
+        """Drop the device copies of this update's hash key now (they would go with the key)."""
+        tensors = getattr(self.hash_key, "_tensors", None)
+        if isinstance(tensors, dict):
+            tensors.clear()
 
     def digests(self, buf_u8, plan: "BucketPlan") -> list:
         from ..keyed_hash import digest
