@@ -321,6 +321,9 @@ def register() -> dict[str, str]:
             _status["weight_transfer"] = _register_weight_transfer()
             _status["sleep_backend"] = _register_sleep_backend()
             _status["allocator"] = install_allocator_hooks()
+            from .engines.vllm_async import register_worker_methods
+
+            _status["worker_methods"] = register_worker_methods()  # memory figures by method name
             log.debug("unisleep vLLM plugin: %s", _status)
         return dict(_status)
 

@@ -371,12 +371,14 @@ class TorchGenerator(Engine):
 
     def init_weight_transfer(self, init_info: dict) -> Any:
         """Join the trainer's private transfer group and return a receiver that writes into this
-        engine.  ``init_info``: ``rendezvous``, ``rank``, ``world_size`` and optional ``timeout_s``."""
+        engine.  ``init_info``: ``rendezvous``, ``rank``, ``world_size`` and optional ``timeout_s``
+        and ``secret_file`` (the path of the group secret, mode 0600 — never the secret itself)."""
         from ..transfer import TransferGroup, WeightReceiver
 
         group = TransferGroup.create(
             rendezvous=init_info["rendezvous"], rank=init_info.get("rank", 1),
             world_size=init_info.get("world_size", 2), timeout_s=init_info.get("timeout_s", 60.0),
+            secret_file=init_info.get("secret_file"),
         )
         self._receiver = WeightReceiver(group, apply=self.update_weights, guard=self.can_receive_weights)
         return self._receiver
