@@ -8,16 +8,8 @@ import datetime
 import os
 import socket
 
+from unisleep.addresses import is_loopback
 
-def is_loopback(host: str) -> bool:
-    import ipaddress
-
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 BACKEND = "hccl"
 SAME_DEVICE_OK = False

@@ -5,9 +5,10 @@ is the same whatever ``CUDA_VISIBLE_DEVICES`` each process has)."""
 from __future__ import annotations
 
 import datetime
-import ipaddress
 import logging
 import os
+
+from unisleep.addresses import is_loopback
 
 log = logging.getLogger("unisleep.transfer")
 
@@ -42,15 +43,6 @@ def loopback_interface() -> str:
     except (OSError, ValueError):
         pass
     return "lo"
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def pin_loopback(host: str) -> None:

@@ -32,15 +32,11 @@ def create_backend(store, rank: int, world_size: int, timeout: datetime.timedelt
     On a loopback rendezvous the gloo device is bound to that loopback address (its sockets listen
     there and nowhere else), so hosts whose hostname does not resolve still work.  Elsewhere gloo
     picks the interface from ``GLOO_SOCKET_IFNAME`` or the hostname (docs/security.md)."""
-    import ipaddress
-
     import torch.distributed as dist
 
-    try:
-        loop = host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loop = False
-    if loop:
+    from unisleep.addresses import is_loopback
+
+    if is_loopback(host):
         host = "127.0.0.1" if host == "localhost" else host
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = timeout

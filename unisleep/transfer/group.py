@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import datetime
 import importlib
-import ipaddress
 import logging
 import os
 import secrets as _secrets
@@ -35,6 +34,7 @@ from dataclasses import dataclass
 from typing import Optional
 from urllib.parse import urlparse
 
+from ..addresses import is_loopback
 from ..errors import InvalidArgumentError, TransferError, UnsupportedError
 from ..platform import SPECS, Platform, detect_platform
 from . import records as R
@@ -72,15 +72,6 @@ def parse_rendezvous(rendezvous: str) -> tuple[str, int]:
     if u.scheme != "tcp" or not u.hostname or not port:
         raise InvalidArgumentError(f"rendezvous must look like tcp://HOST:PORT, got {rendezvous!r}")
     return u.hostname, int(port)
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
