@@ -13,7 +13,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Optional
 
-from ..engines.torch_generator import LOGPROBS_MODES, TorchGenerator, top_p_filter
+from ..engines.torch_generator import LOGPROBS_MODES, TorchGenerator, decode_loop
 from ..errors import InvalidArgumentError
 from .presets import ACTIONS, Preset, build_model, torch_dtype
 
@@ -147,23 +147,6 @@ class HFGenerator(TorchGenerator):
         return self.model.lm_head(m.norm(x[:, -1:]))[:, -1, :ACTIONS].float()
 
     def _decode(self, ids, max_tokens, temperature, top_p, rng):
-        import torch
-
         B, P = ids.shape
-        logits = self._forward(ids, 0)
-        toks, lps = [], []
-        for t in range(max_tokens):
-            raw = logits.log_softmax(dim=-1)
-            if temperature == 0.0:
-                tok = raw.argmax(dim=-1)
-                proc = raw
-            else:
-                masked, _ = top_p_filter(logits / temperature, top_p)
-                proc = masked.log_softmax(dim=-1)
-                tok = torch.multinomial(proc.exp(), 1, generator=rng).squeeze(-1)
-            chosen = raw if self.logprobs_mode == "raw_logprobs" else proc
-            toks.append(tok)
-            lps.append(chosen.gather(-1, tok[:, None]).squeeze(-1))
-            if t + 1 < max_tokens:
-                logits = self._forward(tok[:, None], P + t)
-        return torch.stack(toks, 1).cpu(), torch.stack(lps, 1).cpu()
+        return decode_loop(self._forward(ids, 0), lambda tok, pos: self._forward(tok[:, None], pos),
+                           P, max_tokens, temperature, top_p, rng, self.logprobs_mode)

@@ -110,6 +110,32 @@ class TinyLM(nn.Module):
         return self.head(self.ln_f(x))
 
 
+def decode_loop(logits, next_logits, prompt_len: int, max_tokens: int, temperature: float, top_p: float, rng,
+                logprobs_mode: str):
+    """Sample ``max_tokens`` tokens from the last-position ``logits`` of a batch: greedy at
+    temperature 0, else temperature + top-p; ``next_logits(tokens, position)`` runs one decode
+    step.  Returns (tokens, logprobs) on the CPU, the logprobs raw or of the processed
+    distribution as ``logprobs_mode`` says (vLLM's ``raw_logprobs`` / ``processed_logprobs``)."""
+    import torch
+
+    toks, lps = [], []
+    for t in range(max_tokens):
+        raw = logits.log_softmax(dim=-1)
+        if temperature == 0.0:
+            tok = raw.argmax(dim=-1)
+            proc = raw
+        else:
+            masked, _ = top_p_filter(logits / temperature, top_p)
+            proc = masked.log_softmax(dim=-1)
+            tok = torch.multinomial(proc.exp(), 1, generator=rng).squeeze(-1)
+        chosen = raw if logprobs_mode == "raw_logprobs" else proc
+        toks.append(tok)
+        lps.append(chosen.gather(-1, tok[:, None]).squeeze(-1))
+        if t + 1 < max_tokens:
+            logits = next_logits(tok, prompt_len + t)
+    return torch.stack(toks, 1).cpu(), torch.stack(lps, 1).cpu()
+
+
 def top_p_filter(logits: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Mask logits outside the smallest set of tokens whose probability reaches ``top_p``.
     Returns ``(masked_logits, kept_mass)``; kept_mass is that set's probability."""
@@ -261,23 +287,11 @@ class TorchGenerator(Engine):
 
     def _decode(self, ids, max_tokens, temperature, top_p, rng):
         B, P = ids.shape
-        logits = self.model(ids, kv=self.kv_cache, pos0=0)[:, -1].float()
-        toks, lps = [], []
-        for t in range(max_tokens):
-            raw = logits.log_softmax(dim=-1)
-            if temperature == 0.0:
-                tok = raw.argmax(dim=-1)
-                proc = raw
-            else:
-                masked, _ = top_p_filter(logits / temperature, top_p)
-                proc = masked.log_softmax(dim=-1)
-                tok = torch.multinomial(proc.exp(), 1, generator=rng).squeeze(-1)
-            chosen = raw if self.logprobs_mode == "raw_logprobs" else proc
-            toks.append(tok)
-            lps.append(chosen.gather(-1, tok[:, None]).squeeze(-1))
-            if t + 1 < max_tokens:
-                logits = self.model(tok[:, None], kv=self.kv_cache, pos0=P + t)[:, -1].float()
-        return torch.stack(toks, 1).cpu(), torch.stack(lps, 1).cpu()
+        return decode_loop(
+            self.model(ids, kv=self.kv_cache, pos0=0)[:, -1].float(),
+            lambda tok, pos: self.model(tok[:, None], kv=self.kv_cache, pos0=pos)[:, -1].float(),
+            P, max_tokens, temperature, top_p, rng, self.logprobs_mode,
+        )
 
     def score(self, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]]) -> torch.Tensor:
         """Full-vocabulary logprobs of ``completion_ids`` under the engine's current weights."""
@@ -395,4 +409,4 @@ class TorchGenerator(Engine):
             self.lifecycle.close()
 
 
-__all__ = ["TinyLM", "TinyLMConfig", "TorchGenerator", "sequence_logprobs", "top_p_filter", "LOGPROBS_MODES"]
+__all__ = ["TinyLM", "TinyLMConfig", "TorchGenerator", "sequence_logprobs", "top_p_filter", "decode_loop", "LOGPROBS_MODES"]
