@@ -54,11 +54,14 @@ class CudaDriver(Driver):
     supports_pool = True
     #: 1 GiB physical chunks: a backed-up chunk is released as soon as its copy is done
     default_chunk_bytes = 1 << 30
-    #: False (default): discarded regions are released only once every backup copy is done,
-    #: so a failed sleep gives every tag back exactly (the KV cache included).  True overlaps
-    #: their release with the copies (~5 ms faster for 16 GiB of KV on an H200), at the price
-    #: of marking the discarded tags lost if a copy then fails (see suspend)
-    release_discards_during_copies = False
+    #: True (default): discarded regions (the KV cache) are released while the backup copies
+    #: run, after every reservation succeeded; a failure *during the copies* (a CUDA error, which
+    #: ruins the context anyway, or Ctrl-C) then gives the weights back exactly and marks the
+    #: discarded tags "lost".  False releases them only once every copy is done, so such a
+    #: failure gives every tag back exactly — at ~12 ms more per sleep and a wake right after
+    #: the sleep ~35 ms slower on an H200 (the driver's work after releasing 16 GiB;
+    #: docs/cuda.md)
+    release_discards_during_copies = True
 
     def __init__(self, device: int = 0, exportable: bool = False, **options):
         super().__init__(device, **options)
