@@ -432,14 +432,14 @@ class MemoryLifecycle:
             saves, discards = self._plan_sleep(plan)
             need = sum(n for j in saves if not j.skip_copy for _, n in j.ranges)
             retained = sum(n for j in saves if j.skip_copy for _, n in j.ranges)
+            for job in saves:  # a retained backup of bytes that changed since is stale: its room
+                if not job.skip_copy and self._allocs[job.key].saved:  # counts for the new one
+                    self._drop_backup(self._allocs[job.key])
             try:
                 self._ensure_backup_fits(need, keep_ids={j.key for j in saves})
             except BaseException:
                 self._forget_pending(saves)
                 raise
-            for job in saves:  # a retained backup of bytes that changed since is stale
-                if not job.skip_copy and self._allocs[job.key].saved:
-                    self._drop_backup(self._allocs[job.key])
             reserved = self._reserve(saves)
             hooks_ran = False
             try:
