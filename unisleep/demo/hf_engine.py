@@ -100,19 +100,24 @@ class HFGenerator(TorchGenerator):
             if self._updating is None:
                 raise InvalidTransitionError("call start_weight_update() before update_weights()")
             self._require_awake(("weights",), "write weights")
-            mine = flat_pieces(self.flat)
+            mine = dict(flat_pieces(self.flat))
             got = dict(items)
-            if sorted(got) != sorted(n for n, _ in mine):
-                raise TransferError(f"a flat update must carry {[n for n, _ in mine][:4]}... exactly, got "
-                                    f"{sorted(got)[:4]}...; nothing was written")
-            for n, v in mine:
-                t = got[n]
+            unknown = sorted(set(got) - set(mine))
+            if unknown:
+                raise TransferError(f"a flat update carries pieces this engine does not have: {unknown[:4]} "
+                                    f"(the engine's are {sorted(mine)[:4]}...); nothing was written")
+            for n, t in got.items():
+                v = mine[n]
                 if tuple(t.shape) != tuple(v.shape) or t.dtype != v.dtype:
                     raise TransferError(f"{n}: {tuple(t.shape)} {t.dtype} != the engine's {tuple(v.shape)} {v.dtype}; "
                                         "nothing was written")
-            for n, v in mine:
-                v.copy_(got[n])
-            self._updating.update(self._params)
+            for n, t in got.items():  # the pieces may come in several calls (one per bucket)
+                mine[n].copy_(t)
+            if getattr(self, "_flat_update", None) is not self._updating:
+                self._flat_update, self._flat_seen = self._updating, set()
+            self._flat_seen.update(got)
+            if self._flat_seen == set(mine):  # every piece arrived: every parameter is written
+                self._updating.update(self._params)
             return
         super().update_weights(items)
 

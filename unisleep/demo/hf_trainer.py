@@ -162,7 +162,10 @@ def hf_trainer_main(conn, rendezvous: str, model_name: str, platform_name: str, 
                                          "state": lc.state()}))
             elif cmd == "train":
                 before = memory()
-                rep = lc.wake_up()
+                # the optimizer state (2 x 4 B/param) stays on the host through the forward and
+                # backward and comes back only for the step: at 7B the three awake at once do not
+                # leave room for the activations on one H200
+                rep = lc.wake_up(["weights", "grads"])
                 restore = {"seconds": rep.seconds, "bytes_copied": rep.bytes_copied}
                 t0 = time.perf_counter()
                 pr = torch.tensor(arg["prompts"], device=device)
@@ -175,6 +178,10 @@ def hf_trainer_main(conn, rendezvous: str, model_name: str, platform_name: str, 
                 if plist[0].grad is None or plist[0].grad.data_ptr() != grad_ptr:
                     raise UnisleepError("backward did not accumulate into the gradient buffer of the trainer's "
                                         "lifecycle; this torch version replaces .grad")
+                empty_cache(torch, device)  # the activations are gone: room for the optimizer state
+                rep = lc.wake_up(["optimizer"])
+                restore = {"seconds": restore["seconds"] + rep.seconds,
+                           "bytes_copied": restore["bytes_copied"] + rep.bytes_copied}
                 opt.step()
                 lc.discard(["grads"])  # used: release them now (they wake as zeros)
                 with torch.no_grad():  # the engine's layout: one flat buffer in the serving dtype
