@@ -240,6 +240,9 @@ def test_regular_install_beside_the_folder_works(tmp_path):
 # ------------------------------------------------------------------------- what the docs promise
 DOCS = [os.path.join(ROOT, "README.md")] + [os.path.join(ROOT, "docs", f) for f in sorted(os.listdir(
     os.path.join(ROOT, "docs"))) if f.endswith(".md")]
+#: recorded results: their commands and logs must be rerunnable by a user too
+RESULTS = [os.path.join(ROOT, "docs", "results", f) for f in sorted(os.listdir(os.path.join(ROOT, "docs", "results")))
+           if f.endswith((".json", ".txt", ".log"))]
 
 
 def _test_files() -> list[str]:
@@ -251,12 +254,12 @@ def _test_files() -> list[str]:
 
 
 @pytest.mark.parametrize("phrase", ["device tool", "this workplace", "/opt/wheels", "local wheel folder",
-                                    "device-figures.md", "nvidia-h200-x"])
+                                    "device-figures.md", "nvidia-h200-x", "/root/", "/tmp/site", "/work/"])
 def test_docs_and_tests_speak_of_the_project_only(phrase):
     """Docs and skip reasons name the hardware and the command, not the tooling a run happened on
     (this file is exempt: it holds the phrases to look for)."""
     hits = []
-    for path in DOCS + [p for p in _test_files() if os.path.abspath(p) != os.path.abspath(__file__)]:
+    for path in DOCS + RESULTS + [p for p in _test_files() if os.path.abspath(p) != os.path.abspath(__file__)]:
         with open(path, encoding="utf-8") as f:
             for n, line in enumerate(f, 1):
                 if phrase.lower() in line.lower():
