@@ -27,10 +27,10 @@ import time
 from typing import Optional
 
 from ..errors import UnisleepError
-from .checks import embedded_checks, max_logprob_gap, reward_quarters
+from .checks import embedded_checks, max_logprob_gap
 from .cli import platform_for
 from .constants import PROBE_PROMPTS, PROMPT_LEN
-from .report import format_table, kib, plot_steps, print_checks, step_progress, verdict, write_json
+from .report import kib, plot_steps, print_run, step_progress, verdict, write_json
 from .steps import DemoStep
 from .trainer_process import TrainerProcess, free_port, trainer_main
 
@@ -162,14 +162,7 @@ def run_torch(args) -> int:
     ok = bool(steps) and all(c.ok is not False for c in checks) and len(steps) == args.steps
 
     # ---- report
-    print()
-    if steps:
-        print(format_table(steps))
-        print()
-        r0, r1 = reward_quarters(steps)
-        print(f"reward (fraction of token {args.target}): {r0:.2f} in the first quarter -> {r1:.2f} in the last; "
-              f"{len(steps)} steps in {elapsed:.1f} s")
-    print_checks(checks)
+    print_run(steps, checks, args.target, elapsed)
     result = {
         "ok": ok, "engine": "torch", "platform": platform.name, "args": vars(args), "seconds": elapsed,
         "steps": [s.as_dict() for s in steps], "checks": [c.__dict__ for c in checks],

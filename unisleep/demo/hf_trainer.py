@@ -24,7 +24,7 @@ from ..errors import UnisleepError
 from ..platform import detect_platform
 from .presets import action_logprobs, build_model, fingerprint, preset, torch_dtype
 from .hf_engine import flat_pieces
-from .trainer_process import _report
+from .trainer_process import _report, commands
 
 BUCKET_BYTES_MODEL = 512 << 20
 
@@ -144,14 +144,7 @@ def hf_trainer_main(conn, rendezvous: str, model_name: str, platform_name: str, 
     conn.send(("ready", os.getpid()))
     outgoing = None
     try:
-        while True:
-            try:
-                cmd, arg = conn.recv()
-            except EOFError:
-                return
-            if cmd == "stop":
-                conn.send(("stopped", None))
-                return
+        for cmd, arg in commands(conn):
             if cmd == "offload":  # the engine is about to generate: give the device back
                 before = memory()
                 outgoing = None

@@ -16,9 +16,9 @@ import time
 from typing import Optional
 
 from ..errors import InvalidArgumentError, UnisleepError
-from .checks import Check, embedded_checks, reward_quarters
+from .checks import Check, embedded_checks
 from .constants import BUCKET_BYTES, PROBE_PROMPTS, PROMPT_LEN
-from .report import format_table, kib, plot_steps, print_checks, step_progress, verdict, write_json
+from .report import kib, plot_steps, print_run, step_progress, verdict, write_json
 from .steps import DemoStep
 
 
@@ -232,14 +232,7 @@ def run_ray(args) -> int:
                                "byte (per-tensor fingerprints)" if not bad else
                                f"after steps {bad} the engine actor's weights differ from the trainer actor's"))
     ok = bool(steps) and all(c.ok is not False for c in checks) and len(steps) == args.steps
-    print()
-    if steps:
-        print(format_table(steps))
-        print()
-        r0, r1 = reward_quarters(steps)
-        print(f"reward (fraction of token {args.target}): {r0:.2f} -> {r1:.2f}; {len(steps)} steps in {elapsed:.1f} s "
-              "(trainer and engine as Ray actors)")
-    print_checks(checks)
+    print_run(steps, checks, args.target, elapsed, "trainer and engine as Ray actors")
     result = {"ok": ok, "engine": "torch", "ray": True, "platform": platform.name, "args": vars(args),
               "seconds": elapsed, "steps": [s.as_dict() for s in steps], "byte_exact": exact,
               "checks": [c.__dict__ for c in checks], "gap": monitor.summary(), "failure": failure, **info}

@@ -81,7 +81,8 @@ def format_table_vllm(steps: list[VLLMDemoStep], memory_note: str) -> str:
     return "\n".join(lines)
 
 
-def plot_steps(steps: list[DemoStep], path: str) -> Optional[str]:
+def three_panels(figsize, sharex: bool = False):
+    """A figure of three stacked panels (matplotlib, headless), or None without matplotlib."""
     try:
         import matplotlib
 
@@ -89,8 +90,28 @@ def plot_steps(steps: list[DemoStep], path: str) -> Optional[str]:
         import matplotlib.pyplot as plt
     except Exception:
         return None
+    return plt.subplots(3, 1, figsize=figsize, sharex=sharex)
+
+
+def finish_with_reward(fig, ax, steps, path: str) -> str:
+    """The last panel: reward per step; then save the figure to ``path``."""
+    import matplotlib.pyplot as plt
+
+    ax.plot([s.step for s in steps], [s.reward for s in steps], "o-", color="tab:green")
+    ax.set_ylabel("reward")
+    ax.set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def plot_steps(steps: list[DemoStep], path: str) -> Optional[str]:
+    panels = three_panels((7, 8), sharex=True)
+    if panels is None:
+        return None
+    fig, (ax1, ax2, ax3) = panels
     xs = [s.step for s in steps]
-    fig, (ax1, ax2, ax3) = plt.subplots(3, 1, figsize=(7, 8), sharex=True)
     ax1.plot(xs, [(s.resident_before or 0) / 1024 for s in steps], "o-", label="engine resident, awake")
     ax1.plot(xs, [(s.resident_asleep or 0) / 1024 for s in steps], "s-", label="engine resident, asleep (trainer runs)")
     ax1.set_ylabel("KiB")
@@ -101,13 +122,21 @@ def plot_steps(steps: list[DemoStep], path: str) -> Optional[str]:
     ax2.set_yscale("log")
     ax2.set_ylabel("|Δ logprob|")
     ax2.legend(fontsize=8)
-    ax3.plot(xs, [s.reward for s in steps], "o-", color="tab:green")
-    ax3.set_ylabel("reward")
-    ax3.set_xlabel("step")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return finish_with_reward(fig, ax3, steps, path)
+
+
+def print_run(steps, checks, target: int, elapsed: float, how: str = "") -> None:
+    """The end of a run of the tiny loop: the table, the reward line, the checks."""
+    from .checks import reward_quarters
+
+    print()
+    if steps:
+        print(format_table(steps))
+        print()
+        r0, r1 = reward_quarters(steps)
+        print(f"reward (fraction of token {target}): {r0:.2f} in the first quarter -> {r1:.2f} in the last; "
+              f"{len(steps)} steps in {elapsed:.1f} s" + (f" ({how})" if how else ""))
+    print_checks(checks)
 
 
 def print_checks(checks) -> None:

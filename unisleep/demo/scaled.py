@@ -35,7 +35,7 @@ from .checks import Check, _gap_steady, _loop_ran, learned, max_logprob_gap
 from .cli import platform_for
 from .constants import PROBE_PROMPTS, RELEASED_MIN
 from .presets import ACTIONS, fingerprint, preset
-from .report import print_checks, step_progress, verdict, write_json
+from .report import finish_with_reward, print_checks, step_progress, three_panels, verdict, write_json
 from .trainer_process import TrainerProcess, free_port
 
 GiB = 1 << 30
@@ -174,14 +174,10 @@ def goals(steps: list[ScaledStep], limit: dict) -> list[tuple[str, str, Optional
 
 
 def plot_scaled(steps, timeline, path: str, title: str) -> Optional[str]:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except Exception:
+    panels = three_panels((9, 9))
+    if panels is None:
         return None
-    fig, (ax1, ax2, ax3) = plt.subplots(3, 1, figsize=(9, 9))
+    fig, (ax1, ax2, ax3) = panels
     ts = [e["t"] for e in timeline]
     for key, label in (("engine", "engine (lifecycle: weights + KV cache)"),
                        ("trainer", "trainer (lifecycle: weights + AdamW state + grads)"),
@@ -203,13 +199,7 @@ def plot_scaled(steps, timeline, path: str, title: str) -> Optional[str]:
     ax2.bar(xs, b3, bottom=[a + b for a, b in zip(b1, b2)], label="transfer (verified)")
     ax2.set_ylabel("ms")
     ax2.legend(fontsize=7)
-    ax3.plot(xs, [s.reward for s in steps], "o-", color="tab:green")
-    ax3.set_ylabel("reward")
-    ax3.set_xlabel("step")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return finish_with_reward(fig, ax3, steps, path)
 
 
 def run_model(args) -> int:

@@ -44,14 +44,7 @@ def trainer_main(conn, rendezvous: str, cfg: dict, platform_name: str, lr: float
         raise SystemExit(1)  # the engine side shows the error; no traceback here
     conn.send(("ready", os.getpid()))
     try:
-        while True:
-            try:
-                cmd, arg = conn.recv()
-            except EOFError:
-                return
-            if cmd == "stop":
-                conn.send(("stopped", None))
-                return
+        for cmd, arg in commands(conn):
             if cmd == "score":  # the trainer's logprobs of tokens the engine generated
                 p = torch.tensor(arg["prompts"], device=device)
                 c = torch.tensor(arg["tokens"], device=device)
@@ -88,6 +81,19 @@ def trainer_main(conn, rendezvous: str, cfg: dict, platform_name: str, lr: float
             group.close()
         except Exception:
             pass
+
+
+def commands(conn):
+    """The engine side's (command, argument) pairs, until "stop" (answered) or a closed pipe."""
+    while True:
+        try:
+            cmd, arg = conn.recv()
+        except EOFError:
+            return
+        if cmd == "stop":
+            conn.send(("stopped", None))
+            return
+        yield cmd, arg
 
 
 def _report(conn, e: BaseException) -> None:
