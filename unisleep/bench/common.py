@@ -70,3 +70,25 @@ def write_json(path: Optional[str], kind: str, results: Any, argv: Optional[Sequ
 
 def progress(msg: str) -> None:
     print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+RESULT_PREFIX = "UNISLEEP_RESULT "
+
+
+def emit_result(result: Any) -> None:
+    """A worker process's answer: one line on stdout that :func:`run_worker` reads."""
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+def run_worker(cmd: Sequence[str], impl: str) -> dict:
+    """Run one implementation's benchmark worker in its own process; its result, or an entry
+    saying it failed."""
+    import subprocess
+
+    progress(f"running {impl} ...")
+    proc = subprocess.run(list(cmd), stdout=subprocess.PIPE, text=True, env=os.environ.copy())
+    line = next((l for l in proc.stdout.splitlines() if l.startswith(RESULT_PREFIX)), None)
+    if proc.returncode != 0 or line is None:
+        progress(f"{impl} failed (exit {proc.returncode})")
+        return {"impl": impl, "error": f"exit {proc.returncode}"}
+    return json.loads(line[len(RESULT_PREFIX):])

@@ -16,16 +16,14 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from typing import Optional, Sequence
 
 from ..cli import plain
-from .common import print_table, progress, write_json
+from .common import emit_result, print_table, progress, run_worker, write_json
 
 GiB = 1 << 30
 IMPLS = ("unisleep-facade", "torch_memory_saver")
@@ -124,7 +122,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--worker", choices=IMPLS, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(list(argv or []))
     if args.worker:
-        print("UNISLEEP_RESULT " + json.dumps(run_workload(args.worker, args.weights, args.kv, args.cycles)), flush=True)
+        emit_result(run_workload(args.worker, args.weights, args.kv, args.cycles))
         os._exit(0)  # neither library's exit path is what is measured
 
     results: dict = {}
@@ -133,16 +131,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             progress(f"{impl} is not installed: its column is empty (pip install torch-memory-saver==0.0.10)")
             results[impl] = {"impl": impl, "error": "not installed"}
             continue
-        progress(f"running {impl} ...")
         cmd = [sys.executable, "-m", "unisleep", "bench", "--compat-tms", "--weights", str(args.weights),
                "--kv", str(args.kv), "--cycles", str(args.cycles), "--worker", impl]
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=os.environ.copy())
-        line = next((l for l in proc.stdout.splitlines() if l.startswith("UNISLEEP_RESULT ")), None)
-        if proc.returncode != 0 or line is None:
-            progress(f"{impl} failed (exit {proc.returncode})")
-            results[impl] = {"impl": impl, "error": f"exit {proc.returncode}"}
-            continue
-        results[impl] = json.loads(line.split(" ", 1)[1])
+        results[impl] = run_worker(cmd, impl)
 
     rows = []
     fac = results.get("unisleep-facade", {})

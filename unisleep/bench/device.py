@@ -13,16 +13,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from typing import Optional, Sequence
 
 from ..cli import plain
-from .common import print_table, progress, write_json
+from .common import emit_result, print_table, progress, run_worker, write_json
 
 GiB = 1 << 30
 
@@ -199,7 +197,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(list(argv or []))
     if args.worker:
-        print("UNISLEEP_RESULT " + json.dumps(_worker(args.worker, args)), flush=True)
+        emit_result(_worker(args.worker, args))
         if args.worker != "unisleep":
             os._exit(0)  # a peer's own exit path is not what is measured
         return 0
@@ -207,18 +205,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     impls = ["unisleep"] + ([] if args.no_peers else _peers(args.backend))
     results = {}
     for impl in impls:
-        progress(f"running {impl} ...")
         cmd = [sys.executable, "-m", "unisleep", "bench", "--backend", args.backend, "--device", str(args.device),
                "--weights", str(args.weights), "--kv", str(args.kv), "--cycles", str(args.cycles), "--worker", impl]
         if args.sweep and impl == "unisleep":
             cmd.append("--sweep")
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=os.environ.copy())
-        line = next((l for l in proc.stdout.splitlines() if l.startswith("UNISLEEP_RESULT ")), None)
-        if proc.returncode != 0 or line is None:
-            progress(f"{impl} failed (exit {proc.returncode})")
-            results[impl] = {"impl": impl, "error": f"exit {proc.returncode}"}
-            continue
-        results[impl] = json.loads(line.split(" ", 1)[1])
+        results[impl] = run_worker(cmd, impl)
 
     names = list(results)
     rows = []
