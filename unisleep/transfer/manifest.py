@@ -174,10 +174,13 @@ class UpdateSeal:
         if isinstance(tensors, dict):
             tensors.clear()
 
-    def digests(self, buf_u8, plan: "BucketPlan") -> list:
-        from ..keyed_hash import digest
+    def digests(self, buf_u8, plan: "BucketPlan", algorithm: Optional[str] = None, slots=None) -> list:
+        """The keyed digest of every tensor of a bucket (or of ``slots``), one wait for the device."""
+        from ..keyed_hash import digest_many
 
-        return [digest(buf_u8[s.offset: s.offset + s.nbytes], self.hash_key) for s in plan.slots]
+        slots = plan.slots if slots is None else slots
+        return digest_many([buf_u8[s.offset: s.offset + s.nbytes] for s in slots], [self.hash_key] * len(slots),
+                           algorithm=algorithm)
 
 
 def _signed(v: int) -> int:
@@ -207,7 +210,7 @@ def check_bucket(buf_u8, plan: BucketPlan, seq: int, seal: Optional[UpdateSeal])
     ``plan.slots`` whose digest differs)."""
     import torch
 
-    from ..keyed_hash import ALGORITHMS, Digest, digest
+    from ..keyed_hash import ALGORITHMS, Digest
 
     tr = buf_u8[plan.data_bytes: plan.total_bytes].view(torch.int64).tolist()
     head = tr[:TRAILER_HEAD]
@@ -219,17 +222,18 @@ def check_bucket(buf_u8, plan: BucketPlan, seq: int, seal: Optional[UpdateSeal])
         )
     if seal is None or not plan.slots:
         return None, []
-    bad = []
+    bad, wanted = [], {}  # algorithm -> [(slot index, expected digest)]
     for i, s in enumerate(plan.slots):
         algo, n, a, b = tr[TRAILER_HEAD + WORDS_PER_TENSOR * i: TRAILER_HEAD + WORDS_PER_TENSOR * (i + 1)]
         pa, pb = seal.pad(plan.index, i)
         if not 0 <= algo < len(ALGORITHMS) or n != s.nbytes:
             bad.append(i)
             continue
-        want = Digest(n, (a & _M64) ^ pa, (b & _M64) ^ pb, ALGORITHMS[algo])
-        if digest(buf_u8[s.offset: s.offset + s.nbytes], seal.hash_key, algorithm=want.algorithm) != want:
-            bad.append(i)
-    return None, bad
+        wanted.setdefault(ALGORITHMS[algo], []).append((i, Digest(n, (a & _M64) ^ pa, (b & _M64) ^ pb, ALGORITHMS[algo])))
+    for algo, items in wanted.items():  # one wait for the device per algorithm, not per tensor
+        got = seal.digests(buf_u8, plan, algorithm=algo, slots=[plan.slots[i] for i, _ in items])
+        bad += [i for (i, want), d in zip(items, got) if d != want]
+    return None, sorted(bad)
 
 
 _M64 = (1 << 64) - 1
