@@ -218,6 +218,30 @@ class MemoryLifecycle:
     def backup_location(self) -> str:
         return self._store.where
 
+    def owns(self, ptr: int, nbytes: int, tag: Optional[str] = None) -> bool:
+        """``[ptr, ptr + nbytes)`` lies inside one allocation of this lifecycle (of ``tag``)."""
+        return self._allocation_at(ptr, nbytes, tag) is not None
+
+    def read_backup(self, ptr: int, out) -> bool:
+        """Copy the backed-up bytes at ``[ptr, ptr + out.numel())`` into the host uint8 tensor
+        ``out`` (e.g. to read weights while they sleep); False when that memory has no full
+        backup held (never backed up, discarded, or not retained after a wake)."""
+        with self._lock:
+            a = self._allocation_at(ptr, out.numel())
+            if a is None or a.saved != [(0, a.region.size)] or not self._store.has((a.id, 0)):
+                return False
+            self._store.flush()
+            self._store.load_range((a.id, 0), ptr - a.region.va, out)
+            self._store.flush()
+            return True
+
+    def _allocation_at(self, ptr: int, nbytes: int, tag: Optional[str] = None) -> Optional[Allocation]:
+        with self._lock:
+            for a in self._allocs.values():
+                if tag in (None, a.tag) and a.region.va <= ptr and ptr + nbytes <= a.region.va + max(a.nbytes, 1):
+                    return a
+        return None
+
     def names(self, tag: Optional[str] = None) -> list[str]:
         with self._lock:
             return [n for a in self._allocs.values() if tag in (None, a.tag) for n in a.names]

@@ -245,6 +245,17 @@ def detect_platform(name: Optional[str] = None) -> Platform:
     return Platform("host", "no accelerator was found, so host memory (memfd/mmap) is used", _host_devices())
 
 
+def env_flag(name: str) -> Optional[bool]:
+    """An on/off environment variable: True for 1/true/yes/on, False for 0/false/no/off, None
+    when unset or anything else."""
+    v = os.environ.get(name, "").strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    return None
+
+
 def accelerated_module(device_type: str, name: str) -> Optional[str]:
     """``"<driver package>.<name>"`` of the accelerator platform whose torch device type is
     ``device_type`` (e.g. kernels a backend ships for the core), or None for host memory."""

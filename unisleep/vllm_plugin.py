@@ -36,7 +36,6 @@ from __future__ import annotations
 import importlib.abc
 import importlib.util
 import logging
-import os
 import sys
 import threading
 from typing import Optional
@@ -47,7 +46,6 @@ NAME = "unisleep"
 WEIGHT_TRANSFER_TARGET = ("unisleep.engines.vllm_weight_transfer", "UnisleepWeightTransferEngine")
 SLEEP_BACKEND_TARGET = ("unisleep.engines.vllm_sleep_backend", "UnisleepSleepBackend")
 ALLOCATOR_ENV = "UNISLEEP_VLLM_ALLOCATOR"
-EXTRA_CLEANUP_ENV = "UNISLEEP_EXTRA_CLEANUP"
 
 #: modules whose allocator class is redirected: module -> class name (an out-of-tree platform
 #: plugin's own allocator, e.g. vllm-ascend's ``CaMemAllocator``, is added by
@@ -64,12 +62,9 @@ _patched: set[str] = set()
 
 # ---------------------------------------------------------------------- the allocator choice
 def _env_choice() -> Optional[bool]:
-    v = os.environ.get(ALLOCATOR_ENV, "").strip().lower()
-    if v in ("1", "true", "yes", "on"):
-        return True
-    if v in ("0", "false", "no", "off"):
-        return False
-    return None
+    from .platform import env_flag
+
+    return env_flag(ALLOCATOR_ENV)
 
 
 def _config_choice(vllm_config) -> Optional[bool]:
@@ -108,10 +103,6 @@ def select_allocator(enabled: Optional[bool]) -> None:
     global _choice
     with _lock:
         _choice = enabled
-
-
-def allocator_selected() -> bool:
-    return bool(decide())
 
 
 def _allocator(**options):
@@ -334,5 +325,5 @@ def status() -> dict[str, str]:
         return dict(_status)
 
 
-__all__ = ["register", "status", "NAME", "decide", "select_allocator", "allocator_selected",
+__all__ = ["register", "status", "NAME", "decide", "select_allocator",
            "install_allocator_hooks", "graph_pool_wanted", "ALLOCATOR_ENV"]

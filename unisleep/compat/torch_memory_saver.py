@@ -40,6 +40,7 @@ from ..errors import (
     InvalidTransitionError,
     UnsupportedError,
 )
+from ..platform import env_flag
 from ..units import human_bytes
 
 log = logging.getLogger("unisleep.compat")
@@ -55,11 +56,6 @@ NONE, CPU, DISK = "none", "cpu", "disk"  # backup kinds
 
 #: the variable that makes ``import torch_memory_saver`` resolve to this facade in child
 #: processes that have the shim folder on their path (see unisleep.compat)
-ENV_SWITCH = "UNISLEEP_TMS"
-
-
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 @dataclass
@@ -107,10 +103,9 @@ class TorchMemorySaver:
         self._slots: dict[tuple[str, int, str], _Slot] = {}  # (kind, device, ltag) -> slot
         self._graph_pools: dict[Any, _Slot] = {}  # graph pool id / caller's handle -> slot
         self._graphs = 0
-        self._hook_mode: Optional[str] = None
         self._initialized = False
         self._margin = 0
-        self._retain = _env_flag("TMS_RETAIN_CPU_BACKUP")
+        self._retain = bool(env_flag("TMS_RETAIN_CPU_BACKUP"))
         self._disk_dir: Optional[str] = os.environ.get("TMS_DISK_BACKUP_DIR") or None
         self._default_backend = os.environ.get("TMS_INIT_CPU_BACKUP_BACKEND") or "pinned"
         self._warned: set[str] = set()
@@ -216,7 +211,6 @@ class TorchMemorySaver:
         """Allocations inside are ordinary memory, outside any tag (e.g. weight-update buffers
         that must not be paused; slime runs its weight sync in it)."""
         self._ensure_initialized()
-        st = self._state()
         # the routing into the current region's pool is switched off (tms: "interesting region"
         # off, a throwaway pool of the default allocator); torch's default allocator serves
         # what is allocated inside, as outside any region
@@ -277,7 +271,6 @@ class TorchMemorySaver:
         # (SGLang's adapter sets "torch" or "preload" whenever it is created)
         if hook_mode not in _HOOK_MODES:
             raise InvalidArgumentError(f"hook_mode must be 'preload' or 'torch', got {hook_mode!r}")
-        self._hook_mode = hook_mode
 
     @property
     def memory_margin_bytes(self):
@@ -318,18 +311,13 @@ class TorchMemorySaver:
             )
         ptr, n = x.data_ptr(), x.numel() * x.element_size()
         with self._lock:
-            found = None
-            for s in self._slots.values():
-                a = _allocation_at(s.lc, s.ltag, ptr, n)
-                if a is not None:
-                    found = (s, a)
-                    break
+            found = next((s for s in self._slots.values() if s.lc.owns(ptr, n, s.ltag)), None)
             if found is None:
                 raise InvalidArgumentError(
                     f"get_cpu_backup(): the tensor at {ptr:#x} ({human_bytes(n)}) was not allocated in a "
                     "torch_memory_saver region (torch_memory_saver 0.0.10 ends the process here)"
                 )
-            s, a = found
+            s = found
             if s.kind == DISK:
                 return None
             paused = s.lc.state().get(s.ltag) != "awake"
@@ -343,7 +331,7 @@ class TorchMemorySaver:
                     )
                 return None
             out = torch.empty(n, dtype=torch.uint8)
-            if not _read_backup(s.lc, a, ptr - a.region.va, out):
+            if not s.lc.read_backup(ptr, out):
                 if paused:  # pragma: no cover - a paused backed-up tag always has its backup
                     raise InvalidTransitionError(f"get_cpu_backup(): no backup of tag {s.tag!r} is held")
                 return None
@@ -416,7 +404,7 @@ class TorchMemorySaver:
             from ..platform import detect_platform
 
             self._platform = detect_platform()
-            if _env_flag("TMS_INIT_ENABLE"):
+            if env_flag("TMS_INIT_ENABLE"):
                 self._say_once(
                     "init-enable",
                     "TMS_INIT_ENABLE=1 is set: unisleep's torch_memory_saver routes nothing process-wide (it has no "
@@ -563,29 +551,6 @@ def _names(slots) -> str:
 
 def _pool_key(pool):
     return tuple(pool) if isinstance(pool, (tuple, list)) else pool
-
-
-# Workaround (see docs/compat-tms.md, "What the facade needs from the core"): MemoryLifecycle has
-# no public way to find the allocation behind an address or to read a backup into a host tensor,
-# so these two read its bookkeeping and backup store.  Both only read.
-def _allocation_at(lc, ltag: str, ptr: int, nbytes: int):
-    with lc._lock:
-        for a in lc._allocs.values():
-            if a.tag == ltag and a.region.va <= ptr and ptr + nbytes <= a.region.va + max(a.nbytes, 1):
-                return a
-    return None
-
-
-def _read_backup(lc, a, offset: int, out) -> bool:
-    """Copy ``out.numel()`` bytes of allocation ``a``'s full backup, from ``offset``, into the
-    host tensor ``out``; False when no full backup is held."""
-    with lc._lock:
-        if a.saved != [(0, a.region.size)] or not lc._store.has((a.id, 0)):
-            return False
-        lc._store.flush()
-        lc._store.load_range((a.id, 0), offset, out)
-        lc._store.flush()
-        return True
 
 
 @contextlib.contextmanager

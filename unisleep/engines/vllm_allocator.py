@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 from typing import Iterator, Optional
 
@@ -96,7 +95,9 @@ class UnisleepAllocator:
         self.last_report = None
         self._warned_no_route = False
         if extra_cleanup is None:
-            extra_cleanup = os.environ.get(EXTRA_CLEANUP_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+            from ..platform import env_flag
+
+            extra_cleanup = bool(env_flag(EXTRA_CLEANUP_ENV))
         self.extra_cleanup = None
         if extra_cleanup:
             # the policy module sits above the engines; imported only when asked for
