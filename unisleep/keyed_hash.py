@@ -27,7 +27,6 @@ long as it returns the same words; the levels above are a few MiB and run here.
 from __future__ import annotations
 
 import hashlib
-import hmac
 import secrets
 import struct
 from dataclasses import dataclass, field
@@ -56,18 +55,13 @@ class HashKey:
 
     @classmethod
     def derive(cls, secret: bytes, context: bytes) -> "HashKey":
-        """A key derived from a shared ``secret`` and a ``context`` (e.g. group id + update
-        number), the same on every peer: HMAC-SHA256 in counter mode (HKDF-expand)."""
+        """A key derived from a shared ``secret`` and a ``context`` (e.g. group, epoch and update
+        number), the same on every peer: SHAKE-256 over a domain tag, the length-prefixed secret
+        and the context (a fraction of a millisecond, so it can be done per update)."""
         if not secret:
             raise ValueError("derive() needs a non-empty secret")
-        out, block, i = bytearray(), b"", 1
-        need = MAX_LEVELS * KEY_WORDS * 4
-        prk = hmac.new(b"unisleep keyed hash v1", secret, hashlib.sha256).digest()
-        while len(out) < need:
-            block = hmac.new(prk, block + context + bytes([i & 0xFF]) + struct.pack("<I", i), hashlib.sha256).digest()
-            out += block
-            i += 1
-        return cls(bytes(out[:need]))
+        material = b"unisleep keyed hash v1\0" + struct.pack("<I", len(secret)) + secret + context
+        return cls(hashlib.shake_256(material).digest(MAX_LEVELS * KEY_WORDS * 4))
 
     def level_words(self, level: int) -> list[int]:
         if not 0 <= level < MAX_LEVELS:

@@ -20,12 +20,12 @@ vLLM #57853) raise :class:`~unisleep.errors.InvalidTransitionError` before anyth
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import threading
 from typing import Any, Callable, Mapping, Optional, Sequence
 from urllib.parse import urlsplit
 
+from ..addresses import is_loopback
 from ..errors import EngineError, InvalidArgumentError, InvalidTransitionError, UnsupportedError
 from .base import Engine, Generation
 from .vllm_versions import AcceptanceMeter, level2_refusal, spec_counters_from_metrics
@@ -58,19 +58,7 @@ class RemoteEngineRefusedError(InvalidArgumentError):
 
 
 # ----------------------------------------------------------------------------- URL policy
-def is_loopback_host(host: Optional[str]) -> bool:
-    """True for ``localhost``, 127.0.0.0/8 and ::1 (also IPv4-mapped ::ffff:127.x)."""
-    if not host:
-        return False
-    h = host.strip("[]").lower()
-    if h == "localhost" or h.endswith(".localhost"):
-        return h == "localhost"
-    try:
-        ip = ipaddress.ip_address(h.split("%", 1)[0])
-    except ValueError:
-        return False
-    mapped = getattr(ip, "ipv4_mapped", None)
-    return bool(ip.is_loopback or (mapped is not None and mapped.is_loopback))
+is_loopback_host = is_loopback  # the one loopback rule (unisleep/addresses.py), by its older name here
 
 
 def check_engine_url(base_url: str, *, allow_remote: bool = False) -> str:

@@ -89,7 +89,8 @@ class VLLMWeightPusher:
     def _prepare_secret(self) -> None:
         import os
 
-        from ..transfer.group import is_loopback, parse_rendezvous
+        from ..addresses import is_loopback
+        from ..transfer.group import parse_rendezvous
         from ..transfer.secret import ENV_SECRET, ENV_SECRET_FILE, private_dir, write_secret_file
 
         if self.secret_file or os.environ.get(ENV_SECRET) or os.environ.get(ENV_SECRET_FILE):

@@ -353,14 +353,11 @@ class TransferGroup:
         return R.derive_key(self._secret, purpose)
 
     def hash_key(self, seq: int, epoch: int):
-        """The keyed-digest key of update ``seq`` (the same on every member): SHAKE-256 of a
+        """The keyed-digest key of update ``seq`` (the same on every member), derived from a
         sub-key of the group secret and the update's context (group, epoch, update number)."""
-        import hashlib
+        from ..keyed_hash import HashKey
 
-        from ..keyed_hash import KEY_WORDS, MAX_LEVELS, HashKey
-
-        ctx = f"{self.group_id}/{epoch}/{seq}".encode()
-        return HashKey(hashlib.shake_256(self.subkey("digest") + ctx).digest(MAX_LEVELS * KEY_WORDS * 4))
+        return HashKey.derive(self.subkey("digest"), f"{self.group_id}/{epoch}/{seq}".encode())
 
     # ------------------------------------------------------------------ data channel (epochs)
     def process_group(self, connect: bool = True):
@@ -643,4 +640,4 @@ def _same_device_ranks(peers: list[Peer]) -> set[int]:
     return {r for ranks in seen.values() if len(ranks) > 1 for r in ranks}
 
 
-__all__ = ["TransferGroup", "Peer", "parse_rendezvous", "vendor_module", "DEFAULT_TIMEOUT_S", "is_loopback"]
+__all__ = ["TransferGroup", "Peer", "parse_rendezvous", "vendor_module", "DEFAULT_TIMEOUT_S"]
