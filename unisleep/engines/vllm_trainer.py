@@ -198,28 +198,31 @@ class VLLMWeightPusher:
         if len(tag) > 256:
             raise InvalidArgumentError(f"version {version!r} is too long (at most ~240 characters)")
         sender = WeightSender(self.group, path=self.path, allow_equal_versions=True)
-        for i, part in enumerate(parts):
-            final = i == len(parts) - 1
-            call = _Call(self.engine.update_weights,
-                         {"version": str(version), "final": final, "partial": bool(partial)})
-            call.start()
-            send_error: Optional[BaseException] = None
-            try:
-                sender.send(part, version=tag)
-            except BaseException as e:
-                send_error = e
-            call.join(self.timeout_s + 30)
-            if call.is_alive():
-                raise TransferError(f"/update_weights did not return within "
-                                    f"{self.timeout_s + 30:.0f} s (chunk {i + 1}/{len(parts)})")
-            if call.error is not None:
-                err = call.error
-                if isinstance(err, EngineError):
-                    raise TransferError(f"the engine refused chunk {i + 1}/{len(parts)} of "
-                                        f"version {version}: {err}") from err
-                raise err
-            if send_error is not None:
-                raise send_error
+        try:
+            for i, part in enumerate(parts):
+                final = i == len(parts) - 1
+                call = _Call(self.engine.update_weights,
+                             {"version": str(version), "final": final, "partial": bool(partial)})
+                call.start()
+                send_error: Optional[BaseException] = None
+                try:
+                    sender.send(part, version=tag)
+                except BaseException as e:
+                    send_error = e
+                call.join(self.timeout_s + 30)
+                if call.is_alive():
+                    raise TransferError(f"/update_weights did not return within "
+                                        f"{self.timeout_s + 30:.0f} s (chunk {i + 1}/{len(parts)})")
+                if call.error is not None:
+                    err = call.error
+                    if isinstance(err, EngineError):
+                        raise TransferError(f"the engine refused chunk {i + 1}/{len(parts)} of "
+                                            f"version {version}: {err}") from err
+                    raise err
+                if send_error is not None:
+                    raise send_error
+        finally:  # its IPC socket and exported buffers go now, not at garbage collection
+            sender.close()
         return len(parts)
 
     def close(self) -> None:

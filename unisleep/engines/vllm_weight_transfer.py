@@ -287,8 +287,10 @@ class UnisleepWeightTransferEngine(WeightTransferEngine[UnisleepInitInfo, Unisle
                 self._staged[name] = t.clone()
             else:
                 dst = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
-                dst.copy_(t)
+                dst.copy_(t, non_blocking=pin)  # into pinned memory: one wait for the bucket below
                 self._staged[name] = dst
+        if pin:  # the views of transfer memory are reused once this returns
+            torch.accelerator.synchronize()
 
     def receive_weights(self, update_info: UnisleepUpdateInfo) -> None:
         from ..transfer import WeightReceiver

@@ -3,7 +3,7 @@ that prove every byte arrived.
 
 Bucket layout (the same rule on both ends, so only the tensor specs and the bucket size travel)::
 
-    | tensor 0 | pad | tensor 1 | pad | ... | trailer: int64[3 + 4n] = seq, bucket, n, digest_0 .. digest_{n-1} |
+    | tensor 0 | pad | tensor 1 | pad | ... | trailer: int64[3 + 4n] = seq, bucket, n, digest_0 .. digest_{n-1} (4 words each) |
 
 Tensors start at 64-byte offsets; the trailer starts at an 8-byte offset.  A tensor larger than a
 bucket gets a bucket of its own.  The sender writes a keyed digest of every tensor into the
@@ -92,7 +92,15 @@ class BucketPlan:
 
     @property
     def trailer_words(self) -> int:
-        return 3 + 4 * len(self.slots)
+        return trailer_words(len(self.slots))
+
+
+TRAILER_HEAD = 3  # trailer words: update, bucket, n
+WORDS_PER_TENSOR = 4  # then per tensor: algorithm, byte length, lane a (masked), lane b (masked)
+
+
+def trailer_words(n: int) -> int:
+    return TRAILER_HEAD + WORDS_PER_TENSOR * n
 
 
 def plan_buckets(specs: Sequence[TensorSpec], bucket_bytes: int) -> list[BucketPlan]:
@@ -108,7 +116,7 @@ def plan_buckets(specs: Sequence[TensorSpec], bucket_bytes: int) -> list[BucketP
         nonlocal cur, off
         if cur:
             data = _round_up(off, 8)
-            plans.append(BucketPlan(len(plans), tuple(cur), data, data + 8 * (3 + 4 * len(cur))))
+            plans.append(BucketPlan(len(plans), tuple(cur), data, data + 8 * trailer_words(len(cur))))
         cur, off = [], 0
 
     for i, s in enumerate(specs):
@@ -149,8 +157,6 @@ class Manifest:
 
 
 # ------------------------------------------------------------------------------ digests
-TRAILER_HEAD = 3  # words: update, bucket, n
-WORDS_PER_TENSOR = 4  # algorithm, byte length, lane a (masked), lane b (masked)
 
 
 class UpdateSeal:
