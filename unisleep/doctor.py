@@ -45,7 +45,7 @@ def _module_found(module: str) -> bool:
 
 
 def _spill_info() -> dict[str, Any]:
-    from .backends.host.spill import RAM_FILESYSTEMS, default_spill_parent, filesystem_type
+    from .backends.host.spill import RAM_FILESYSTEMS, clean_orphans, default_spill_parent, filesystem_type, tree_bytes
 
     path = default_spill_parent()
     info: dict[str, Any] = {"path": path, "from_env": "UNISLEEP_SPILL_DIR" in os.environ}
@@ -57,8 +57,6 @@ def _spill_info() -> dict[str, Any]:
         info["free_bytes"] = None
         info["error"] = str(e)
     info["in_ram"] = info["filesystem"] in RAM_FILESYSTEMS
-    from .backends.host.spill import clean_orphans, tree_bytes
-
     orphans = clean_orphans(path, remove=False)
     info["orphans"] = orphans
     info["orphan_bytes"] = sum(tree_bytes(o) for o in orphans)

@@ -113,6 +113,9 @@ class Driver(abc.ABC):
     #: ``view(..., owner=x)`` makes the tensor's storage hold ``x`` (else the lifecycle keeps
     #: it as an attribute of the tensor it hands out)
     views_hold_owner: bool = False
+    #: what the last sleep kept instead of returning to the device ({"bytes", "regions",
+    #: "reason"}), e.g. ROCm reservations it could not safely give back; None when nothing
+    last_sleep_kept: Optional[dict] = None
 
     def __init__(self, device: int = 0, **options: Any):
         self.device = device

@@ -100,10 +100,10 @@ class _Keep:
     lifecycle (so its memory) alive while any such tensor lives, and tells ``close()`` which
     allocations are still in use."""
 
-    __slots__ = ("lifecycle", "alloc_id", "__weakref__")
+    __slots__ = ("lifecycle", "__weakref__")
 
-    def __init__(self, lifecycle, alloc_id: int):
-        self.lifecycle, self.alloc_id = lifecycle, alloc_id
+    def __init__(self, lifecycle):
+        self.lifecycle = lifecycle
 
 
 def _resolve_driver(platform, device: int, options: dict) -> Driver:
@@ -183,10 +183,9 @@ class MemoryLifecycle:
         awake tag is checked against what the driver holds: one whose memory is not all mapped
         is reported (and recorded) as ``"lost"``, never as awake."""
         with self._lock:
-            for tag, st in self._tags.items():
-                if st == AWAKE and any(not a.region.mapped for a in self._allocs.values() if a.tag == tag):
-                    log.error("tag %r was recorded awake but its memory is not mapped: marked lost", tag)
-                    self._tags[tag] = LOST
+            for tag in {a.tag for a in self._allocs.values() if self._tags.get(a.tag) == AWAKE and not a.region.mapped}:
+                log.error("tag %r was recorded awake but its memory is not mapped: marked lost", tag)
+                self._tags[tag] = LOST
             return dict(self._tags)
 
     @property
@@ -489,7 +488,7 @@ class MemoryLifecycle:
             for tag, st in {**plan, **settle}.items():
                 self._tags[tag] = st
             rep = Report(f"sleep(level={level})", sorted({**plan, **settle}), released, copied, time.perf_counter() - t0)
-            kept = getattr(self._driver, "last_sleep_kept", None)
+            kept = self._driver.last_sleep_kept
             if kept:  # e.g. ROCm keeping address reservations it could not safely give back
                 rep.notes.append(
                     f"{human_bytes(kept.get('bytes', 0))} in {kept.get('regions', '?')} region(s) not returned to the "
@@ -698,7 +697,7 @@ class MemoryLifecycle:
     def _keep(self, alloc: Allocation) -> "_Keep":
         keep = alloc.keep() if alloc.keep is not None else None
         if keep is None:
-            keep = _Keep(self, alloc.id)
+            keep = _Keep(self)
             alloc.keep = weakref.ref(keep)
         return keep
 

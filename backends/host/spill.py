@@ -14,13 +14,13 @@ Trust rules:
 from __future__ import annotations
 
 import ctypes
-import errno
 import fcntl
 import json
 import logging
 import os
 import shutil
 import signal
+import stat as _stat
 import tempfile
 import threading
 import time
@@ -30,6 +30,8 @@ from typing import Optional
 from unisleep.driver import BackupStore
 from unisleep.errors import BackupCorruptError, BackupError, HostBudgetError, SpillDirError
 from unisleep.units import human_bytes
+
+from .collective import boot_id
 
 log = logging.getLogger("unisleep.host")
 
@@ -52,14 +54,6 @@ def filesystem_type(path: str) -> str:
     except OSError:
         pass
     return fstype
-
-
-def boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return "unknown"
 
 
 OWNER_FILE = ".owner"
@@ -85,8 +79,6 @@ def clean_orphans(parent: str, remove: bool = True) -> list[str]:
             st = os.lstat(path)
         except OSError:
             continue
-        import stat as _stat
-
         if not _stat.S_ISDIR(st.st_mode) or st.st_uid != me:
             continue
         if _owner_alive(path, boot):
@@ -141,9 +133,7 @@ def _owner_alive(path: str, boot: str) -> bool:
             return False  # made before the last boot: its process is gone
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                return True  # the owner holds its lock: alive
+        except OSError:  # the owner holds its lock (or it cannot be tested): treat as alive
             return True
         return False  # we got the lock: nobody holds it
     finally:

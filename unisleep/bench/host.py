@@ -61,13 +61,6 @@ def parse_size(text: str) -> int:
     return n
 
 
-def _human(n: int) -> str:
-    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= div:
-            return f"{n / div:g} {unit}"
-    return f"{n} B"
-
-
 def _free_bytes(path: str) -> tuple[str, int]:
     """(the directory measured, its free bytes): ``path`` or, if it does not exist yet, the
     nearest existing folder above it (where it would be created)."""
@@ -216,7 +209,7 @@ def run(size: int, cycles: int, spill_dir: Optional[str]) -> dict:
         "sleep1", "write", "wake1", "read", "memcpy", "sleep2", "kernel_release", "wake2", "kernel_create")}
     lc = MemoryLifecycle("host", spill_dir=parent)
     try:
-        progress(f"host bench: {_human(size)} x {cycles} cycles, spill dir {parent} ({filesystem_type(parent)})")
+        progress(f"host bench: {human_bytes(size)} x {cycles} cycles, spill dir {parent} ({filesystem_type(parent)})")
         w = lc.empty((size,), torch.uint8, tag="weights")
         pattern = torch.arange(size // 8, dtype=torch.int64)
         pattern.mul_(0x9E3779B97F4A7C15 & 0x7FFFFFFFFFFFFFFF).bitwise_xor_(0x5DEECE66D)
@@ -324,7 +317,7 @@ def _table(res: dict) -> None:
         rows.append([r["operation"], ours, r["limit"], lim, "-" if r["ratio"] is None else f"{r['ratio']:.0%}",
                      r["goal"], met])
     print_table(
-        f"unisleep host sleep/wake, {_human(res['size_bytes'])}, median of {res['cycles']} cycles, "
+        f"unisleep host sleep/wake, {human_bytes(res['size_bytes'])}, median of {res['cycles']} cycles, "
         f"spill dir {res['spill_dir']} ({res['filesystem']})",
         ["operation", "ours", "limit (same run)", "limit", "ours/limit", "goal", "met"],
         rows,

@@ -92,8 +92,7 @@ class UnisleepSleepBackend(_Base):
                         type(alloc).__name__)
         return alloc
 
-    def _report(self, op: str, t0: float, **extra) -> None:
-        alloc = self.allocator()
+    def _report(self, op: str, t0: float, alloc, **extra) -> None:
         rep = getattr(alloc, "last_report", None)
         self.last_report = {"op": op, "seconds": time.perf_counter() - t0, **extra}
         if rep is not None and hasattr(rep, "as_dict"):
@@ -107,7 +106,7 @@ class UnisleepSleepBackend(_Base):
         alloc.sleep(offload_tags=tags)
         self._state = "SUSPENDED"
         self.level = level
-        self._report("sleep", t0, level=level, offload_tags=list(tags))
+        self._report("sleep", t0, alloc, level=level, offload_tags=list(tags))
 
     def resume(self, tags: Optional[list[str]] = None) -> None:
         t0 = time.perf_counter()
@@ -118,13 +117,14 @@ class UnisleepSleepBackend(_Base):
         lc = getattr(alloc, "lifecycle", None)
         if tags is None or (lc is not None and not lc.is_sleeping):
             self.level = None
-        self._report("wake", t0, tags=tags)
+        self._report("wake", t0, alloc, tags=tags)
 
     def discard(self, tags: tuple[str, ...]) -> None:
         t0 = time.perf_counter()
-        self.allocator().discard(tags)
+        alloc = self.allocator()
+        alloc.discard(tags)
         self._state = "SUSPENDED"
-        self._report("discard", t0, tags=list(tags))
+        self._report("discard", t0, alloc, tags=list(tags))
 
 
 __all__ = ["UnisleepSleepBackend", "offload_tags_for", "OFFLOAD_ALWAYS"]
