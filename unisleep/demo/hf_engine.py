@@ -11,7 +11,6 @@ wake, in-place weight updates with checks, guards) and replaces the model and th
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import Optional
 
 from ..engines.torch_generator import LOGPROBS_MODES, TorchGenerator, decode_loop
 from ..errors import InvalidArgumentError
@@ -81,14 +80,7 @@ class HFGenerator(TorchGenerator):
                                         tag="kv_cache")
         self.device = self.kv_cache.device
         self.config = SimpleNamespace(vocab_size=c["vocab_size"], max_len=kv_len)  # what generate() checks
-        self._rng = torch.Generator(device=self.device)
-        self._rng.manual_seed(seed)
-        self._version = "0"
-        self._paused = False
-        self._pause_mode: Optional[str] = None
-        self._updating: Optional[set[str]] = None
-        self._closed = False
-        self._receiver = None
+        self._start(seed)
 
     def update_weights(self, update_info) -> None:
         """``[(FLAT_NAME, flat)]``: the whole set in one tensor, copied into the flat buffer in place

@@ -199,6 +199,12 @@ class TorchGenerator(Engine):
         self._params: dict[str, torch.Tensor] = dict(model.named_parameters())
         self.kv_cache = self.lifecycle.empty(model.kv_shape(max_batch), torch.float32, tag="kv_cache")
         self.device = self.kv_cache.device
+        self._start(seed)
+
+    def _start(self, seed: int) -> None:
+        """The serving state every engine of this kind starts with (after its KV cache exists)."""
+        import torch
+
         self._rng = torch.Generator(device=self.device)
         self._rng.manual_seed(seed)
         self._version = "0"
