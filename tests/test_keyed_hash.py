@@ -158,11 +158,10 @@ def test_another_key_gives_another_digest(base):
     assert nh(base, k1) != nh(base, k2)
 
 
-# ---- keyed BLAKE3 (host memory) -----------------------------------------------------------
-def test_blake3_is_the_host_default_and_exact(base, key):
-    pytest.importorskip("blake3", reason="needs the blake3 package (pip install blake3)")
+# ---- GMAC (host memory) -----------------------------------------------------------------
+def test_gmac_is_the_host_default_and_exact(base, key):
     d = kh.digest(base, key)
-    assert d.algorithm == "blake3" and d.nbytes == base.numel() * 4
+    assert d.algorithm == "gmac" and d.nbytes == base.numel() * 4
     assert kh.digest(base.clone(), key) == d
     for name, e in _edits(base):
         assert kh.digest(e, key) != d, name
@@ -170,6 +169,31 @@ def test_blake3_is_the_host_default_and_exact(base, key):
     assert kh.digest(base[:-1], key) != d
     b = base.view(torch.uint8)
     assert kh.digest(torch.cat((b, torch.zeros(1, dtype=torch.uint8))), key) != d
+
+
+def test_gmac_is_aes_gcm_tag_of_the_bytes(key):
+    """The definition, through the library's one-shot AEAD call: the AES-256-GCM tag of an empty
+    message whose associated data are the bytes, under the derived key and a zero nonce."""
+    import hashlib
+    import struct
+
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    data = os.urandom(100_003)
+    got = kh.digest_bytes(data, key, algorithm="gmac")
+    k = hashlib.sha256(b"unisleep keyed hash gmac v1\0" + key.material).digest()
+    tag = AESGCM(k).encrypt(bytes(12), b"", data)
+    assert (got.lane_a, got.lane_b) == struct.unpack("<QQ", tag) and got.nbytes == len(data)
+
+
+def test_gmac_over_pieces_equals_one_pass(key, monkeypatch):
+    """Large tensors go to OpenSSL in pieces (one call takes < 2 GiB); the cut changes nothing."""
+    t = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8)
+    whole = kh.digest(t, key)
+    monkeypatch.setattr(kh, "_GMAC_PIECE", 4096 + 16 * 3)
+    assert kh.digest(t, key) == whole
+    monkeypatch.setattr(kh, "_GMAC_PIECE", 7)
+    assert kh.digest(t, key) == whole
 
 
 # ---- keys and digests -------------------------------------------------------------------

@@ -26,7 +26,7 @@ from typing import Any, Optional
 from ..errors import TransferError
 from ..units import human_bytes
 
-PROTOCOL = 1
+PROTOCOL = 2  # 2: host bytes digested with GMAC (was keyed BLAKE3)
 MAGIC = b"USXR"
 HEAD = struct.Struct("<4sHHI")
 TAG_BYTES = 32
