@@ -84,7 +84,12 @@ class HashKey:
 
         k = self._tensors.get((level, str(device)))
         if k is None:
-            k = torch.tensor(self.level_words(level), dtype=torch.int64, device=device)
+            if not 0 <= level < MAX_LEVELS:
+                raise ValueError(f"level {level} is out of range (input too large to hash)")
+            off = level * KEY_WORDS * 4
+            raw = bytearray(self.material[off: off + KEY_WORDS * 4])  # little-endian uint32 words
+            k = torch.frombuffer(raw, dtype=torch.int32).to(torch.int64) & _M32
+            k = k.to(device, non_blocking=True) if str(device) != "cpu" else k
             self._tensors[(level, str(device))] = k
         return k
 
@@ -190,14 +195,35 @@ def digest_many(srcs, keys, level1: Optional[Level1] = None, algorithm: Optional
             continue
         if algo != NH2:
             raise ValueError(f"unknown digest algorithm {algo!r} (known: {', '.join(ALGORITHMS)})")
-        kern = level1 if level1 is not None else (device_level1(src.device.type) if src.device.type != "cpu" else None)
-        pending.append((i, src.numel(), _nh_lanes(src, key, kern)))
+        pending.append((i, src.numel(), _nh_lanes(src, key, _level1_for(src, level1))))
     if pending:
         values = torch.cat([t for _, _, t in pending]).tolist()  # the one wait
         for j, (i, nbytes, _) in enumerate(pending):
             a, b = values[2 * j] & 0xFFFFFFFFFFFFFFFF, values[2 * j + 1] & 0xFFFFFFFFFFFFFFFF
             out[i] = Digest(nbytes, a, b)
     return out
+
+
+def nh_lanes_many(srcs, keys, level1: Optional[Level1] = None):
+    """The NH digests of several tensors left where they are, without any wait: an int64 tensor
+    ``[A0, B0, A1, B1, ...]`` on the tensors' device (lanes as signed int64; byte lengths are not
+    in it).  For code that compares digests on the device (the transfer's bucket trailers)."""
+    import torch
+
+    if len(srcs) != len(keys):
+        raise ValueError("nh_lanes_many needs one key per tensor")
+    out = []
+    for src, key in zip(srcs, keys):
+        if src.dtype != torch.uint8 or src.dim() != 1:
+            src = src.reshape(-1).view(torch.uint8)
+        out.append(_nh_lanes(src, key, _level1_for(src, level1)))
+    return torch.cat(out) if len(out) > 1 else out[0]
+
+
+def _level1_for(src, level1: Optional[Level1]) -> Optional[Level1]:
+    if level1 is not None:
+        return level1
+    return device_level1(src.device.type) if src.device.type != "cpu" else None
 
 
 def _nh_lanes(src, key: HashKey, kern: Optional[Level1]):

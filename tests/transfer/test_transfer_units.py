@@ -73,6 +73,35 @@ def test_keyed_digest_sees_the_edits_the_positional_sum_missed():
     assert wrong_trailer and "expected update 6" in wrong_trailer
 
 
+def test_device_side_trailer_agrees_with_the_host_rules_and_sees_edits():
+    """The writer and checker that run on an accelerator (masked NH digests made and compared
+    where the bytes are, one small read) run here on CPU tensors: their trailer must be what the
+    host rules accept for NH, and every edit must still be seen."""
+    from unisleep.transfer.manifest import _check_on_device, _write_on_device
+
+    g = torch.Generator().manual_seed(1)
+    ts = [torch.randint(-(2**31), 2**31 - 1, (5000,), dtype=torch.int32, generator=g), torch.randn(33, generator=g)]
+    seal = _seal()
+    buf, plan = _sealed_bucket(None, ts)
+    tr = buf[plan.data_bytes: plan.total_bytes].view(torch.int64)
+    _write_on_device(buf, tr, plan, [7, plan.index, len(plan.slots)], seal)
+    assert check_bucket(buf, plan, 7, seal) == (None, [])  # the host checker, reading "nh2" from the trailer
+    assert _check_on_device(buf, tr, plan, 7, seal) == (None, [])
+    for i, want in ((plan.slots[0].offset + 4, [0]), (plan.slots[1].offset + 131, [1])):
+        c = buf.clone()
+        c[i] ^= 0x10
+        ctr = c[plan.data_bytes: plan.total_bytes].view(torch.int64)
+        assert _check_on_device(c, ctr, plan, 7, seal) == (None, want)
+    assert _check_on_device(buf, tr, plan, 7, _seal(seq=8))[1] == [0, 1]  # another update's key
+    problem, bad = _check_on_device(buf, tr, plan, 6, seal)
+    assert "expected update 6" in problem and bad == [0, 1]
+    c = buf.clone()  # a slot that claims another algorithm or length is refused
+    ctr = c[plan.data_bytes: plan.total_bytes].view(torch.int64)
+    ctr[3 + 4 * 1] = 1
+    ctr[3 + 1] += 8
+    assert _check_on_device(c, ctr, plan, 7, seal) == (None, [0, 1])
+
+
 def test_no_vendor_names_in_the_core_transfer_code():
     words = re.compile(r"cuda|nccl|npu|hccl|rccl|\bhip\b", re.I)
     for rel in ("unisleep/transfer", "unisleep/bench/transfer.py"):

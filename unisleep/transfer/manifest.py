@@ -180,6 +180,16 @@ class UpdateSeal:
         if isinstance(tensors, dict):
             tensors.clear()
 
+    def pads(self, bucket: int, n: int) -> list[int]:
+        """The pads of slots ``0..n-1`` of a bucket as signed int64 words ``[a0, b0, a1, b1, ...]``."""
+        return [_signed(v) for i in range(n) for v in self.pad(bucket, i)]
+
+    def lanes(self, buf_u8, plan: "BucketPlan"):
+        """The NH lanes of every tensor of a bucket on the bucket's device, no wait: int64 [2n]."""
+        from ..keyed_hash import nh_lanes_many
+
+        return nh_lanes_many([buf_u8[s.offset: s.offset + s.nbytes] for s in plan.slots], [self.hash_key] * len(plan.slots))
+
     def digests(self, buf_u8, plan: "BucketPlan", algorithm: Optional[str] = None, slots=None) -> list:
         """The keyed digest of every tensor of a bucket (or of ``slots``), one wait for the device."""
         from ..keyed_hash import digest_many
@@ -201,14 +211,32 @@ def write_trailer(buf_u8, plan: BucketPlan, seq: int, seal: Optional[UpdateSeal]
     from ..keyed_hash import ALGORITHMS
 
     words = [seq, plan.index, len(plan.slots)]
+    tr = buf_u8[plan.data_bytes: plan.total_bytes].view(torch.int64)
+    if seal is not None and plan.slots and buf_u8.device.type != "cpu":
+        _write_on_device(buf_u8, tr, plan, words, seal)
+        return
     if seal is None:
         words += [0] * (WORDS_PER_TENSOR * len(plan.slots))
     else:
         for i, d in enumerate(seal.digests(buf_u8, plan)):
             pa, pb = seal.pad(plan.index, i)
             words += [ALGORITHMS.index(d.algorithm), d.nbytes, _signed(d.lane_a ^ pa), _signed(d.lane_b ^ pb)]
-    tr = buf_u8[plan.data_bytes: plan.total_bytes].view(torch.int64)
-    tr.copy_(torch.tensor(words, dtype=torch.int64))
+    tr.copy_(torch.tensor(words, dtype=torch.int64), non_blocking=True)
+
+
+def _write_on_device(buf_u8, tr, plan: BucketPlan, words: list, seal: UpdateSeal) -> None:
+    """:func:`write_trailer` for a bucket on a device: the masked NH digests are made there with
+    no wait for the device (the plain words and the pads go up in one small copy; the lanes are
+    XORed into them on the device)."""
+    import torch
+
+    from ..keyed_hash import ALGORITHMS, NH2
+
+    pads = seal.pads(plan.index, len(plan.slots))
+    for i, s in enumerate(plan.slots):
+        words += [ALGORITHMS.index(NH2), s.nbytes, pads[2 * i], pads[2 * i + 1]]
+    tr.copy_(torch.tensor(words, dtype=torch.int64), non_blocking=True)
+    tr[TRAILER_HEAD:].view(-1, WORDS_PER_TENSOR)[:, 2:].bitwise_xor_(seal.lanes(buf_u8, plan).view(-1, 2))
 
 
 def check_bucket(buf_u8, plan: BucketPlan, seq: int, seal: Optional[UpdateSeal]) -> tuple[Optional[str], list[int]]:
@@ -218,7 +246,10 @@ def check_bucket(buf_u8, plan: BucketPlan, seq: int, seal: Optional[UpdateSeal])
 
     from ..keyed_hash import ALGORITHMS, Digest
 
-    tr = buf_u8[plan.data_bytes: plan.total_bytes].view(torch.int64).tolist()
+    trd = buf_u8[plan.data_bytes: plan.total_bytes].view(torch.int64)
+    if seal is not None and plan.slots and buf_u8.device.type != "cpu":
+        return _check_on_device(buf_u8, trd, plan, seq, seal)
+    tr = trd.tolist()
     head = tr[:TRAILER_HEAD]
     if head != [seq, plan.index, len(plan.slots)]:
         return (
@@ -243,6 +274,32 @@ def check_bucket(buf_u8, plan: BucketPlan, seq: int, seal: Optional[UpdateSeal])
 
 
 _M64 = (1 << 64) - 1
+
+
+def _check_on_device(buf_u8, trd, plan: BucketPlan, seq: int, seal: UpdateSeal) -> tuple[Optional[str], list[int]]:
+    """:func:`check_bucket` for a bucket on a device: the NH lanes are computed and compared
+    there, and one small read (the trailer's head, each slot's algorithm and length, and one
+    match flag per slot) is the only wait for the device."""
+    import torch
+
+    from ..keyed_hash import ALGORITHMS, NH2
+
+    n = len(plan.slots)
+    slots = trd[TRAILER_HEAD:].view(n, WORDS_PER_TENSOR)
+    pads = torch.tensor(seal.pads(plan.index, n), dtype=torch.int64).to(trd.device, non_blocking=True).view(n, 2)
+    match = ((slots[:, 2:] ^ pads) == seal.lanes(buf_u8, plan).view(n, 2)).all(1).to(torch.int64)
+    got = torch.cat((trd[:TRAILER_HEAD], slots[:, :2].reshape(-1), match)).tolist()  # the one wait
+    head = got[:TRAILER_HEAD]
+    if head != [seq, plan.index, n]:
+        return (
+            f"bucket {plan.index}: trailer says update {head[0]}, bucket {head[1]}, {head[2]} tensors; "
+            f"expected update {seq}, bucket {plan.index}, {n} tensors",
+            list(range(n)),
+        )
+    meta, ok = got[TRAILER_HEAD: TRAILER_HEAD + 2 * n], got[TRAILER_HEAD + 2 * n:]
+    nh = ALGORITHMS.index(NH2)
+    bad = [i for i, s in enumerate(plan.slots) if meta[2 * i] != nh or meta[2 * i + 1] != s.nbytes or not ok[i]]
+    return None, bad
 
 
 __all__ = [
