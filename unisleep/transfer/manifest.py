@@ -9,7 +9,7 @@ Tensors start at 64-byte offsets; the trailer starts at an 8-byte offset.  A ten
 bucket gets a bucket of its own.  The sender writes a keyed digest of every tensor into the
 trailer; the receiver recomputes it on what arrived and compares.
 
-The digest is :mod:`unisleep.keyed_hash` (keyed BLAKE3 for host memory, the NH universal-hash tree
+The digest is :mod:`unisleep.keyed_hash` (GMAC for host memory, the NH universal-hash tree
 on a device), keyed from the group secret per update: without the secret nobody can compute it,
 and no edit of the bytes (swapped words, cancelling sums, bit flips) passes it, whatever its
 pattern, except with probability below 2**-60.  Each digest in a trailer is masked with a
