@@ -180,6 +180,22 @@ class UpdateSeal:
         if isinstance(tensors, dict):
             tensors.clear()
 
+    @classmethod
+    def prepared(cls, group, seq: int, epoch: int, plans: Sequence["BucketPlan"]) -> "UpdateSeal":
+        """The seal of update ``seq`` of ``group``, its hash key's levels already on the group's
+        device for the largest tensor of ``plans`` (so no bucket waits for them)."""
+        from ..keyed_hash import BLOCK
+
+        seal = cls(group.hash_key(seq, epoch), group.subkey("pad"), group.group_id, epoch, seq)
+        words = max((s.nbytes for p in plans for s in p.slots), default=0) // 4
+        level = 0
+        while True:
+            seal.hash_key.level_tensor(level, group.device)
+            if words <= BLOCK:
+                return seal
+            words = 2 * -(-words // BLOCK)
+            level += 1
+
     def pads(self, bucket: int, n: int) -> list[int]:
         """The pads of slots ``0..n-1`` of a bucket as signed int64 words ``[a0, b0, a1, b1, ...]``."""
         return [_signed(v) for i in range(n) for v in self.pad(bucket, i)]

@@ -178,6 +178,8 @@ class WeightReceiver:
             refuse("ipc", f"cannot connect to the sender's IPC socket: {e}")
             raise TransferError(f"update {seq}: cannot connect to the sender's IPC socket: {e}") from e
         g.put(ack_key, {"ok": True, "kind": "", "msg": "", "connected": connected}, seq, epoch)
+        # the update's keys are made while the sender collects the acknowledgements
+        seal = UpdateSeal.prepared(g, seq, epoch, plans) if hdr["verify"] else None
         go = g.take(f"u{seq}/go", R.GO, seq=seq, epoch=epoch, timeout_s=timeout_s, peer="the sender (rank 0)", watch=[0],
                     what=f"the sender to start update {seq}")
         if not go["go"]:
@@ -186,7 +188,6 @@ class WeightReceiver:
             raise TransferError(f"update {seq} (version {version!r}) was called off by the sender: {go['why']}; "
                                 f"still serving version {self.version!r}")
         t_ack = time.perf_counter()
-        seal = UpdateSeal(g.hash_key(seq, epoch), g.subkey("pad"), g.group_id, epoch, seq) if hdr["verify"] else None
         state = RecvState(self, seq, specs, plans, hdr["verify"], seal, epoch)
         try:
             if hdr["path"] == "ipc":

@@ -144,6 +144,8 @@ class WeightSender:
         }
         intrusions0 = len(g.intrusions)
         g.put("hdr", header, seq, epoch)
+        # the update's keys are made while the receivers read the header (not after "go")
+        seal = UpdateSeal.prepared(g, seq, epoch, plans) if self.verify else None
         # ---- acknowledgements: nothing moves before every receiver said yes
         refusals, connect = [], []
         try:
@@ -169,13 +171,10 @@ class WeightSender:
         t_ack = time.perf_counter()
         g.put(f"u{seq}/go", {"go": True, "why": ""}, seq, epoch)
         # ---- stream the buckets
-        seal = None
         try:
             if path == "ipc":
                 self._ipc.accept(connect)
             chan = IpcSendChannel(self, seq) if path == "ipc" else CollectiveSendChannel(self, seq)
-            if self.verify:
-                seal = UpdateSeal(g.hash_key(seq, epoch), g.subkey("pad"), g.group_id, epoch, seq)
             self._stream(items, manifest, plans, seq, chan, seal)
         except Exception as e:  # the generator, a spec mismatch, the transport...
             ended = False
