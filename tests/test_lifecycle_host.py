@@ -262,6 +262,9 @@ def _illegal_setups():
         ("level3", awake, lambda lc: lc.sleep(3), InvalidArgumentError),
         ("level0", awake, lambda lc: lc.sleep(0), InvalidArgumentError),
         ("unknown-offload-tag", awake, lambda lc: lc.sleep(1, offload_tags=["nope"]), UnknownTagError),
+        ("unknown-sleep-tag", awake, lambda lc: lc.sleep(2, tags=["kv_cache", "nope"]), UnknownTagError),
+        ("offload-tag-outside-tags", awake, lambda lc: lc.sleep(2, offload_tags=["graph"], tags=["kv_cache"]),
+         InvalidArgumentError),
         ("unknown-wake-tag", asleep1, lambda lc: lc.wake_up(["weights", "nope"]), UnknownTagError),
         ("unknown-discard-tag", awake, lambda lc: lc.discard(["kv_cache", "nope"]), UnknownTagError),
         ("unknown-resident-tag", awake, lambda lc: lc.resident_bytes("nope"), UnknownTagError),
@@ -506,6 +509,24 @@ def test_offload_tags_kept_at_level2(lifecycle):
     lc.wake_up()
     assert torch.equal(as_bytes(g), expect)
     assert tensors["weights"][1].count_nonzero().item() == 0
+
+
+def test_sleep_of_some_tags_leaves_the_others_awake(lifecycle):
+    lc = lifecycle
+    tensors = make_tagged(lc)
+    w, kv, g = (tensors[t][1] for t in ("weights", "kv_cache", "graph"))
+    expect_g, expect_w = as_bytes(g).clone(), as_bytes(w).clone()
+    lc.sleep(2, offload_tags=["graph"], tags=["graph", "kv_cache"])
+    assert lc.state() == {"weights": "awake", "kv_cache": "discarded", "graph": "offloaded"}
+    assert lc.resident_bytes("kv_cache") == 0 == lc.resident_bytes("graph")
+    assert lc.resident_bytes("weights") >= 4 * MiB and torch.equal(as_bytes(w), expect_w)  # untouched
+    lc.sleep(1, tags=["weights"])  # level 1 still backs up "weights"; the sleeping tags stay as they are
+    assert lc.state() == {"weights": "offloaded", "kv_cache": "discarded", "graph": "offloaded"}
+    lc.wake_up(["graph", "weights"])
+    assert torch.equal(as_bytes(g), expect_g) and torch.equal(as_bytes(w), expect_w)
+    assert lc.state()["kv_cache"] == "discarded"
+    lc.wake_up()
+    assert kv.count_nonzero().item() == 0
 
 
 # ----------------------------------------------------------------------------- adopt

@@ -416,9 +416,13 @@ class MemoryLifecycle:
             return alloc.region
 
     # ------------------------------------------------------------------ sleep / wake
-    def sleep(self, level: int = 1, *, offload_tags: Optional[Iterable[str]] = None) -> Report:
+    def sleep(
+        self, level: int = 1, *, offload_tags: Optional[Iterable[str]] = None, tags: Optional[Iterable[str]] = None
+    ) -> Report:
         """Release memory.  Level 1 backs up ``"weights"`` (and ``offload_tags``) and discards the
         rest; level 2 discards everything but preserved parameters (and ``offload_tags``).
+        ``tags`` limits the sleep to those tags (the others stay as they are); ``offload_tags``
+        must then be among them.
 
         Transactional: all the room the backup needs is taken first; if anything fails (no
         room, ENOSPC, EIO, a read-only spill directory, a driver error, a hook raising), every
@@ -427,13 +431,20 @@ class MemoryLifecycle:
         if not _is_int(level) or level not in LEVELS:
             raise InvalidArgumentError(f"sleep level must be the int 1 or 2, got {level!r}")
         offload = set(_as_tag_list(offload_tags, "offload_tags")) if offload_tags is not None else set()
+        only = set(_as_tag_list(tags, "tags")) if tags is not None else None
+        if only is not None and not offload <= only:
+            raise InvalidArgumentError(
+                f"offload_tags {sorted(offload - only)} are not among tags {sorted(only)}; add them to tags"
+            )
         with self._lock:
             self._check_open()
-            self._check_tags(offload)
+            self._check_tags(offload if only is None else only)
             self.state()  # an awake tag that lost its mapping is reported as lost
             plan: dict[str, str] = {}
             settle: dict[str, str] = {}  # corrupt / lost tags that become discarded (no memory moves)
             for tag, cur in self._tags.items():
+                if only is not None and tag not in only:
+                    continue
                 want = OFFLOADED if (tag in offload or (level == 1 and tag == "weights")) else DISCARDED
                 if cur == AWAKE:
                     plan[tag] = want
