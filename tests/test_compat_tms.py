@@ -170,6 +170,47 @@ def test_pause_and_resume_all(tms):
         kv.fill_(9)
 
 
+def test_pause_of_all_tags_is_one_sleep_of_one_lifecycle(tms):
+    # tags with and without backup share a lifecycle per device, so pausing them together is
+    # one pipelined sleep (on a GPU the KV cache is released while the weights' copies run)
+    with tms.region(tag="weights", enable_cpu_backup=True) as r:
+        w = r.empty((2 * MiB,), torch.uint8)
+    with tms.region(tag="kv_cache") as r:
+        kv = r.empty((3 * MiB,), torch.uint8)
+    w.fill_(7), kv.fill_(9)
+    (lc,) = tms.lifecycles()
+    tms.pause()
+    assert lc.last_report.operation == "sleep(level=2)" and lc.last_report.tags == ["kv_cache", "weights"]
+    assert lc.state() == {"weights": "offloaded", "kv_cache": "discarded"}
+    tms.resume()
+    assert lc.last_report.operation == "wake_up" and sorted(lc.last_report.tags) == ["kv_cache", "weights"]
+    assert int(w.min()) == 7 == int(w.max()) and int(kv.max()) == 0
+
+
+def test_a_region_named_weights_without_backup_is_thrown_away(tms):
+    # the name "weights" means nothing to tms: without enable_cpu_backup its bytes are not kept
+    with tms.region(tag="weights") as r:
+        w = r.empty((MiB,), torch.uint8)
+    w.fill_(5)
+    tms.pause("weights")
+    tms.resume("weights")
+    assert int(w.max()) == 0
+
+
+def test_one_tag_mixes_regions_with_and_without_backup(tms):
+    with tms.region(tag="mixed", enable_cpu_backup=True) as r:
+        kept = r.empty((MiB,), torch.uint8)
+    with tms.region(tag="mixed") as r:
+        dropped = r.empty((MiB,), torch.uint8)
+    ref = _pattern(MiB, seed=8)
+    kept.copy_(ref), dropped.fill_(3)
+    tms.pause("mixed")
+    assert tms.state() == {"mixed": "paused"} and tms.resident_bytes("mixed") == 0
+    tms.resume("mixed")
+    assert tms.state() == {"mixed": "active"}
+    assert torch.equal(kept, ref) and int(dropped.max()) == 0
+
+
 def test_pause_of_paused_and_resume_of_active_raise_and_change_nothing(tms):
     with tms.region(tag="a") as r:
         a = r.empty((MiB,), torch.uint8)
@@ -535,7 +576,7 @@ class _RecordingLifecycle:
 
 def test_at_most_one_pool_routing_is_active_per_thread(tms, monkeypatch):
     log = []
-    monkeypatch.setattr(tms, "_new_lifecycle", lambda device, kind: _RecordingLifecycle(log))
+    monkeypatch.setattr(tms, "_new_lifecycle", lambda device, disk: _RecordingLifecycle(log))
     with tms.region(tag="outer"):
         with tms.region(tag="inner", enable_cpu_backup=True):
             with tms.disable():

@@ -20,9 +20,13 @@ difference; the main ones:
   process with ``exit(1)``; ``MemoryLifecycle`` alone would make both a no-op); a tag with no
   allocations is a no-op, as in tms (``MemoryLifecycle`` would raise ``UnknownTagError``).
 
-Backing: one lifecycle holds every tag without a backup (pause = ``discard([tag])``), and each
-backed-up tag has a lifecycle of its own (pause = ``sleep(1, offload_tags=[tag])``), because a
-``MemoryLifecycle`` sleep acts on all of its tags at once and tms pauses one tag at a time.
+Backing: one lifecycle per device holds every tag with a CPU backup or none (disk-backed tags
+have one of their own, whose backups are spill files on the host backend).  ``pause(tag)`` is one
+``sleep(2, offload_tags=<the backed-up ones>, tags=<the tag's>)`` per lifecycle — so a pause of
+weights and KV cache together is one pipelined sleep (the KV cache released while the weights'
+copies run) — and ``resume(tag)`` one ``wake_up(tags)``.  At the end of a backed-up region the
+host backup room is prepared in the background (``prepare_backup(background=True)``), so the
+first pause does not pay for it; ``UNISLEEP_TMS_PREPARE_BACKUP=0`` turns that off.
 """
 
 from __future__ import annotations
@@ -60,7 +64,7 @@ NONE, CPU, DISK = "none", "cpu", "disk"  # backup kinds
 
 @dataclass
 class _Slot:
-    """One lifecycle tag behind a tms tag: (tms tag, backup kind, device, lifecycle tag)."""
+    """One lifecycle tag behind a tms tag: (tms tag, backup kind, device, lifecycle tag, lifecycle)."""
 
     tag: str
     kind: str
@@ -99,7 +103,7 @@ class TorchMemorySaver:
         self._lock = threading.RLock()
         self._local = threading.local()  # per-thread stack of regions, and the disable flag
         self._platform = None
-        self._plain: dict[int, Any] = {}  # device -> lifecycle of the tags without backup
+        self._lcs: dict[tuple[int, bool], Any] = {}  # (device, disk-backed) -> lifecycle
         self._slots: dict[tuple[str, int, str], _Slot] = {}  # (kind, device, ltag) -> slot
         self._graph_pools: dict[Any, _Slot] = {}  # graph pool id / caller's handle -> slot
         self._graphs = 0
@@ -137,6 +141,7 @@ class TorchMemorySaver:
         if lc.driver.supports_pool:
             with self._pushed(slot, route=True):
                 yield handle
+            self._prepare_backup(slot)
         else:
             self._say_once(
                 "host-region",
@@ -146,6 +151,7 @@ class TorchMemorySaver:
             )
             with self._pushed(slot, route=False):
                 yield handle
+            self._prepare_backup(slot)
 
     @contextlib.contextmanager
     def cuda_graph(
@@ -229,15 +235,20 @@ class TorchMemorySaver:
                     f"cannot pause tag(s) {_names(busy)}: already paused (torch_memory_saver 0.0.10 ends the process "
                     f"here). Resume first (resume({tag!r})) — nothing was changed."
                 )
-            for s in slots:  # backups first: a failing backup leaves every discard undone
-                if s.kind != NONE:
-                    s.lc.sleep(1, offload_tags=[s.ltag])
-            by_dev: dict[int, list[str]] = {}
-            for s in slots:
-                if s.kind == NONE:
-                    by_dev.setdefault(s.device, []).append(s.ltag)
-            for dev, ltags in by_dev.items():
-                self._plain[dev].discard(ltags)
+            done: list[tuple[Any, list[str]]] = []
+            try:  # one transactional sleep per lifecycle; a failure wakes what the others paused
+                for lc, group in _by_lifecycle(slots):
+                    ltags = [s.ltag for s in group]
+                    # level 2: nothing but offload_tags is kept (level 1 would also keep a tag named "weights")
+                    lc.sleep(2, offload_tags=[s.ltag for s in group if s.kind != NONE], tags=ltags)
+                    done.append((lc, ltags))
+            except BaseException:
+                for lc, ltags in done:
+                    try:
+                        lc.wake_up(ltags)
+                    except Exception as e:  # keep the original error
+                        log.error("could not resume %s after a failed pause: %s", ltags, e)
+                raise
 
     def resume(self, tag: Optional[str] = None) -> None:
         """Map the memory of ``tag`` (every tag if ``None``) back at the same addresses."""
@@ -250,11 +261,8 @@ class TorchMemorySaver:
                     f"cannot resume tag(s) {_names(awake)}: not paused (torch_memory_saver 0.0.10 ends the process "
                     f"here). Pause first, or resume only the paused tags — nothing was changed."
                 )
-            by_lc: dict[int, tuple[Any, list[str]]] = {}
-            for s in slots:
-                by_lc.setdefault(id(s.lc), (s.lc, []))[1].append(s.ltag)
-            for lc, ltags in by_lc.values():
-                lc.wake_up(ltags)
+            for lc, group in _by_lifecycle(slots):
+                lc.wake_up([s.ltag for s in group])
 
     @property
     def enabled(self) -> bool:
@@ -376,9 +384,7 @@ class TorchMemorySaver:
     def lifecycles(self) -> list:
         """The ``MemoryLifecycle`` objects behind this facade (for reports)."""
         with self._lock:
-            out = list(self._plain.values())
-            out += [s.lc for s in self._slots.values() if s.kind != NONE]
-            return out
+            return list(self._lcs.values())
 
     @property
     def platform_name(self) -> str:
@@ -390,7 +396,7 @@ class TorchMemorySaver:
         with self._lock:
             for lc in self.lifecycles():
                 lc.close()
-            self._plain.clear()
+            self._lcs.clear()
             self._slots.clear()
             self._graph_pools.clear()
 
@@ -427,25 +433,49 @@ class TorchMemorySaver:
 
         return int(torch.get_device_module(self._platform.torch_device_type).current_device())
 
-    def _new_lifecycle(self, device: int, kind: str):
+    def _lifecycle(self, device: int, kind: str):
+        """The lifecycle of ``device`` for a backup kind: one for CPU-backed and unbacked tags,
+        one for disk-backed tags (its spill directory is the disk backup directory)."""
+        key = (device, kind == DISK)
+        lc = self._lcs.get(key)
+        if lc is None:
+            lc = self._lcs[key] = self._new_lifecycle(device, kind == DISK)
+        return lc
+
+    def _new_lifecycle(self, device: int, disk: bool):
         from ..lifecycle import MemoryLifecycle
 
-        spill = self._disk_dir if kind == DISK else None
-        return MemoryLifecycle(self._platform, device=device, spill_dir=spill)
+        return MemoryLifecycle(self._platform, device=device, spill_dir=self._disk_dir if disk else None)
 
     def _slot(self, tag: str, kind: str, device: int, ltag: str) -> _Slot:
         key = (kind, device, ltag)
         with self._lock:
             s = self._slots.get(key)
             if s is None:
-                if kind == NONE:
-                    if device not in self._plain:
-                        self._plain[device] = self._new_lifecycle(device, NONE)
-                    lc = self._plain[device]
-                else:
-                    lc = self._new_lifecycle(device, kind)
-                s = self._slots[key] = _Slot(tag, kind, device, ltag, lc)
+                lc = self._lifecycle(device, kind)
+                name = ltag
+                if any(o.lc is lc and o.ltag == name for o in self._slots.values()):
+                    name = f"{ltag}/{kind}-backup"  # tms lets one tag mix regions with and without backup
+                s = self._slots[key] = _Slot(tag, kind, device, name, lc)
             return s
+
+    def _prepare_backup(self, slot: _Slot) -> None:
+        """At the end of a backed-up region: make the host room of every backed-up tag of its
+        lifecycle in the background, so the first pause copies at once (tms pins its host
+        buffer inside the first pause)."""
+        if slot.kind == NONE or env_flag("UNISLEEP_TMS_PREPARE_BACKUP") is False:
+            return
+        lc = slot.lc
+        with self._lock:
+            backed = sum(lc.allocated_bytes(s.ltag) for s in self._slots.values()
+                         if s.lc is lc and s.kind != NONE and s.ltag in lc.tags)
+        need = backed - lc.backup_bytes() if backed else 0
+        if need <= 0:
+            return
+        try:
+            lc.prepare_backup(need, background=True)
+        except Exception as e:  # the first pause then takes the room itself (or says why it cannot)
+            self._say_once("prepare", f"could not prepare the host backup of tag {slot.tag!r} ahead: {e}")
 
     def _targets(self, tag: Optional[str]) -> list[_Slot]:
         if tag is not None and not isinstance(tag, str):
@@ -547,6 +577,14 @@ def _check_tag(tag) -> None:
 
 def _names(slots) -> str:
     return ", ".join(sorted({repr(s.tag) for s in slots}))
+
+
+def _by_lifecycle(slots) -> list[tuple[Any, list[_Slot]]]:
+    """``slots`` grouped by lifecycle, disk-backed lifecycles first (in first-seen order)."""
+    groups: dict[int, tuple[Any, list[_Slot]]] = {}
+    for s in sorted(slots, key=lambda s: s.kind != DISK):
+        groups.setdefault(id(s.lc), (s.lc, []))[1].append(s)
+    return list(groups.values())
 
 
 def _pool_key(pool):
