@@ -24,7 +24,7 @@ import torch
 from sim.fake_hip import FakeHip
 from sim.vmm import STALE_BYTE
 from unisleep import MemoryLifecycle
-from unisleep.errors import InvalidArgumentError, PlatformError, UnisleepError
+from unisleep.errors import InvalidArgumentError, PlatformError, UnisleepError, UnsupportedError
 from unisleep.backends.rocm import AddressMovedError, FileLimitError, RocmDriver
 from unisleep.backends.rocm import config as rocm_config
 from unisleep.backends.rocm.hip import HipError
@@ -518,3 +518,38 @@ def test_rocm_hardware_lifecycle():
         assert int(kv.count_nonzero()) == 0 and (w.data_ptr(), kv.data_ptr()) == ptrs
     finally:
         lc.close()
+
+
+# ---------------------------------------------------------------------------- pool (simulated)
+def test_rocm_sim_pool_callbacks_put_torch_segments_in_the_tag(simulated):
+    """The pool's allocator callbacks (what torch calls for each segment inside ``pool(tag)``)
+    on the SIMULATED HIP library: a segment becomes a region of the tag, sleeps and wakes with
+    it, and torch's free gives back its memory and its address."""
+    from unisleep.backends._pool import TagAllocator
+
+    lib, drv, lc = simulated
+    bound = []
+    hooks = TagAllocator(drv, lc, "kv_cache", lambda: bound.append(True))
+    va = hooks.malloc(3 * MiB + 5)
+    assert va and bound and lc.tags == ["kv_cache"]
+    assert lc.allocated_bytes("kv_cache") >= 3 * MiB and lib.dev.used_bytes == lc.allocated_bytes()
+    assert lib.dev.reservation_of(va) is not None
+    lc.sleep(2)
+    assert lib.dev.used_bytes == 0 and lc.resident_bytes("kv_cache") == 0
+    lc.wake_up()
+    assert lib.dev.used_bytes == lc.allocated_bytes("kv_cache")
+    lc.sleep(2)
+    hooks.free(va)  # torch frees a segment while its tag sleeps: only the address is given back
+    assert lib.dev.used_bytes == 0 and lib.dev.reservation_of(va) is None and lc.allocated_bytes() == 0
+    hooks.free(va)  # a second free of the same pointer is ignored
+    assert hooks.malloc(1 << 40) == 0  # more than the device has: NULL (torch's OOM), nothing registered
+    assert lc.allocated_bytes() == 0 and lib.dev.used_bytes == 0 and not lib.dev.reservations
+
+
+def test_rocm_sim_pool_says_why_it_cannot_route(simulated):
+    lib, drv, lc = simulated
+    assert drv.supports_pool is False  # host-backed simulated memory: torch never hands it out
+    with pytest.raises(UnsupportedError, match="simulated HIP library"):
+        with lc.pool("kv_cache"):
+            pass
+    assert not lc.tags and lib.dev.used_bytes == 0

@@ -59,14 +59,17 @@ def _map_source_backends() -> None:
 
     if "unisleep.backends" in sys.modules:
         return
-    try:
-        if importlib.util.find_spec("unisleep.backends") is not None:
-            return
-    except (ImportError, ValueError):
-        pass
     src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "backends")
     init = os.path.join(src, "__init__.py")
+    try:
+        found = importlib.util.find_spec("unisleep.backends")
+    except (ImportError, ValueError):
+        found = None
+    # an installed copy is used unless this package sits in a source tree with its own
+    # backends/ (an editable install of another checkout must not shadow this one's drivers)
     if not os.path.exists(init):
+        return
+    if found is not None and os.path.realpath(found.origin or "") == os.path.realpath(init):
         return
     spec = importlib.util.spec_from_file_location("unisleep.backends", init, submodule_search_locations=[src])
     mod = importlib.util.module_from_spec(spec)

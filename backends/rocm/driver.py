@@ -28,13 +28,14 @@ The C function table is injectable (``lib=``): tests pass the simulated library 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import resource
 import threading
 from ctypes import byref, c_int, c_size_t, c_void_p
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from unisleep.backends._native import record_fallback
 from unisleep.driver import BackupStore, Driver, SaveJob
@@ -73,7 +74,7 @@ class RocmDriver(Driver):
     name = "rocm"
     fresh_memory_is_zero = False  # remapped VRAM may hold stale data: zero explicitly
     retain_backups = False
-    supports_pool = False
+    supports_pool = False  # per instance: True with a ROCm build of torch on a real HIP library
 
     def __init__(
         self,
@@ -128,6 +129,11 @@ class RocmDriver(Driver):
         self._tensor_device = torch.device(tensor_device) if tensor_device is not None else torch.device(
             SPECS["rocm"].torch_device_type, device
         )
+        from .pool import pool_problem
+
+        self._pool_problem = pool_problem(self)
+        self.supports_pool = self._pool_problem is None
+        self._pools = None  # made by pool()
 
     # ---- context ---------------------------------------------------------------------
     def _check_device(self) -> None:
@@ -293,6 +299,34 @@ class RocmDriver(Driver):
 
     def new_backup_store(self, budget_bytes, spill_dir) -> BackupStore:
         return HipHostStore(self.api, budget_bytes)
+
+    # ---- framework allocations ---------------------------------------------------------
+    def _router(self):
+        if self._pool_problem is not None:
+            from unisleep.errors import UnsupportedError
+
+            raise UnsupportedError(f"pool() on ROCm: {self._pool_problem}")
+        if self._pools is None:
+            from .pool import PoolRouter
+
+            self._pools = PoolRouter(self)
+        return self._pools
+
+    @contextlib.contextmanager
+    def pool(self, lifecycle, tag: str) -> Iterator[None]:
+        """Route torch's own allocations made inside the block into ``tag`` (see ``pool.py``)."""
+        with self._router().route(lifecycle, tag):
+            yield
+
+    def graph_pool(self, lifecycle, tag: str = "cudagraph"):
+        """A memory-pool handle for a graph capture (``torch.cuda.graph(..., pool=...)``) whose
+        memory lives in ``tag``."""
+        return self._router().mempool(lifecycle, tag).id
+
+    def close(self) -> None:
+        if self._pools is not None:
+            self._pools.close()
+            self._pools = None
 
     @property
     def torch_device(self):

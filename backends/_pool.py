@@ -1,0 +1,167 @@
+"""Route PyTorch's own allocations into tagged lifecycle memory, for every driver whose torch
+build has the pluggable allocator (``torch._C._cuda_customAllocator`` + ``torch.cuda.MemPool``):
+CUDA, and ROCm, whose torch build exposes the same ``torch.cuda`` API over HIP.
+
+Each segment torch asks for inside ``route(lifecycle, tag)`` becomes a
+:class:`~unisleep.region.Region` of the driver, registered with the lifecycle under the tag, so it
+sleeps and wakes with everything else of that tag.  :class:`TagAllocator` holds the two
+callbacks' logic and needs no torch (the simulated HIP tests drive it directly); the router wraps
+it in torch's allocator and pool.
+
+Rules learnt from vLLM and torch_memory_saver: the callbacks first bind the calling thread to
+the device (``bind``: the primary context on CUDA, ``hipSetDevice`` on ROCm — they run on
+arbitrary threads); the free callback synchronises before unmapping (in-flight kernels); a
+region that is asleep is only un-reserved (no double release); pools are released before their
+allocators at exit; ``expandable_segments`` is switched off while a pool is active (torch refuses
+it in a pluggable pool) by rewriting the whole allocator config string, and the user's setting is
+restored afterwards.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import logging
+import os
+import sys
+import threading
+import weakref
+from typing import Callable, Sequence
+
+from unisleep.region import Region
+
+log = logging.getLogger("unisleep.pool")
+
+MALLOC = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
+FREE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
+
+
+def alloc_conf(conf_vars: Sequence[str]) -> str:
+    """The allocator settings torch read: the first of ``conf_vars`` that is set."""
+    for v in conf_vars:
+        if os.environ.get(v):
+            return os.environ[v]
+    return ""
+
+
+def without_expandable(conf: str) -> str:
+    """``conf`` with expandable segments switched off (the other settings kept)."""
+    parts = [p for p in conf.split(",") if p.strip() and not p.strip().startswith("expandable_segments")]
+    return ",".join(parts + ["expandable_segments:False"])
+
+
+@contextlib.contextmanager
+def no_expandable_segments(conf_vars: Sequence[str]):
+    import torch
+
+    conf = alloc_conf(conf_vars)
+    if "expandable_segments:true" not in conf.replace(" ", "").lower():
+        yield
+        return
+    torch.cuda.memory._set_allocator_settings(without_expandable(conf))
+    try:
+        yield
+    finally:
+        torch.cuda.memory._set_allocator_settings(conf)
+
+
+class TagAllocator:
+    """What torch's allocator callbacks do for one (lifecycle, tag): ``malloc`` makes a region
+    of the driver and registers it under the tag; ``free`` forgets and frees it.  Neither raises
+    (they run under C): a failure is logged and ``malloc`` returns 0, which torch reports as out
+    of memory."""
+
+    def __init__(self, driver, lifecycle, tag: str, bind: Callable[[], None]):
+        self.driver, self.tag, self.bind = driver, tag, bind
+        self.lifecycle = weakref.ref(lifecycle)
+
+    def malloc(self, size: int) -> int:
+        if sys.is_finalizing():
+            return 0
+        lc = self.lifecycle()
+        try:
+            self.bind()
+            if lc is None:
+                raise RuntimeError("the lifecycle owning this pool is gone")
+            region = Region.allocate(self.driver, int(size), lc.chunk_bytes)
+            try:
+                lc._register_region(self.tag, region, int(size))
+            except BaseException:
+                region.free(self.driver)
+                raise
+            return region.va
+        except BaseException as e:  # never raise through C
+            log.error("unisleep pool %r could not allocate %d bytes: %s", self.tag, size, e)
+            return 0
+
+    def free(self, ptr) -> None:
+        if sys.is_finalizing() or not ptr:
+            return
+        try:
+            self.bind()
+            lc = self.lifecycle()
+            region = lc._forget_region(int(ptr)) if lc is not None else None
+            if region is None:
+                return
+            if region.mapped:
+                self.driver.synchronize()  # in-flight kernels may still use it
+            region.free(self.driver)  # an asleep region holds no handle: only its address is freed
+        except BaseException as e:
+            log.error("unisleep pool %r could not free %#x: %s", self.tag, int(ptr or 0), e)
+
+
+class _TorchPool:
+    """A :class:`TagAllocator` as torch's pluggable allocator, and the ``MemPool`` over it."""
+
+    def __init__(self, hooks: TagAllocator):
+        import torch
+
+        self.hooks = hooks
+        self._malloc = MALLOC(lambda size, device, stream: hooks.malloc(size))
+        self._free = FREE(lambda ptr, size, device, stream: hooks.free(ptr))
+        mptr = ctypes.cast(self._malloc, ctypes.c_void_p).value
+        fptr = ctypes.cast(self._free, ctypes.c_void_p).value
+        self.allocator = torch._C._cuda_customAllocator(mptr, fptr)
+        self.pool = torch.cuda.MemPool(self.allocator)
+
+    @property
+    def id(self):
+        return self.pool.id
+
+
+class PoolRouter:
+    """One torch pool per (lifecycle, tag) of a driver."""
+
+    def __init__(self, driver, bind: Callable[[], None], conf_vars: Sequence[str]):
+        self.driver, self.bind, self.conf_vars = driver, bind, tuple(conf_vars)
+        self._pools: dict[tuple[int, str], _TorchPool] = {}
+        self._lock = threading.Lock()
+        atexit.register(self.close)
+
+    def mempool(self, lifecycle, tag: str) -> _TorchPool:
+        key = (id(lifecycle), tag)
+        with self._lock:
+            p = self._pools.get(key)
+            if p is None or p.hooks.lifecycle() is not lifecycle:
+                p = self._pools[key] = _TorchPool(TagAllocator(self.driver, lifecycle, tag, self.bind))
+            return p
+
+    @contextlib.contextmanager
+    def route(self, lifecycle, tag: str):
+        import torch
+
+        p = self.mempool(lifecycle, tag)
+        with no_expandable_segments(self.conf_vars), torch.cuda.device(self.driver.device), \
+                torch.cuda.use_mem_pool(p.pool):
+            yield
+
+    def close(self) -> None:
+        # pools first, then allocators (pytorch#145168: "pure virtual method called" otherwise)
+        with self._lock:
+            pools = list(self._pools.values())
+            self._pools.clear()
+        for p in pools:
+            p.pool = None
+        for p in pools:
+            p.allocator = None
