@@ -34,7 +34,7 @@ MiB = 1 << 20
 @pytest.fixture
 def tms(monkeypatch, tmp_path):
     monkeypatch.setenv("UNISLEEP_PLATFORM", "host")
-    for v in ("TMS_RETAIN_CPU_BACKUP", "TMS_DISK_BACKUP_DIR", "TMS_INIT_ENABLE"):
+    for v in ("TMS_RETAIN_CPU_BACKUP", "TMS_DISK_BACKUP_DIR", "TMS_INIT_ENABLE", "UNISLEEP_TMS_PREPARE_BACKUP"):
         monkeypatch.delenv(v, raising=False)
     saver = TorchMemorySaver()
     yield saver
@@ -209,6 +209,28 @@ def test_one_tag_mixes_regions_with_and_without_backup(tms):
     tms.resume("mixed")
     assert tms.state() == {"mixed": "active"}
     assert torch.equal(kept, ref) and int(dropped.max()) == 0
+
+
+def test_host_backup_is_prepared_at_region_exit_only_when_asked(tms, monkeypatch):
+    monkeypatch.delenv("UNISLEEP_TMS_PREPARE_BACKUP", raising=False)
+    calls = []
+    with tms.region(tag="w", enable_cpu_backup=True) as r:
+        r.empty((MiB,), torch.uint8)
+        (lc,) = tms.lifecycles()
+        real = lc.prepare_backup
+        monkeypatch.setattr(lc, "prepare_backup",
+                            lambda n, background=True: calls.append((n, background)) or real(n, background=background))
+    assert calls == []  # by default, as in tms, nothing is taken before the first pause
+    monkeypatch.setenv("UNISLEEP_TMS_PREPARE_BACKUP", "1")
+    with tms.region(tag="w2", enable_cpu_backup=True) as r:
+        r.empty((2 * MiB,), torch.uint8)
+    # every backed-up tag of the lifecycle, at once and in this thread
+    assert calls == [(lc.allocated_bytes("w") + lc.allocated_bytes("w2"), False)]
+    with tms.region(tag="kv") as r:  # no backup: nothing to prepare
+        r.empty((MiB,), torch.uint8)
+    assert len(calls) == 1
+    tms.pause()
+    tms.resume()
 
 
 def test_pause_of_paused_and_resume_of_active_raise_and_change_nothing(tms):

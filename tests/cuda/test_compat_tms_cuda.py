@@ -27,6 +27,7 @@ MiB, GiB = 1 << 20, 1 << 30
 def tms(monkeypatch):
     monkeypatch.delenv("UNISLEEP_PLATFORM", raising=False)
     monkeypatch.delenv("TMS_RETAIN_CPU_BACKUP", raising=False)
+    monkeypatch.delenv("UNISLEEP_TMS_PREPARE_BACKUP", raising=False)
     s = TorchMemorySaver()
     yield s
     torch.cuda.synchronize()
@@ -230,8 +231,12 @@ def test_expandable_segments_are_accepted(conf):
     The driver's free memory must grow by the whole region, except what the pause itself left
     in torch's own cache (``memory_reserved``, e.g. a digest's scratch), which is accounted
     exactly; a second pause (nothing new cached) must free the whole region by itself.  The
-    same script without expandable segments is the control."""
-    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=conf)
+    backup's pinned host room is taken at region exit (``UNISLEEP_TMS_PREPARE_BACKUP=1``), so
+    its registration is not counted as the pause's.  The same script without expandable
+    segments is the control."""
+    # the backup's host room (pinned, registered with the driver) is taken at region exit, so
+    # the pauses measured hold nothing but the pause itself
+    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=conf, UNISLEEP_TMS_PREPARE_BACKUP="1")
     env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.pop("UNISLEEP_PLATFORM", None)
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(_FREED_CODE)], capture_output=True, text=True,

@@ -24,9 +24,9 @@ Backing: one lifecycle per device holds every tag with a CPU backup or none (dis
 have one of their own, whose backups are spill files on the host backend).  ``pause(tag)`` is one
 ``sleep(2, offload_tags=<the backed-up ones>, tags=<the tag's>)`` per lifecycle — so a pause of
 weights and KV cache together is one pipelined sleep (the KV cache released while the weights'
-copies run) — and ``resume(tag)`` one ``wake_up(tags)``.  At the end of a backed-up region the
-host backup room is prepared in the background (``prepare_backup(background=True)``), so the
-first pause does not pay for it; ``UNISLEEP_TMS_PREPARE_BACKUP=0`` turns that off.
+copies run) — and ``resume(tag)`` one ``wake_up(tags)``.  With ``UNISLEEP_TMS_PREPARE_BACKUP=1``
+the host backup room is taken when a backed-up region ends (``prepare_backup(background=False)``)
+instead of in the first pause, as tms does.
 """
 
 from __future__ import annotations
@@ -460,10 +460,12 @@ class TorchMemorySaver:
             return s
 
     def _prepare_backup(self, slot: _Slot) -> None:
-        """At the end of a backed-up region: make the host room of every backed-up tag of its
-        lifecycle in the background, so the first pause copies at once (tms pins its host
-        buffer inside the first pause)."""
-        if slot.kind == NONE or env_flag("UNISLEEP_TMS_PREPARE_BACKUP") is False:
+        """With ``UNISLEEP_TMS_PREPARE_BACKUP=1``, at the end of a backed-up region: take the
+        host room of every backed-up tag of its lifecycle now, so the first pause only copies
+        (tms pins its host buffer inside the first pause, which is the default here too).  It
+        is done before the region returns, never in a background thread: registering host
+        memory while another thread captures a graph (global capture mode) breaks the capture."""
+        if slot.kind == NONE or env_flag("UNISLEEP_TMS_PREPARE_BACKUP") is not True:
             return
         lc = slot.lc
         with self._lock:
@@ -473,7 +475,7 @@ class TorchMemorySaver:
         if need <= 0:
             return
         try:
-            lc.prepare_backup(need, background=True)
+            lc.prepare_backup(need, background=False)
         except Exception as e:  # the first pause then takes the room itself (or says why it cannot)
             self._say_once("prepare", f"could not prepare the host backup of tag {slot.tag!r} ahead: {e}")
 
