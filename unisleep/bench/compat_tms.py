@@ -3,10 +3,9 @@ torch_memory_saver 0.0.10, in the same run, on the same workload written once ag
 
 Workload: ``--weights`` GiB allocated by ``torch.empty`` inside ``region(tag="weights",
 enable_cpu_backup=True)`` (backed up) + ``--kv`` GiB inside ``region(tag="kv_cache")``
-(discarded); ``retain_cpu_backup = True`` for both.  Figures: the first ``pause()`` (nothing
-prepared by the caller; the facade starts preparing its host backup when the weights region
-ends, and the time from there to the first pause — the KV cache allocation, filling and
-copying the weights — is reported beside it), ``--cycles`` steady ``pause()``/``resume()`` pairs with the weights changed every cycle
+(discarded); ``retain_cpu_backup = True`` for both.  Figures: the first ``pause()`` (cold:
+nothing prepared, the host backup is taken inside it, as tms does; the time from the end of the
+weights region to it is reported beside it), ``--cycles`` steady ``pause()``/``resume()`` pairs with the weights changed every cycle
 (so the copy really runs) and verified byte-exact after each resume, then ``pause()`` of unchanged
 weights.  Each implementation runs in its own process; the real torch_memory_saver runs with
 ``hook_mode = "torch"`` (its ``"preload"`` mode needs ``LD_PRELOAD``) and is skipped, said so, when
@@ -72,7 +71,7 @@ def run_workload(impl: str, weights_gib: float, kv_gib: float, cycles: int) -> d
     tms.retain_cpu_backup = True
     with tms.region(tag="weights", enable_cpu_backup=True):
         w = torch.empty(W, dtype=torch.uint8, device=dev)
-    t_exit = time.perf_counter()  # the facade starts preparing the host backup here
+    t_exit = time.perf_counter()
     with tms.region(tag="kv_cache"):
         kv = torch.empty(K, dtype=torch.uint8, device=dev)
     w.view(torch.int32).random_()

@@ -463,8 +463,10 @@ class TorchMemorySaver:
         """With ``UNISLEEP_TMS_PREPARE_BACKUP=1``, at the end of a backed-up region: take the
         host room of every backed-up tag of its lifecycle now, so the first pause only copies
         (tms pins its host buffer inside the first pause, which is the default here too).  It
-        is done before the region returns, never in a background thread: registering host
-        memory while another thread captures a graph (global capture mode) breaks the capture."""
+        is done before the region returns, never in a background thread: a graph capture in the
+        default (global) mode forbids "potentially unsafe" driver calls from every thread, and a
+        host-memory registration beside a capture is the likely cause of a failed one seen on
+        an H200."""
         if slot.kind == NONE or env_flag("UNISLEEP_TMS_PREPARE_BACKUP") is not True:
             return
         lc = slot.lc
