@@ -20,6 +20,8 @@ handles                each handle holds one file descriptor (dmabuf): the soft 
                        raised when needed, or the allocation is refused with the fix (rocm-systems#10604)
 devices                HIP/CUDA/ROCR visible-device variables that disagree are refused at start; no
                        GPU (``hipGetDeviceCount`` -> hipErrorNoDevice) is ``HipNoDeviceError``
+pool                   torch's own allocations routed into a tag through the CUDA backend's pool code
+                       (``backends/_pool.py``), with a ROCm build of torch; not over the simulator
 =====================  ============================================================================
 
 The C function table is injectable (``lib=``): tests pass the simulated library in
