@@ -313,6 +313,23 @@ def test_disk_backup_writes_files_and_restores(tms, tmp_path):
     assert len(sizes) == 1, f"disk usage grew across cycles: {sorted(sizes)}"
 
 
+def test_disk_backup_dir_set_later_applies_to_tags_used_after(tms, tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    tms.set_disk_backup_dir(str(a))
+    with tms.region(tag="first", enable_disk_backup=True) as r:
+        t1 = r.empty((MiB,), torch.uint8)
+    tms.set_disk_backup_dir(str(b))
+    with tms.region(tag="second", enable_disk_backup=True) as r:
+        t2 = r.empty((2 * MiB,), torch.uint8)
+    t1.fill_(1), t2.fill_(2)
+    tms.pause()
+    in_a = sum(p.stat().st_size for p in a.rglob("*") if p.is_file())
+    in_b = sum(p.stat().st_size for p in b.rglob("*") if p.is_file())
+    assert MiB <= in_a < 2 * MiB and in_b >= 2 * MiB
+    tms.resume()
+    assert int(t1.min()) == 1 == int(t1.max()) and int(t2.min()) == 2 == int(t2.max())
+
+
 def test_disk_backup_dir_from_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("UNISLEEP_PLATFORM", "host")
     d = tmp_path / "from-env"
@@ -598,7 +615,7 @@ class _RecordingLifecycle:
 
 def test_at_most_one_pool_routing_is_active_per_thread(tms, monkeypatch):
     log = []
-    monkeypatch.setattr(tms, "_new_lifecycle", lambda device, disk: _RecordingLifecycle(log))
+    monkeypatch.setattr(tms, "_new_lifecycle", lambda device, disk_dir: _RecordingLifecycle(log))
     with tms.region(tag="outer"):
         with tms.region(tag="inner", enable_cpu_backup=True):
             with tms.disable():

@@ -103,7 +103,7 @@ class TorchMemorySaver:
         self._lock = threading.RLock()
         self._local = threading.local()  # per-thread stack of regions, and the disable flag
         self._platform = None
-        self._lcs: dict[tuple[int, bool], Any] = {}  # (device, disk-backed) -> lifecycle
+        self._lcs: dict[tuple[int, Optional[str]], Any] = {}  # (device, disk backup dir or None) -> lifecycle
         self._slots: dict[tuple[str, int, str], _Slot] = {}  # (kind, device, ltag) -> slot
         self._graph_pools: dict[Any, _Slot] = {}  # graph pool id / caller's handle -> slot
         self._graphs = 0
@@ -435,17 +435,20 @@ class TorchMemorySaver:
 
     def _lifecycle(self, device: int, kind: str):
         """The lifecycle of ``device`` for a backup kind: one for CPU-backed and unbacked tags,
-        one for disk-backed tags (its spill directory is the disk backup directory)."""
-        key = (device, kind == DISK)
+        one per disk backup directory for disk-backed tags (its spill directory), so a
+        directory set later applies to the tags first used after it."""
+        key = (device, (self._disk_dir or "") if kind == DISK else None)
         lc = self._lcs.get(key)
         if lc is None:
-            lc = self._lcs[key] = self._new_lifecycle(device, kind == DISK)
+            lc = self._lcs[key] = self._new_lifecycle(device, key[1])
         return lc
 
-    def _new_lifecycle(self, device: int, disk: bool):
+    def _new_lifecycle(self, device: int, disk_dir: Optional[str]):
+        """``disk_dir``: None for the lifecycle of CPU-backed and unbacked tags, else the disk
+        backup directory ("" for the lifecycle's default spill directory)."""
         from ..lifecycle import MemoryLifecycle
 
-        return MemoryLifecycle(self._platform, device=device, spill_dir=self._disk_dir if disk else None)
+        return MemoryLifecycle(self._platform, device=device, spill_dir=disk_dir or None)
 
     def _slot(self, tag: str, kind: str, device: int, ltag: str) -> _Slot:
         key = (kind, device, ltag)
@@ -584,7 +587,7 @@ def _names(slots) -> str:
 
 
 def _by_lifecycle(slots) -> list[tuple[Any, list[_Slot]]]:
-    """``slots`` grouped by lifecycle, disk-backed lifecycles first (in first-seen order)."""
+    """``slots`` grouped by lifecycle, disk-backed lifecycles first (then in first-seen order)."""
     groups: dict[int, tuple[Any, list[_Slot]]] = {}
     for s in sorted(slots, key=lambda s: s.kind != DISK):
         groups.setdefault(id(s.lc), (s.lc, []))[1].append(s)
