@@ -233,6 +233,30 @@ def test_host_backup_is_prepared_at_region_exit_only_when_asked(tms, monkeypatch
     tms.resume()
 
 
+def test_a_failed_pause_leaves_every_tag_running(tms, monkeypatch, tmp_path):
+    # a pause that spans two lifecycles (disk-backed tags have their own): when the second one's
+    # sleep fails (here: a 1 MiB host budget for a 4 MiB backup), the first one's tags are woken
+    from unisleep.errors import HostBudgetError
+    from unisleep.lifecycle import MemoryLifecycle
+
+    real = tms._new_lifecycle
+    monkeypatch.setattr(tms, "_new_lifecycle", lambda device, disk_dir: real(device, disk_dir) if disk_dir is not None
+                        else MemoryLifecycle(tms._platform, device=device, host_budget_bytes=MiB))
+    tms.set_disk_backup_dir(str(tmp_path / "disk"))
+    with tms.region(tag="d", enable_disk_backup=True) as r:
+        d = r.empty((MiB,), torch.uint8)
+    with tms.region(tag="w", enable_cpu_backup=True) as r:
+        w = r.empty((4 * MiB,), torch.uint8)
+    d.fill_(1), w.fill_(2)
+    with pytest.raises(HostBudgetError):
+        tms.pause()
+    assert tms.state() == {"d": "active", "w": "active"}
+    assert int(d.min()) == 1 == int(d.max()) and int(w.min()) == 2 == int(w.max())
+    tms.pause("d")  # the disk-backed tag alone still pauses and resumes
+    tms.resume("d")
+    assert int(d.min()) == 1
+
+
 def test_pause_of_paused_and_resume_of_active_raise_and_change_nothing(tms):
     with tms.region(tag="a") as r:
         a = r.empty((MiB,), torch.uint8)
