@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 from ..engines.torch_generator import LOGPROBS_MODES, TorchGenerator, decode_loop
 from ..errors import InvalidArgumentError
-from .presets import ACTIONS, Preset, build_model, torch_dtype
+from .presets import ACTIONS, Preset, action_logprobs, build_model, torch_dtype
 
 
 FLAT_NAME = "flat"  # the one tensor of a whole-model update
@@ -112,6 +112,19 @@ class HFGenerator(TorchGenerator):
                 self._updating.update(self._params)
             return
         super().update_weights(items)
+
+    def full_logprobs(self, prompts, tokens) -> list[list[float]]:
+        """Action logprobs of ``tokens`` after ``prompts`` from one full forward of the served
+        model (no KV cache): the weights this engine computes with, in the numerics the trainer
+        uses to score the probe from the bytes it sent."""
+        import torch
+
+        self._require_awake(("weights",), "score")
+        ids = torch.cat([torch.tensor(prompts), torch.tensor(tokens)], dim=1).to(self.device)
+        P, C = len(prompts[0]), len(tokens[0])
+        with torch.no_grad():
+            logits = self.model(input_ids=ids, use_cache=False).logits[:, P - 1:P + C - 1]
+            return action_logprobs(logits, ids[:, P:]).cpu().tolist()
 
     def _forward(self, ids, pos0: int):
         """Logits of the last position of ``ids`` ([B, T]) at positions pos0.., writing K/V into the cache."""

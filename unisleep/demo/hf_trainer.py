@@ -6,10 +6,13 @@ gradients and optimizer state while the rollout engine runs).
 
 Tags of the trainer's lifecycle: ``"weights"`` (the parameters, adopted), ``"optimizer"`` (AdamW's
 ``exp_avg`` / ``exp_avg_sq``, allocated there, two flat buffers) and ``"grads"`` (the gradients, one
-flat buffer that backward accumulates into).  ``offload`` is a level-1 sleep with ``"optimizer"``
+flat buffer that backward accumulates into).  The offload is a level-1 sleep with ``"optimizer"``
 among the offloaded tags: weights and optimizer state are copied to host memory and their device
 memory released; the gradients are discarded (they come back as zeros — what ``zero_grad`` gives).
-``train`` wakes everything, takes one policy-gradient step, and discards the gradients at once.
+``train`` wakes the weights and gradients, runs the forward and backward, wakes the optimizer
+state for the step only, discards the gradients, makes the serving copy (the new weights in the
+engine's dtype, one flat buffer in the engine's layout) and offloads the rest at once: until the
+probe is scored the trainer holds only that copy on the device.
 
 Commands (over the pipe, answered by name): ``offload``, ``train``, ``send``, ``score``, ``stop``.
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 import os
 import time
 import traceback
+from typing import Optional
 
 from ..errors import UnisleepError
 from ..platform import detect_platform
@@ -75,6 +79,25 @@ def copy_limit(torch, device, nbytes: int = 1 << 30) -> dict:
     return out
 
 
+def device_used(torch, device) -> Optional[int]:
+    """Bytes in use on the whole device (every process), or None on host."""
+    mod = _dev_mod(torch, device)
+    if device.type == "cpu" or mod is None or not hasattr(mod, "mem_get_info"):
+        return None
+    free, total = mod.mem_get_info(device)
+    return int(total - free)
+
+
+def allocator_peak(torch, device, reset: bool = False) -> int:
+    """The most bytes the framework's allocator reserved since the last reset (0 on host)."""
+    mod = _dev_mod(torch, device)
+    if device.type == "cpu" or mod is None or not hasattr(mod, "max_memory_reserved"):
+        return 0
+    if reset:
+        mod.reset_peak_memory_stats(device)
+    return int(mod.max_memory_reserved(device))
+
+
 def hf_trainer_main(conn, rendezvous: str, model_name: str, platform_name: str, lr: float, top_p: float,
                     timeout_s: float, seed: int) -> None:
     import torch
@@ -84,6 +107,13 @@ def hf_trainer_main(conn, rendezvous: str, model_name: str, platform_name: str, 
 
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     group = None
+    marks: list = []
+
+    def mark(phase: str) -> None:
+        """Where this process's device memory is now: its lifecycle, its allocator, the device."""
+        marks.append({"t": time.monotonic(), "phase": phase, "resident": lc.resident_bytes(),
+                      "allocator": allocator_bytes(torch, device), "device_used": device_used(torch, device)})
+
     try:
         p = preset(model_name)
         plat = detect_platform(platform_name)
@@ -115,12 +145,18 @@ def hf_trainer_main(conn, rendezvous: str, model_name: str, platform_name: str, 
             t.grad = g  # backward accumulates into this lifecycle memory
             opt.state[t] = {"step": torch.zeros((), dtype=torch.float32, device=device if fused else "cpu"),
                             "exp_avg": m, "exp_avg_sq": v}
+        del t, g, m, v
         grad_ptr = plist[0].grad.data_ptr()
         send_dtype = torch_dtype(p.dtype)
         autocast = (torch.autocast(device_type=device.type, dtype=send_dtype) if p.mixed
                     else torch.autocast(device_type=device.type, enabled=False))
-        conn.send(("init", {"pid": os.getpid(), "params": total, "layout": [(n, t.numel()) for n, t in params.items()], "copy_limit": limit,
-                            "tags": {t: lc.allocated_bytes(t) for t in lc.tags}}))
+        mark("trainer built: weights, AdamW state, grads")
+        # offloaded before the engine is built: the two never hold their whole state at once
+        rep = lc.sleep(1, offload_tags=["optimizer"])
+        mark("trainer offloaded")
+        conn.send(("init", {"pid": os.getpid(), "params": total, "layout": [(n, t.numel()) for n, t in params.items()],
+                            "copy_limit": limit, "tags": {t: lc.allocated_bytes(t) for t in lc.tags},
+                            "phases": marks, "offload": {"seconds": rep.seconds, "bytes_copied": rep.bytes_copied}}))
         group = TransferGroup.create(rendezvous, rank=0, world_size=2, platform=plat, timeout_s=timeout_s)
         sender = WeightSender(group, bucket_bytes=BUCKET_BYTES_MODEL, path="auto" if plat.is_accelerator else "collective")
     except BaseException as e:
@@ -132,38 +168,67 @@ def hf_trainer_main(conn, rendezvous: str, model_name: str, platform_name: str, 
         raise SystemExit(1)
 
     def memory() -> dict:
-        return {"resident": lc.resident_bytes(), "allocator": allocator_bytes(torch, device)}
+        return {"resident": lc.resident_bytes(), "allocator": allocator_bytes(torch, device),
+                "device_used": device_used(torch, device)}
 
-    def logprobs(prompts, tokens):
+    def logprobs(prompts, tokens, served=None):
+        """Action logprobs of ``tokens`` after ``prompts`` in one full forward: the trainer's own
+        numerics (its float32 master weights, bf16 autocast for the bf16 presets), or with
+        ``served`` — ``{name: tensor}`` in the serving dtype — the engine's numerics: those bytes,
+        no autocast, activations in the serving dtype."""
         ids = torch.cat([prompts, tokens], dim=1)
         P, C = prompts.shape[1], tokens.shape[1]
-        with autocast:
-            logits = model(input_ids=ids).logits[:, P - 1:P + C - 1]
+        if served is None:
+            with autocast:
+                logits = model(input_ids=ids, use_cache=False).logits[:, P - 1:P + C - 1]
+        else:
+            with torch.autocast(device_type=device.type, enabled=False):
+                logits = torch.func.functional_call(model, served, (), {"input_ids": ids, "use_cache": False}
+                                                    ).logits[:, P - 1:P + C - 1]
         return action_logprobs(logits, tokens)
 
+    def serving_copy():
+        """The weights as the engine serves them: one flat buffer in the serving dtype (the engine's
+        layout), its per-parameter views by name, and their fingerprints."""
+        with torch.no_grad():
+            buf = torch.empty(total, dtype=send_dtype, device=device)
+            named = dict(zip(params, views(buf)))
+            for n, t in params.items():
+                named[n].copy_(t)
+        return buf, named, fingerprint(named.items())
+
     conn.send(("ready", os.getpid()))
-    outgoing = None
+    outgoing = served = None  # the serving-dtype copy of the last step: sent, then scored by the probe
     try:
         for cmd, arg in commands(conn):
             if cmd == "offload":  # the engine is about to generate: give the device back
                 before = memory()
-                outgoing = None
+                outgoing = served = None
                 empty_cache(torch, device)
-                rep = lc.sleep(1, offload_tags=["optimizer"])
+                rep = lc.sleep(1, offload_tags=["optimizer"])  # already asleep after a step: nothing moves
                 conn.send(("offloaded", {"seconds": rep.seconds, "bytes_copied": rep.bytes_copied,
                                          "bytes_released": rep.bytes_released, "before": before, "after": memory(),
                                          "state": lc.state()}))
             elif cmd == "train":
+                marks.clear()
                 before = memory()
+                allocator_peak(torch, device, reset=True)
                 # the optimizer state (2 x 4 B/param) stays on the host through the forward and
                 # backward and comes back only for the step: at 7B the three awake at once do not
                 # leave room for the activations on one H200
                 rep = lc.wake_up(["weights", "grads"])
                 restore = {"seconds": rep.seconds, "bytes_copied": rep.bytes_copied}
+                mark("trainer: weights + grads awake")
                 t0 = time.perf_counter()
                 pr = torch.tensor(arg["prompts"], device=device)
                 tk = torch.tensor(arg["tokens"], device=device)
                 r = torch.tensor(arg["rewards"], device=device, dtype=torch.float32)
+                lp_served = None
+                if p.mixed:  # the rollouts scored in the engine's numerics too: what the gap is made of
+                    with torch.no_grad():
+                        cast = {n: t.detach().to(send_dtype) for n, t in params.items()}
+                        lp_served = logprobs(pr, tk, served=cast).cpu().tolist()
+                        del cast
                 lp = logprobs(pr, tk)
                 adv = r - r.mean()
                 loss = -(adv[:, None] * lp).sum(dim=1).mean()
@@ -171,38 +236,43 @@ def hf_trainer_main(conn, rendezvous: str, model_name: str, platform_name: str, 
                 if plist[0].grad is None or plist[0].grad.data_ptr() != grad_ptr:
                     raise UnisleepError("backward did not accumulate into the gradient buffer of the trainer's "
                                         "lifecycle; this torch version replaces .grad")
-                empty_cache(torch, device)  # the activations are gone: room for the optimizer state
+                lp_list, loss_v = lp.detach().cpu().tolist(), loss.detach().item()
+                del lp, loss
+                mark("trainer: backward done")
+                empty_cache(torch, device)  # the activations and autocast casts: room for the optimizer state
                 rep = lc.wake_up(["optimizer"])
                 restore = {"seconds": restore["seconds"] + rep.seconds,
                            "bytes_copied": restore["bytes_copied"] + rep.bytes_copied}
+                mark("trainer: optimizer awake (the step)")
                 opt.step()
                 lc.discard(["grads"])  # used: release them now (they wake as zeros)
-                with torch.no_grad():  # the engine's layout: one flat buffer in the serving dtype
-                    flat_out = torch.empty(total, dtype=send_dtype, device=device)
-                    out_views = views(flat_out)
-                    for v, t in zip(out_views, plist):
-                        v.copy_(t)
-                outgoing = flat_pieces(flat_out)
-                lp_list, loss_v = lp.detach().cpu().tolist(), loss.detach().item()
-                del lp, loss
-                empty_cache(torch, device)  # the autocast weight casts and activations: back to the device
+                outgoing, served, fp = serving_copy()
+                mark("trainer: stepped, serving copy made")
                 _sync(torch, device)
+                train_s = time.perf_counter() - t0
+                # the new weights are in the serving copy: the master weights and the AdamW state go
+                # to host memory now, before the engine wakes to receive (the trainer keeps the copy)
+                awake = lc.resident_bytes()
+                off = lc.sleep(1, offload_tags=["optimizer"])
+                empty_cache(torch, device)
+                mark("trainer: offloaded (serving copy kept)")
                 conn.send(("trained", {
-                    "logprobs": lp_list, "loss": loss_v,
-                    "seconds": time.perf_counter() - t0, "restore": restore, "before": before, "after": memory(),
-                    "fingerprint": fingerprint(zip(params, out_views)),
+                    "logprobs": lp_list, "logprobs_served": lp_served, "loss": loss_v,
+                    "seconds": train_s, "restore": restore, "before": before, "awake": awake, "after": memory(),
+                    "offload": {"seconds": off.seconds, "bytes_copied": off.bytes_copied,
+                                "bytes_released": off.bytes_released},
+                    "allocator_peak": allocator_peak(torch, device), "phases": list(marks), "fingerprint": fp,
                 }))
-                flat_out = out_views = None  # outgoing holds the buffer until the next offload
             elif cmd == "send":
                 t0 = time.perf_counter()
-                rep = sender.send(outgoing, version=arg)
+                rep = sender.send(flat_pieces(outgoing), version=arg)
                 conn.send(("sent", {"seconds": time.perf_counter() - t0, "report": rep.as_dict()}))
-            elif cmd == "score":
+            elif cmd == "score":  # the probe: in the engine's numerics, from the bytes that were sent
                 pr = torch.tensor(arg["prompts"], device=device)
                 tk = torch.tensor(arg["tokens"], device=device)
                 with torch.no_grad():
-                    lp = logprobs(pr, tk)
-                conn.send(("scored", {"logprobs": lp.cpu().tolist()}))
+                    lp = logprobs(pr, tk, served=served)
+                conn.send(("scored", {"logprobs": lp.cpu().tolist(), "memory": memory()}))
             else:
                 conn.send(("error", f"unknown command {cmd!r}"))
     except BaseException as e:

@@ -2,22 +2,29 @@
 
 The engine (:class:`~.hf_engine.HFGenerator`, this process) and the trainer
 (:func:`~.hf_trainer.hf_trainer_main`, another process) share one device and take turns, as verl
-and slime colocate them.  Each step:
+and slime colocate them.  The trainer builds its model, AdamW state and gradients and offloads
+them before the engine is built, so the two never hold their whole state at once.  Each step:
 
 1. the engine generates rollouts while the trainer is OFFLOADED (its weights and AdamW state in
    host memory, its gradients discarded);
-2. ``Handoff.release(level)``: the engine sleeps (level 2 by default: weights and KV cache released);
-3. the trainer wakes (restores weights and optimizer state), scores the rollouts (the gap) and takes
-   one policy-gradient step with AdamW;
-4. ``Handoff.reacquire``: the engine wakes its weights, the new weights arrive (colocated IPC on an
-   accelerator, gloo on host) verified against their manifest, the KV cache wakes;
-5. probe: the engine's greedy outputs scored by the trainer; the engine's weights compared byte for
-   byte with what the trainer sent (fingerprints);
-6. the trainer offloads again.
+2. ``Handoff.release(level)``: the engine empties its allocator cache and sleeps (level 2 by
+   default: weights and KV cache released);
+3. the trainer wakes its weights and gradients, scores the rollouts (the gap: in its own numerics
+   and in the engine's), backpropagates, wakes the AdamW state for the step only, makes the
+   serving copy (the new weights in the engine's dtype and layout) and offloads everything else;
+4. ``Handoff.reacquire``: the engine wakes its weights, the serving copy arrives (colocated IPC on
+   an accelerator, gloo on host) verified against its manifest, the KV cache wakes; the engine
+   gives the received buckets back to the device;
+5. probe: the engine's weights compared byte for byte with what the trainer sent (fingerprints),
+   and the engine's greedy outputs scored by both sides in one full forward — the engine with the
+   weights it computes with, the trainer from the bytes it sent (checked); the engine's own
+   decoding logprobs beside them show the numeric noise of decoding with a KV cache (reported);
+6. the trainer drops its serving copy.
 
 Recorded per step: GiB freed on each side, the handoff in sleep / wake / transfer phases, the
 trainer's offload and restore against the host<->device copy limit measured in the same run,
-rollout tokens per second; a timeline of both sides' memory (``demo.png``).
+rollout tokens per second; the device memory of both sides at every phase (printed, in the JSON,
+and drawn over time in ``demo.png``) and its peak.
 """
 
 from __future__ import annotations
@@ -68,10 +75,14 @@ class ScaledStep:
     train_ms: float
     gen_s: float
     gen_tokens: int
-    gap: float
-    probe_gap: float
+    gap: float  # median |engine − trainer| on the rollouts: the trainer in its own numerics (the gap monitor's)
+    gap_served: float  # the same tokens, the trainer in the engine's numerics (the bytes it served, no autocast)
+    probe_gap: float  # max |engine − trainer| on the probe, both one full forward from the bytes sent (checked)
+    probe_decode_gap: float  # max |engine decoding with its KV cache − trainer| on the probe (bf16 noise, reported)
     weights_exact: bool
     reward: float
+    trainer_allocator_peak: int = 0  # the most the trainer's framework allocator reserved during the step
+    drop_staging_ms: float = 0.0  # the engine giving its received (staged) buckets back after the update
     findings: list = field(default_factory=list)
 
     @property
@@ -107,14 +118,15 @@ def gib(n) -> str:
 
 def format_table_scaled(steps: list[ScaledStep]) -> str:
     head = (f"{'step':>4} {'eng freed GiB':>13} {'trn freed GiB':>13} {'offload s':>9} {'restore s':>9} "
-            f"{'sleep ms':>8} {'wake ms':>7} {'xfer ms':>8} {'eng sum ms':>10} {'kv wake ms':>10} {'train s':>7} "
-            f"{'tok/s':>8} {'gap':>8} {'probe Δ':>8} {'exact':>5} {'reward':>6}")
+            f"{'sleep ms':>8} {'wake ms':>7} {'xfer ms':>8} {'eng sum ms':>10} {'kv wake ms':>10} {'drop ms':>7} {'train s':>7} "
+            f"{'tok/s':>8} {'gap':>8} {'gap srv':>8} {'probe Δ':>8} {'decode Δ':>8} {'exact':>5} {'reward':>6}")
     lines = [head, "-" * len(head)]
     for s in steps:
         lines.append(
             f"{s.step:>4} {gib(s.engine_freed):>13} {gib(s.trainer_freed):>13} {s.offload_s:>9.3f} {s.restore_s:>9.3f} "
             f"{s.sleep_ms:>8.2f} {s.wake_weights_ms:>7.2f} {s.transfer_ms:>8.1f} {s.engine_goal_ms:>10.1f} "
-            f"{s.wake_kv_ms:>10.2f} {s.train_ms / 1e3:>7.2f} {s.tokens_per_s:>8.0f} {s.gap:>8.1e} {s.probe_gap:>8.1e} "
+            f"{s.wake_kv_ms:>10.2f} {s.drop_staging_ms:>7.2f} {s.train_ms / 1e3:>7.2f} {s.tokens_per_s:>8.0f} {s.gap:>8.1e} {s.gap_served:>8.1e} "
+            f"{s.probe_gap:>8.1e} {s.probe_decode_gap:>8.1e} "
             f"{'yes' if s.weights_exact else 'NO':>5} {s.reward:>6.2f}")
     return "\n".join(lines)
 
@@ -128,8 +140,9 @@ def scaled_checks(steps: list[ScaledStep], monitor, failure: Optional[str], targ
     checks.append(Check(
         "weights arrived", not inexact and not far,
         (f"after every update the engine's weights are byte-exact to what the trainer sent (per-tensor "
-         f"fingerprints) and its greedy probe logprobs match the trainer's (max Δ "
-         f"{max(s.probe_gap for s in steps):.1e} <= {tol:g})") if not inexact and not far else
+         f"fingerprints) and the engine computes with them: its logprobs of the greedy probe match the trainer's "
+         f"from the sent bytes (max Δ {max(s.probe_gap for s in steps):.1e} <= {tol:g}; decoding with the KV cache "
+         f"adds up to {max(s.probe_decode_gap for s in steps):.1e} of numeric noise)") if not inexact and not far else
         (f"steps {inexact}: the engine's weights differ from what the trainer sent; " if inexact else "") +
         (f"steps {far}: probe logprobs differ by up to {max(s.probe_gap for s in steps):.3f} (> {tol:g})" if far else ""),
     ))
@@ -180,8 +193,9 @@ def plot_scaled(steps, timeline, path: str, title: str) -> Optional[str]:
     fig, (ax1, ax2, ax3) = panels
     ts = [e["t"] for e in timeline]
     for key, label in (("engine", "engine (lifecycle: weights + KV cache)"),
+                       ("engine_allocator", "engine (framework allocator: activations, received buckets)"),
                        ("trainer", "trainer (lifecycle: weights + AdamW state + grads)"),
-                       ("trainer_allocator", "trainer (framework allocator: activations, bf16 copy)")):
+                       ("trainer_allocator", "trainer (framework allocator: activations, serving copy)")):
         ax1.step(ts, [e[key] / GiB for e in timeline], where="post", label=label)
     if any(e.get("device_used") for e in timeline):
         ax1.step(ts, [(e.get("device_used") or 0) / GiB for e in timeline], where="post", color="k", lw=0.8,
@@ -202,6 +216,40 @@ def plot_scaled(steps, timeline, path: str, title: str) -> Optional[str]:
     return finish_with_reward(fig, ax3, steps, path)
 
 
+def memory_rows(timeline: list[dict], step: int) -> list[dict]:
+    """The timeline's marks of ``step`` (0: the start), each with what no lifecycle or allocator
+    of the two processes accounts for (device contexts, communication buffers, the transfer's
+    shared bucket buffers): ``other``."""
+    rows = []
+    for e in timeline:
+        if e["step"] != step:
+            continue
+        known = e["engine"] + e["engine_allocator"] + e["trainer"] + e["trainer_allocator"]
+        rows.append({**e, "other": None if e.get("device_used") is None else e["device_used"] - known})
+    return rows
+
+
+def format_memory(timeline: list[dict], step: int) -> str:
+    head = (f"{'phase (step ' + str(step) + ')':<44} {'eng life':>8} {'eng alloc':>9} {'trn life':>8} "
+            f"{'trn alloc':>9} {'other':>6} {'device':>7}")
+    lines = [head, "-" * len(head)]
+    for e in memory_rows(timeline, step):
+        lines.append(f"{e['phase'][:44]:<44} {gib(e['engine']):>8} {gib(e['engine_allocator']):>9} "
+                     f"{gib(e['trainer']):>8} {gib(e['trainer_allocator']):>9} {gib(e['other']):>6} "
+                     f"{gib(e.get('device_used')):>7}")
+    return "\n".join(lines)
+
+
+def memory_peak(timeline: list[dict], total: Optional[int]) -> Optional[dict]:
+    """The mark with the most device memory in use (all processes), or None on host."""
+    marks = [e for e in timeline if e.get("device_used") is not None]
+    if not marks:
+        return None
+    e = max(marks, key=lambda m: m["device_used"])
+    return {"device_used": e["device_used"], "phase": e["phase"], "step": e["step"], "device_total": total,
+            "engine": e["engine"] + e["engine_allocator"], "trainer": e["trainer"] + e["trainer_allocator"]}
+
+
 def run_model(args) -> int:
     import torch
 
@@ -214,18 +262,7 @@ def run_model(args) -> int:
 
     p = preset(args.model)
     platform = platform_for(args.device)
-    lc = MemoryLifecycle(platform)
     dev = torch.device(platform.torch_device(0))
-    try:
-        eng = HFGenerator(p, lifecycle=lc, device=str(dev), max_batch=args.batch,
-                          kv_len=max(p.kv_len, p.prompt_len + args.max_tokens), logprobs_mode=args.logprobs_mode,
-                          seed=args.seed)
-    except UnisleepError as e:
-        lc.close()
-        print(f"unisleep demo: the engine cannot start on {platform.name}: {type(e).__name__}: {e}", file=sys.stderr)
-        return 2
-    if args.sabotage == "skip-sleep":
-        eng.sleep = lambda level=1: None  # accepts the call and frees nothing
     os.makedirs(args.out, exist_ok=True)
     rng = torch.Generator().manual_seed(args.seed + 1)
     ctx = mp.get_context("spawn")
@@ -234,6 +271,7 @@ def run_model(args) -> int:
     proc = ctx.Process(target=hf_trainer_main, name="unisleep-demo-trainer", daemon=True,
                        args=(there, rendezvous, args.model, platform.name, args.lr, args.top_p, args.timeout, args.seed))
     t_start = time.perf_counter()
+    t_mono = time.monotonic()  # the clock both processes stamp their memory marks with
     proc.start()
     trainer = TrainerProcess(proc, here, args.timeout)
     steps: list[ScaledStep] = []
@@ -242,25 +280,57 @@ def run_model(args) -> int:
     failure: Optional[str] = None
     init: dict = {}
     group = None
+    eng = None
+    lc = MemoryLifecycle(platform)
     mod = getattr(torch, dev.type, None)
     tr_mem = {"resident": 0, "allocator": 0}
+    device_total = None
+    if dev.type != "cpu" and mod is not None and hasattr(mod, "mem_get_info"):
+        device_total = int(mod.mem_get_info(dev)[1])
+
+    def used_now():
+        if device_total is None:
+            return None
+        free, total = mod.mem_get_info(dev)
+        return int(total - free)
 
     def mark(phase: str, step: int) -> None:
-        used = None
-        if dev.type != "cpu" and mod is not None and hasattr(mod, "mem_get_info"):
-            free, total = mod.mem_get_info(dev)
-            used = total - free
-        timeline.append({"t": time.perf_counter() - t_start, "phase": phase, "step": step,
+        timeline.append({"t": time.monotonic() - t_mono, "phase": phase, "step": step,
                          "engine": lc.resident_bytes(), "trainer": tr_mem["resident"],
                          "trainer_allocator": tr_mem["allocator"], "engine_allocator": allocator_bytes(torch, dev),
-                         "device_used": used})
+                         "device_used": used_now()})
+
+    def trainer_marks(phases: list, step: int) -> None:
+        """The trainer's own marks (inside a command), with the engine side as it is now."""
+        for ph in phases:
+            timeline.append({"t": ph["t"] - t_mono, "phase": ph["phase"], "step": step,
+                             "engine": lc.resident_bytes(), "trainer": ph["resident"],
+                             "trainer_allocator": ph["allocator"], "engine_allocator": allocator_bytes(torch, dev),
+                             "device_used": ph["device_used"]})
+        if phases:
+            tr_mem.update(resident=phases[-1]["resident"], allocator=phases[-1]["allocator"])
 
     try:
+        # the trainer builds its model, optimizer state and gradients and offloads them before the
+        # engine is built: the two never hold their whole state on the device at once
         init = trainer.wait("init")
+        trainer_marks(init.get("phases") or [], 0)
+        try:
+            eng = HFGenerator(p, lifecycle=lc, device=str(dev), max_batch=args.batch,
+                              kv_len=max(p.kv_len, p.prompt_len + args.max_tokens), logprobs_mode=args.logprobs_mode,
+                              seed=args.seed)
+        except UnisleepError as e:
+            trainer.stop()
+            lc.close()
+            print(f"unisleep demo: the engine cannot start on {platform.name}: {type(e).__name__}: {e}", file=sys.stderr)
+            return 2
+        if args.sabotage == "skip-sleep":
+            eng.sleep = lambda level=1: None  # accepts the call and frees nothing
         if [tuple(x) for x in init["layout"]] != eng.layout:
             raise UnisleepError("the trainer's parameters (names, sizes, order) differ from the engine's; both build "
                                 f"--model {p.name} from the same config, so this is a bug: trainer "
                                 f"{init['layout'][:3]}..., engine {eng.layout[:3]}...")
+        mark("engine built", 0)
         group = trainer.run_beside(
             lambda: TransferGroup.create(rendezvous, rank=1, world_size=2, platform=platform, timeout_s=args.timeout),
             "ready")
@@ -280,10 +350,9 @@ def run_model(args) -> int:
                 cl = init["copy_limit"]
                 print(f"copy limit measured now (pinned, 1 GiB): host->device {cl['h2d_gbps']:.1f} GB/s, "
                       f"device->host {cl['d2h_gbps']:.1f} GB/s")
-        mark("start", 0)
         off = trainer.call("offload", None, "offloaded")
-        tr_mem.update(off["after"])
-        mark("trainer offloaded", 0)
+        tr_mem.update(resident=off["after"]["resident"], allocator=off["after"]["allocator"])
+        mark("start: engine awake, trainer offloaded", 0)
         for step in range(1, args.steps + 1):
             prompts = torch.randint(0, p.config["vocab_size"], (args.batch, p.prompt_len), generator=rng).tolist()
             t0 = time.perf_counter()
@@ -295,14 +364,16 @@ def run_model(args) -> int:
             version_served = eng.weight_version()
             mark("engine generated", step)
             rel = handoff.release(level=args.level)
-            mark("engine asleep", step)
+            mark("engine asleep (its allocator cache emptied)", step)
             t0 = time.perf_counter()
             tr = trainer.call("train", {"prompts": prompts, "tokens": tokens, "rewards": rewards}, "trained")
             train_ms = (time.perf_counter() - t0) * 1e3
-            tr_mem.update(tr["after"])
-            mark("trainer trained", step)
+            trainer_marks(tr["phases"], step)
+            tr_mem.update(resident=tr["after"]["resident"], allocator=tr["after"]["allocator"])
             gs = monitor.observe([g.logprobs for g in gens], tr["logprobs"], top_p=args.top_p, step=step,
                                  version=version_served)
+            served = tr["logprobs_served"] or tr["logprobs"]
+            gap_served = statistics.median(abs(a - b) for g, r in zip(gens, served) for a, b in zip(g.logprobs, r))
             version = str(step)
             sent: dict = {}
 
@@ -316,43 +387,57 @@ def run_model(args) -> int:
 
             rep = handoff.reacquire(send_weights, version=version)
             exact = fingerprint(list(eng._params.items())) == tr["fingerprint"]
-            mark("engine updated", step)
+            mark("engine updated (weights, KV cache awake)", step)
+            t0 = time.perf_counter()
+            eng.release_cache()  # the staged buckets of the update: freed, and now given back
+            drop_ms = (time.perf_counter() - t0) * 1e3
+            mark("engine: received buckets given back", step)
             probe = eng.generate(PROBE_PROMPTS, max_tokens=args.max_tokens, temperature=0.0)
-            sc = trainer.call("score", {"prompts": PROBE_PROMPTS, "tokens": [g.token_ids for g in probe]}, "scored")
-            probe_gap = max_logprob_gap(probe, sc["logprobs"])
+            probe_tokens = [g.token_ids for g in probe]
+            full = eng.full_logprobs(PROBE_PROMPTS, probe_tokens)
+            sc = trainer.call("score", {"prompts": PROBE_PROMPTS, "tokens": probe_tokens}, "scored")
+            probe_gap = max(abs(a - b) for e, t in zip(full, sc["logprobs"]) for a, b in zip(e, t))
+            probe_decode_gap = max_logprob_gap(probe, sc["logprobs"])
+            mark("probe scored by both sides", step)
             off = trainer.call("offload", None, "offloaded")
-            tr_mem.update(off["after"])
-            mark("trainer offloaded", step)
+            tr_mem.update(resident=off["after"]["resident"], allocator=off["after"]["allocator"])
+            mark("trainer dropped its serving copy", step)
             tm = rep.timings
             ph = sent["recv"].get("phases", {})
             ds = ScaledStep(
                 step=step, version=version, level=args.level, engine_before=rel.resident_before or 0,
-                engine_asleep=rel.resident_asleep or 0, trainer_awake=tr["after"]["resident"],
-                trainer_asleep=off["after"]["resident"], trainer_allocator=tr["after"]["allocator"],
-                offload_s=off["seconds"], offload_bytes=off["bytes_copied"], restore_s=tr["restore"]["seconds"],
-                restore_bytes=tr["restore"]["bytes_copied"], sleep_ms=tm.get("sleep", 0) * 1e3,
-                wake_weights_ms=tm.get("wake_weights", 0) * 1e3, wake_kv_ms=tm.get("wake_kv", 0) * 1e3,
-                transfer_ms=rep.transfer_s * 1e3, transfer_phases_ms={k: v * 1e3 for k, v in ph.items()},
+                engine_asleep=rel.resident_asleep or 0, trainer_awake=tr["awake"],
+                trainer_asleep=tr["after"]["resident"], trainer_allocator=tr["after"]["allocator"],
+                offload_s=tr["offload"]["seconds"], offload_bytes=tr["offload"]["bytes_copied"],
+                restore_s=tr["restore"]["seconds"], restore_bytes=tr["restore"]["bytes_copied"],
+                sleep_ms=tm.get("sleep", 0) * 1e3, wake_weights_ms=tm.get("wake_weights", 0) * 1e3,
+                wake_kv_ms=tm.get("wake_kv", 0) * 1e3, transfer_ms=rep.transfer_s * 1e3,
+                transfer_phases_ms={k: v * 1e3 for k, v in ph.items()},
                 release_ms=rel.release_s * 1e3, reacquire_ms=rep.reacquire_s * 1e3, train_ms=train_ms, gen_s=gen_s,
-                gen_tokens=sum(len(t) for t in tokens), gap=gs.median_abs_gap, probe_gap=probe_gap,
-                weights_exact=exact, reward=statistics.fmean(rewards), findings=[str(f) for f in gs.findings])
+                gen_tokens=sum(len(t) for t in tokens), gap=gs.median_abs_gap, gap_served=gap_served,
+                probe_gap=probe_gap, probe_decode_gap=probe_decode_gap, weights_exact=exact,
+                reward=statistics.fmean(rewards), trainer_allocator_peak=tr.get("allocator_peak", 0), drop_staging_ms=drop_ms,
+                findings=[str(f) for f in gs.findings])
             steps.append(ds)
             step_progress(args, step, f"v{version}  freed engine {gib(ds.engine_freed)} GiB, trainer "
                                       f"{gib(ds.trainer_freed)} GiB  engine sleep+wake+xfer {ds.engine_goal_ms:.1f} ms  "
                                       f"offload {ds.offload_s:.2f} s  {ds.tokens_per_s:,.0f} tok/s  gap {ds.gap:.1e}  "
-                                      f"probe {ds.probe_gap:.1e}  reward {ds.reward:.2f}", gs.findings)
+                                      f"probe {ds.probe_gap:.1e} (decode {ds.probe_decode_gap:.1e})  "
+                                      f"reward {ds.reward:.2f}", gs.findings)
     except (UnisleepError, OSError) as e:
         failure = f"{type(e).__name__}: {e}"
     finally:
         if group is not None:
             group.close()
         trainer.stop()
-        eng.close()
+        if eng is not None:
+            eng.close()
         lc.close()
     elapsed = time.perf_counter() - t_start
     checks = scaled_checks(steps, monitor, failure, args.target, p.probe_tol)
     ok = bool(steps) and all(c.ok is not False for c in checks) and len(steps) == args.steps
     gl = goals(steps, init.get("copy_limit") or {})
+    peak = memory_peak(timeline, device_total)
     print()
     if steps:
         print(format_table_scaled(steps))
@@ -360,6 +445,19 @@ def run_model(args) -> int:
         print(f"{p.name}: {init.get('params', 0) / 1e9:.3f} B parameters; trainer lifecycle tags "
               + ", ".join(f"{t} {gib(n)} GiB" for t, n in (init.get("tags") or {}).items())
               + f"; {len(steps)} steps in {elapsed:.1f} s")
+    if timeline:
+        print()
+        print("device memory by phase, GiB (life: lifecycle memory; alloc: the framework allocator of that process; "
+              "other: device in use minus those four)")
+        print(format_memory(timeline, 0))
+        if steps:
+            print(format_memory(timeline, steps[-1].step))
+    if peak is not None:
+        print(f"peak device memory in use (both processes): {gib(peak['device_used'])} of {gib(peak['device_total'])} "
+              f"GiB at '{peak['phase']}' (step {peak['step']}): engine {gib(peak['engine'])}, trainer "
+              f"{gib(peak['trainer'])} GiB"
+              + (f"; the trainer's allocator peaked at {gib(max(s.trainer_allocator_peak for s in steps))} GiB "
+                 "within a step" if steps else ""))
     for name, fig, met in gl:
         print(f"[goal {'n/a' if met is None else ('MET' if met else 'MISSED')}] {name}: {fig}")
     print_checks(checks)
@@ -367,6 +465,7 @@ def run_model(args) -> int:
         "ok": ok, "engine": "hf", "model": p.name, "params": init.get("params"), "platform": platform.name,
         "args": vars(args), "seconds": elapsed, "copy_limit": init.get("copy_limit"),
         "trainer_tags": init.get("tags"), "steps": [s.as_dict() for s in steps], "timeline": timeline,
+        "memory_peak": peak,
         "goals": [{"goal": g, "figure": f, "met": m} for g, f, m in gl], "checks": [c.__dict__ for c in checks],
         "gap": monitor.summary(), "failure": failure, "engine_pid": os.getpid(), "trainer_pid": proc.pid,
         "transfer": {"backend": getattr(group, "backend", None), "path": (steps and sent.get("recv", {}).get("path"))},
@@ -382,4 +481,5 @@ def run_model(args) -> int:
     return verdict(ok)
 
 
-__all__ = ["run_model", "ScaledStep", "format_table_scaled", "scaled_checks", "goals", "ACTIONS"]
+__all__ = ["run_model", "ScaledStep", "format_table_scaled", "format_memory", "memory_peak", "scaled_checks", "goals",
+           "ACTIONS"]

@@ -320,11 +320,22 @@ class TorchGenerator(Engine):
         return self._paused
 
     # ------------------------------------------------------------------ memory
+    def release_cache(self) -> None:
+        """Give the framework allocator's cached blocks on the engine's device back to the device:
+        what generation and a staged weight update left there (the received buckets are freed
+        after the update but stay cached until now).  A no-op on host."""
+        if self.device.type == "cpu":
+            return
+        mod = getattr(torch, self.device.type, None)
+        if mod is not None and hasattr(mod, "empty_cache"):
+            mod.empty_cache()
+
     def sleep(self, level: int = 1) -> None:
         if self._updating is not None:
             raise InvalidTransitionError("a weight update is in progress; finish it before sleeping")
         if self._closed:
             raise InvalidTransitionError("the engine is closed")
+        self.release_cache()  # a sleeping engine keeps no cached framework memory either
         self.lifecycle.sleep(level)
 
     def wake_up(self, tags: Optional[Sequence[str]] = None) -> None:
