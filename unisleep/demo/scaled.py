@@ -186,7 +186,7 @@ def goals(steps: list[ScaledStep], limit: dict) -> list[tuple[str, str, Optional
     return out
 
 
-def plot_scaled(steps, timeline, path: str, title: str) -> Optional[str]:
+def plot_scaled(steps, timeline, path: str, title: str, total: Optional[int] = None) -> Optional[str]:
     panels = three_panels((9, 9))
     if panels is None:
         return None
@@ -200,6 +200,8 @@ def plot_scaled(steps, timeline, path: str, title: str) -> Optional[str]:
     if any(e.get("device_used") for e in timeline):
         ax1.step(ts, [(e.get("device_used") or 0) / GiB for e in timeline], where="post", color="k", lw=0.8,
                  ls="--", label="device memory in use (all processes)")
+    if total:
+        ax1.axhline(total / GiB, color="r", lw=0.8, ls=":", label=f"device memory ({total / GiB:.1f} GiB)")
     ax1.set_xlabel("seconds")
     ax1.set_ylabel("GiB on the device")
     ax1.set_title(title)
@@ -474,7 +476,7 @@ def run_model(args) -> int:
     ppath = None
     if not args.no_plot and steps:
         ppath = plot_scaled(steps, timeline, os.path.join(args.out, "demo.png"),
-                            f"unisleep demo --model {p.name} on {platform.name}: device memory of both sides")
+                            f"unisleep demo --model {p.name} on {platform.name}: device memory of both sides", device_total)
         if ppath is None:
             print("plot skipped: matplotlib is not installed (pip install 'unisleep[plot]')")
     print(f"wrote {jpath}" + (f" and {ppath}" if ppath else ""))
