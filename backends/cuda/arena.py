@@ -224,6 +224,22 @@ class PinnedArena(BackupStore):
             self._stream = torch.cuda.Stream(device=self.device)
         return self._stream
 
+    def warm_stream(self) -> None:
+        """Make the copy stream ready now: the first copy between host and device on a new
+        stream makes the driver set up resources in device memory (about 70 MiB on an H200,
+        once per process, never given back); done at start, so the first sleep frees every
+        byte it puts to sleep instead of 70 MiB less."""
+        import torch
+
+        s = self.stream()
+        host = torch.empty(4096, dtype=torch.uint8, pin_memory=True)
+        dev = torch.zeros(4096, dtype=torch.uint8, device=f"cuda:{self.device}")
+        s.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(s):
+            host.copy_(dev, non_blocking=True)
+            dev.copy_(host, non_blocking=True)
+        s.synchronize()
+
     def _host_view(self, si: int, off: int, n: int):
         import torch
 

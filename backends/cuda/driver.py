@@ -195,7 +195,12 @@ class CudaDriver(Driver):
         return torch.device(f"{self.name}:{self.device}")
 
     def new_backup_store(self, budget_bytes: Optional[int], spill_dir: Optional[str]) -> BackupStore:
-        return PinnedArena(self.device, budget_bytes)
+        arena = PinnedArena(self.device, budget_bytes)
+        try:
+            arena.warm_stream()
+        except Exception as e:  # only the first sleep's free memory depends on it
+            log.debug("copy stream warm-up failed: %s", e)
+        return arena
 
     # ---- composite ---------------------------------------------------------------------
     def suspend(self, saves, discards, store):
