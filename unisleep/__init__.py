@@ -59,8 +59,13 @@ def _map_source_backends() -> None:
 
     if "unisleep.backends" in sys.modules:
         return
-    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "backends")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    src = os.path.join(root, "backends")
     init = os.path.join(src, "__init__.py")
+    # a source tree: unisleep/ beside backends/ and the project file (an installed unisleep sits
+    # in site-packages, where a folder called backends/ may belong to another distribution)
+    if not (os.path.exists(os.path.join(root, "pyproject.toml")) and os.path.exists(os.path.join(src, "host", "driver.py"))):
+        return
     try:
         found = importlib.util.find_spec("unisleep.backends")
     except (ImportError, ValueError):
