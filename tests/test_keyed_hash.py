@@ -53,6 +53,32 @@ def test_three_level_tree_equals_the_definition(key):
     assert kh.digest_bytes(data, key) == kh.reference_digest(data, key)
 
 
+def test_a_batch_equals_each_digest_alone():
+    # equal lengths share the upper levels' ops (rows), other lengths are hashed alone; every
+    # key's level tensors arrive in one copy: each digest must still be its own definition
+    sizes = [0, 5, 8192, 3 * 8192 + 5, 3 * 8192 + 5, 40000, (512 * BLOCK + 17) * 4, (512 * BLOCK + 17) * 4]
+    datas = [os.urandom(n) for n in sizes]
+    keys = [HashKey.new() for _ in sizes]
+    tensors = [torch.frombuffer(bytearray(d), dtype=torch.uint8) if d else torch.empty(0, dtype=torch.uint8)
+               for d in datas]
+    got = kh.digest_many(tensors, keys, algorithm="nh2")
+    assert got == [kh.reference_digest(d, k) for d, k in zip(datas, keys)]
+    other = kh.digest_many(tensors, [HashKey.new() for _ in sizes], algorithm="nh2")
+    assert all(a != b for a, b in zip(got, other))  # each digest depends on its own key
+
+
+def test_a_key_sized_for_a_region_covers_exactly_its_tree():
+    n = (512 * BLOCK + 17) * 4  # a three-level tree
+    k = HashKey.new(n)
+    assert k.levels == kh.tree_levels(n // 4) == 3
+    data = os.urandom(n)
+    full = HashKey(k.material + os.urandom((kh.MAX_LEVELS - k.levels) * kh.KEY_WORDS * 4))
+    assert kh.digest_bytes(data, k) == kh.digest_bytes(data, full) == kh.reference_digest(data, k)
+    assert HashKey.new(8).levels == 1 and HashKey.new().levels == kh.MAX_LEVELS
+    with pytest.raises(ValueError, match="too large"):
+        kh.digest_bytes(os.urandom(4 * BLOCK + 8), HashKey.new(8))
+
+
 def test_nh_level_words_and_padding(key):
     k = key.level_tensor(0, "cpu")
     w = torch.arange(BLOCK + 3, dtype=torch.int32)

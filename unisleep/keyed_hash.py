@@ -53,14 +53,22 @@ _CHUNK_BLOCKS = 1024  # blocks hashed per torch pass on the reference path (8 Mi
 class HashKey:
     """The random key of one digest: ``MAX_LEVELS`` independent NH keys of ``KEY_WORDS`` words."""
 
-    material: bytes  # MAX_LEVELS * KEY_WORDS * 4 bytes
+    material: bytes  # KEY_WORDS * 4 bytes per level: MAX_LEVELS, or the levels one size needs
     # the levels' key tensors per device, made on first use; they die with the key
     _tensors: dict = field(default_factory=dict, compare=False, repr=False, hash=False)
 
     @classmethod
-    def new(cls) -> "HashKey":
-        """A fresh key from the operating system's random source."""
-        return cls(secrets.token_bytes(MAX_LEVELS * KEY_WORDS * 4))
+    def new(cls, nbytes: Optional[int] = None) -> "HashKey":
+        """A fresh key from the operating system's random source: every level, or only the
+        levels the tree of ``nbytes`` bytes has (a quarter of the random bytes for a 1 GiB
+        region; such a key hashes inputs of up to that tree's size)."""
+        levels = MAX_LEVELS if nbytes is None else tree_levels(max(2, -(-nbytes // 8) * 2))
+        return cls(secrets.token_bytes(levels * KEY_WORDS * 4))
+
+    @property
+    def levels(self) -> int:
+        return len(self.material) // (KEY_WORDS * 4)
+
 
     @classmethod
     def derive(cls, secret: bytes, context: bytes) -> "HashKey":
@@ -73,8 +81,8 @@ class HashKey:
         return cls(hashlib.shake_256(material).digest(MAX_LEVELS * KEY_WORDS * 4))
 
     def level_words(self, level: int) -> list[int]:
-        if not 0 <= level < MAX_LEVELS:
-            raise ValueError(f"level {level} is out of range (input too large to hash)")
+        if not 0 <= level < self.levels:
+            raise ValueError(f"level {level} is out of range (input too large to hash with this key)")
         off = level * KEY_WORDS * 4
         return list(struct.unpack_from(f"<{KEY_WORDS}I", self.material, off))
 
@@ -84,8 +92,8 @@ class HashKey:
 
         k = self._tensors.get((level, str(device)))
         if k is None:
-            if not 0 <= level < MAX_LEVELS:
-                raise ValueError(f"level {level} is out of range (input too large to hash)")
+            if not 0 <= level < self.levels:
+                raise ValueError(f"level {level} is out of range (input too large to hash with this key)")
             off = level * KEY_WORDS * 4
             raw = bytearray(self.material[off: off + KEY_WORDS * 4])  # little-endian uint32 words
             k = torch.frombuffer(raw, dtype=torch.int32).to(torch.int64) & _M32
@@ -179,13 +187,43 @@ def digest(src, key: HashKey, level1: Optional[Level1] = None, algorithm: Option
 
 def digest_many(srcs, keys, level1: Optional[Level1] = None, algorithm: Optional[str] = None) -> list:
     """:func:`digest` of several tensors (each with its own key), with one wait for the device
-    at the end instead of one per tensor."""
+    at the end instead of one per tensor.
+
+    Batched so that many tensors cost little more than one: the level keys every tensor needs
+    reach its device in one copy (:func:`_load_level_keys`, no wait per key); level 0 runs per
+    tensor (``level1``, or the device's fused kernel); the small levels above run together
+    (:func:`_nh_rows`)."""
+    return start_digests(srcs, keys, level1=level1, algorithm=algorithm).result()
+
+
+class PendingDigests:
+    """Digests whose device work is queued (:func:`start_digests`); :meth:`result` waits for it
+    and reads them.  Until then the device may still be reading the tensors hashed: a caller
+    that frees them first waits for the device (e.g. an event recorded after the start)."""
+
+    def __init__(self, out: list, pending: list, lanes):
+        self._out, self._pending, self._lanes = out, pending, lanes
+
+    def result(self) -> list:
+        if self._lanes is not None:
+            values = self._lanes.tolist()  # the one wait
+            for j, (i, nbytes) in enumerate(self._pending):
+                a, b = values[2 * j] & 0xFFFFFFFFFFFFFFFF, values[2 * j + 1] & 0xFFFFFFFFFFFFFFFF
+                self._out[i] = Digest(nbytes, a, b)
+            self._lanes = None
+        return self._out
+
+
+def start_digests(srcs, keys, level1: Optional[Level1] = None, algorithm: Optional[str] = None) -> PendingDigests:
+    """:func:`digest_many` without the wait: the device work is queued on the current stream
+    and the values are read by ``.result()`` — e.g. after other transfers queued on the device
+    meanwhile, which a read of the values would otherwise wait behind."""
     import torch
 
     if len(srcs) != len(keys):
         raise ValueError("digest_many needs one key per tensor")
     out: list = [None] * len(srcs)
-    pending = []  # (index, nbytes, device tensor of the two lanes)
+    pending = []  # (index, nbytes, int32 words, key, level-0 kernel)
     for i, (src, key) in enumerate(zip(srcs, keys)):
         if src.dtype != torch.uint8 or src.dim() != 1:
             src = src.reshape(-1).view(torch.uint8)
@@ -195,13 +233,12 @@ def digest_many(srcs, keys, level1: Optional[Level1] = None, algorithm: Optional
             continue
         if algo != NH2:
             raise ValueError(f"unknown digest algorithm {algo!r} (known: {', '.join(ALGORITHMS)})")
-        pending.append((i, src.numel(), _nh_lanes(src, key, _level1_for(src, level1))))
+        pending.append((i, src.numel(), _words(src), key, _level1_for(src, level1)))
+    lanes = None
     if pending:
-        values = torch.cat([t for _, _, t in pending]).tolist()  # the one wait
-        for j, (i, nbytes, _) in enumerate(pending):
-            a, b = values[2 * j] & 0xFFFFFFFFFFFFFFFF, values[2 * j + 1] & 0xFFFFFFFFFFFFFFFF
-            out[i] = Digest(nbytes, a, b)
-    return out
+        _load_level_keys([(key, words) for _, _, words, key, _ in pending])
+        lanes = torch.cat(_nh_trees([(words, key, kern) for _, _, words, key, kern in pending]))
+    return PendingDigests(out, [(i, nbytes) for i, nbytes, *_ in pending], lanes)
 
 
 def nh_lanes_many(srcs, keys, level1: Optional[Level1] = None):
@@ -212,11 +249,13 @@ def nh_lanes_many(srcs, keys, level1: Optional[Level1] = None):
 
     if len(srcs) != len(keys):
         raise ValueError("nh_lanes_many needs one key per tensor")
-    out = []
+    items = []
     for src, key in zip(srcs, keys):
         if src.dtype != torch.uint8 or src.dim() != 1:
             src = src.reshape(-1).view(torch.uint8)
-        out.append(_nh_lanes(src, key, _level1_for(src, level1)))
+        items.append((_words(src), key, _level1_for(src, level1)))
+    _load_level_keys([(key, words) for words, key, _ in items])
+    out = _nh_trees(items)
     return torch.cat(out) if len(out) > 1 else out[0]
 
 
@@ -226,8 +265,8 @@ def _level1_for(src, level1: Optional[Level1]) -> Optional[Level1]:
     return device_level1(src.device.type) if src.device.type != "cpu" else None
 
 
-def _nh_lanes(src, key: HashKey, kern: Optional[Level1]):
-    """The NH tree of a uint8 tensor, left on its device: an int64 tensor of the two lanes."""
+def _words(src):
+    """A uint8 tensor as the int32 words the tree hashes (zero-padded to a multiple of 8 bytes)."""
     import torch
 
     nbytes = src.numel()
@@ -236,36 +275,177 @@ def _nh_lanes(src, key: HashKey, kern: Optional[Level1]):
     if nbytes % 8:
         pad = torch.zeros(8 - nbytes % 8, dtype=torch.uint8, device=src.device)
         src = torch.cat((src, pad))
-    words = src.view(torch.int32) if src.numel() else torch.zeros(2, dtype=torch.int32, device=src.device)
-    level = 0
-    while True:
-        k = key.level_tensor(level, words.device)
+    return src.view(torch.int32) if src.numel() else torch.zeros(2, dtype=torch.int32, device=src.device)
+
+
+def tree_levels(nwords: int) -> int:
+    """How many NH levels the tree of ``nwords`` 32-bit words has."""
+    levels = 1
+    while nwords > BLOCK:
+        nwords = 4 * -(-nwords // BLOCK)  # two int64 lanes per block
+        levels += 1
+    return levels
+
+
+def _load_level_keys(items) -> None:
+    """Put the level keys that ``items`` ([(key, int32 words)]) need, and do not hold yet, on
+    the words' devices: one host-to-device copy per device for all of them.  The fused kernel's
+    int32 form of each key is recorded alongside (no conversion pass per key)."""
+    import torch
+
+    want: dict = {}  # device -> [(key, level)]
+    for key, words in items:
+        dev = words.device
+        for level in range(tree_levels(words.numel())):
+            if (level, str(dev)) not in key._tensors:
+                want.setdefault(dev, {})[(id(key), level)] = (key, level)
+    for dev, slots in want.items():
+        slots = list(slots.values())
+        if len(slots) == 1:  # nothing to batch
+            key, level = slots[0]
+            key.level_tensor(level, dev)
+            continue
+        for key, level in slots:
+            if not 0 <= level < key.levels:
+                raise ValueError(f"level {level} is out of range (input too large to hash with this key)")
+        size = KEY_WORDS * 4
+        blob = bytearray(b"".join(key.material[level * size : (level + 1) * size] for key, level in slots))
+        words32 = torch.frombuffer(blob, dtype=torch.int32).to(dev, non_blocking=True)  # uint32 words as int32
+        words64 = words32.to(torch.int64).bitwise_and_(_M32)  # the same words as values < 2**32
+        remember = device_key_words32(dev.type) if dev.type != "cpu" else None
+        for j, (key, level) in enumerate(slots):
+            k64 = words64[j * KEY_WORDS : (j + 1) * KEY_WORDS]
+            key._tensors[(level, str(dev))] = k64
+            if remember is not None:
+                remember(k64, words32[j * KEY_WORDS : (j + 1) * KEY_WORDS])
+
+
+#: rows hashed together by one upper level at most this many bytes of words (their int64
+#: temporaries are a few times that; above it each row is hashed alone)
+_ROWS_BYTES = 64 << 20
+
+
+def _nh_trees(items) -> list:
+    """The NH trees of ``items`` ([(int32 words, key, level-0 kernel or None)], keys already on
+    the device), left on the device: per item an int64 tensor of the two lanes."""
+    import torch
+
+    outs: list = [None] * len(items)
+    level_in = []  # (item index, the int32 words of the next level)
+    for idx, (words, key, kern) in enumerate(items):
+        k = key.level_tensor(0, words.device)
         out = kern(words, k) if kern is not None else nh_level(words, k)
         if words.numel() <= BLOCK:
-            return out
-        words = out.view(torch.int32)
+            outs[idx] = out
+        else:
+            level_in.append((idx, out.view(torch.int32)))
+    level = 1
+    while level_in:
+        by_device: dict = {}
+        for idx, w in level_in:
+            by_device.setdefault(str(w.device), []).append((idx, w))
+        level_in = []
+        for members in by_device.values():
+            dev = members[0][1].device
+            res = []  # (item index, words in, level output)
+            for bucket in _row_buckets(members):
+                if len(bucket) == 1:
+                    i, w = bucket[0]
+                    k = items[i][1].level_tensor(level, dev)
+                    kern = items[i][2]
+                    res.append((i, w.numel(), kern(w, k) if kern is not None else nh_level(w, k)))
+                    continue
+                ws = [w for _, w in bucket]
+                if all(w.numel() == ws[0].numel() for w in ws):
+                    stacked = torch.stack(ws)
+                else:  # shorter rows zero-padded: their extra blocks are computed and dropped
+                    stacked = torch.nn.utils.rnn.pad_sequence(ws, batch_first=True)
+                rows = _nh_rows(stacked, torch.stack([items[i][1].level_tensor(level, dev) for i, _ in bucket]))
+                for r, (i, w) in enumerate(bucket):
+                    res.append((i, w.numel(), rows[r, : 2 * max(1, -(-w.numel() // BLOCK))]))
+            for i, n, out in res:
+                if n <= BLOCK:
+                    outs[i] = out
+                else:
+                    level_in.append((i, out.view(torch.int32)))
         level += 1
+    return outs
+
+
+def _row_buckets(members):
+    """``members`` ([(index, int32 words)]) in buckets hashed together by :func:`_nh_rows`:
+    longest first, each bucket's rows padded to its longest at most ``_ROWS_BYTES`` in all;
+    a row too long for that is a bucket of its own."""
+    members = sorted(members, key=lambda m: -m[1].numel())
+    buckets, cur, longest = [], [], 0
+    for m in members:
+        n = m[1].numel()
+        if 8 * n > _ROWS_BYTES:
+            buckets.append([m])
+            continue
+        if cur and 4 * longest * (len(cur) + 1) > _ROWS_BYTES:
+            buckets.append(cur)
+            cur = []
+        if not cur:
+            longest = n
+        cur.append(m)
+    if cur:
+        buckets.append(cur)
+    return buckets
+
+
+def _nh_rows(words, keys):
+    """:func:`nh_level` of each row of ``words`` (int32 ``[R, n]``) under the matching row of
+    ``keys`` (int64 ``[R, KEY_WORDS]``) → int64 ``[R, 2 * nblocks]``, in one set of ops."""
+    import torch
+
+    rows, n = words.shape
+    nblocks = max(1, -(-n // BLOCK))
+    if n != nblocks * BLOCK:  # the zero-padded last block
+        padded = torch.zeros((rows, nblocks * BLOCK), dtype=torch.int32, device=words.device)
+        padded[:, :n] = words
+        words = padded
+    x = words.contiguous().view(torch.int64).view(rows, nblocks, BLOCK // 2)
+    lo = x & _M32
+    hi = (x >> 32) & _M32
+    ke, ko = keys[:, 0:BLOCK:2].unsqueeze(1), keys[:, 1:BLOCK:2].unsqueeze(1)
+    ke2, ko2 = keys[:, SHIFT : SHIFT + BLOCK : 2].unsqueeze(1), keys[:, SHIFT + 1 : SHIFT + BLOCK : 2].unsqueeze(1)
+    a = ((lo + ke) & _M32).mul_((hi + ko) & _M32).sum(2)
+    b = ((lo + ke2) & _M32).mul_((hi + ko2) & _M32).sum(2)
+    return torch.stack((a, b), 2).view(rows, -1)
 
 
 _LEVEL1: dict = {}
+_KEY_WORDS32: dict = {}
+
+
+def device_key_words32(device_type: str):
+    """The backend's ``remember_key_words32(key64, words32)`` (its level-1 kernel reads a key's
+    words as int32; told them up front it skips converting each new key), or None."""
+    if device_type not in _KEY_WORDS32:
+        _KEY_WORDS32[device_type] = _backend_checksum_attr(device_type, "remember_key_words32")
+    return _KEY_WORDS32[device_type]
+
+
+def _backend_checksum_attr(device_type: str, name: str):
+    import importlib
+
+    from .platform import accelerated_module
+
+    mod = accelerated_module(device_type, "checksum")
+    if mod is None:
+        return None
+    try:
+        return getattr(importlib.import_module(mod), name, None)
+    except ImportError:
+        return None
 
 
 def device_level1(device_type: str) -> Optional[Level1]:
     """The fused level-1 kernel the backend of ``device_type`` ships (``nh_level1`` in its
     ``checksum`` module), or None (then the torch ops above run on the device)."""
     if device_type not in _LEVEL1:
-        import importlib
-
-        from .platform import accelerated_module
-
-        fn = None
-        mod = accelerated_module(device_type, "checksum")
-        if mod is not None:
-            try:
-                fn = getattr(importlib.import_module(mod), "nh_level1", None)
-            except ImportError:
-                fn = None
-        _LEVEL1[device_type] = fn
+        _LEVEL1[device_type] = _backend_checksum_attr(device_type, "nh_level1")
     return _LEVEL1[device_type]
 
 

@@ -171,3 +171,11 @@ def warm_up(device) -> bool:
     key = HashKey.new().level_tensor(0, device)
     w = torch.arange(3 * BLOCK + 5, dtype=torch.int32, device=device) * 7919
     return torch.equal(nh_level1(w, key), nh_level(w, key))
+
+
+def remember_key_words32(key, words32) -> None:
+    """Record ``words32`` (int32, the key's device) as the low words of the int64 level key
+    ``key`` — what :func:`_key_words32` would compute — so a key made in a batch
+    (``keyed_hash._load_level_keys``) needs no conversion pass of its own."""
+    kid = id(key)
+    _key32[kid] = (weakref.ref(key, lambda _r, kid=kid: _key32.pop(kid, None)), key._version, words32)
