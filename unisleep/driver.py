@@ -44,6 +44,12 @@ class SaveJob:
     region: Region
     ranges: list[tuple[int, int]]
     skip_copy: bool = False  # backup already holds identical bytes
+    #: the lifecycle asks for the keyed digest of the whole region under a fresh key (the proof
+    #: a later sleep checks to skip the copy); :meth:`Driver.take_digests` fills ``digest_key``
+    #: and ``digest``
+    want_digest: bool = False
+    digest_key: Any = None
+    digest: Any = None
 
 
 @dataclass
@@ -180,6 +186,24 @@ class Driver(abc.ABC):
 
         return digest_many(srcs, keys)
 
+    #: True when :meth:`suspend` itself calls :meth:`take_digests`, once the backup copies are
+    #: queued (the digests then run while the copies do); else the lifecycle calls it first
+    digests_during_copies = False
+
+    def take_digests(self, saves: list[SaveJob]) -> None:
+        """For every job that wants one, a fresh key and the keyed digest of its whole region
+        under it (``job.digest_key``, ``job.digest``), in one batch; runs before any of those
+        regions is released."""
+        from .keyed_hash import HashKey
+
+        jobs = [j for j in saves if j.want_digest and j.digest is None]
+        if jobs:
+            for j in jobs:
+                j.digest_key = HashKey.new(j.region.size)
+            views = [self.view(j.region.va, j.region.size) for j in jobs]
+            for job, d in zip(jobs, self.keyed_digests(views, [j.digest_key for j in jobs])):
+                job.digest = d
+
     @property
     def torch_device(self):
         import torch
@@ -207,6 +231,7 @@ class Driver(abc.ABC):
         copy is complete, and discarded regions once every copy is).
         """
         tr = _Trace("suspend")
+        self.take_digests(saves)  # a no-op when the lifecycle took them already
         copied = 0
         for job in saves:
             if job.skip_copy:

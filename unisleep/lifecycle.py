@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Sequence
 
-from .driver import BackupStore, Driver, RestoreJob, SaveJob
+from .driver import BackupStore, Driver, RestoreJob, SaveJob, _Trace
 from .errors import (
     BackupCorruptError,
     BackupError,
@@ -463,7 +463,9 @@ class MemoryLifecycle:
                         f"Wake it first (wake_up([{tag!r}])) — nothing was changed."
                     )
             t0 = time.perf_counter()
+            tr = _Trace("sleep")
             saves, discards = self._plan_sleep(plan)
+            tr.mark("plan + unchanged check")
             need = sum(n for j in saves if not j.skip_copy for _, n in j.ranges)
             retained = sum(n for j in saves if j.skip_copy for _, n in j.ranges)
             for job in saves:  # a retained backup of bytes that changed since is stale: its room
@@ -475,12 +477,16 @@ class MemoryLifecycle:
                 self._forget_pending(saves)
                 raise
             reserved = self._reserve(saves)
+            tr.mark("reserve")
             hooks_ran = False
             try:
                 for hook in self._before_sleep:
                     hooks_ran = True
                     hook(level, sorted(plan))
+                if not self._driver.digests_during_copies:
+                    self._driver.take_digests(saves)
                 released, copied = self._driver.suspend(saves, discards, self._store)
+                tr.mark("suspend")
             except BaseException as e:
                 self._undo_sleep(saves, discards, reserved, sorted(plan) if hooks_ran else None)
                 self._forget_pending(saves)
@@ -490,7 +496,8 @@ class MemoryLifecycle:
             for job in saves:
                 a = self._allocs[job.key]
                 a.saved = list(job.ranges)
-                a.digest, a.pending_digest = a.pending_digest, None
+                a.digest = (job.digest_key, job.digest) if job.digest is not None else a.pending_digest
+                a.pending_digest = None
                 a.corrupt = False
             for region in discards:
                 a = self._by_va[region.va]
@@ -507,6 +514,8 @@ class MemoryLifecycle:
                 )
             if retained:
                 log.debug("skipped copying %d unchanged bytes", retained)
+            tr.mark("bookkeeping")
+            tr.done(copied)
             return self._done(rep)
 
     def discard(self, tags: Iterable[str]) -> Report:
@@ -914,32 +923,26 @@ class MemoryLifecycle:
                     saves.append(SaveJob(a.id, a.region, keep))
                 else:
                     discards.append(a.region)
-        skip = self._unchanged(offloads) if self._driver.retain_backups else set()
+        retain = self._driver.retain_backups
+        skip = self._unchanged(offloads) if retain else set()
         for a in offloads:
-            saves.append(SaveJob(a.id, a.region, [(0, a.region.size)], skip_copy=a.id in skip))
+            copy = a.id not in skip
+            saves.append(SaveJob(a.id, a.region, [(0, a.region.size)], skip_copy=not copy, want_digest=retain and copy))
         return saves, discards
 
     def _unchanged(self, allocs: list) -> set:
         """Ids of the allocations whose bytes equal their retained full backup, proven by the
-        keyed digest under that backup's key; every other one gets a fresh key and the digest
-        of its bytes now, for the backup about to be written (``pending_digest``).  All digests
-        of one sleep are taken in two batches (one device wait each)."""
-        from .keyed_hash import HashKey
-
-        views = {a.id: self._driver.view(a.region.va, a.region.size) for a in allocs}
+        keyed digest under that backup's key (one batch, one device wait); those keep their
+        digest (``pending_digest``).  Every other one is copied, and its save job gets a fresh
+        key: the driver digests it while the copies run (:meth:`Driver.take_digests`)."""
         retained = [a for a in allocs if a.digest is not None and a.saved == [(0, a.region.size)] and not a.corrupt]
         same = set()
         if retained:
-            now = self._driver.keyed_digests([views[a.id] for a in retained], [a.digest[0] for a in retained])
+            views = [self._driver.view(a.region.va, a.region.size) for a in retained]
+            now = self._driver.keyed_digests(views, [a.digest[0] for a in retained])
             same = {a.id for a, d in zip(retained, now) if d == a.digest[1]}
         for a in allocs:
-            if a.id in same:
-                a.pending_digest = a.digest
-        fresh = [a for a in allocs if a.id not in same]
-        if fresh:
-            keys = [HashKey.new() for _ in fresh]
-            for a, key, d in zip(fresh, keys, self._driver.keyed_digests([views[a.id] for a in fresh], keys)):
-                a.pending_digest = (key, d)
+            a.pending_digest = a.digest if a.id in same else None
         return same
 
     def _ensure_backup_fits(self, need: int, keep_ids: set[int]) -> None:
