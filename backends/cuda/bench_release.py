@@ -1,0 +1,129 @@
+"""What giving device memory back costs, per call: ``cuMemUnmap`` + ``cuMemRelease`` of the
+regions a sleep discards, in vLLM's layout (32 weight tensors of 256 MiB + 16 KV tensors of
+1 GiB, one region each) and in a few large regions (8 GiB + 16 GiB in 1 GiB chunks), one
+region after another, all unmaps then all releases, and spread over threads.
+
+    PYTHONPATH=. python3 -m unisleep.backends.cuda.bench_release --out result.json
+
+Each figure is the median of ``--repeat`` rounds; every round checks with ``cuMemGetInfo`` that
+the memory came back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import threading
+import time
+
+MiB, GiB = 1 << 20, 1 << 30
+LAYOUTS = {
+    "vllm (32 x 256 MiB + 16 x 1 GiB regions)": [256 * MiB] * 32 + [GiB] * 16,
+    "two regions (8 GiB + 16 GiB, 1 GiB chunks)": [8 * GiB, 16 * GiB],
+}
+
+
+def _release_serial(drv, regions, _threads):
+    for r in regions:
+        r.release(drv)
+
+
+def _release_phased(drv, regions, _threads):
+    from . import cu
+
+    cu.ensure_context(drv.device)
+    chunks = [(r, c) for r in regions for c in r.chunks if c.handle is not None]
+    for r, c in chunks:
+        drv.unmap(r.va + c.offset, c.size)
+    for _r, c in chunks:
+        drv.release(c.handle)
+        c.handle = None
+
+
+def _release_threads(drv, regions, threads):
+    from . import cu
+
+    chunks = [(r, c) for r in regions for c in r.chunks if c.handle is not None]
+    errors = []
+
+    def work(part):
+        try:
+            cu.ensure_context(drv.device)
+            for r, c in part:
+                r.release_chunk(drv, c)
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    ts = [threading.Thread(target=work, args=(chunks[i::threads],)) for i in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
+MODES = {"one after another": (_release_serial, 1), "unmap all, then release all": (_release_phased, 1),
+         "2 threads": (_release_threads, 2), "4 threads": (_release_threads, 4)}
+
+
+def run(repeat: int = 3) -> dict:
+    import torch
+
+    from unisleep.region import Region
+
+    from .driver import CudaDriver
+
+    drv = CudaDriver(torch.cuda.current_device())
+    out = {}
+    for lname, layout in LAYOUTS.items():
+        for mname, (fn, threads) in MODES.items():
+            times, freed_ok = [], True
+            for _ in range(repeat):
+                regions = [Region.allocate(drv, n, drv.default_chunk_bytes) for n in layout]
+                for r in regions:
+                    drv.zero(r.va, r.size)  # touched, as a model's memory is
+                drv.synchronize()
+                free0 = drv.memory_info()[0]
+                t0 = time.perf_counter()
+                fn(drv, regions, threads)
+                dt = time.perf_counter() - t0
+                freed = drv.memory_info()[0] - free0
+                freed_ok &= freed >= 0.99 * sum(layout)
+                times.append(dt)
+                for r in regions:
+                    r.free(drv)
+            key = f"{lname}: {mname}"
+            out[key] = {"median_s": statistics.median(times), "min_s": min(times),
+                        "chunks": sum(len(r_chunks(n, drv)) for n in layout),
+                        "freed_ok": freed_ok}
+            print(f"{key:75s} {1e3 * out[key]['median_s']:7.2f} ms  (chunks {out[key]['chunks']}, freed {freed_ok})",
+                  flush=True)
+    return out
+
+
+def r_chunks(n, drv):
+    from unisleep.region import chunk_sizes, round_up
+
+    return chunk_sizes(round_up(n, drv.granularity()), drv.default_chunk_bytes, drv.granularity())
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--out")
+    args = ap.parse_args(argv)
+    import torch
+
+    res = {"machine": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "figures": run(args.repeat)}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
