@@ -54,9 +54,10 @@ def test_three_level_tree_equals_the_definition(key):
 
 
 def test_a_batch_equals_each_digest_alone():
-    # equal lengths share the upper levels' ops (rows), other lengths are hashed alone; every
-    # key's level tensors arrive in one copy: each digest must still be its own definition
-    sizes = [0, 5, 8192, 3 * 8192 + 5, 3 * 8192 + 5, 40000, (512 * BLOCK + 17) * 4, (512 * BLOCK + 17) * 4]
+    # the upper levels of many inputs run as rows of one set of ops (shorter rows zero-padded),
+    # every key's level tensors arrive in one copy: each digest must still be its own definition
+    sizes = [0, 5, 8192, 3 * 8192 + 5, 3 * 8192 + 5, 40000, (512 * BLOCK + 17) * 4, (512 * BLOCK + 17) * 4,
+             (530 * BLOCK + 3) * 4]  # three levels, another length: padded into the same rows
     datas = [os.urandom(n) for n in sizes]
     keys = [HashKey.new() for _ in sizes]
     tensors = [torch.frombuffer(bytearray(d), dtype=torch.uint8) if d else torch.empty(0, dtype=torch.uint8)

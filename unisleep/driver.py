@@ -194,15 +194,27 @@ class Driver(abc.ABC):
         """For every job that wants one, a fresh key and the keyed digest of its whole region
         under it (``job.digest_key``, ``job.digest``), in one batch; runs before any of those
         regions is released."""
-        from .keyed_hash import HashKey
+        self.start_digests(saves)()
+
+    def start_digests(self, saves: list[SaveJob]):
+        """:meth:`take_digests` in two steps: queue the device work now (keys drawn and sent,
+        kernels launched on the current stream) and return the function that waits for it and
+        fills the jobs.  The regions may be released only once the device has run the queued
+        work (the caller waits for an event recorded after this call, or calls the function)."""
+        from .keyed_hash import HashKey, start_digests
 
         jobs = [j for j in saves if j.want_digest and j.digest is None]
-        if jobs:
-            for j in jobs:
-                j.digest_key = HashKey.new(j.region.size)
-            views = [self.view(j.region.va, j.region.size) for j in jobs]
-            for job, d in zip(jobs, self.keyed_digests(views, [j.digest_key for j in jobs])):
+        if not jobs:
+            return lambda: None
+        for j in jobs:
+            j.digest_key = HashKey.new(j.region.size)
+        pending = start_digests([self.view(j.region.va, j.region.size) for j in jobs], [j.digest_key for j in jobs])
+
+        def finish() -> None:
+            for job, d in zip(jobs, pending.result()):
                 job.digest = d
+
+        return finish
 
     @property
     def torch_device(self):

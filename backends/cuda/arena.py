@@ -10,6 +10,7 @@ segment) overlaps with the copies already queued.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import logging
 import os
@@ -205,16 +206,16 @@ class PinnedArena(BackupStore):
 
     def _release(self, extents) -> None:
         for si, off, n in extents:
-            seg = self._segs[si]
-            seg.free.append((off, n))
-            seg.free.sort()
-            merged = []
-            for o, s in seg.free:
-                if merged and merged[-1][0] + merged[-1][1] == o:
-                    merged[-1] = (merged[-1][0], merged[-1][1] + s)
-                else:
-                    merged.append((o, s))
-            seg.free = merged
+            free = self._segs[si].free  # sorted, adjacent ranges merged
+            i = bisect.bisect_left(free, (off, n))
+            if i > 0 and free[i - 1][0] + free[i - 1][1] == off:  # joins the range before
+                i -= 1
+                off, n = free[i][0], free[i][1] + n
+                del free[i]
+            if i < len(free) and off + n == free[i][0]:  # joins the range after
+                n += free[i][1]
+                del free[i]
+            free.insert(i, (off, n))
 
     # ---- copies ------------------------------------------------------------------------
     def stream(self):

@@ -227,6 +227,8 @@ class CudaDriver(Driver):
         while the copies run (``release_discards_during_copies``, the speed of the pipelined
         sleep) or, when that is False, only once every copy is complete.
         """
+        import torch
+
         self.synchronize()  # nothing in flight may touch memory we are about to unmap
         if not isinstance(store, PinnedArena):
             return super().suspend(saves, discards, store)
@@ -245,8 +247,12 @@ class CudaDriver(Driver):
                         tracked.append((job, marks))
                     copied += n
             tr.mark("queue copies")
-            self.take_digests(saves)  # on the compute stream, while the copy engine works
-            tr.mark("digests")
+            # the digests run on the compute stream while the copy engine works; their values
+            # are read once the copies are done (a read now would queue behind them)
+            finish_digests = self.start_digests(saves)
+            digests_run = torch.cuda.Event()
+            digests_run.record(torch.cuda.current_stream(self.device))
+            tr.mark("queue digests")
         except BaseException:
             try:
                 store.abandon([key for key, _ in pieces])
@@ -255,8 +261,9 @@ class CudaDriver(Driver):
             raise
         # ---- the release point: from here on memory is handed back
         early = self.release_discards_during_copies
-        released = sum(r.release(self) for r in discards) if early else 0
+        released = self._release_regions(discards) if early else 0
         tr.mark("release discarded")
+        digests_run.synchronize()  # the digest kernels have read every saved region
         for job, marks in tracked:
             for c in job.region.chunks:
                 end = c.offset + c.size
@@ -267,12 +274,39 @@ class CudaDriver(Driver):
         store.flush()
         self.synchronize()
         if not early:  # every copy is complete now
-            released += sum(r.release(self) for r in discards)
-        for job in saves:
-            released += job.region.release(self)
+            released += self._release_regions(discards)
+        released += self._release_regions([job.region for job in saves])
         tr.mark("release the rest")
+        try:
+            finish_digests()
+        except Exception as e:  # the backups are complete; without a digest the next sleep copies
+            log.warning("reading the digests of the backed-up memory failed (%s); the next sleep copies it all", e)
+            for job in saves:
+                job.digest = None
+        tr.mark("read digests")
         tr.done(copied)
         return released, copied
+
+    def _release_regions(self, regions) -> int:
+        """Unmap and release every mapped chunk of ``regions`` (the context made current once,
+        not per call); returns bytes released."""
+        cu.ensure_context(self.device)
+        cuda, released = self._cu, 0
+        for r in regions:
+            for c in r.chunks:
+                h = c.handle
+                if h is None:
+                    continue
+                (err,) = cuda.cuMemUnmap(r.va + c.offset, c.size)
+                if int(err) != 0:
+                    raise cu.CudaError("cuMemUnmap", err)
+                (err,) = cuda.cuMemRelease(h.handle)
+                h.handle = None
+                c.handle = None
+                if int(err) != 0:
+                    raise cu.CudaError("cuMemRelease", err)
+                released += h.size
+        return released
 
     # ---- framework allocations ---------------------------------------------------------
     @contextlib.contextmanager
