@@ -249,13 +249,11 @@ def nh_lanes_many(srcs, keys, level1: Optional[Level1] = None):
 
     if len(srcs) != len(keys):
         raise ValueError("nh_lanes_many needs one key per tensor")
-    items = []
+    out = []
     for src, key in zip(srcs, keys):
         if src.dtype != torch.uint8 or src.dim() != 1:
             src = src.reshape(-1).view(torch.uint8)
-        items.append((_words(src), key, _level1_for(src, level1)))
-    _load_level_keys([(key, words) for words, key, _ in items])
-    out = _nh_trees(items)
+        out.append(_nh_lanes(src, key, _level1_for(src, level1)))
     return torch.cat(out) if len(out) > 1 else out[0]
 
 
@@ -263,6 +261,27 @@ def _level1_for(src, level1: Optional[Level1]) -> Optional[Level1]:
     if level1 is not None:
         return level1
     return device_level1(src.device.type) if src.device.type != "cpu" else None
+
+
+def _nh_lanes(src, key: HashKey, kern: Optional[Level1]):
+    """The NH tree of a uint8 tensor, left on its device: an int64 tensor of the two lanes."""
+    import torch
+
+    nbytes = src.numel()
+    if nbytes and src.data_ptr() % 8:  # the word views below need 8-byte alignment
+        src = src.clone()
+    if nbytes % 8:
+        pad = torch.zeros(8 - nbytes % 8, dtype=torch.uint8, device=src.device)
+        src = torch.cat((src, pad))
+    words = src.view(torch.int32) if src.numel() else torch.zeros(2, dtype=torch.int32, device=src.device)
+    level = 0
+    while True:
+        k = key.level_tensor(level, words.device)
+        out = kern(words, k) if kern is not None else nh_level(words, k)
+        if words.numel() <= BLOCK:
+            return out
+        words = out.view(torch.int32)
+        level += 1
 
 
 def _words(src):
