@@ -122,6 +122,17 @@ class Driver(abc.ABC):
     #: what the last sleep kept instead of returning to the device ({"bytes", "regions",
     #: "reason"}), e.g. ROCm reservations it could not safely give back; None when nothing
     last_sleep_kept: Optional[dict] = None
+    #: progressive wake (:mod:`unisleep.progressive`): the most bytes of one step, so the
+    #: caller's work waits on finer pieces than the mapping chunks; None = one step per chunk
+    progressive_piece: Optional[int] = None
+    #: called as ``restore_hook(va, nbytes)`` by a progressive wake just before each step's
+    #: restore is queued, inside :meth:`progressive_context` (on the copy stream where the
+    #: backend has one): tracing, or delaying copies to test that nothing runs ahead of them
+    restore_hook = None
+    #: called as ``backup_hook(va, nbytes)`` by a sleep after each piece is backed up and
+    #: before it is released, where the backend pipelines them (host): tracing, or delaying a
+    #: background sleep to test the guards
+    backup_hook = None
 
     def __init__(self, device: int = 0, **options: Any):
         self.device = device
@@ -232,6 +243,29 @@ class Driver(abc.ABC):
 
     def close(self) -> None:
         pass
+
+    # ---- progressive wake: the copy context and fences (defaults: synchronous copies) ----
+    @contextlib.contextmanager
+    def progressive_context(self, store: "BackupStore") -> Iterator[None]:
+        """Entered by the progressive wake's worker thread around its steps (e.g. make the
+        backup store's copy stream current there).  Default: nothing."""
+        yield
+
+    def fence(self) -> Any:
+        """A marker of the work queued so far in :meth:`progressive_context` (a device
+        event); None when that work is already complete (synchronous copies)."""
+        return None
+
+    def fence_wait(self, fence) -> None:
+        """Make the caller's later work (its current stream) wait for ``fence`` without
+        blocking the host where the device can wait by itself."""
+        self.fence_sync(fence)
+
+    def fence_done(self, fence) -> bool:
+        return True
+
+    def fence_sync(self, fence) -> None:
+        """Block the calling thread until ``fence`` is complete."""
 
     # ---- composite operations (a backend may pipeline these) -------------------------
     def suspend(self, saves: list[SaveJob], discards: list[Region], store: BackupStore) -> tuple[int, int]:

@@ -49,6 +49,12 @@ class InsufficientMemoryError(UnisleepError):
     before anything is committed."""
 
 
+class CopyInFlightError(InvalidTransitionError):
+    """A progressive wake or a background sleep is still copying the memory this call would
+    touch (wake, sleep, discard or allocate into a tag whose copy is in flight).  Nothing was
+    changed; ``MemoryLifecycle.wait()`` waits for the copies, then call again."""
+
+
 class UnsupportedError(UnisleepError):
     """The operation does not exist on this platform or backend; the message names the
     alternative."""

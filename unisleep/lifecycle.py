@@ -27,6 +27,7 @@ from .errors import (
     BackupCorruptError,
     BackupError,
     BackupLostError,
+    CopyInFlightError,
     HostBudgetError,
     InsufficientMemoryError,
     InvalidArgumentError,
@@ -41,6 +42,7 @@ from .units import human_bytes
 log = logging.getLogger("unisleep")
 
 AWAKE, OFFLOADED, DISCARDED, LOST = "awake", "offloaded", "discarded", "lost"
+WAKING, SLEEPING = "waking", "sleeping"  # a progressive wake / background sleep is copying
 LEVELS = (1, 2)
 _ALIGN = 512  # byte alignment of tensors packed into one region by adopt()
 
@@ -163,10 +165,15 @@ class MemoryLifecycle:
         self.last_report: Optional[Report] = None
         self._before_sleep: list = []
         self._after_wake: list = []
+        # the progressive wake or background sleep in flight (unisleep.progressive), in a list
+        # the finalizer shares so it can wait for it
+        self._flight: list = [None]
+        self._flight_error: Optional[BaseException] = None
         # runs once: at close(), when the lifecycle is collected, or at interpreter exit
         # (weakref.finalize's own exit hook: no per-lifecycle atexit entry)
         self._finalizer = weakref.finalize(
-            self, MemoryLifecycle._finalize, self._driver, self._store, self._allocs, self._lock, self._shut
+            self, MemoryLifecycle._finalize, self._driver, self._store, self._allocs, self._lock, self._shut,
+            self._flight,
         )
 
     # ------------------------------------------------------------------ introspection
@@ -183,6 +190,7 @@ class MemoryLifecycle:
         awake tag is checked against what the driver holds: one whose memory is not all mapped
         is reported (and recorded) as ``"lost"``, never as awake."""
         with self._lock:
+            self._settle_flight()
             for tag in {a.tag for a in self._allocs.values() if self._tags.get(a.tag) == AWAKE and not a.region.mapped}:
                 log.error("tag %r was recorded awake but its memory is not mapped: marked lost", tag)
                 self._tags[tag] = LOST
@@ -200,6 +208,22 @@ class MemoryLifecycle:
 
     def resident_bytes(self, tag: Optional[str] = None) -> int:
         """Physical bytes the backend holds now, read from the backend (not from bookkeeping)."""
+        from .progressive import BackgroundSleep
+
+        f = self._flight[0]
+        if isinstance(f, BackgroundSleep) and not f.done:  # its copies hold the lock: read without it
+            if tag is not None:
+                self._check_tags([tag])
+            total = 0
+            for a in list(self._allocs.values()):
+                if tag in (None, a.tag):
+                    for c in list(a.region.chunks):
+                        h = c.handle
+                        try:
+                            total += self._driver.physical_bytes(h) if h is not None else 0
+                        except OSError:  # released under us
+                            pass
+            return total
         with self._lock:
             if tag is not None:
                 self._check_tags([tag])
@@ -417,7 +441,8 @@ class MemoryLifecycle:
 
     # ------------------------------------------------------------------ sleep / wake
     def sleep(
-        self, level: int = 1, *, offload_tags: Optional[Iterable[str]] = None, tags: Optional[Iterable[str]] = None
+        self, level: int = 1, *, offload_tags: Optional[Iterable[str]] = None, tags: Optional[Iterable[str]] = None,
+        background: bool = False,
     ) -> Report:
         """Release memory.  Level 1 backs up ``"weights"`` (and ``offload_tags``) and discards the
         rest; level 2 discards everything but preserved parameters (and ``offload_tags``).
@@ -427,18 +452,27 @@ class MemoryLifecycle:
         Transactional: all the room the backup needs is taken first; if anything fails (no
         room, ENOSPC, EIO, a read-only spill directory, a driver error, a hook raising), every
         tag is put back as it was — mapped, bytes exact — the partial backup is removed, and
-        :class:`~unisleep.errors.BackupError` says what failed where."""
+        :class:`~unisleep.errors.BackupError` says what failed where.
+
+        ``background=True`` returns as soon as the discarded tags (the KV cache) are released;
+        the backed-up tags are ``"sleeping"`` while their copies finish behind the call (a worker
+        thread runs the same transactional sleep for them), ``wait()`` waits for it and raises
+        its error, if any (the backed-up tags are then awake again, bytes exact)."""
         if not _is_int(level) or level not in LEVELS:
             raise InvalidArgumentError(f"sleep level must be the int 1 or 2, got {level!r}")
+        if not isinstance(background, bool):
+            raise InvalidArgumentError(f"background must be True or False, got {background!r}")
         offload = set(_as_tag_list(offload_tags, "offload_tags")) if offload_tags is not None else set()
         only = set(_as_tag_list(tags, "tags")) if tags is not None else None
         if only is not None and not offload <= only:
             raise InvalidArgumentError(
                 f"offload_tags {sorted(offload - only)} are not among tags {sorted(only)}; add them to tags"
             )
+        self._refuse_in_flight(only, "sleep")
         with self._lock:
             self._check_open()
             self._check_tags(offload if only is None else only)
+            self._refuse_in_flight(only, "sleep")
             self.state()  # an awake tag that lost its mapping is reported as lost
             plan: dict[str, str] = {}
             settle: dict[str, str] = {}  # corrupt / lost tags that become discarded (no memory moves)
@@ -462,7 +496,14 @@ class MemoryLifecycle:
                         f"tag {tag!r} is already asleep as {cur!r}; a level-{level} sleep would make it {want!r}. "
                         f"Wake it first (wake_up([{tag!r}])) — nothing was changed."
                     )
-            t0 = time.perf_counter()
+            if background:
+                return self._sleep_background(level, plan, settle)
+            return self._sleep_core(level, plan, settle)
+
+    def _sleep_core(self, level: int, plan: dict, settle: dict, run_hooks: bool = True, t0=None) -> Report:
+        """The transactional sleep of the tags in ``plan`` (validated by :meth:`sleep`)."""
+        if True:
+            t0 = time.perf_counter() if t0 is None else t0
             tr = _Trace("sleep")
             saves, discards = self._plan_sleep(plan)
             tr.mark("plan + unchanged check")
@@ -480,7 +521,7 @@ class MemoryLifecycle:
             tr.mark("reserve")
             hooks_ran = False
             try:
-                for hook in self._before_sleep:
+                for hook in self._before_sleep if run_hooks else ():
                     hooks_ran = True
                     hook(level, sorted(plan))
                 if not self._driver.digests_during_copies:
@@ -518,14 +559,58 @@ class MemoryLifecycle:
             tr.done(copied)
             return self._done(rep)
 
+    def _sleep_background(self, level: int, plan: dict, settle: dict) -> Report:
+        """Release the tags that are only discarded now; copy the others out behind the call."""
+        from .progressive import BackgroundSleep
+
+        t0 = time.perf_counter()
+        now = {t for t, want in plan.items() if want == DISCARDED
+               and not any(self._preserved_ranges(a) for a in self._allocs.values() if a.tag == t)}
+        later = {t: want for t, want in plan.items() if t not in now}
+        for hook in self._before_sleep:  # once, for every tag, before anything is released
+            hook(level, sorted(plan))
+        regions = [a.region for a in self._allocs.values() if a.tag in now]
+        released, _ = self._driver.suspend([], regions, self._store)
+        for a in self._allocs.values():
+            if a.tag in now:
+                self._drop_backup(a)
+        released += self._settle(settle)
+        for t in list(now) + list(settle):
+            self._tags[t] = DISCARDED
+        rep = Report(f"sleep(level={level}, background)", sorted(now | set(settle)), released, 0, time.perf_counter() - t0)
+        if not later:
+            return self._done(rep)
+        for t in later:
+            self._tags[t] = SLEEPING
+
+        def work():
+            with self._lock:
+                for t in later:
+                    self._tags[t] = AWAKE
+                try:
+                    return self._sleep_core(level, later, {}, run_hooks=False, t0=t0)
+                except BaseException:
+                    for t in later:  # put back awake (or lost) by the undo
+                        if self._tags.get(t) == SLEEPING:
+                            self._tags[t] = AWAKE
+                    raise
+
+        bg = BackgroundSleep(sorted(later), work)
+        self._flight[0] = bg
+        bg.start()  # its worker takes the lock once this call returns
+        rep.notes.append(f"tag(s) {', '.join(map(repr, sorted(later)))} are copied out behind this call; wait() waits")
+        return self._done(rep)
+
     def discard(self, tags: Iterable[str]) -> Report:
         """Release the memory of ``tags`` now, with no backup (e.g. the KV cache only).  An
         offloaded tag is refused (its backup would be lost) unless its backup failed
         verification or the tag is lost: then discarding it is the way out."""
         tags = _as_tag_list(tags, "tags")
+        self._refuse_in_flight(tags, "discard")
         with self._lock:
             self._check_open()
             self._check_tags(tags)
+            self._refuse_in_flight(tags, "discard")
             self.state()
             settle = {}
             for t in tags:
@@ -548,19 +633,31 @@ class MemoryLifecycle:
                 self._tags[t] = DISCARDED
             return self._done(Report("discard", todo + list(settle), released, 0, time.perf_counter() - t0))
 
-    def wake_up(self, tags: Optional[Iterable[str]] = None) -> Report:
+    def wake_up(self, tags: Optional[Iterable[str]] = None, *, progressive: bool = False, order=None):
         """Map memory back at the same addresses: all tags, or only ``tags`` (e.g. ``["weights"]``
         then ``["kv_cache"]``).  Waking an awake tag is a no-op.
+
+        ``progressive=True`` returns at once with a :class:`~unisleep.progressive.ProgressiveWake`:
+        the tags are ``"waking"`` while a worker maps and restores them piece by piece in the
+        order the model uses them (adoption order, or first the tensors of ``order``, a list of
+        modules or tensors); :meth:`ready` (or the hooks of :meth:`install_ready_hooks`) makes
+        the caller's work wait for the pieces it needs, :meth:`wait` for all of them.
 
         Backups are verified before their bytes are exposed: a tag whose backup fails (corrupt,
         truncated or missing spill file) is left ``"offloaded"`` with its memory unmapped and
         :class:`~unisleep.errors.BackupCorruptError` is raised after the other tags are woken."""
+        if not isinstance(progressive, bool):
+            raise InvalidArgumentError(f"progressive must be True or False, got {progressive!r}")
+        if tags is not None:
+            tags = _as_tag_list(tags, "tags")
+        self._refuse_in_flight(tags, "wake_up")
         with self._lock:
             self._check_open()
+            self._refuse_in_flight(tags, "wake_up")
+            self._settle_flight()
             if tags is None:
                 todo = [t for t, s in self._tags.items() if s != AWAKE]
             else:
-                tags = _as_tag_list(tags, "tags")
                 self._check_tags(tags)
                 todo = [t for t in tags if self._tags[t] != AWAKE]
             lost = [t for t in todo if self._tags[t] == LOST]
@@ -571,6 +668,8 @@ class MemoryLifecycle:
                     "nothing was changed.", tag=lost[0]
                 )
             t0 = time.perf_counter()
+            if progressive:
+                return self._wake_progressive(todo, order, t0)
             copied, woken, failures = 0, [], []
             by_tag = {tag: [a for a in self._allocs.values() if a.tag == tag] for tag in todo}
 
@@ -616,6 +715,118 @@ class MemoryLifecycle:
                 raise first
             return rep
 
+    # ------------------------------------------------------------------ progressive
+    def _wake_progressive(self, todo: list[str], order, t0: float):
+        from .progressive import ProgressiveWake, plan_steps
+
+        allocs = [a for t in todo for a in self._allocs.values() if a.tag == t]
+        steps = plan_steps(allocs, self._driver.progressive_piece, order)
+        pw = ProgressiveWake(self, todo, allocs, steps, t0)
+        pw.previous = {t: self._tags[t] for t in todo}
+        for t in todo:
+            self._tags[t] = WAKING
+        if not steps:
+            pw._finished.set()
+        self._flight[0] = pw
+        self._flight_error = None
+        pw.start() if steps else None
+        pw.returned_s = time.perf_counter() - t0
+        return pw
+
+    def ready(self, obj) -> None:
+        """Make the caller's later work wait until the tensors of ``obj`` (a module, a tensor,
+        or a list of tensors) are restored by the progressive wake in flight; a no-op when none
+        is (or it does not hold them).  Accelerators: the current stream waits on the device
+        (the host thread does not block); host: blocks until the bytes are read back and
+        verified.  Takes no lock: call it from the forward pass."""
+        from .progressive import ProgressiveWake
+
+        f = self._flight[0]
+        if isinstance(f, ProgressiveWake):
+            f.ready(obj)
+
+    def install_ready_hooks(self, model) -> list:
+        """Install a forward pre-hook on every module of ``model`` holding tensors of its own,
+        calling :meth:`ready` for them, so a forward pass right after a progressive wake waits,
+        layer by layer, for that layer's bytes only (a no-op when no wake is in flight).
+        Returns the handles (``h.remove()``)."""
+        from .progressive import install_ready_hooks
+
+        return install_ready_hooks(self, model)
+
+    def wait(self) -> Optional[Report]:
+        """Wait for the progressive wake or background sleep in flight, settle its tags and
+        return its report (None when nothing was in flight).  Raises its error, if it failed:
+        a failed progressive wake leaves its tags asleep as before (memory unmapped), a failed
+        background sleep leaves its tags awake with their bytes (or lost, as a plain sleep)."""
+        f = self._flight[0]
+        if f is not None:
+            f._complete()
+        with self._lock:
+            rep = self._settle_flight(block=True)
+            err, self._flight_error = self._flight_error, None
+            if err is not None:
+                raise err
+            return rep
+
+    def _refuse_in_flight(self, tags, what: str) -> None:
+        """Refuse, before anything changes, a call touching tags whose copies are in flight
+        (``tags`` None: every tag)."""
+        f = self._flight[0]
+        if f is None or f.done or f._settled:
+            return
+        hit = sorted(f.tags) if tags is None else sorted(set(tags) & set(f.tags))
+        if hit:
+            kind = "a progressive wake" if self._tags.get(hit[0]) == WAKING else "a background sleep"
+            raise CopyInFlightError(
+                f"{what}() touches tag(s) {', '.join(map(repr, hit))} while {kind} is still copying them; "
+                "call wait() first (or let the copies finish). Nothing was changed."
+            )
+
+    def _settle_flight(self, block: bool = False) -> Optional[Report]:
+        """Under the lock: end the progressive wake / background sleep whose copies are complete."""
+        from .progressive import ProgressiveWake
+
+        f = self._flight[0]
+        if f is None or f._settled:
+            return None
+        if not f.done:
+            if not block:
+                return None
+            f._complete()
+        f._settled = True
+        self._flight[0] = None
+        if not isinstance(f, ProgressiveWake):  # background sleep: its worker settled the tags
+            if f.error is not None:
+                self._flight_error = f.error
+                for hook in self._after_wake:  # its before_sleep hooks ran; the tags are back
+                    try:
+                        hook(list(f.tags))
+                    except Exception as e:  # pragma: no cover
+                        log.error("after_wake hook failed after a failed background sleep: %s", e)
+            return f.report
+        if f.error is not None:
+            for t in f.tags:
+                self._tags[t] = f.previous[t]
+            err = self._failed_wake(", ".join(f.tags), f._allocs, f.error)
+            self._flight_error = err
+            log.error("%s", err)
+            return None
+        copied = 0
+        for st in f.steps:
+            copied += sum(hi - lo for _, lo, hi in st.loads)
+        for a in f._allocs:
+            if not a.region.mapped:  # a chunk no step covered (cannot happen: every chunk has one)
+                a.region.map(self._driver)
+            self._after_restore(a)
+        for t in f.tags:
+            self._tags[t] = AWAKE
+        for hook in self._after_wake:
+            hook(list(f.tags))
+        rep = Report("wake_up(progressive)", list(f.tags), 0, copied, time.perf_counter() - f._t0)
+        rep.notes.append(f"returned after {1e3 * (f.returned_s or 0):.2f} ms; {len(f.steps)} steps")
+        return self._done(rep)
+
     # ------------------------------------------------------------------ close
     def close(self, *, strict: bool = False) -> None:
         """Free every region and backup.  Idempotent; also runs when the lifecycle is collected
@@ -627,7 +838,11 @@ class MemoryLifecycle:
         tensors stay reserved and inaccessible until they die: touching one faults
         (SIGSEGV on the host, an illegal-address error on a device) instead of reading or
         corrupting memory that a later allocation got.  ``close(strict=True)`` refuses instead,
-        with :class:`~unisleep.errors.LiveTensorsError` listing the live tags."""
+        with :class:`~unisleep.errors.LiveTensorsError` listing the live tags.  A progressive
+        wake or background sleep in flight is waited for first."""
+        f = self._flight[0]
+        if f is not None and not self._closed:
+            f._complete()
         with self._lock:
             if self._closed:
                 return
@@ -656,10 +871,16 @@ class MemoryLifecycle:
         self.close()
 
     @staticmethod
-    def _finalize(driver: Driver, store: BackupStore, allocs: dict, lock=None, shut=None) -> None:
+    def _finalize(driver: Driver, store: BackupStore, allocs: dict, lock=None, shut=None, flight=None) -> None:
         # at interpreter exit another (daemon) thread may be inside sleep/wake: wait for it to
         # finish instead of freeing memory under it; later calls then raise "closed"
         import sys
+
+        if flight and flight[0] is not None:  # a progressive wake's worker maps and copies without the lock
+            try:
+                flight[0]._finished.wait(60)
+            except Exception:  # pragma: no cover
+                pass
 
         locked = lock.acquire(timeout=60) if lock is not None else False
         exiting = sys.is_finalizing()
@@ -709,6 +930,11 @@ class MemoryLifecycle:
         _check_tag_name(tag)
         self._check_open()
         st = self._tags.get(tag, AWAKE)
+        if st in (WAKING, SLEEPING):
+            raise CopyInFlightError(
+                f"tag {tag!r} is {st} (its copies are in flight); call wait() before allocating into it. "
+                "Nothing was allocated."
+            )
         if st != AWAKE:
             raise InvalidTransitionError(
                 f"tag {tag!r} is asleep ({st}); wake it (wake_up([{tag!r}])) before allocating into it"

@@ -148,6 +148,8 @@ class HostDriver(Driver):
                     todo = list(region.chunks)
 
                     def written(end, todo=todo, region=region):
+                        if self.backup_hook is not None:
+                            self.backup_hook(region.va, end)
                         while todo and todo[0].offset + todo[0].size <= end:
                             releaser.submit(region.release_chunk, self, todo.pop(0))
 

@@ -1,0 +1,282 @@
+"""Progressive wake and background sleep: hide the bus behind the model's own work.
+
+A level-1 wake cannot copy 8 GiB faster than the bus allows, but a forward pass does not need all
+of it at once.  ``MemoryLifecycle.wake_up(tags, progressive=True)`` returns at once with a
+:class:`ProgressiveWake`: a worker thread maps the regions chunk by chunk and copies the backup
+back in the order the model uses it (the adoption order, or a given module order), one *step*
+at a time, each step with a fence (a device event on accelerators; on the host the step is
+complete — read back and checksum-verified — when its fence is set).  ``lc.ready(module)``
+makes the caller's later work wait for the steps holding that module's tensors only, and
+:meth:`ProgressiveWake.install_hooks` (``lc.install_ready_hooks(model)``) does it in a forward
+pre-hook of every module that holds tensors.
+
+:class:`BackgroundSleep` is the other direction: ``sleep(level, background=True)`` releases the
+discarded tags (the KV cache) before it returns and copies the backed-up tags out behind it.
+
+While either is in flight the tags involved are ``"waking"`` / ``"sleeping"`` in
+:meth:`~unisleep.lifecycle.MemoryLifecycle.state`; ``lc.wait()`` waits for the end, and a
+lifecycle call that would touch those tags (``sleep``, ``wake_up``, ``discard``, ``empty``,
+``adopt``) raises :class:`~unisleep.errors.CopyInFlightError` before anything changes.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from .errors import BackupError, InvalidArgumentError
+
+log = logging.getLogger("unisleep")
+
+
+@dataclass(eq=False)
+class Step:
+    """One piece of a progressive wake: bytes ``[lo, hi)`` of an allocation's region."""
+
+    index: int
+    alloc: Any  # lifecycle Allocation
+    lo: int
+    hi: int
+    chunks: list  # region chunks overlapping [lo, hi): mapped before the step's copy is queued
+    loads: list  # [(saved_offset, lo, hi)] region-relative ranges restored from the backup
+    zero: bool  # zero [lo, hi) first (bytes not in the backup come back zeroed)
+    fence: Any = None
+    error: Optional[BaseException] = None
+    queued: threading.Event = field(default_factory=threading.Event)
+
+
+def _tensors(obj, recurse: bool = True) -> list:
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, torch.nn.Module):
+        return list(obj.parameters(recurse=recurse)) + list(obj.buffers(recurse=recurse))
+    try:
+        return [t for t in obj if isinstance(t, torch.Tensor)]
+    except TypeError:
+        raise InvalidArgumentError(
+            f"ready()/order take an nn.Module, a tensor or a list of tensors, got {type(obj).__name__}"
+        ) from None
+
+
+def _span(t) -> tuple[int, int]:
+    """(first byte address, bytes) a tensor touches, strides included."""
+    if t.numel() == 0:
+        return t.data_ptr(), 0
+    extent = 1 + sum((s - 1) * st for s, st in zip(t.size(), t.stride()) if s > 0)
+    return t.data_ptr(), extent * t.element_size()
+
+
+def plan_steps(allocs: list, piece: Optional[int], order=None) -> list[Step]:
+    """The steps of a progressive wake of ``allocs`` (each Allocation's ``saved`` ranges come
+    from the backup, the rest is zeroed): a step never crosses a mapping chunk and is at most
+    ``piece`` bytes; steps come in region-offset order (the adoption order), or first those
+    holding the tensors of ``order`` (a list of modules/tensors, in use order) and then the rest."""
+    pieces = []
+    for a in allocs:
+        region = a.region
+        full = a.saved == [(0, region.size)]
+        for c in region.chunks:
+            step = piece if piece else c.size
+            for lo in range(c.offset, c.offset + c.size, step):
+                hi = min(c.offset + c.size, lo + step)
+                loads = [(s_off, max(lo, s_off), min(hi, s_off + n)) for s_off, n in a.saved
+                         if max(lo, s_off) < min(hi, s_off + n)]
+                pieces.append(Step(0, a, lo, hi, [c], loads, zero=not full))
+    if order is not None:
+        rank: dict[int, int] = {}
+        starts = {id(a): [p for p in pieces if p.alloc is a] for a in allocs}
+        los = {k: [p.lo for p in v] for k, v in starts.items()}
+        for i, item in enumerate(order):
+            for t in _tensors(item):
+                ptr, n = _span(t)
+                for a in allocs:
+                    va = a.region.va
+                    if va <= ptr < va + a.region.size:
+                        lst = starts[id(a)]
+                        j = max(0, bisect.bisect_right(los[id(a)], ptr - va) - 1)
+                        while j < len(lst) and lst[j].lo < ptr - va + max(n, 1):
+                            rank.setdefault(id(lst[j]), i)
+                            j += 1
+        natural = {id(p): k for k, p in enumerate(pieces)}
+        pieces.sort(key=lambda p: (rank.get(id(p), len(order)), natural[id(p)]))
+    for i, p in enumerate(pieces):
+        p.index = i
+    return pieces
+
+
+class ProgressiveWake:
+    """A wake in flight (see the module docstring).  Created by
+    ``MemoryLifecycle.wake_up(tags, progressive=True)``; use :meth:`ready`, :meth:`install_hooks`
+    and :meth:`wait` (or the lifecycle's methods of the same names)."""
+
+    def __init__(self, lifecycle, tags: list[str], allocs: list, steps: list[Step], t0: float):
+        self._lc = lifecycle
+        self.tags = list(tags)
+        self._allocs = allocs
+        self.steps = steps
+        self._t0 = t0
+        self.returned_s: Optional[float] = None  # how long wake_up took to return
+        self.error: Optional[BaseException] = None
+        self._finished = threading.Event()  # the worker queued (host: completed) every step
+        self._settled = False
+        self._by_alloc = {id(a): [s for s in sorted(steps, key=lambda s: s.lo) if s.alloc is a] for a in allocs}
+        self._lo = {k: [s.lo for s in v] for k, v in self._by_alloc.items()}
+        self._cache: dict[int, Optional[Step]] = {}
+        self._thread = threading.Thread(target=self._run, name="unisleep-wake", daemon=True)
+
+    # ---- worker --------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        lc = self._lc
+        driver, store = lc._driver, lc._store
+        try:
+            with driver.progressive_context(store):
+                for step in self.steps:
+                    region = step.alloc.region
+                    for c in step.chunks:
+                        region.map_chunk(driver, c)
+                    hook = driver.restore_hook
+                    if hook is not None:
+                        hook(region.va + step.lo, step.hi - step.lo)
+                    if step.zero and not driver.fresh_memory_is_zero:
+                        driver.zero(region.va + step.lo, step.hi - step.lo)
+                    for s_off, lo, hi in step.loads:
+                        store.load_range((step.alloc.id, s_off), lo - s_off, driver.view(region.va + lo, hi - lo))
+                    step.fence = driver.fence()
+                    step.queued.set()
+        except BaseException as e:  # every step not yet queued carries the error
+            self.error = e
+            for step in self.steps:
+                if not step.queued.is_set():
+                    step.error = e
+                    step.queued.set()
+        finally:
+            self._finished.set()
+
+    # ---- the caller's side ---------------------------------------------------------------
+    def _last_step(self, obj) -> Optional[Step]:
+        key = id(obj)
+        if key in self._cache:
+            return self._cache[key]
+        last = None
+        for t in _tensors(obj):
+            ptr, n = _span(t)
+            for a in self._allocs:
+                va = a.region.va
+                if not (va <= ptr < va + a.region.size):
+                    continue
+                lst, los = self._by_alloc[id(a)], self._lo[id(a)]
+                j = max(0, bisect.bisect_right(los, ptr - va) - 1)
+                while j < len(lst) and lst[j].lo < ptr - va + max(n, 1):
+                    if last is None or lst[j].index > last.index:
+                        last = lst[j]
+                    j += 1
+        if not isinstance(obj, list):  # modules, tensors and the hooks' tuples live through the wake
+            self._cache[key] = last
+        return last
+
+    def ready(self, obj) -> None:
+        """Make the caller's later work wait until the tensors of ``obj`` (a module, a tensor or a
+        list of tensors) are back: on accelerators the current stream waits for the device event
+        of the last step holding them (the host thread does not block on the copy); on the host
+        this blocks until those bytes are read back and verified.  Raises the wake's error if
+        a step they need failed."""
+        step = self._last_step(obj)
+        if step is None:
+            return
+        # steps are queued in order on one copy queue: the last one holding obj covers the others
+        step.queued.wait()
+        if step.error is not None:
+            raise self._wrap(step.error)
+        self._lc._driver.fence_wait(step.fence)
+
+    def _wrap(self, e: BaseException) -> BaseException:
+        if isinstance(e, BackupError):
+            return e
+        return BackupError(f"the progressive wake of tag(s) {', '.join(map(repr, self.tags))} failed: "
+                           f"{type(e).__name__}: {e}. Call wait() to settle the tags.", cause=e)
+
+    def install_hooks(self, model) -> list:
+        """A forward pre-hook on every module of ``model`` that holds tensors itself, calling
+        :meth:`ready` for those tensors.  Returns the hook handles (``h.remove()``)."""
+        return install_ready_hooks(self._lc, model)
+
+    @property
+    def done(self) -> bool:
+        """Every copy has completed (never blocks)."""
+        if not self._finished.is_set():
+            return False
+        drv = self._lc._driver
+        return self.error is not None or all(drv.fence_done(s.fence) for s in self.steps)
+
+    def _complete(self) -> None:
+        """Block until the worker is finished and every copy has completed (not under the lock)."""
+        self._finished.wait()
+        if self.error is None and self.steps:  # one copy queue: the last fence covers the others
+            self._lc._driver.fence_sync(self.steps[-1].fence)
+
+    def wait(self):
+        """Wait for every copy, then settle the tags (awake, or as after a failed wake)."""
+        return self._lc.wait()
+
+
+def install_ready_hooks(lc, model) -> list:
+    import torch
+
+    if not isinstance(model, torch.nn.Module):
+        raise InvalidArgumentError(f"install_ready_hooks() takes an nn.Module, got {type(model).__name__}")
+    handles = []
+    for mod in model.modules():
+        own = list(mod.parameters(recurse=False)) + list(mod.buffers(recurse=False))
+        if not own:
+            continue
+
+        def pre(module, args, own=tuple(own)):
+            lc.ready(own)
+
+        handles.append(mod.register_forward_pre_hook(pre))
+    return handles
+
+
+class BackgroundSleep:
+    """A level-1 sleep whose backup copies run behind the caller (``sleep(..., background=True)``):
+    the discarded tags were released before ``sleep`` returned; ``run`` does the rest."""
+
+    def __init__(self, tags: list[str], work: Callable[[], Any]):
+        self.tags = list(tags)
+        self._work = work
+        self.error: Optional[BaseException] = None
+        self.report = None
+        self._finished = threading.Event()
+        self._settled = False
+        self._thread = threading.Thread(target=self._run, name="unisleep-sleep", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.report = self._work()
+        except BaseException as e:
+            self.error = e
+        finally:
+            self._finished.set()
+
+    @property
+    def done(self) -> bool:
+        return self._finished.is_set()
+
+    def _complete(self) -> None:
+        self._finished.wait()
+
+
+def elapsed(t0: float) -> float:
+    return time.perf_counter() - t0
