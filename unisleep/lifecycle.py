@@ -169,6 +169,7 @@ class MemoryLifecycle:
         # the finalizer shares so it can wait for it
         self._flight: list = [None]
         self._flight_error: Optional[BaseException] = None
+        self._flight_report: Optional[Report] = None  # of the last one settled, until wait() returns it
         # runs once: at close(), when the lifecycle is collected, or at interpreter exit
         # (weakref.finalize's own exit hook: no per-lifecycle atexit entry)
         self._finalizer = weakref.finalize(
@@ -756,15 +757,17 @@ class MemoryLifecycle:
 
     def wait(self) -> Optional[Report]:
         """Wait for the progressive wake or background sleep in flight, settle its tags and
-        return its report (None when nothing was in flight).  Raises its error, if it failed:
+        return its report (also when it already ended and was settled by another call; None
+        when there is nothing to wait for).  Raises its error, if it failed:
         a failed progressive wake leaves its tags asleep as before (memory unmapped), a failed
         background sleep leaves its tags awake with their bytes (or lost, as a plain sleep)."""
         f = self._flight[0]
         if f is not None:
             f._complete()
         with self._lock:
-            rep = self._settle_flight(block=True)
+            self._settle_flight(block=True)
             err, self._flight_error = self._flight_error, None
+            rep, self._flight_report = self._flight_report, None
             if err is not None:
                 raise err
             return rep
@@ -796,7 +799,9 @@ class MemoryLifecycle:
             f._complete()
         f._settled = True
         self._flight[0] = None
+        self._flight_report = None
         if not isinstance(f, ProgressiveWake):  # background sleep: its worker settled the tags
+            self._flight_report = f.report
             if f.error is not None:
                 self._flight_error = f.error
                 for hook in self._after_wake:  # its before_sleep hooks ran; the tags are back
@@ -825,6 +830,7 @@ class MemoryLifecycle:
             hook(list(f.tags))
         rep = Report("wake_up(progressive)", list(f.tags), 0, copied, time.perf_counter() - f._t0)
         rep.notes.append(f"returned after {1e3 * (f.returned_s or 0):.2f} ms; {len(f.steps)} steps")
+        self._flight_report = rep
         return self._done(rep)
 
     # ------------------------------------------------------------------ close

@@ -209,6 +209,10 @@ class ProgressiveWake:
         :meth:`ready` for those tensors.  Returns the hook handles (``h.remove()``)."""
         return install_ready_hooks(self._lc, model)
 
+    def wait_queued(self) -> None:
+        """Block until every step is mapped and its restore queued (on the host: complete)."""
+        self._finished.wait()
+
     @property
     def done(self) -> bool:
         """Every copy has completed (never blocks)."""

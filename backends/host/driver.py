@@ -45,6 +45,9 @@ class HostDriver(Driver):
     #: physical chunks of a region: a chunk already written to the spill file is released (on a
     #: second thread) while the next one is written
     CHUNK = 256 << 20
+    #: a progressive wake reads (and verifies) 32 MiB at a time; backups are checksummed in
+    #: pieces of the same size so each step verifies exactly what it read
+    progressive_piece = 32 << 20
 
     def __init__(self, device: int = 0, granularity: Optional[int] = None, chunk_bytes: Optional[int] = CHUNK,
                  **options):
@@ -153,7 +156,7 @@ class HostDriver(Driver):
                         while todo and todo[0].offset + todo[0].size <= end:
                             releaser.submit(region.release_chunk, self, todo.pop(0))
 
-                    piece = region.chunks[0].size
+                    piece = min(region.chunks[0].size, self.progressive_piece or region.chunks[0].size)
                     store.save_progressively((job.key, 0), self.view(region.va, region.size), piece, written)
                     copied += region.size
                 else:

@@ -6,6 +6,7 @@
 ``--transfer``         weight transfer by path (``unisleep.bench.transfer``)
 ``--chunk-sweep``      map/unmap cost by chunk size (``unisleep.bench.chunk_sweep``)
 ``--compat-tms``       tms facade beside tms 0.0.10 (``unisleep.bench.compat_tms``)
+``--progressive``      progressive wake / background sleep beside the plain ones (``unisleep.bench.progressive``)
 =====================  ===================================================================
 
 Every mode prints a table and writes JSON (``--json PATH``).
@@ -23,12 +24,13 @@ MODES = (
     ("--transfer", "weight transfer by path"),
     ("--chunk-sweep", "map/unmap cost by chunk size"),
     ("--compat-tms", "the torch_memory_saver facade beside torch_memory_saver 0.0.10, same run"),
+    ("--progressive", "progressive wake and background sleep beside the plain ones (with --backend NAME)"),
 )
 
 
 def mode_help() -> str:
     width = max(len(m) for m, _ in MODES)
-    lines = ["usage: unisleep bench [--backend NAME | --transfer | --chunk-sweep | --compat-tms] [options]", "",
+    lines = ["usage: unisleep bench [--backend NAME [--progressive] | --transfer | --chunk-sweep | --compat-tms] [options]", "",
              "Benchmarks; every mode prints a table and writes JSON. Modes:"]
     lines += [f"  {m:<{width}}  {d}" for m, d in MODES]
     lines += ["", "Each mode's options: unisleep bench --transfer --help, unisleep bench --chunk-sweep --help,",
@@ -47,6 +49,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     elif "--compat-tms" in argv:
         argv.remove("--compat-tms")
         mod = "unisleep.bench.compat_tms"
+    elif "--progressive" in argv:
+        mod = "unisleep.bench.progressive"
     else:
         backend = None
         for i, a in enumerate(argv):
