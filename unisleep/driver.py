@@ -125,6 +125,11 @@ class Driver(abc.ABC):
     #: progressive wake (:mod:`unisleep.progressive`): the most bytes of one step, so the
     #: caller's work waits on finer pieces than the mapping chunks; None = one step per chunk
     progressive_piece: Optional[int] = None
+    #: progressive wake: map the first chunk, queue its restores, then map *every* other chunk
+    #: in one go before queueing more (for backends whose mapping calls wait for copies in
+    #: flight); False maps each chunk just before its first step (host: creating a chunk
+    #: commits its pages, so mapping ahead would delay the first layer)
+    progressive_map_ahead: bool = False
     #: called as ``restore_hook(va, nbytes)`` by a progressive wake just before each step's
     #: restore is queued, inside :meth:`progressive_context` (on the copy stream where the
     #: backend has one): tracing, or delaying copies to test that nothing runs ahead of them

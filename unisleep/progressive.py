@@ -122,6 +122,9 @@ class ProgressiveWake:
         self.steps = steps
         self._t0 = t0
         self.returned_s: Optional[float] = None  # how long wake_up took to return
+        #: where the worker's time went: mapping the first chunk, mapping the rest (backends
+        #: that map ahead), every step queued (seconds since the call)
+        self.timings: dict[str, float] = {}
         self.error: Optional[BaseException] = None
         self._finished = threading.Event()  # the worker queued (host: completed) every step
         self._settled = False
@@ -139,10 +142,21 @@ class ProgressiveWake:
         driver, store = lc._driver, lc._store
         try:
             with driver.progressive_context(store):
+                ahead = driver.progressive_map_ahead
+                t0 = time.perf_counter()
                 for step in self.steps:
                     region = step.alloc.region
-                    for c in step.chunks:
-                        region.map_chunk(driver, c)
+                    if any(c.handle is None for c in step.chunks):
+                        if ahead and step.index > 0:  # map every chunk left now, in one go
+                            t1 = time.perf_counter()
+                            for st in self.steps[step.index:]:
+                                for c in st.chunks:
+                                    st.alloc.region.map_chunk(driver, c)
+                            self.timings["map_rest_s"] = time.perf_counter() - t1
+                        for c in step.chunks:
+                            region.map_chunk(driver, c)
+                        if step.index == 0:
+                            self.timings["map_first_s"] = time.perf_counter() - t0
                     hook = driver.restore_hook
                     if hook is not None:
                         hook(region.va + step.lo, step.hi - step.lo)
@@ -152,6 +166,7 @@ class ProgressiveWake:
                         store.load_range((step.alloc.id, s_off), lo - s_off, driver.view(region.va + lo, hi - lo))
                     step.fence = driver.fence()
                     step.queued.set()
+                self.timings["queued_s"] = time.perf_counter() - self._t0
         except BaseException as e:  # every step not yet queued carries the error
             self.error = e
             for step in self.steps:

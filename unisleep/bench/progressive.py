@@ -96,6 +96,7 @@ def run(platform: str, device: int, weights_gib: float, kv_gib: float, layers: i
             return model(x)
 
     forward(), sync()  # warm the kernels
+    timings = []  # the progressive worker's own phases
     rows = {k: [] for k in ("plain_sleep_s", "plain_wake_s", "plain_wake_forward_s", "forward_s",
                             "prog_return_s", "first_layer_s", "full_forward_s", "bg_sleep_return_s",
                             "bg_sleep_done_s", "bg_kv_freed_bytes")}
@@ -125,7 +126,8 @@ def run(platform: str, device: int, weights_gib: float, kv_gib: float, layers: i
         rows["plain_wake_forward_s"].append(time.perf_counter() - t0)
         ok = ok and bool(torch.equal(y, ref_out))
 
-        # background sleep: the KV cache is free when it returns
+        # background sleep of changed weights (the copy really runs): the KV cache is free when it returns
+        change()
         free0 = drv.memory_info()[0]
         t0 = time.perf_counter()
         lc.sleep(1, background=True)
@@ -141,12 +143,14 @@ def run(platform: str, device: int, weights_gib: float, kv_gib: float, layers: i
         lc.wake_up(["kv_cache"])
         sync()
         t0 = time.perf_counter()
-        lc.wake_up(["weights"], progressive=True)
+        pw = lc.wake_up(["weights"], progressive=True)
         rows["prog_return_s"].append(time.perf_counter() - t0)
         lc.ready(model[0])
         drv.fence_sync(drv.fence())
         rows["first_layer_s"].append(time.perf_counter() - t0)
         lc.wait()
+        timings.append(dict(pw.timings))
+        change()  # back to the reference weights
         ok = ok and all(torch.equal(p, r) for p, r in zip(params, ref_w))
 
         # ... and a full forward right after the call, layer by layer behind the copies
@@ -154,11 +158,12 @@ def run(platform: str, device: int, weights_gib: float, kv_gib: float, layers: i
         lc.wake_up(["kv_cache"])
         sync()
         t0 = time.perf_counter()
-        lc.wake_up(["weights"], progressive=True)
+        pw = lc.wake_up(["weights"], progressive=True)
         y = forward()
         sync()
         rows["full_forward_s"].append(time.perf_counter() - t0)
         lc.wait()
+        timings.append(dict(pw.timings))
         ok = ok and bool(torch.equal(y, ref_out)) and all(torch.equal(p, r) for p, r in zip(params, ref_w))
         progress(f"cycle {i + 1}/{cycles}: plain wake {rows['plain_wake_s'][-1]:.4f}s, progressive first layer "
                  f"{rows['first_layer_s'][-1]:.4f}s, full forward {rows['full_forward_s'][-1]:.4f}s, background "
@@ -169,6 +174,11 @@ def run(platform: str, device: int, weights_gib: float, kv_gib: float, layers: i
         out[k] = statistics.median(v)
         out[k + "_all"] = v
     out["full_forward_ratio"] = out["full_forward_s"] / out["plain_wake_s"]
+    out["progressive_timings"] = timings
+    for k in ("map_first_s", "map_rest_s", "queued_s"):
+        vals = [t[k] for t in timings if k in t]
+        if vals:
+            out["progressive_" + k] = statistics.median(vals)
     out["verified"] = ok
     del kv, model, params, ref_w
     lc.close()
@@ -215,6 +225,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         rows.append([label, v, g, ("yes" if v <= g else "no") if g is not None and v is not None else "-"])
     print_table(f"progressive wake / background sleep on {args.backend}: {w:g} GiB weights in {args.layers} layers "
                 f"+ {k:g} GiB kv_cache (seconds, medians of {args.cycles})", ["figure", "unisleep", "goal", "met"], rows)
+    if "progressive_map_first_s" in r:
+        print("progressive worker (medians): first chunk mapped after "
+              f"{1e3 * r['progressive_map_first_s']:.2f} ms, "
+              + (f"the other chunks in {1e3 * r['progressive_map_rest_s']:.2f} ms, " if "progressive_map_rest_s" in r
+                 else "the others each before its first step, ")
+              + "every step queued after "
+              f"{1e3 * r.get('progressive_queued_s', 0.0):.2f} ms")
     print(f"KV cache freed when the background sleep returned: {r['bg_kv_freed_bytes'] / GiB:.2f} GiB of "
           f"{r['kv_bytes'] / GiB:.2f} GiB; verified (outputs and bytes exact): {r['verified']}")
     write_json(args.json or f"bench-progressive-{args.backend}.json", f"progressive-{args.backend}", r, argv)
