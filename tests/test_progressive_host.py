@@ -230,3 +230,31 @@ def test_ready_is_a_no_op_without_a_wake_in_flight(lc):
         m(torch.randn(2, 128))
     for h in hs:
         h.remove()
+
+
+def test_progressive_wake_of_discarded_and_preserved_memory(lc):
+    m = make_model()
+    lc.adopt(m)
+    kv = lc.empty((3 * CHUNK,), torch.uint8, tag="kv_cache")
+    kv.fill_(9)
+    ref = [p.detach().clone() for p in m.parameters()]
+    lc.preserve(["2.weight", "7.weight"])
+    lc.sleep(2)
+    lc.wake_up(["weights", "kv_cache"], progressive=True, order=[m[7]])
+    lc.ready(m[7])
+    assert torch.equal(m[7].weight, ref[7])
+    lc.wait()
+    for i, (p, r) in enumerate(zip(m.parameters(), ref)):
+        assert torch.equal(p, r) if i in (2, 7) else not p.any(), i  # preserved exact, the rest zeroed
+    assert not kv.any()
+
+
+def test_order_must_name_modules_or_tensors(lc):
+    m = make_model()
+    lc.adopt(m)
+    lc.sleep(1)
+    with pytest.raises(ValueError, match="nn.Module"):
+        lc.wake_up(["weights"], progressive=True, order=[42])
+    assert lc.state() == {"weights": "offloaded"}  # nothing changed
+    lc.wake_up(["weights"], progressive=True)
+    lc.wait()
