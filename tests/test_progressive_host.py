@@ -36,6 +36,7 @@ def lc(spill_dir):
 
 
 def test_bytes_exact_and_adoption_order(lc):
+    lc.driver.progressive_workers = 1  # one reader: the read order is exactly the step order
     m = make_model()
     lc.adopt(m)
     ref = [p.detach().clone() for p in m.parameters()]
@@ -56,6 +57,7 @@ def test_bytes_exact_and_adoption_order(lc):
 
 
 def test_given_module_order_is_the_read_order(lc):
+    lc.driver.progressive_workers = 1
     m = make_model()
     lc.adopt(m)
     lc.sleep(1)
@@ -111,7 +113,7 @@ def test_a_layer_never_runs_on_a_chunk_in_flight(spill_dir):
     line = next(l for l in r.stdout.splitlines() if l.startswith("RESULT"))
     _, same, bad, took = line.split(" ", 3)
     assert same == "True" and bad == "[]", line
-    assert float(took) >= 0.03 * LAYERS * 0.9  # the delays were really in the way
+    assert float(took) >= 0.03 * 2  # the delays were really in the way
 
 
 def test_without_ready_the_delayed_copy_is_visible(spill_dir):
@@ -148,6 +150,32 @@ def test_guards_while_a_progressive_wake_is_in_flight(lc):
     assert all(torch.equal(p, r) for p, r in zip(m.parameters(), ref))
     lc.sleep(1)  # allowed again
     lc.wake_up()
+    assert all(torch.equal(p, r) for p, r in zip(m.parameters(), ref))
+
+
+def test_steps_are_taken_in_use_order_by_several_readers(lc):
+    assert lc.driver.progressive_workers > 1 or os.cpu_count() == 1
+    m = make_model()
+    lc.adopt(m)
+    ref = [p.detach().clone() for p in m.parameters()]
+    lc.sleep(1)
+    seen, mu = [], threading.Lock()
+
+    def hook(va, n):
+        with mu:
+            seen.append(va)
+        time.sleep(0.01)
+
+    lc.driver.restore_hook = hook
+    lc.wake_up(["weights"], progressive=True, order=list(reversed(list(m))))
+    lc.ready(m[11])
+    assert torch.equal(m[11].weight, ref[11])
+    lc.wait()
+    want = [p.data_ptr() for p in m.parameters()][::-1]
+    assert sorted(seen) == sorted(want)
+    # taken in order: a step starts at most (readers - 1) places before its turn
+    pos = {va: i for i, va in enumerate(seen)}
+    assert all(abs(pos[va] - i) < lc.driver.progressive_workers for i, va in enumerate(want))
     assert all(torch.equal(p, r) for p, r in zip(m.parameters(), ref))
 
 

@@ -130,6 +130,9 @@ class Driver(abc.ABC):
     #: flight); False maps each chunk just before its first step (host: creating a chunk
     #: commits its pages, so mapping ahead would delay the first layer)
     progressive_map_ahead: bool = False
+    #: progressive wake: threads restoring steps at once (taken in use order); 1 keeps one copy
+    #: queue in order (accelerators: the copy stream), more suit synchronous copies (host)
+    progressive_workers: int = 1
     #: called as ``restore_hook(va, nbytes)`` by a progressive wake just before each step's
     #: restore is queued, inside :meth:`progressive_context` (on the copy stream where the
     #: backend has one): tracing, or delaying copies to test that nothing runs ahead of them

@@ -130,31 +130,64 @@ class ProgressiveWake:
         self._settled = False
         self._by_alloc = {id(a): [s for s in sorted(steps, key=lambda s: s.lo) if s.alloc is a] for a in allocs}
         self._lo = {k: [s.lo for s in v] for k, v in self._by_alloc.items()}
-        self._cache: dict[int, Optional[Step]] = {}
-        self._thread = threading.Thread(target=self._run, name="unisleep-wake", daemon=True)
+        self._cache: dict[int, list[Step]] = {}
+        drv = lifecycle._driver
+        self._workers = max(1, int(drv.progressive_workers or 1)) if len(steps) > 1 else 1
+        self._next = 0  # index of the next step a worker takes (under _take)
+        self._take = threading.Lock()
+        self._chunk_locks: dict[int, threading.Lock] = {}
+        self._running = self._workers
+        self._threads = [threading.Thread(target=self._run, name=f"unisleep-wake-{i}", daemon=True)
+                         for i in range(self._workers)]
 
     # ---- worker --------------------------------------------------------------------------
     def start(self) -> None:
-        self._thread.start()
+        for t in self._threads:
+            t.start()
+
+    def _take_step(self) -> Optional[Step]:
+        """The next step in use order (workers take them in order; with several workers they
+        complete roughly, not exactly, in order — :meth:`ready` waits for each step it needs)."""
+        with self._take:
+            if self.error is not None or self._next >= len(self.steps):
+                return None
+            step = self.steps[self._next]
+            self._next += 1
+            return step
+
+    def _map(self, region, c) -> None:
+        if c.handle is not None:
+            return
+        if self._workers == 1:
+            region.map_chunk(self._lc._driver, c)
+            return
+        with self._take:
+            lock = self._chunk_locks.setdefault(id(c), threading.Lock())
+        with lock:  # two workers may need the same chunk
+            region.map_chunk(self._lc._driver, c)
 
     def _run(self) -> None:
         lc = self._lc
         driver, store = lc._driver, lc._store
+        cur = None
         try:
             with driver.progressive_context(store):
-                ahead = driver.progressive_map_ahead
+                ahead = driver.progressive_map_ahead and self._workers == 1
                 t0 = time.perf_counter()
-                for step in self.steps:
+                while True:
+                    cur = step = self._take_step()
+                    if step is None:
+                        break
                     region = step.alloc.region
                     if any(c.handle is None for c in step.chunks):
                         if ahead and step.index > 0:  # map every chunk left now, in one go
                             t1 = time.perf_counter()
                             for st in self.steps[step.index:]:
                                 for c in st.chunks:
-                                    st.alloc.region.map_chunk(driver, c)
+                                    self._map(st.alloc.region, c)
                             self.timings["map_rest_s"] = time.perf_counter() - t1
                         for c in step.chunks:
-                            region.map_chunk(driver, c)
+                            self._map(region, c)
                         if step.index == 0:
                             self.timings["map_first_s"] = time.perf_counter() - t0
                     hook = driver.restore_hook
@@ -166,22 +199,35 @@ class ProgressiveWake:
                         store.load_range((step.alloc.id, s_off), lo - s_off, driver.view(region.va + lo, hi - lo))
                     step.fence = driver.fence()
                     step.queued.set()
-                self.timings["queued_s"] = time.perf_counter() - self._t0
-        except BaseException as e:  # every step not yet queued carries the error
-            self.error = e
-            for step in self.steps:
-                if not step.queued.is_set():
-                    step.error = e
-                    step.queued.set()
+                    cur = None
+        except BaseException as e:
+            with self._take:
+                if self.error is None:
+                    self.error = e
+            if cur is not None:
+                cur.error = e
+                cur.queued.set()
         finally:
-            self._finished.set()
+            with self._take:
+                self._running -= 1
+                last = self._running == 0
+            if last:
+                if self.error is not None:  # every step not done carries the error
+                    for st in self.steps:
+                        if not st.queued.is_set():
+                            st.error = self.error
+                            st.queued.set()
+                else:
+                    self.timings["queued_s"] = time.perf_counter() - self._t0
+                self._finished.set()
 
     # ---- the caller's side ---------------------------------------------------------------
-    def _last_step(self, obj) -> Optional[Step]:
+    def _needed(self, obj) -> list[Step]:
+        """The steps holding the tensors of ``obj``, in step order."""
         key = id(obj)
         if key in self._cache:
             return self._cache[key]
-        last = None
+        need: dict[int, Step] = {}
         for t in _tensors(obj):
             ptr, n = _span(t)
             for a in self._allocs:
@@ -191,12 +237,14 @@ class ProgressiveWake:
                 lst, los = self._by_alloc[id(a)], self._lo[id(a)]
                 j = max(0, bisect.bisect_right(los, ptr - va) - 1)
                 while j < len(lst) and lst[j].lo < ptr - va + max(n, 1):
-                    if last is None or lst[j].index > last.index:
-                        last = lst[j]
+                    need[lst[j].index] = lst[j]
                     j += 1
+        out = [need[i] for i in sorted(need)]
+        if self._workers == 1 and out:  # one copy queue: the last step covers the others
+            out = out[-1:]
         if not isinstance(obj, list):  # modules, tensors and the hooks' tuples live through the wake
-            self._cache[key] = last
-        return last
+            self._cache[key] = out
+        return out
 
     def ready(self, obj) -> None:
         """Make the caller's later work wait until the tensors of ``obj`` (a module, a tensor or a
@@ -204,14 +252,12 @@ class ProgressiveWake:
         of the last step holding them (the host thread does not block on the copy); on the host
         this blocks until those bytes are read back and verified.  Raises the wake's error if
         a step they need failed."""
-        step = self._last_step(obj)
-        if step is None:
-            return
-        # steps are queued in order on one copy queue: the last one holding obj covers the others
-        step.queued.wait()
-        if step.error is not None:
-            raise self._wrap(step.error)
-        self._lc._driver.fence_wait(step.fence)
+        drv = self._lc._driver
+        for step in self._needed(obj):
+            step.queued.wait()
+            if step.error is not None:
+                raise self._wrap(step.error)
+            drv.fence_wait(step.fence)
 
     def _wrap(self, e: BaseException) -> BaseException:
         if isinstance(e, BackupError):
@@ -239,8 +285,10 @@ class ProgressiveWake:
     def _complete(self) -> None:
         """Block until the worker is finished and every copy has completed (not under the lock)."""
         self._finished.wait()
-        if self.error is None and self.steps:  # one copy queue: the last fence covers the others
-            self._lc._driver.fence_sync(self.steps[-1].fence)
+        if self.error is None and self.steps:
+            drv = self._lc._driver
+            for st in self.steps if self._workers > 1 else self.steps[-1:]:  # one queue: the last covers all
+                drv.fence_sync(st.fence)
 
     def wait(self):
         """Wait for every copy, then settle the tags (awake, or as after a failed wake)."""

@@ -48,6 +48,8 @@ class HostDriver(Driver):
     #: a progressive wake reads (and verifies) 32 MiB at a time; backups are checksummed in
     #: pieces of the same size so each step verifies exactly what it read
     progressive_piece = 32 << 20
+    #: read back on as many threads as a plain wake uses (taken in use order)
+    progressive_workers = min(4, os.cpu_count() or 1)
 
     def __init__(self, device: int = 0, granularity: Optional[int] = None, chunk_bytes: Optional[int] = CHUNK,
                  **options):
