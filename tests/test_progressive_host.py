@@ -143,6 +143,10 @@ def test_guards_while_a_progressive_wake_is_in_flight(lc):
         assert lc.state() == {"weights": "waking", "kv_cache": "discarded"}  # nothing changed
         lc.wake_up(["kv_cache"])  # another tag wakes while the weights are in flight
         assert not kv.any()
+        with pytest.raises(CopyInFlightError):
+            lc.sleep(1, tags=["weights"])
+        lc.sleep(2, tags=["kv_cache"])  # and sleeps again: only the tags in flight are refused
+        lc.wake_up(["kv_cache"])
     finally:
         go.set()
     lc.wait()
