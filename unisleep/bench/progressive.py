@@ -200,7 +200,8 @@ LABELS = [
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="unisleep bench --backend NAME --progressive", description=plain(__doc__))
+    ap = argparse.ArgumentParser(prog="unisleep bench --backend NAME --progressive", description=plain(__doc__),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backend", default="host")
     ap.add_argument("--progressive", action="store_true")
     ap.add_argument("--device", type=int, default=0)
