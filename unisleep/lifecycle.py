@@ -187,7 +187,8 @@ class MemoryLifecycle:
         return self._driver.torch_device
 
     def state(self) -> dict[str, str]:
-        """Each tag's state: ``"awake"``, ``"offloaded"``, ``"discarded"`` or ``"lost"``.  An
+        """Each tag's state: ``"awake"``, ``"offloaded"``, ``"discarded"`` or ``"lost"`` (and
+        ``"waking"`` / ``"sleeping"`` while a progressive wake / background sleep copies it).  An
         awake tag is checked against what the driver holds: one whose memory is not all mapped
         is reported (and recorded) as ``"lost"``, never as awake."""
         with self._lock:
@@ -503,62 +504,61 @@ class MemoryLifecycle:
 
     def _sleep_core(self, level: int, plan: dict, settle: dict, run_hooks: bool = True, t0=None) -> Report:
         """The transactional sleep of the tags in ``plan`` (validated by :meth:`sleep`)."""
-        if True:
-            t0 = time.perf_counter() if t0 is None else t0
-            tr = _Trace("sleep")
-            saves, discards = self._plan_sleep(plan)
-            tr.mark("plan + unchanged check")
-            need = sum(n for j in saves if not j.skip_copy for _, n in j.ranges)
-            retained = sum(n for j in saves if j.skip_copy for _, n in j.ranges)
-            for job in saves:  # a retained backup of bytes that changed since is stale: its room
-                if not job.skip_copy and self._allocs[job.key].saved:  # counts for the new one
-                    self._drop_backup(self._allocs[job.key])
-            try:
-                self._ensure_backup_fits(need, keep_ids={j.key for j in saves})
-            except BaseException:
-                self._forget_pending(saves)
+        t0 = time.perf_counter() if t0 is None else t0
+        tr = _Trace("sleep")
+        saves, discards = self._plan_sleep(plan)
+        tr.mark("plan + unchanged check")
+        need = sum(n for j in saves if not j.skip_copy for _, n in j.ranges)
+        retained = sum(n for j in saves if j.skip_copy for _, n in j.ranges)
+        for job in saves:  # a retained backup of bytes that changed since is stale: its room
+            if not job.skip_copy and self._allocs[job.key].saved:  # counts for the new one
+                self._drop_backup(self._allocs[job.key])
+        try:
+            self._ensure_backup_fits(need, keep_ids={j.key for j in saves})
+        except BaseException:
+            self._forget_pending(saves)
+            raise
+        reserved = self._reserve(saves)
+        tr.mark("reserve")
+        hooks_ran = False
+        try:
+            for hook in self._before_sleep if run_hooks else ():
+                hooks_ran = True
+                hook(level, sorted(plan))
+            if not self._driver.digests_during_copies:
+                self._driver.take_digests(saves)
+            released, copied = self._driver.suspend(saves, discards, self._store)
+            tr.mark("suspend")
+        except BaseException as e:
+            self._undo_sleep(saves, discards, reserved, sorted(plan) if hooks_ran else None)
+            self._forget_pending(saves)
+            if isinstance(e, BackupError) and e.tag is not None:
                 raise
-            reserved = self._reserve(saves)
-            tr.mark("reserve")
-            hooks_ran = False
-            try:
-                for hook in self._before_sleep if run_hooks else ():
-                    hooks_ran = True
-                    hook(level, sorted(plan))
-                if not self._driver.digests_during_copies:
-                    self._driver.take_digests(saves)
-                released, copied = self._driver.suspend(saves, discards, self._store)
-                tr.mark("suspend")
-            except BaseException as e:
-                self._undo_sleep(saves, discards, reserved, sorted(plan) if hooks_ran else None)
-                self._forget_pending(saves)
-                if isinstance(e, BackupError) and e.tag is not None:
-                    raise
-                raise self._backup_error(e, saves, "sleep") from e
-            for job in saves:
-                a = self._allocs[job.key]
-                a.saved = list(job.ranges)
-                a.digest = (job.digest_key, job.digest) if job.digest is not None else a.pending_digest
-                a.pending_digest = None
-                a.corrupt = False
-            for region in discards:
-                a = self._by_va[region.va]
-                self._drop_backup(a)
-            released += self._settle(settle)
-            for tag, st in {**plan, **settle}.items():
-                self._tags[tag] = st
-            rep = Report(f"sleep(level={level})", sorted({**plan, **settle}), released, copied, time.perf_counter() - t0)
-            kept = self._driver.last_sleep_kept
-            if kept:  # e.g. ROCm keeping address reservations it could not safely give back
-                rep.notes.append(
-                    f"{human_bytes(kept.get('bytes', 0))} in {kept.get('regions', '?')} region(s) not returned to the "
-                    f"device: {kept.get('reason', 'the backend kept them')}"
-                )
-            if retained:
-                log.debug("skipped copying %d unchanged bytes", retained)
-            tr.mark("bookkeeping")
-            tr.done(copied)
-            return self._done(rep)
+            raise self._backup_error(e, saves, "sleep") from e
+        for job in saves:
+            a = self._allocs[job.key]
+            a.saved = list(job.ranges)
+            a.digest = (job.digest_key, job.digest) if job.digest is not None else a.pending_digest
+            a.pending_digest = None
+            a.corrupt = False
+        for region in discards:
+            a = self._by_va[region.va]
+            self._drop_backup(a)
+        released += self._settle(settle)
+        for tag, st in {**plan, **settle}.items():
+            self._tags[tag] = st
+        rep = Report(f"sleep(level={level})", sorted({**plan, **settle}), released, copied, time.perf_counter() - t0)
+        kept = self._driver.last_sleep_kept
+        if kept:  # e.g. ROCm keeping address reservations it could not safely give back
+            rep.notes.append(
+                f"{human_bytes(kept.get('bytes', 0))} in {kept.get('regions', '?')} region(s) not returned to the "
+                f"device: {kept.get('reason', 'the backend kept them')}"
+            )
+        if retained:
+            log.debug("skipped copying %d unchanged bytes", retained)
+        tr.mark("bookkeeping")
+        tr.done(copied)
+        return self._done(rep)
 
     def _sleep_background(self, level: int, plan: dict, settle: dict) -> Report:
         """Release the tags that are only discarded now; copy the others out behind the call."""
