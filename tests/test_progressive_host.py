@@ -290,3 +290,31 @@ def test_order_must_name_modules_or_tensors(lc):
     assert lc.state() == {"weights": "offloaded"}  # nothing changed
     lc.wake_up(["weights"], progressive=True)
     lc.wait()
+
+
+def test_a_hook_failing_in_a_background_sleep_changes_nothing(lc):
+    m = make_model()
+    lc.adopt(m)
+    kv = lc.empty((1 << 16,), torch.uint8, tag="kv_cache")
+    kv.fill_(4)
+    woke = []
+
+    def bad(level, tags):
+        raise RuntimeError("collective teardown failed")
+
+    lc.add_hooks(before_sleep=bad, after_wake=woke.append)
+    with pytest.raises(BackupError, match="before anything was released"):
+        lc.sleep(1, background=True)
+    assert lc.state() == {"weights": "awake", "kv_cache": "awake"} and int(kv.sum()) == 4 << 16
+    assert woke == [["kv_cache", "weights"]]  # the hooks' work was undone
+
+
+def test_an_ended_wake_is_settled_by_the_next_call(lc):
+    m = make_model()
+    lc.adopt(m)
+    lc.sleep(1)
+    pw = lc.wake_up(["weights"], progressive=True)
+    pw.wait_queued()  # host: every step restored
+    t = lc.empty((16,), torch.float32, tag="weights")  # no wait(): the ended wake is settled here
+    assert lc.state()["weights"] == "awake" and t.shape == (16,)
+    assert lc.wait().operation == "wake_up(progressive)"

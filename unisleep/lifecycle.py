@@ -288,6 +288,7 @@ class MemoryLifecycle:
             numel *= int(s)
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         with self._lock:
+            self._settle_flight()  # a progressive wake / background sleep that has ended
             self._check_can_allocate(tag)
             self._check_room(nbytes, tag)
             alloc = self._new_allocation(tag, nbytes)
@@ -312,6 +313,7 @@ class MemoryLifecycle:
             if why:
                 raise InvalidArgumentError(f"adopt() cannot move {name!r}: {why}. Nothing was moved.")
         with self._lock:
+            self._settle_flight()
             self._check_can_allocate(tag)
             # every name of each tensor object (a tied weight has several) ...
             aliases: dict[int, tuple[torch.Tensor, list[str]]] = {}
@@ -568,8 +570,22 @@ class MemoryLifecycle:
         now = {t for t, want in plan.items() if want == DISCARDED
                and not any(self._preserved_ranges(a) for a in self._allocs.values() if a.tag == t)}
         later = {t: want for t, want in plan.items() if t not in now}
-        for hook in self._before_sleep:  # once, for every tag, before anything is released
-            hook(level, sorted(plan))
+        ran = False
+        try:
+            for hook in self._before_sleep:  # once, for every tag, before anything is released
+                ran = True
+                hook(level, sorted(plan))
+        except BaseException as e:
+            if ran:
+                for hook in self._after_wake:  # undo what the hooks did; nothing was released
+                    try:
+                        hook(sorted(plan))
+                    except Exception as e2:  # pragma: no cover
+                        log.error("after_wake hook failed while undoing a sleep: %s", e2)
+            if not isinstance(e, Exception):
+                raise
+            raise BackupError(f"sleep(background=True) failed before anything was released: {type(e).__name__}: "
+                              f"{e}. Every tag is as it was.", cause=e) from e
         regions = [a.region for a in self._allocs.values() if a.tag in now]
         released, _ = self._driver.suspend([], regions, self._store)
         for a in self._allocs.values():

@@ -285,10 +285,14 @@ class ProgressiveWake:
     def _complete(self) -> None:
         """Block until the worker is finished and every copy has completed (not under the lock)."""
         self._finished.wait()
+        drv = self._lc._driver
         if self.error is None and self.steps:
-            drv = self._lc._driver
             for st in self.steps if self._workers > 1 else self.steps[-1:]:  # one queue: the last covers all
                 drv.fence_sync(st.fence)
+        elif self.error is not None:  # copies queued before the failure finish before anything is unmapped
+            for st in self.steps:
+                if st.fence is not None:
+                    drv.fence_sync(st.fence)
 
     def wait(self):
         """Wait for every copy, then settle the tags (awake, or as after a failed wake)."""
