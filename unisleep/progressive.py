@@ -2,8 +2,8 @@
 
 A level-1 wake cannot copy 8 GiB faster than the bus allows, but a forward pass does not need all
 of it at once.  ``MemoryLifecycle.wake_up(tags, progressive=True)`` returns at once with a
-:class:`ProgressiveWake`: a worker thread maps the regions chunk by chunk and copies the backup
-back in the order the model uses it (the adoption order, or a given module order), one *step*
+:class:`ProgressiveWake`: worker threads map the regions (chunk by chunk, or the first chunk and
+then all the others where the backend maps ahead) and copy the backup back in the order the model uses it (the adoption order, or a given module order), one *step*
 at a time, each step with a fence (a device event on accelerators; on the host the step is
 complete — read back and checksum-verified — when its fence is set).  ``lc.ready(module)``
 makes the caller's later work wait for the steps holding that module's tensors only, and
@@ -89,6 +89,7 @@ def plan_steps(allocs: list, piece: Optional[int], order=None) -> list[Step]:
                          if max(lo, s_off) < min(hi, s_off + n)]
                 pieces.append(Step(0, a, lo, hi, [c], loads, zero=not full))
     if order is not None:
+        order = list(order)
         rank: dict[int, int] = {}
         starts = {id(a): [p for p in pieces if p.alloc is a] for a in allocs}
         los = {k: [p.lo for p in v] for k, v in starts.items()}
