@@ -267,13 +267,7 @@ def _nh_lanes(src, key: HashKey, kern: Optional[Level1]):
     """The NH tree of a uint8 tensor, left on its device: an int64 tensor of the two lanes."""
     import torch
 
-    nbytes = src.numel()
-    if nbytes and src.data_ptr() % 8:  # the word views below need 8-byte alignment
-        src = src.clone()
-    if nbytes % 8:
-        pad = torch.zeros(8 - nbytes % 8, dtype=torch.uint8, device=src.device)
-        src = torch.cat((src, pad))
-    words = src.view(torch.int32) if src.numel() else torch.zeros(2, dtype=torch.int32, device=src.device)
+    words = _words(src)
     level = 0
     while True:
         k = key.level_tensor(level, words.device)
