@@ -279,17 +279,49 @@ def test_sigterm_cleans_up_like_a_normal_exit(tmp_path):
 
 
 # ----------------------------------------------------------------------------- sizes
-def _shmem_bytes() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("Shmem:"):
-                return int(line.split()[1]) * 1024
-    return 0
+def _shmem_bytes_of(pid: int) -> int:
+    """Shared memory (where memfd pages live) that process ``pid`` holds: the pages allocated in
+    the memfds it has open, or the shared pages it maps, whichever is more.  Read per process,
+    so other work on the machine cannot trip the guard."""
+    held = 0
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            path = f"/proc/{pid}/fd/{fd}"
+            try:
+                if os.readlink(path).startswith("/memfd:"):
+                    held += os.stat(path).st_blocks * 512
+            except OSError:
+                continue
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("RssShmem:"):
+                    held = max(held, int(line.split()[1]) * 1024)
+    except OSError:  # the process has ended
+        pass
+    return held
+
+
+def test_the_shared_memory_guard_sees_a_childs_memfd_pages(tmp_path):
+    """The guard below must be able to fire: a child that fills a 64 MiB memfd is seen."""
+    child = Child("""
+    import os, mmap
+    fd = os.memfd_create("guard-probe")
+    os.ftruncate(fd, 64 << 20)
+    m = mmap.mmap(fd, 64 << 20)
+    m.write(b"x" * (64 << 20))
+    report(ready=True)
+    time.sleep(30)
+    """, tmp_path)
+    seen, t0 = 0, time.monotonic()
+    while seen < 64 << 20 and time.monotonic() - t0 < 20 and child.proc.poll() is None:
+        seen = max(seen, _shmem_bytes_of(child.proc.pid))
+        time.sleep(0.01)
+    kill_tree(child.proc)
+    assert seen >= 64 << 20, seen
 
 
 def test_empty_of_one_tib_is_refused_at_once_with_nothing_committed(tmp_path):
-    """Guarded: the child is killed if shared memory (where memfd pages live) grows by 2 GiB."""
-    base = _shmem_bytes()
+    """Guarded: the child is killed if it holds 2 GiB of shared memory (where memfd pages live)."""
     child = Child(f"""
     lc = MemoryLifecycle("host", spill_dir={str(tmp_path / "spill")!r})
     t0 = time.perf_counter()
@@ -305,7 +337,7 @@ def test_empty_of_one_tib_is_refused_at_once_with_nothing_committed(tmp_path):
     """, tmp_path)
     peak = 0
     while child.proc.poll() is None:
-        grown = _shmem_bytes() - base
+        grown = _shmem_bytes_of(child.proc.pid)
         peak = max(peak, grown)
         if grown > 2 << 30:
             kill_tree(child.proc)
