@@ -62,7 +62,7 @@ class HashKey:
         """A fresh key from the operating system's random source: every level, or only the
         levels the tree of ``nbytes`` bytes has (a quarter of the random bytes for a 1 GiB
         region; such a key hashes inputs of up to that tree's size)."""
-        levels = MAX_LEVELS if nbytes is None else tree_levels(max(2, -(-nbytes // 8) * 2))
+        levels = MAX_LEVELS if nbytes is None else tree_levels_of_bytes(nbytes)
         return cls(secrets.token_bytes(levels * KEY_WORDS * 4))
 
     @property
@@ -204,6 +204,12 @@ class PendingDigests:
     def __init__(self, out: list, pending: list, lanes):
         self._out, self._pending, self._lanes = out, pending, lanes
 
+    @property
+    def lanes(self):
+        """The queued lanes ``[A0, B0, A1, B1, ...]`` of the device digests, on their device
+        (None when there are none); reading them waits for the device."""
+        return self._lanes
+
     def result(self) -> list:
         if self._lanes is not None:
             values = self._lanes.tolist()  # the one wait
@@ -245,37 +251,13 @@ def nh_lanes_many(srcs, keys, level1: Optional[Level1] = None):
     """The NH digests of several tensors left where they are, without any wait: an int64 tensor
     ``[A0, B0, A1, B1, ...]`` on the tensors' device (lanes as signed int64; byte lengths are not
     in it).  For code that compares digests on the device (the transfer's bucket trailers)."""
-    import torch
-
-    if len(srcs) != len(keys):
-        raise ValueError("nh_lanes_many needs one key per tensor")
-    out = []
-    for src, key in zip(srcs, keys):
-        if src.dtype != torch.uint8 or src.dim() != 1:
-            src = src.reshape(-1).view(torch.uint8)
-        out.append(_nh_lanes(src, key, _level1_for(src, level1)))
-    return torch.cat(out) if len(out) > 1 else out[0]
+    return start_digests(srcs, keys, level1=level1, algorithm=NH2).lanes
 
 
 def _level1_for(src, level1: Optional[Level1]) -> Optional[Level1]:
     if level1 is not None:
         return level1
     return device_level1(src.device.type) if src.device.type != "cpu" else None
-
-
-def _nh_lanes(src, key: HashKey, kern: Optional[Level1]):
-    """The NH tree of a uint8 tensor, left on its device: an int64 tensor of the two lanes."""
-    import torch
-
-    words = _words(src)
-    level = 0
-    while True:
-        k = key.level_tensor(level, words.device)
-        out = kern(words, k) if kern is not None else nh_level(words, k)
-        if words.numel() <= BLOCK:
-            return out
-        words = out.view(torch.int32)
-        level += 1
 
 
 def _words(src):
@@ -298,6 +280,11 @@ def tree_levels(nwords: int) -> int:
         nwords = 4 * -(-nwords // BLOCK)  # two int64 lanes per block
         levels += 1
     return levels
+
+
+def tree_levels_of_bytes(nbytes: int) -> int:
+    """How many NH levels the tree of ``nbytes`` bytes has (its words padded as :func:`_words` does)."""
+    return tree_levels(max(2, -(-nbytes // 8) * 2))
 
 
 def _load_level_keys(items) -> None:

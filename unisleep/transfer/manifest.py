@@ -184,17 +184,12 @@ class UpdateSeal:
     def prepared(cls, group, seq: int, epoch: int, plans: Sequence["BucketPlan"]) -> "UpdateSeal":
         """The seal of update ``seq`` of ``group``, its hash key's levels already on the group's
         device for the largest tensor of ``plans`` (so no bucket waits for them)."""
-        from ..keyed_hash import BLOCK
+        from ..keyed_hash import tree_levels_of_bytes
 
         seal = cls(group.hash_key(seq, epoch), group.subkey("pad"), group.group_id, epoch, seq)
-        words = max((s.nbytes for p in plans for s in p.slots), default=0) // 4
-        level = 0
-        while True:
+        for level in range(tree_levels_of_bytes(max((s.nbytes for p in plans for s in p.slots), default=0))):
             seal.hash_key.level_tensor(level, group.device)
-            if words <= BLOCK:
-                return seal
-            words = 2 * -(-words // BLOCK)
-            level += 1
+        return seal
 
     def pads(self, bucket: int, n: int) -> list[int]:
         """The pads of slots ``0..n-1`` of a bucket as signed int64 words ``[a0, b0, a1, b1, ...]``."""
