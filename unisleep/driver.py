@@ -201,9 +201,21 @@ class Driver(abc.ABC):
 
     def keyed_digests(self, srcs: list, keys: list) -> list:
         """:meth:`keyed_digest` of several tensors at once (one wait for the device)."""
-        from .keyed_hash import digest_many
+        from .keyed_hash import start_digests
 
-        return digest_many(srcs, keys)
+        scratch = self.digest_scratch()
+        try:
+            return start_digests(srcs, keys, scratch=scratch).result()
+        finally:
+            if scratch is not None:
+                scratch.close()
+
+    def digest_scratch(self):
+        """Where the device temporaries of a sleep's digests are made: None (where the
+        framework's allocator puts them), or a context manager with a ``close()`` that gives
+        them back to the device once the digests are read — so that a sleep leaves no cached
+        scratch behind in the memory it was asked to free."""
+        return None
 
     #: True when :meth:`suspend` itself calls :meth:`take_digests`, once the backup copies are
     #: queued (the digests then run while the copies do); else the lifecycle calls it first
@@ -227,11 +239,22 @@ class Driver(abc.ABC):
             return lambda: None
         for j in jobs:
             j.digest_key = HashKey.new(j.region.size)
-        pending = start_digests([self.view(j.region.va, j.region.size) for j in jobs], [j.digest_key for j in jobs])
+        scratch = self.digest_scratch()
+        try:
+            pending = start_digests([self.view(j.region.va, j.region.size) for j in jobs],
+                                    [j.digest_key for j in jobs], scratch=scratch)
+        except BaseException:
+            if scratch is not None:
+                scratch.close()
+            raise
 
         def finish() -> None:
-            for job, d in zip(jobs, pending.result()):
-                job.digest = d
+            try:
+                for job, d in zip(jobs, pending.result()):
+                    job.digest = d
+            finally:
+                if scratch is not None:
+                    scratch.close()
 
         return finish
 

@@ -220,10 +220,16 @@ class PendingDigests:
         return self._out
 
 
-def start_digests(srcs, keys, level1: Optional[Level1] = None, algorithm: Optional[str] = None) -> PendingDigests:
+def start_digests(srcs, keys, level1: Optional[Level1] = None, algorithm: Optional[str] = None,
+                  scratch=None) -> PendingDigests:
     """:func:`digest_many` without the wait: the device work is queued on the current stream
     and the values are read by ``.result()`` — e.g. after other transfers queued on the device
-    meanwhile, which a read of the values would otherwise wait behind."""
+    meanwhile, which a read of the values would otherwise wait behind.
+
+    ``scratch``: a context manager under which the hash levels' device temporaries are made
+    (the level keys, which outlive the call on their :class:`HashKey`, are loaded before it)."""
+    import contextlib
+
     import torch
 
     if len(srcs) != len(keys):
@@ -243,7 +249,8 @@ def start_digests(srcs, keys, level1: Optional[Level1] = None, algorithm: Option
     lanes = None
     if pending:
         _load_level_keys([(key, words) for _, _, words, key, _ in pending])
-        lanes = torch.cat(_nh_trees([(words, key, kern) for _, _, words, key, kern in pending]))
+        with scratch if scratch is not None else contextlib.nullcontext():
+            lanes = torch.cat(_nh_trees([(words, key, kern) for _, _, words, key, kern in pending]))
     return PendingDigests(out, [(i, nbytes) for i, nbytes, *_ in pending], lanes)
 
 

@@ -206,6 +206,16 @@ class CudaDriver(Driver):
             log.debug("copy stream warm-up failed: %s", e)
         return arena
 
+    def digest_scratch(self):
+        """The digests' device temporaries in a private pool, freed once they are read."""
+        from unisleep.backends._pool import DigestScratch
+
+        try:
+            return DigestScratch.for_device(self.device)
+        except Exception as e:  # a torch without private pools: the caching allocator keeps them
+            log.debug("no private pool for the digests' temporaries: %s", e)
+            return None
+
     # ---- composite ---------------------------------------------------------------------
     def suspend(self, saves, discards, store):
         """Reserve, queue every backup copy, take the digests the lifecycle asked for
