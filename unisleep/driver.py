@@ -141,10 +141,20 @@ class Driver(abc.ABC):
     #: before it is released, where the backend pipelines them (host): tracing, or delaying a
     #: background sleep to test the guards
     backup_hook = None
+    #: the driver's sleep can release behind its return (:mod:`unisleep.release_behind`):
+    #: its release path goes through :meth:`release_regions`, and its ``create`` and
+    #: ``memory_info`` call :meth:`settle_releases` first
+    supports_release_behind: bool = False
+    #: set by ``MemoryLifecycle(release_behind=True)``
+    release_behind: bool = False
+    #: called as ``release_hook(handle)`` on the release thread just before each release
+    #: behind a sleep's return: tracing, or delaying it to test that nothing runs ahead of it
+    release_hook = None
 
     def __init__(self, device: int = 0, **options: Any):
         self.device = device
         self.options = options
+        self._behind = None  # the ReleaseBehind thread, made at the first release behind
 
     # ---- primitives ------------------------------------------------------------------
     @abc.abstractmethod
@@ -191,6 +201,39 @@ class Driver(abc.ABC):
 
     @abc.abstractmethod
     def new_backup_store(self, budget_bytes: Optional[int], spill_dir: Optional[str]) -> BackupStore: ...
+
+    def prepare_thread(self) -> None:
+        """Make a new thread of this process ready to call the primitives (e.g. a current
+        device context); a no-op where any thread can."""
+
+    def release_regions(self, regions) -> int:
+        """Unmap (keeping the addresses) and release every mapped chunk of ``regions``; returns
+        bytes released.  With :attr:`release_behind` the chunks are unmapped now and their
+        handles released by the driver's release thread after this returns."""
+        if not self.release_behind:
+            return sum(r.release(self) for r in regions)
+        handles, released = [], 0
+        for r in regions:
+            for c in r.chunks:
+                if c.handle is None:
+                    continue
+                released += self.physical_bytes(c.handle)
+                self.unmap(r.va + c.offset, c.size)
+                handles.append(c.handle)
+                c.handle = None
+        if handles:
+            if self._behind is None:
+                from .release_behind import ReleaseBehind
+
+                self._behind = ReleaseBehind(self)
+            self._behind.submit(handles)
+        return released
+
+    def settle_releases(self) -> None:
+        """Wait for the releases still running behind a sleep's return (none: returns at once);
+        raises :class:`~unisleep.release_behind.ReleaseBehindError` if one failed."""
+        if self._behind is not None:
+            self._behind.settle()
 
     def keyed_digest(self, src, key) -> Any:
         """The keyed digest (:mod:`unisleep.keyed_hash`) of a uint8 tensor's bytes, computed
@@ -320,12 +363,9 @@ class Driver(abc.ABC):
         store.flush()
         self.synchronize()
         tr.mark("wait copies")
-        released = 0
-        for region in discards:
-            released += region.release(self)
+        released = self.release_regions(discards)
         tr.mark("release discarded")
-        for job in saves:
-            released += job.region.release(self)
+        released += self.release_regions([job.region for job in saves])
         tr.mark("release saved")
         tr.done(copied)
         return released, copied

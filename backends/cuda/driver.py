@@ -66,6 +66,7 @@ class CudaDriver(Driver):
     #: (the kernels read at HBM speed next to the copy engine; their launches and the key set-up
     #: cost the host ~0.5 ms a region, hidden under the copies) and before anything is released
     digests_during_copies = True
+    supports_release_behind = True
 
     def __init__(self, device: int = 0, exportable: bool = False, **options):
         super().__init__(device, **options)
@@ -135,7 +136,11 @@ class CudaDriver(Driver):
         cu.ensure_context(self.device)
         cu.call("cuMemAddressFree", va, size)
 
+    def prepare_thread(self) -> None:
+        cu.ensure_context(self.device)
+
     def create(self, size: int) -> CuHandle:
+        self.settle_releases()  # memory released behind the last sleep is back first
         cu.ensure_context(self.device)
         try:
             h = cu.call("cuMemCreate", size, self._prop, 0)
@@ -188,6 +193,7 @@ class CudaDriver(Driver):
         torch.cuda.synchronize(self.device)
 
     def memory_info(self) -> tuple[int, int]:
+        self.settle_releases()
         cu.ensure_context(self.device)
         free, total = cu.call("cuMemGetInfo")
         return int(free), int(total)
@@ -270,8 +276,10 @@ class CudaDriver(Driver):
                 log.warning("undoing the failed suspend's copies also failed: %s", e)
             raise
         # ---- the release point: from here on memory is handed back
-        early = self.release_discards_during_copies
-        released = self._release_regions(discards) if early else 0
+        # with release_behind the discards are handed to the release thread at the end: its
+        # cuMemRelease calls would otherwise hold up this thread's waits for the copies
+        early = self.release_discards_during_copies and not self.release_behind
+        released = self.release_regions(discards) if early else 0
         tr.mark("release discarded")
         digests_run.synchronize()  # the digest kernels have read every saved region
         for job, marks in tracked:
@@ -283,19 +291,31 @@ class CudaDriver(Driver):
         tr.mark("release copied chunks")
         store.flush()
         self.synchronize()
-        if not early:  # every copy is complete now
-            released += self._release_regions(discards)
-        released += self._release_regions([job.region for job in saves])
+
+        def read_digests() -> None:
+            try:
+                finish_digests()
+            except Exception as e:  # the backups are complete; without a digest the next sleep copies
+                log.warning("reading the digests of the backed-up memory failed (%s); the next sleep copies it all", e)
+                for job in saves:
+                    job.digest = None
+            tr.mark("read digests")
+
+        if self.release_behind:  # read before the release thread starts its work
+            read_digests()
+        # every copy is complete now: the discards (unless released above) and the rest, in one
+        # call (with release_behind: all unmapped, then handed over at once)
+        released += self.release_regions(([] if early else list(discards)) + [job.region for job in saves])
         tr.mark("release the rest")
-        try:
-            finish_digests()
-        except Exception as e:  # the backups are complete; without a digest the next sleep copies
-            log.warning("reading the digests of the backed-up memory failed (%s); the next sleep copies it all", e)
-            for job in saves:
-                job.digest = None
-        tr.mark("read digests")
+        if not self.release_behind:
+            read_digests()
         tr.done(copied)
         return released, copied
+
+    def release_regions(self, regions) -> int:
+        if self.release_behind:  # unmap now (~1.5 ms for 48 regions), release on the thread
+            return super().release_regions(regions)
+        return self._release_regions(regions)
 
     def _release_regions(self, regions) -> int:
         """Unmap and release every mapped chunk of ``regions`` (the context made current once,

@@ -41,6 +41,7 @@ class HostDriver(Driver):
     fresh_memory_is_zero = True
     retain_backups = False
     views_hold_owner = True
+    supports_release_behind = True
 
     #: physical chunks of a region: a chunk already written to the spill file is released (on a
     #: second thread) while the next one is written
@@ -94,6 +95,7 @@ class HostDriver(Driver):
         return MemfdHandle(fd, size)
 
     def create(self, size: int) -> MemfdHandle:
+        self.settle_releases()  # memory released behind the last sleep is back first
         return self._memfd(size, commit=True)
 
     def map(self, va: int, size: int, handle: MemfdHandle) -> None:
@@ -124,6 +126,7 @@ class HostDriver(Driver):
         ctypes.memset(va, 0, nbytes)
 
     def memory_info(self) -> tuple[int, int]:
+        self.settle_releases()
         info = {}
         with open("/proc/meminfo") as f:
             for line in f:
@@ -166,12 +169,15 @@ class HostDriver(Driver):
                         store.save((job.key, off), self.view(region.va + off, n))
                         copied += n
             tr.mark("write (releasing under it)")
-            for r in discards:
-                releaser.submit(r.release, self)
+            if not self.release_behind:
+                for r in discards:
+                    releaser.submit(r.release, self)
         finally:
             released = releaser.join()
         tr.mark("wait releases")
-        released += sum(job.region.release(self) for job in saves)
+        if self.release_behind:  # every write is done: unmap the rest, release it behind the return
+            released += self.release_regions(discards)
+        released += self.release_regions([job.region for job in saves])
         tr.mark("release the rest")
         tr.done(copied)
         return released, copied

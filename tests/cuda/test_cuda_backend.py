@@ -13,6 +13,7 @@ torch = pytest.importorskip("torch")
 from unisleep import InvalidArgumentError, InvalidTransitionError, MemoryLifecycle, UnknownTagError  # noqa: E402
 
 MiB = 1 << 20
+GiB = 1 << 30
 
 
 @pytest.fixture
@@ -256,3 +257,57 @@ def test_clean_exit(end):
     assert p.returncode == 0, p.stderr
     assert "done" in p.stdout
     assert "Traceback" not in p.stderr and "Exception ignored" not in p.stderr, p.stderr
+
+
+def test_a_sleep_leaves_no_digest_scratch_in_torchs_cache(lc):
+    """The digests a sleep takes (of the weights it copies; of retained weights, to skip an
+    unchanged copy) need device temporaries, ~1/64 of the bytes hashed; they are given back to
+    the device when the digests are read, so torch's cache holds no more after a sleep than
+    before it, and the sleep frees all it put to sleep."""
+    w = lc.empty((1 << 30,), torch.uint8, tag="weights")  # 1 GiB: 16 MiB of level-0 lanes
+    w.fill_(5)
+    kv = lc.empty((256 * MiB,), torch.uint8, tag="kv_cache")
+    kv.fill_(1)
+    torch.cuda.synchronize()
+    for what in ("copied", "unchanged"):
+        reserved = torch.cuda.memory_reserved()
+        free0 = torch.cuda.mem_get_info()[0]
+        rep = lc.sleep(1)
+        torch.cuda.synchronize()
+        grew = torch.cuda.memory_reserved() - reserved
+        freed = torch.cuda.mem_get_info()[0] - free0
+        assert grew == 0, f"{what} sleep left {grew / MiB:.1f} MiB in torch's cache"
+        assert freed >= (1 << 30) + 256 * MiB - 4 * MiB, f"{what} sleep freed {freed / MiB:.1f} MiB of 1280"
+        assert rep.bytes_copied == ((1 << 30) if what == "copied" else 0)
+        lc.wake_up()
+    assert int(w[::4096].min()) == 5 and int(w[::4096].max()) == 5
+
+
+def test_release_behind_sleeps_return_before_the_release_and_everything_comes_back():
+    """``release_behind=True``: the sleep returns once its memory is unmapped; the handles are
+    released behind it; ``wait()`` sees the memory back; waking restores the bytes exactly."""
+    lc = MemoryLifecycle("cuda", release_behind=True)
+    try:
+        w = lc.empty((512 * MiB,), torch.uint8, tag="weights")
+        w.copy_(torch.randint(0, 256, w.shape, dtype=torch.uint8, device="cuda",
+                              generator=torch.Generator(device="cuda").manual_seed(3)))
+        ref = w.clone()
+        kvs = [lc.empty((GiB,), torch.uint8, tag="kv_cache") for _ in range(8)]
+        for k in kvs:
+            k.fill_(9)
+        torch.cuda.synchronize()
+        for level in (1, 1, 2):
+            free0 = torch.cuda.mem_get_info()[0]
+            rep = lc.sleep(level)
+            assert rep.bytes_released >= 8 * GiB + 512 * MiB
+            lc.wait()  # the releases behind the return are done
+            freed = torch.cuda.mem_get_info()[0] - free0
+            assert freed >= 8 * GiB + 512 * MiB - 8 * MiB, f"level {level}: freed {freed / MiB:.0f} MiB"
+            assert lc.resident_bytes() == 0
+            lc.wake_up()
+            if level == 2:  # level 2 discards the weights: reload them, as the engine does
+                w.copy_(ref)
+            assert torch.equal(w, ref)
+            assert all(int(k.max()) == 0 for k in kvs)
+    finally:
+        lc.close()
