@@ -1,7 +1,9 @@
 """What giving device memory back costs, per call: ``cuMemUnmap`` + ``cuMemRelease`` of the
 regions a sleep discards, in vLLM's layout (32 weight tensors of 256 MiB + 16 KV tensors of
 1 GiB, one region each) and in a few large regions (8 GiB + 16 GiB in 1 GiB chunks), one
-region after another, all unmaps then all releases, and spread over threads.
+region after another, all unmaps then all releases, and spread over threads; the unmaps and
+the releases timed apart (``--only split``); and what a wake right after a release pays
+(``--only after-release``).
 
     PYTHONPATH=. python3 -m unisleep.backends.cuda.bench_release --out result.json
 
@@ -160,6 +162,94 @@ def overlap(repeat: int = 3) -> dict:
     return out
 
 
+def split(repeat: int = 3) -> dict:
+    """Where the time of giving memory back goes: every ``cuMemUnmap`` of a layout, then every
+    ``cuMemRelease`` (what ``release_behind`` leaves to its thread), each timed on its own."""
+    import torch
+
+    from unisleep.region import Region
+
+    from . import cu
+    from .driver import CudaDriver
+
+    drv = CudaDriver(torch.cuda.current_device())
+    out = {}
+    for lname, layout in LAYOUTS.items():
+        unmaps, releases = [], []
+        for _ in range(repeat):
+            regions = [Region.allocate(drv, n, drv.default_chunk_bytes) for n in layout]
+            for r in regions:
+                drv.zero(r.va, r.size)
+            drv.synchronize()
+            chunks = [(r, c) for r in regions for c in r.chunks]
+            cu.ensure_context(drv.device)
+            t0 = time.perf_counter()
+            for r, c in chunks:
+                cu.call("cuMemUnmap", r.va + c.offset, c.size)
+            t1 = time.perf_counter()
+            for _r, c in chunks:
+                drv.release(c.handle)
+                c.handle = None
+            t2 = time.perf_counter()
+            unmaps.append(t1 - t0)
+            releases.append(t2 - t1)
+            for r in regions:
+                r.free(drv)
+        out[lname] = {"unmap_s": statistics.median(unmaps), "release_s": statistics.median(releases)}
+        print(f"split: {lname:45s} unmap all {1e3 * out[lname]['unmap_s']:6.2f} ms, "
+              f"then release all {1e3 * out[lname]['release_s']:6.2f} ms", flush=True)
+    return out
+
+
+def after_release(repeat: int = 3) -> dict:
+    """What a wake right after a release pays: 8 GiB created, mapped and copied in from pinned
+    host memory once the driver has settled, and 0, 30 and 100 ms after releasing 24 GiB."""
+    import torch
+
+    from unisleep.region import Region
+
+    from .driver import CudaDriver
+
+    drv = CudaDriver(torch.cuda.current_device())
+    host = torch.empty(8 * GiB, dtype=torch.uint8).pin_memory()
+    host.fill_(3)
+
+    def settle():
+        last, same, t0 = drv.memory_info()[0], 0, time.monotonic()
+        while same < 3 and time.monotonic() - t0 < 2:
+            time.sleep(0.02)
+            f = drv.memory_info()[0]
+            same, last = (same + 1 if f == last else 0), f
+
+    out = {}
+    for mode, gap in (("settled", None), ("right after releasing 24 GiB", 0.0), ("30 ms after", 0.03),
+                      ("100 ms after", 0.1)):
+        maps, copies = [], []
+        for _ in range(repeat):
+            settle()
+            if gap is not None:
+                big = [Region.allocate(drv, n, drv.default_chunk_bytes) for n in (8 * GiB, 16 * GiB)]
+                for b in big:
+                    drv.zero(b.va, b.size)
+                drv.synchronize()
+                for b in big:
+                    b.free(drv)
+                time.sleep(gap)
+            t0 = time.perf_counter()
+            r = Region.allocate(drv, 8 * GiB, drv.default_chunk_bytes)
+            t1 = time.perf_counter()
+            drv.view(r.va, r.size).copy_(host, non_blocking=True)
+            torch.cuda.synchronize()
+            t2 = time.perf_counter()
+            maps.append(t1 - t0)
+            copies.append(t2 - t1)
+            r.free(drv)
+        out[mode] = {"create_map_s": statistics.median(maps), "copy_s": statistics.median(copies)}
+        print(f"after release: {mode:30s} create+map {1e3 * out[mode]['create_map_s']:6.2f} ms, "
+              f"copy 8 GiB in {1e3 * out[mode]['copy_s']:7.2f} ms", flush=True)
+    return out
+
+
 def r_chunks(n, drv):
     from unisleep.region import chunk_sizes, round_up
 
@@ -170,12 +260,22 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--out")
+    ap.add_argument("--only", choices=["layouts", "overlap", "split", "after-release"], action="append",
+                    help="run only these parts (repeatable); default: all")
     args = ap.parse_args(argv)
     import torch
 
+    parts = args.only or ["layouts", "overlap", "split", "after-release"]
     res = {"machine": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "figures": run(args.repeat),
-           "overlap_s": overlap(args.repeat)}
+           "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+    if "layouts" in parts:
+        res["figures"] = run(args.repeat)
+    if "overlap" in parts:
+        res["overlap_s"] = overlap(args.repeat)
+    if "split" in parts:
+        res["split"] = split(args.repeat)
+    if "after-release" in parts:
+        res["after_release"] = after_release(args.repeat)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
