@@ -202,6 +202,13 @@ class Driver(abc.ABC):
     @abc.abstractmethod
     def new_backup_store(self, budget_bytes: Optional[int], spill_dir: Optional[str]) -> BackupStore: ...
 
+    def map_region(self, region: Region, zero: bool) -> None:
+        """Map every unmapped chunk of ``region`` (same addresses) and, with ``zero``, zero it
+        (queued, as :meth:`zero`).  A backend may interleave the two, chunk by chunk."""
+        region.map(self)
+        if zero:
+            self.zero(region.va, region.size)
+
     def prepare_thread(self) -> None:
         """Make a new thread of this process ready to call the primitives (e.g. a current
         device context); a no-op where any thread can."""
@@ -388,9 +395,7 @@ class Driver(abc.ABC):
         for job in jobs:
             if job.ranges:
                 continue
-            job.region.map(self)
-            if job.zero and not self.fresh_memory_is_zero:
-                self.zero(job.region.va, job.region.size)
+            self.map_region(job.region, zero=job.zero and not self.fresh_memory_is_zero)
         tr.mark("map + zero the rest")
         store.flush()
         self.synchronize()
