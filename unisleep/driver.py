@@ -12,7 +12,7 @@ A backend (``backends/<platform>``) subclasses :class:`Driver` and implements th
 ``release``        release a handle's physical memory
 ``free_address``   give the reservation back
 ``view``           a ``torch.uint8`` tensor over ``[va, va+n)`` on the device
-``zero``           fill a mapped range with zeros, synchronised
+``zero``           fill a mapped range with zeros (queued in stream order on a device)
 ``physical_bytes`` what a handle really holds now, read from the driver/kernel
 =================  ==========================================================================
 
