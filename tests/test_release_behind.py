@@ -127,3 +127,7 @@ def test_release_behind_arguments_are_checked(monkeypatch):
 
     with pytest.raises(InvalidArgumentError, match="not supported by the host backend"):
         MemoryLifecycle(NoBehind(), release_behind=True)
+    # set in the environment (for a whole fleet): a backend without it releases before returning
+    lc = MemoryLifecycle(NoBehind())
+    assert not lc.driver.release_behind
+    lc.close()

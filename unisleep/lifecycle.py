@@ -160,7 +160,8 @@ class MemoryLifecycle:
             raise InvalidArgumentError(
                 f"chunk_bytes must be a positive int (bytes) or None for the backend's default, got {chunk_bytes!r}"
             )
-        if release_behind is None:
+        from_env = release_behind is None
+        if from_env:
             env = os.environ.get("UNISLEEP_RELEASE_BEHIND", "").strip()
             if env not in ("", "0", "1"):
                 raise InvalidArgumentError(f"UNISLEEP_RELEASE_BEHIND must be 0 or 1, got {env!r}")
@@ -169,10 +170,14 @@ class MemoryLifecycle:
             raise InvalidArgumentError(f"release_behind must be True, False or None, got {release_behind!r}")
         self._driver = platform if isinstance(platform, Driver) else _resolve_driver(platform, device, driver_options)
         if release_behind and not self._driver.supports_release_behind:
-            raise InvalidArgumentError(
-                f"release_behind=True is not supported by the {self._driver.name} backend; "
-                "leave it False (or unset UNISLEEP_RELEASE_BEHIND)"
-            )
+            if not from_env:
+                raise InvalidArgumentError(
+                    f"release_behind=True is not supported by the {self._driver.name} backend; leave it False"
+                )
+            # a variable set for a whole fleet: this backend releases before sleep() returns
+            log.warning("UNISLEEP_RELEASE_BEHIND=1 is ignored: the %s backend releases memory before sleep() "
+                        "returns", self._driver.name)
+            release_behind = False
         self._driver.release_behind = release_behind
         self.platform_name = self._driver.name
         self.device = device
