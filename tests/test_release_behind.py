@@ -2,6 +2,7 @@
 sleep returns once its memory is unmapped, the handles are released on the driver's thread
 after it, and nothing of unisleep runs ahead of those releases."""
 
+import os
 import threading
 import time
 
@@ -130,4 +131,38 @@ def test_release_behind_arguments_are_checked(monkeypatch):
     # set in the environment (for a whole fleet): a backend without it releases before returning
     lc = MemoryLifecycle(NoBehind())
     assert not lc.driver.release_behind
+    lc.close()
+
+
+def test_a_child_forked_while_releases_are_queued_does_not_wait_for_them():
+    """fork() copies no release thread (and maybe a held lock): the child's settle returns at
+    once instead of hanging; the parent's releases go on."""
+    lc, drv = _lifecycle()
+    _fill(lc)
+    gate = threading.Event()
+    drv.release_hook = lambda h: gate.wait(10)
+    lc.sleep(2)
+    assert drv._behind.pending
+    pid = os.fork()
+    if pid == 0:  # the child: must not hang, must exit 0
+        code = 1
+        try:
+            t0 = time.monotonic()
+            drv.settle_releases()
+            code = 0 if time.monotonic() - t0 < 2 else 2
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 10
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    if not done:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+    assert done and os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, "the forked child hung or failed in settle"
+    gate.set()
+    lc.wait()
+    assert not drv._behind.pending and lc.resident_bytes() == 0
     lc.close()

@@ -20,7 +20,9 @@ call that waits for the queue.
 from __future__ import annotations
 
 import logging
+import os
 import threading
+import weakref
 from typing import Optional
 
 from .errors import UnisleepError
@@ -45,6 +47,14 @@ class ReleaseBehind:
         self._thread: Optional[threading.Thread] = None
         self.pending_bytes = 0
         self.released_bytes = 0
+        _INSTANCES.add(self)
+
+    def _forget_after_fork(self) -> None:
+        """In a child made by ``fork()``: no release thread came along, and its lock may have
+        been held at the fork.  The queued handles are the parent's to release (the child's
+        copies, e.g. host file descriptors, go when the child exits); nothing is left to wait for."""
+        self._cond = threading.Condition()
+        self._queue, self._busy, self._thread, self.pending_bytes = [], False, None, 0
 
     def submit(self, handles: list) -> None:
         if not handles:
@@ -108,3 +118,15 @@ class ReleaseBehind:
             with self._cond:
                 self._busy = False
                 self._cond.notify_all()
+
+
+_INSTANCES: "weakref.WeakSet[ReleaseBehind]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for rb in list(_INSTANCES):
+        rb._forget_after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
