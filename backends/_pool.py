@@ -195,14 +195,19 @@ class DigestScratch:
     @classmethod
     def for_device(cls, device: int) -> Optional["DigestScratch"]:
         """None where a private pool cannot be used: this thread already routes into a tag
-        (pools are never nested), a graph is being captured, or torch has no ``use_mem_pool``."""
+        (pools are never nested), a graph is being captured, or this torch has no private
+        pools (the caching allocator then keeps the temporaries)."""
         import torch
 
         if routing_active() or not hasattr(torch.cuda, "use_mem_pool"):
             return None
-        if torch.cuda.is_current_stream_capturing():
+        try:
+            if torch.cuda.is_current_stream_capturing():
+                return None
+            return cls(device)
+        except Exception as e:
+            log.debug("no private pool for the digests' temporaries: %s", e)
             return None
-        return cls(device)
 
     def __enter__(self):
         import torch

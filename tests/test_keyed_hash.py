@@ -269,3 +269,36 @@ def test_fused_kernel_equals_nh_level_in_the_triton_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
     assert p.returncode == 0 and "OK" in p.stdout, p.stderr[-3000:]
+
+
+class _Scratch:
+    """A scratch recording when the digests' temporaries are made under it and when it is closed."""
+
+    def __init__(self):
+        self.entered, self.closed = 0, 0
+
+    def __enter__(self):
+        self.entered += 1
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def close(self):
+        self.closed += 1
+
+
+def test_start_digests_closes_its_scratch_once_the_values_are_read_or_on_failure(key):
+    torch = pytest.importorskip("torch")
+    srcs = [torch.arange(5000, dtype=torch.uint8), torch.arange(70000, dtype=torch.int32).view(torch.uint8)]
+    s = _Scratch()
+    pending = kh.start_digests(srcs, [key, key], algorithm=kh.NH2, scratch=s)
+    assert s.entered == 1 and s.closed == 0  # still needed: the values are not read yet
+    got = pending.result()
+    assert s.closed == 1 and got == kh.digest_many(srcs, [key, key], algorithm=kh.NH2)
+    pending.result()
+    assert s.closed == 1  # once
+    s = _Scratch()
+    with pytest.raises(ValueError):  # a key too short for the input: refused, the scratch given back
+        kh.start_digests([torch.zeros(1 << 20, dtype=torch.uint8)], [HashKey.new(64)], algorithm=kh.NH2, scratch=s)
+    assert s.closed == 1

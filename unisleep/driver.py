@@ -253,18 +253,14 @@ class Driver(abc.ABC):
         """:meth:`keyed_digest` of several tensors at once (one wait for the device)."""
         from .keyed_hash import start_digests
 
-        scratch = self.digest_scratch()
-        try:
-            return start_digests(srcs, keys, scratch=scratch).result()
-        finally:
-            if scratch is not None:
-                scratch.close()
+        return start_digests(srcs, keys, scratch=self.digest_scratch()).result()
 
     def digest_scratch(self):
         """Where the device temporaries of a sleep's digests are made: None (where the
         framework's allocator puts them), or a context manager with a ``close()`` that gives
-        them back to the device once the digests are read — so that a sleep leaves no cached
-        scratch behind in the memory it was asked to free."""
+        them back to the device (:func:`~unisleep.keyed_hash.start_digests` closes it once the
+        digests are read) — so that a sleep leaves no cached scratch behind in the memory it
+        was asked to free."""
         return None
 
     #: True when :meth:`suspend` itself calls :meth:`take_digests`, once the backup copies are
@@ -289,22 +285,12 @@ class Driver(abc.ABC):
             return lambda: None
         for j in jobs:
             j.digest_key = HashKey.new(j.region.size)
-        scratch = self.digest_scratch()
-        try:
-            pending = start_digests([self.view(j.region.va, j.region.size) for j in jobs],
-                                    [j.digest_key for j in jobs], scratch=scratch)
-        except BaseException:
-            if scratch is not None:
-                scratch.close()
-            raise
+        pending = start_digests([self.view(j.region.va, j.region.size) for j in jobs], [j.digest_key for j in jobs],
+                                scratch=self.digest_scratch())
 
         def finish() -> None:
-            try:
-                for job, d in zip(jobs, pending.result()):
-                    job.digest = d
-            finally:
-                if scratch is not None:
-                    scratch.close()
+            for job, d in zip(jobs, pending.result()):
+                job.digest = d
 
         return finish
 

@@ -198,11 +198,12 @@ def digest_many(srcs, keys, level1: Optional[Level1] = None, algorithm: Optional
 
 class PendingDigests:
     """Digests whose device work is queued (:func:`start_digests`); :meth:`result` waits for it
-    and reads them.  Until then the device may still be reading the tensors hashed: a caller
-    that frees them first waits for the device (e.g. an event recorded after the start)."""
+    and reads them (and gives the temporaries' ``scratch`` back).  Until then the device may
+    still be reading the tensors hashed: a caller that frees them first waits for the device
+    (e.g. an event recorded after the start)."""
 
-    def __init__(self, out: list, pending: list, lanes):
-        self._out, self._pending, self._lanes = out, pending, lanes
+    def __init__(self, out: list, pending: list, lanes, scratch=None):
+        self._out, self._pending, self._lanes, self._scratch = out, pending, lanes, scratch
 
     @property
     def lanes(self):
@@ -211,13 +212,21 @@ class PendingDigests:
         return self._lanes
 
     def result(self) -> list:
-        if self._lanes is not None:
-            values = self._lanes.tolist()  # the one wait
-            for j, (i, nbytes) in enumerate(self._pending):
-                a, b = values[2 * j] & 0xFFFFFFFFFFFFFFFF, values[2 * j + 1] & 0xFFFFFFFFFFFFFFFF
-                self._out[i] = Digest(nbytes, a, b)
-            self._lanes = None
+        try:
+            if self._lanes is not None:
+                values = self._lanes.tolist()  # the one wait
+                for j, (i, nbytes) in enumerate(self._pending):
+                    a, b = values[2 * j] & 0xFFFFFFFFFFFFFFFF, values[2 * j + 1] & 0xFFFFFFFFFFFFFFFF
+                    self._out[i] = Digest(nbytes, a, b)
+        finally:
+            self._lanes = None  # the last temporary, before the scratch goes
+            self._close_scratch()
         return self._out
+
+    def _close_scratch(self) -> None:
+        scratch, self._scratch = self._scratch, None
+        if scratch is not None:
+            scratch.close()
 
 
 def start_digests(srcs, keys, level1: Optional[Level1] = None, algorithm: Optional[str] = None,
@@ -226,8 +235,10 @@ def start_digests(srcs, keys, level1: Optional[Level1] = None, algorithm: Option
     and the values are read by ``.result()`` — e.g. after other transfers queued on the device
     meanwhile, which a read of the values would otherwise wait behind.
 
-    ``scratch``: a context manager under which the hash levels' device temporaries are made
-    (the level keys, which outlive the call on their :class:`HashKey`, are loaded before it)."""
+    ``scratch``: a context manager with a ``close()`` (e.g. a private pool): the hash levels'
+    device temporaries are made under it, and ``.result()`` closes it once the values are read
+    (so does a failure here).  The level keys, which outlive the call on their
+    :class:`HashKey`, are loaded before it."""
     import contextlib
 
     import torch
@@ -247,11 +258,17 @@ def start_digests(srcs, keys, level1: Optional[Level1] = None, algorithm: Option
             raise ValueError(f"unknown digest algorithm {algo!r} (known: {', '.join(ALGORITHMS)})")
         pending.append((i, src.numel(), _words(src), key, _level1_for(src, level1)))
     lanes = None
-    if pending:
-        _load_level_keys([(key, words) for _, _, words, key, _ in pending])
-        with scratch if scratch is not None else contextlib.nullcontext():
-            lanes = torch.cat(_nh_trees([(words, key, kern) for _, _, words, key, kern in pending]))
-    return PendingDigests(out, [(i, nbytes) for i, nbytes, *_ in pending], lanes)
+    done = PendingDigests(out, [(i, nbytes) for i, nbytes, *_ in pending], None, scratch)
+    try:
+        if pending:
+            _load_level_keys([(key, words) for _, _, words, key, _ in pending])
+            with scratch if scratch is not None else contextlib.nullcontext():
+                lanes = torch.cat(_nh_trees([(words, key, kern) for _, _, words, key, kern in pending]))
+    except BaseException:
+        done._close_scratch()
+        raise
+    done._lanes = lanes
+    return done
 
 
 def nh_lanes_many(srcs, keys, level1: Optional[Level1] = None):

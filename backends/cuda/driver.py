@@ -247,11 +247,7 @@ class CudaDriver(Driver):
         """The digests' device temporaries in a private pool, freed once they are read."""
         from unisleep.backends._pool import DigestScratch
 
-        try:
-            return DigestScratch.for_device(self.device)
-        except Exception as e:  # a torch without private pools: the caching allocator keeps them
-            log.debug("no private pool for the digests' temporaries: %s", e)
-            return None
+        return DigestScratch.for_device(self.device)
 
     # ---- composite ---------------------------------------------------------------------
     def suspend(self, saves, discards, store):
