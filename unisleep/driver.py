@@ -344,7 +344,6 @@ class Driver(abc.ABC):
         copy is complete, and discarded regions once every copy is).
         """
         tr = _Trace("suspend")
-        self.take_digests(saves)  # a no-op when the lifecycle took them already
         copied = 0
         for job in saves:
             if job.skip_copy:

@@ -273,7 +273,8 @@ class CudaDriver(Driver):
         import torch
 
         self.synchronize()  # nothing in flight may touch memory we are about to unmap
-        if not isinstance(store, PinnedArena):
+        if not isinstance(store, PinnedArena):  # the plain path: digests first, as the lifecycle
+            self.take_digests(saves)  # takes them for backends without digests_during_copies
             return super().suspend(saves, discards, store)
         tr = _Trace("suspend")
         copied, tracked = 0, []
@@ -322,24 +323,19 @@ class CudaDriver(Driver):
         tr.mark("release copied chunks")
         store.flush()
         self.synchronize()
-
-        def read_digests() -> None:
-            try:
-                finish_digests()
-            except Exception as e:  # the backups are complete; without a digest the next sleep copies
-                log.warning("reading the digests of the backed-up memory failed (%s); the next sleep copies it all", e)
-                for job in saves:
-                    job.digest = None
-            tr.mark("read digests")
-
-        if self.release_behind:  # read before the release thread starts its work
-            read_digests()
-        # every copy is complete now: the discards (unless released above) and the rest, in one
-        # call (with release_behind: all unmapped, then handed over at once)
+        # every copy and digest kernel is complete: reading the values waits for nothing (and,
+        # with release_behind, is done before the release thread starts its driver calls)
+        try:
+            finish_digests()
+        except Exception as e:  # the backups are complete; without a digest the next sleep copies
+            log.warning("reading the digests of the backed-up memory failed (%s); the next sleep copies it all", e)
+            for job in saves:
+                job.digest = None
+        tr.mark("read digests")
+        # the discards (unless released above) and the rest, in one call (with release_behind:
+        # all unmapped, then handed over at once)
         released += self.release_regions(([] if early else list(discards)) + [job.region for job in saves])
         tr.mark("release the rest")
-        if not self.release_behind:
-            read_digests()
         tr.done(copied)
         return released, copied
 
