@@ -10,7 +10,7 @@ parameter: one chunk per region on CUDA, ``VLLM_ROCM_SLEEP_MEM_CHUNK_SIZE`` MB o
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 if TYPE_CHECKING:  # pragma: no cover
     from .driver import Driver
@@ -87,17 +87,24 @@ class Region:
             raise
         c.handle = h
 
-    def map(self, driver: "Driver") -> None:
-        """Create and map every unmapped chunk; on failure undo what this call mapped."""
+    def map(self, driver: "Driver", each: Optional[Callable[[Chunk], None]] = None) -> None:
+        """Create and map every unmapped chunk; on failure undo what this call mapped.
+        ``each(chunk)`` runs on every chunk as soon as it is mapped and accessible (e.g. queue
+        its zeroing while the next one is mapped); a failure then first waits for the device."""
         done: list[Chunk] = []
         try:
             for c in self.chunks:
                 if c.handle is not None:
                     continue
-                self.map_chunk(driver, c, access=False)
+                self.map_chunk(driver, c, access=each is not None)
                 done.append(c)
-            driver.set_access(self.va, self.size)
+                if each is not None:
+                    each(c)
+            if each is None:
+                driver.set_access(self.va, self.size)
         except BaseException:
+            if each is not None and done:
+                driver.synchronize()  # work ``each`` queued may still touch the chunks
             for c in done:
                 driver.unmap(self.va + c.offset, c.size)
                 driver.release(c.handle)

@@ -201,22 +201,10 @@ class CudaDriver(Driver):
     def map_region(self, region, zero: bool) -> None:
         """Chunk by chunk: map one, queue its zeroing, map the next while the device zeroes (16 GiB
         of 1 GiB chunks: the fills run under the mapping calls instead of after them)."""
-        done = []
-        try:
-            for c in region.chunks:
-                if c.handle is not None:
-                    continue
-                region.map_chunk(self, c)
-                done.append(c)
-                if zero:
-                    self.zero(region.va + c.offset, c.size)
-        except BaseException:
-            self.synchronize()  # queued fills may still write the chunks mapped so far
-            for c in done:
-                self.unmap(region.va + c.offset, c.size)
-                self.release(c.handle)
-                c.handle = None
-            raise
+        if not zero:
+            region.map(self)
+            return
+        region.map(self, each=lambda c: self.zero(region.va + c.offset, c.size))
 
     def synchronize(self) -> None:
         import torch
