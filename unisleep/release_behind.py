@@ -45,7 +45,6 @@ class ReleaseBehind:
         self._busy = False
         self._error: Optional[BaseException] = None
         self._thread: Optional[threading.Thread] = None
-        self.pending_bytes = 0
         self.released_bytes = 0
         _INSTANCES.add(self)
 
@@ -54,15 +53,13 @@ class ReleaseBehind:
         been held at the fork.  The queued handles are the parent's to release (the child's
         copies, e.g. host file descriptors, go when the child exits); nothing is left to wait for."""
         self._cond = threading.Condition()
-        self._queue, self._busy, self._thread, self.pending_bytes = [], False, None, 0
+        self._queue, self._busy, self._thread = [], False, None
 
     def submit(self, handles: list) -> None:
         if not handles:
             return
-        nbytes = sum(self._driver.physical_bytes(h) for h in handles)
         with self._cond:
             self._queue.extend(handles)
-            self.pending_bytes += nbytes
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="unisleep-release-behind", daemon=True)
                 self._thread.start()
@@ -111,9 +108,8 @@ class ReleaseBehind:
                     with self._cond:
                         if self._error is None:
                             self._error = e
-                finally:
+                else:
                     with self._cond:
-                        self.pending_bytes -= n
                         self.released_bytes += n
             with self._cond:
                 self._busy = False
