@@ -183,12 +183,15 @@ class UpdateSeal:
     @classmethod
     def prepared(cls, group, seq: int, epoch: int, plans: Sequence["BucketPlan"]) -> "UpdateSeal":
         """The seal of update ``seq`` of ``group``, its hash key's levels already on the group's
-        device for the largest tensor of ``plans`` (so no bucket waits for them)."""
+        device for the largest tensor of ``plans`` (so no bucket waits for them; host buckets
+        are hashed with GMAC, which needs no level keys)."""
         from ..keyed_hash import tree_levels_of_bytes
 
         seal = cls(group.hash_key(seq, epoch), group.subkey("pad"), group.group_id, epoch, seq)
-        for level in range(tree_levels_of_bytes(max((s.nbytes for p in plans for s in p.slots), default=0))):
-            seal.hash_key.level_tensor(level, group.device)
+        dev = group.device
+        if dev.type != "cpu":
+            for level in range(tree_levels_of_bytes(max((s.nbytes for p in plans for s in p.slots), default=0))):
+                seal.hash_key.level_tensor(level, dev)
         return seal
 
     def pads(self, bucket: int, n: int) -> list[int]:
@@ -261,13 +264,9 @@ def check_bucket(buf_u8, plan: BucketPlan, seq: int, seal: Optional[UpdateSeal])
     if seal is not None and plan.slots and buf_u8.device.type != "cpu":
         return _check_on_device(buf_u8, trd, plan, seq, seal)
     tr = trd.tolist()
-    head = tr[:TRAILER_HEAD]
-    if head != [seq, plan.index, len(plan.slots)]:
-        return (
-            f"bucket {plan.index}: trailer says update {head[0]}, bucket {head[1]}, {head[2]} tensors; "
-            f"expected update {seq}, bucket {plan.index}, {len(plan.slots)} tensors",
-            list(range(len(plan.slots))),
-        )
+    wrong = _wrong_head(tr[:TRAILER_HEAD], plan, seq)
+    if wrong:
+        return wrong
     if seal is None or not plan.slots:
         return None, []
     bad, wanted = [], {}  # algorithm -> [(slot index, expected digest)]
@@ -287,6 +286,15 @@ def check_bucket(buf_u8, plan: BucketPlan, seq: int, seal: Optional[UpdateSeal])
 _M64 = (1 << 64) - 1
 
 
+def _wrong_head(head: list, plan: BucketPlan, seq: int) -> Optional[tuple[str, list[int]]]:
+    """:func:`check_bucket`'s answer when the trailer's head is not this update's bucket."""
+    n = len(plan.slots)
+    if head == [seq, plan.index, n]:
+        return None
+    return (f"bucket {plan.index}: trailer says update {head[0]}, bucket {head[1]}, {head[2]} tensors; "
+            f"expected update {seq}, bucket {plan.index}, {n} tensors", list(range(n)))
+
+
 def _check_on_device(buf_u8, trd, plan: BucketPlan, seq: int, seal: UpdateSeal) -> tuple[Optional[str], list[int]]:
     """:func:`check_bucket` for a bucket on a device: the NH lanes are computed and compared
     there, and one small read (the trailer's head, each slot's algorithm and length, and one
@@ -300,13 +308,9 @@ def _check_on_device(buf_u8, trd, plan: BucketPlan, seq: int, seal: UpdateSeal) 
     pads = torch.tensor(seal.pads(plan.index, n), dtype=torch.int64).to(trd.device, non_blocking=True).view(n, 2)
     match = ((slots[:, 2:] ^ pads) == seal.lanes(buf_u8, plan).view(n, 2)).all(1).to(torch.int64)
     got = torch.cat((trd[:TRAILER_HEAD], slots[:, :2].reshape(-1), match)).tolist()  # the one wait
-    head = got[:TRAILER_HEAD]
-    if head != [seq, plan.index, n]:
-        return (
-            f"bucket {plan.index}: trailer says update {head[0]}, bucket {head[1]}, {head[2]} tensors; "
-            f"expected update {seq}, bucket {plan.index}, {n} tensors",
-            list(range(n)),
-        )
+    wrong = _wrong_head(got[:TRAILER_HEAD], plan, seq)
+    if wrong:
+        return wrong
     meta, ok = got[TRAILER_HEAD: TRAILER_HEAD + 2 * n], got[TRAILER_HEAD + 2 * n:]
     nh = ALGORITHMS.index(NH2)
     bad = [i for i, s in enumerate(plan.slots) if meta[2 * i] != nh or meta[2 * i + 1] != s.nbytes or not ok[i]]
