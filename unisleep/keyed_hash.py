@@ -80,11 +80,15 @@ class HashKey:
         material = b"unisleep keyed hash v1\0" + struct.pack("<I", len(secret)) + secret + context
         return cls(hashlib.shake_256(material).digest(MAX_LEVELS * KEY_WORDS * 4))
 
-    def level_words(self, level: int) -> list[int]:
+    def level_bytes(self, level: int) -> bytes:
+        """The key material of one level: ``KEY_WORDS`` little-endian uint32 words."""
         if not 0 <= level < self.levels:
             raise ValueError(f"level {level} is out of range (input too large to hash with this key)")
-        off = level * KEY_WORDS * 4
-        return list(struct.unpack_from(f"<{KEY_WORDS}I", self.material, off))
+        size = KEY_WORDS * 4
+        return self.material[level * size: (level + 1) * size]
+
+    def level_words(self, level: int) -> list[int]:
+        return list(struct.unpack(f"<{KEY_WORDS}I", self.level_bytes(level)))
 
     def level_tensor(self, level: int, device):
         """The level's key as int64 words (values < 2**32) on ``device``, cached per device."""
@@ -92,10 +96,7 @@ class HashKey:
 
         k = self._tensors.get((level, str(device)))
         if k is None:
-            if not 0 <= level < self.levels:
-                raise ValueError(f"level {level} is out of range (input too large to hash with this key)")
-            off = level * KEY_WORDS * 4
-            raw = bytearray(self.material[off: off + KEY_WORDS * 4])  # little-endian uint32 words
+            raw = bytearray(self.level_bytes(level))  # little-endian uint32 words
             k = torch.frombuffer(raw, dtype=torch.int32).to(torch.int64) & _M32
             k = k.to(device, non_blocking=True) if str(device) != "cpu" else k
             self._tensors[(level, str(device))] = k
@@ -329,11 +330,7 @@ def _load_level_keys(items) -> None:
             key, level = slots[0]
             key.level_tensor(level, dev)
             continue
-        for key, level in slots:
-            if not 0 <= level < key.levels:
-                raise ValueError(f"level {level} is out of range (input too large to hash with this key)")
-        size = KEY_WORDS * 4
-        blob = bytearray(b"".join(key.material[level * size : (level + 1) * size] for key, level in slots))
+        blob = bytearray(b"".join(key.level_bytes(level) for key, level in slots))
         words32 = torch.frombuffer(blob, dtype=torch.int32).to(dev, non_blocking=True)  # uint32 words as int32
         words64 = words32.to(torch.int64).bitwise_and_(_M32)  # the same words as values < 2**32
         remember = device_key_words32(dev.type) if dev.type != "cpu" else None
