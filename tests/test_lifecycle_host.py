@@ -780,3 +780,37 @@ def test_preserve_finds_a_tied_weight_by_its_second_name(lifecycle):
     lc.wake_up(["weights"])
     assert torch.equal(m.head.weight, ref) and m.head.weight is m.embed.weight
     assert m.lin.weight.count_nonzero().item() == 0  # not preserved: zeroed
+
+
+def test_region_map_with_a_per_chunk_step_and_its_rollback():
+    """``Region.map(driver, each=...)`` (what a backend's ``map_region`` uses to zero chunk by
+    chunk): each chunk is mapped and accessible when ``each`` sees it; a failure part-way
+    unmaps and releases exactly what that call mapped, after waiting for the device."""
+    from unisleep.region import Region
+
+    drv = HostDriver(chunk_bytes=1 << 20)
+    r = Region.allocate(drv, 4 << 20, 1 << 20)
+    try:
+        r.release(drv)
+        seen = []
+
+        def fill(c):
+            drv.view(r.va + c.offset, c.size).fill_(7)  # accessible now
+            seen.append(c.offset)
+
+        r.map(drv, each=fill)
+        assert seen == [c.offset for c in r.chunks] and r.mapped
+        assert int(drv.view(r.va, r.size).min()) == 7
+        r.release(drv)
+        synced = []
+        drv.synchronize = lambda: synced.append(True)
+
+        def fail_third(c):
+            if c.offset == 2 << 20:
+                raise OSError("injected")
+
+        with pytest.raises(OSError, match="injected"):
+            r.map(drv, each=fail_third)
+        assert synced and r.unmapped  # waited, then gave back the three chunks it had mapped
+    finally:
+        r.free(drv)
