@@ -216,13 +216,20 @@ class SpillStore(BackupStore):
         if not os.path.exists(parent):
             try:
                 os.makedirs(parent, mode=0o700)
+            except FileExistsError:  # another process starting at the same time made it first
+                if not os.path.isdir(parent):
+                    raise SpillDirError(
+                        f"spill_dir {parent!r} exists and is not a directory. Pass spill_dir= (or set "
+                        "UNISLEEP_SPILL_DIR) to a directory on a disk with room for the weights."
+                    ) from None
             except OSError as e:
                 raise SpillDirError(
                     f"cannot create spill_dir {parent!r}: {e.strerror}. Pass spill_dir= (or set "
                     "UNISLEEP_SPILL_DIR) to a writable directory on a disk with room for the weights."
                 ) from e
-            self._made_parent = parent
-            log.warning("created the spill directory %s (removed again at close if still empty)", parent)
+            else:
+                self._made_parent = parent
+                log.warning("created the spill directory %s (removed again at close if still empty)", parent)
         self.fstype = filesystem_type(parent)
         if self.fstype in RAM_FILESYSTEMS:
             warnings.warn(

@@ -75,6 +75,26 @@ def test_missing_spill_dir_is_created_said_and_removed(tmp_path, caplog):
     assert not d.exists()  # it was ours and is empty again
 
 
+def test_a_spill_dir_made_by_another_process_meanwhile_is_used_and_left_to_it(tmp_path, monkeypatch):
+    """Two workers starting at once with the same new spill_dir: the one whose mkdir comes
+    second uses the directory the other made (and does not remove it at close)."""
+    import os
+
+    d = tmp_path / "spill"
+    real = os.makedirs
+
+    def racing(path, *a, **k):  # the other process wins between the check and this call
+        real(path, *a, **k)
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(os, "makedirs", racing)
+    lc = MemoryLifecycle("host", spill_dir=str(d))
+    monkeypatch.setattr(os, "makedirs", real)
+    assert d.is_dir()
+    lc.close()
+    assert d.is_dir()  # not this lifecycle's to remove
+
+
 def test_ram_filesystem_warns_once(tmp_path):
     import warnings
 
