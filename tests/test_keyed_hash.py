@@ -271,6 +271,81 @@ def test_fused_kernel_equals_nh_level_in_the_triton_interpreter():
     assert p.returncode == 0 and "OK" in p.stdout, p.stderr[-3000:]
 
 
+# ---- a bucket's tensors hashed together (the transfer's trailers) ------------------------
+BUCKET_LAYOUTS = [
+    [(0, 0)],
+    [(0, 8)],
+    [(0, 13)],  # a ragged last pair: the bytes after it (the next slot's) must not count
+    [(64, 8192), (8256, 8193), (16512, 1)],
+    [(0, 2 << 20), (2 << 20, 0), ((2 << 20) + 64, 1000001)],  # two levels, an empty range
+    [(0, 9 << 20), ((9 << 20) + 64, 7), ((9 << 20) + 128, (4 << 20) - 200)],  # three levels
+]
+
+
+@pytest.mark.parametrize("spans", BUCKET_LAYOUTS, ids=lambda s: f"{len(s)}-ranges-{sum(n for _, n in s)}B")
+def test_bucket_lanes_equal_the_per_tensor_digests(spans, key):
+    g = torch.Generator().manual_seed(len(spans))
+    buf = torch.randint(0, 256, (max(o + n for o, n in spans) + 64,), dtype=torch.uint8, generator=g)
+    got = kh.bucket_lanes(buf, spans, key, level=kh.nh_segments_reference)
+    want = kh.nh_lanes_many([buf[o: o + n] for o, n in spans], [key] * len(spans))
+    assert torch.equal(got, want)
+    for i, (o, n) in enumerate(spans):  # and the plain-integer definition, for the small ones
+        if n <= 20000:
+            d = kh.reference_digest(bytes(buf[o: o + n].tolist()), key)
+            assert [d.lane_a, d.lane_b] == [v & 0xFFFFFFFFFFFFFFFF for v in got[2 * i: 2 * i + 2].tolist()]
+
+
+def test_bucket_lanes_see_every_byte_of_every_range_and_nothing_else(key):
+    spans = [(0, 8193), (8256, 13), (8320, 3 * 8192)]
+    buf = torch.randint(0, 256, (8320 + 3 * 8192 + 64,), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
+    base = kh.bucket_lanes(buf, spans, key, level=kh.nh_segments_reference).view(-1, 2)
+    for pos, slot in ((0, 0), (8192, 0), (8256 + 12, 1), (8320 + 3 * 8192 - 1, 2)):
+        b = buf.clone()
+        b[pos] ^= 1
+        got = kh.bucket_lanes(b, spans, key, level=kh.nh_segments_reference).view(-1, 2)
+        changed = [i for i in range(3) if not torch.equal(got[i], base[i])]
+        assert changed == [slot], (pos, changed)
+    for pos in (8193, 8255, 8256 + 13, 8319):  # padding between ranges is not hashed
+        b = buf.clone()
+        b[pos] ^= 1
+        assert torch.equal(kh.bucket_lanes(b, spans, key, level=kh.nh_segments_reference).view(-1, 2), base), pos
+
+
+def test_bucket_lanes_fall_back_to_per_tensor_digests_off_8_bytes(key):
+    buf = torch.randint(0, 256, (40000,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    calls = []
+
+    def level(*a):
+        calls.append(1)
+        return kh.nh_segments_reference(*a)
+
+    spans = [(4, 9000), (9024, 100)]  # the first range is 4 bytes off: no table path
+    got = kh.bucket_lanes(buf, spans, key, level=level)
+    assert not calls
+    assert torch.equal(got, kh.nh_lanes_many([buf[o: o + n] for o, n in spans], [key] * 2))
+
+
+def test_segmented_kernel_equals_the_reference_in_the_triton_interpreter():
+    pytest.importorskip("triton", reason="needs the triton package (pip install triton)")
+    code = textwrap.dedent(
+        """
+        import torch
+        from unisleep import keyed_hash as kh
+        from unisleep.backends.cuda import checksum as cs
+        assert cs._segments_kernel() is not None, cs._seg_error
+        key = kh.HashKey.new()
+        buf = torch.randint(0, 256, (3 * 8192 + 300,), dtype=torch.uint8, generator=torch.Generator().manual_seed(4))
+        for spans in ([(0, 13)], [(0, 8193), (8256, 0), (8320, 3 * 8192 - 64 - 21)]):
+            want = kh.bucket_lanes(buf, spans, key, level=kh.nh_segments_reference)
+            assert torch.equal(kh.bucket_lanes(buf, spans, key, level=cs.nh_segments), want), spans
+        print("OK")
+        """
+    )
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    assert p.returncode == 0 and "OK" in p.stdout, p.stderr[-3000:]
+
+
 class _Scratch:
     """A scratch recording when the digests' temporaries are made under it and when it is closed."""
 

@@ -279,6 +279,110 @@ def nh_lanes_many(srcs, keys, level1: Optional[Level1] = None):
     return start_digests(srcs, keys, level1=level1, algorithm=NH2).lanes
 
 
+#: a segmented NH level: ``(src, key, table, out)`` — ``src`` int64 (each element one pair of
+#: 32-bit words, little-endian), ``key`` the level's int64 key, ``table`` int64 ``[4, nblocks]``
+#: (per block: first element in ``src``, elements in it (at most ``BLOCK // 2``; the rest is
+#: zero), an AND mask for its last element, and where its two lanes go in ``out``:
+#: ``out[2 * dst]``, ``out[2 * dst + 1]``); fills ``out`` in place, queued on the device
+SegmentLevel = Callable[[object, object, object, object], None]
+_SEGMENTS: dict = {}
+_LAYOUTS: dict = {}  # (device, spans) -> _Layout, the few layouts of the buckets in use
+_LAYOUTS_KEPT = 8
+
+
+class _Layout:
+    """The NH trees of several byte ranges of one buffer as block tables, one per level: every
+    level of every range is one launch of a segmented kernel (``SegmentLevel``).  ``out``
+    holds the roots (two lanes per range, in order) first, then each level's lanes."""
+
+    def __init__(self, spans, device):
+        import torch
+
+        half = BLOCK // 2
+        tables, cursor = [], len(spans)  # lane-pair slots of out: the roots come first
+        cur = []  # (range index, first element, elements, AND mask of the last one)
+        for i, (off, n) in enumerate(spans):
+            npairs = -(-n // 8)
+            cur.append((i, off // 8, npairs, (1 << (8 * (n % 8))) - 1 if n % 8 else -1))
+        while cur:
+            cols, nxt = [], []
+            for i, first, npairs, last_mask in cur:
+                nb = max(1, -(-npairs // half))
+                b = torch.arange(nb, dtype=torch.int64)
+                count = (npairs - b * half).clamp_(0, half)
+                mask = torch.full((nb,), -1, dtype=torch.int64)
+                if last_mask != -1:
+                    mask[-1] = last_mask
+                if nb == 1:
+                    dst = torch.tensor([i], dtype=torch.int64)
+                else:
+                    dst = cursor + b
+                    nxt.append((i, 2 * cursor, 2 * nb, -1))  # its lanes are the next level's words
+                    cursor += nb
+                cols.append(torch.stack((first + b * half, count, mask, dst)))
+            tables.append(torch.cat(cols, 1).to(device))
+            cur = nxt
+        self.tables = tables
+        self.out_lanes = 2 * cursor
+        self.roots = 2 * len(spans)
+
+
+def segment_level(device_type: str) -> Optional[SegmentLevel]:
+    """The backend's segmented NH level kernel (``nh_segments`` in its ``checksum`` module), or None."""
+    if device_type not in _SEGMENTS:
+        _SEGMENTS[device_type] = _backend_checksum_attr(device_type, "nh_segments")
+    return _SEGMENTS[device_type]
+
+
+def bucket_lanes(buf_u8, spans, key: HashKey, level: Optional[SegmentLevel] = None):
+    """The NH lanes of the byte ranges ``spans`` ([(offset, nbytes)]) of one uint8 buffer, all
+    under ``key``: int64 ``[A0, B0, A1, B1, ...]`` on the buffer's device, without any wait —
+    the same values as :func:`nh_lanes_many` of the slices.
+
+    One kernel launch per tree level for all the ranges (``level``: a :data:`SegmentLevel`,
+    default the backend's), from block tables made once per layout: the transfer hashes a
+    bucket of many tensors in a handful of launches instead of dozens of small ops per tensor.
+    Without such a kernel, or for offsets not on 8 bytes, it is :func:`nh_lanes_many`."""
+    import torch
+
+    spans = tuple((int(o), int(n)) for o, n in spans)
+    dev = buf_u8.device
+    if level is None and dev.type != "cpu":
+        level = segment_level(dev.type)
+    if (level is None or not spans or buf_u8.data_ptr() % 8 or any(o % 8 for o, _ in spans)
+            or max(o + n for o, n in spans) > buf_u8.numel()):
+        return nh_lanes_many([buf_u8[o: o + n] for o, n in spans], [key] * len(spans))
+    lay = _LAYOUTS.pop((str(dev), spans), None) or _Layout(spans, dev)
+    _LAYOUTS[(str(dev), spans)] = lay  # most recent last
+    while len(_LAYOUTS) > _LAYOUTS_KEPT:
+        _LAYOUTS.pop(next(iter(_LAYOUTS)))
+    out = torch.empty(lay.roots + lay.out_lanes, dtype=torch.int64, device=dev)
+    whole = buf_u8[: buf_u8.numel() // 8 * 8].view(torch.int64)
+    for lv, table in enumerate(lay.tables):
+        level(whole if lv == 0 else out, key.level_tensor(lv, dev), table, out)
+    return out[: lay.roots]
+
+
+def nh_segments_reference(src, key, table, out) -> None:
+    """:data:`SegmentLevel` in torch ops (gathers every block: for tests and small inputs)."""
+    import torch
+
+    half = BLOCK // 2
+    first, count, mask, dst = table.unbind(0)
+    j = torch.arange(half, device=src.device)
+    idx = first[:, None] + j[None, :]
+    live = j[None, :] < count[:, None]
+    x = torch.where(live, src[idx.clamp(0, max(0, src.numel() - 1))] if src.numel() else 0, 0)
+    x = torch.where(j[None, :] == count[:, None] - 1, x & mask[:, None], x)
+    lo, hi = x & _M32, (x >> 32) & _M32
+    ke, ko = key[0:BLOCK:2], key[1:BLOCK:2]
+    ke2, ko2 = key[SHIFT: SHIFT + BLOCK: 2], key[SHIFT + 1: SHIFT + BLOCK: 2]
+    a = ((lo + ke) & _M32).mul_((hi + ko) & _M32).sum(1)
+    b = ((lo + ke2) & _M32).mul_((hi + ko2) & _M32).sum(1)
+    out[2 * dst] = a
+    out[2 * dst + 1] = b
+
+
 def _level1_for(src, level1: Optional[Level1]) -> Optional[Level1]:
     if level1 is not None:
         return level1

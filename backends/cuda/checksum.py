@@ -86,6 +86,53 @@ def _build(kind: str = "pairs"):
     return {"pairs": _nh1_pairs, "split": _nh1_split}[kind]
 
 
+_seg_kernel = None
+_seg_error: "BaseException | None" = None
+
+
+def _build_segments():
+    import triton
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["nblocks"])
+    def _nh_seg(x_ptr, k_ptr, t_ptr, out_ptr, nblocks, G: tl.constexpr, PAIRS: tl.constexpr, SH: tl.constexpr):
+        # keyed_hash.SegmentLevel: per block (row of the table) its first pair in x, its pair
+        # count, the AND mask of its last pair and where its two lanes go in out
+        pid = tl.program_id(0)
+        blk = pid.to(tl.int64) * G + tl.arange(0, G).to(tl.int64)
+        ok = blk < nblocks
+        first = tl.load(t_ptr + blk, mask=ok, other=0)
+        count = tl.load(t_ptr + nblocks + blk, mask=ok, other=0)
+        lmask = tl.load(t_ptr + 2 * nblocks + blk, mask=ok, other=-1)
+        dst = tl.load(t_ptr + 3 * nblocks + blk, mask=ok, other=0)
+        j = tl.arange(0, PAIRS)
+        ka = tl.load(k_ptr + j)
+        kb = tl.load(k_ptr + SH // 2 + j)
+        ka0, ka1 = ka.to(tl.uint32), (ka >> 32).to(tl.uint32)
+        kb0, kb1 = kb.to(tl.uint32), (kb >> 32).to(tl.uint32)
+        live = j[None, :] < count[:, None]
+        x = tl.load(x_ptr + first[:, None] + j[None, :], mask=live, other=0)
+        x = tl.where(j[None, :] == count[:, None] - 1, x & lmask[:, None], x)
+        m0, m1 = x.to(tl.uint32), (x >> 32).to(tl.uint32)
+        pa = (m0 + ka0[None, :]).to(tl.uint64) * (m1 + ka1[None, :]).to(tl.uint64)
+        pb = (m0 + kb0[None, :]).to(tl.uint64) * (m1 + kb1[None, :]).to(tl.uint64)
+        tl.store(out_ptr + 2 * dst, tl.sum(pa, axis=1).to(tl.int64, bitcast=True), mask=ok)
+        tl.store(out_ptr + 2 * dst + 1, tl.sum(pb, axis=1).to(tl.int64, bitcast=True), mask=ok)
+
+    return _nh_seg
+
+
+def _segments_kernel():
+    global _seg_kernel, _seg_error
+    if _seg_kernel is None and _seg_error is None:
+        try:
+            _seg_kernel = _build_segments()
+        except Exception as e:  # no Triton: keyed_hash falls back to the per-tensor path
+            _seg_error = e
+            log.debug("Triton segmented NH kernel unavailable (%s)", e)
+    return _seg_kernel
+
+
 def _triton_kernel(kind: str = "pairs"):
     """The compiled kernel, or None when Triton is missing or unusable (then ``nh_level``)."""
     global _kernel, _kernel_error
@@ -157,6 +204,30 @@ def nh_level1(words, key, blocks_per_program: "int | None" = None, num_warps: "i
         x = words if n else torch.zeros(2, dtype=torch.int32, device=words.device)
         kern[grid](x, k32, out, nblocks, last, G=g, PAIRS=BLOCK // 2, SH=SHIFT, num_warps=num_warps or NUM_WARPS)
     return out
+
+
+def _nh_segments(src, key, table, out) -> None:
+    """``keyed_hash.SegmentLevel`` in one Triton launch: every block of every range of one
+    NH level (the transfer's buckets: all tensors of a bucket, level by level)."""
+    nblocks = table.shape[1]
+    g = BLOCKS_PER_PROGRAM
+    k32 = _key_words32(key.to(src.device))
+    _segments_kernel()[(-(-nblocks // g),)](src, k32.view(_int64()), table, out, nblocks, G=g, PAIRS=BLOCK // 2,
+                                           SH=SHIFT, num_warps=NUM_WARPS)
+
+
+def _int64():
+    import torch
+
+    return torch.int64
+
+
+def __getattr__(name):
+    # ``nh_segments`` exists only where its kernel can be built (keyed_hash asks for it by name
+    # and hashes tensor by tensor without it)
+    if name == "nh_segments" and _segments_kernel() is not None:
+        return _nh_segments
+    raise AttributeError(name)
 
 
 def warm_up(device) -> bool:

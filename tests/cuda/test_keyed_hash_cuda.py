@@ -50,6 +50,23 @@ def test_kernel_words_equal_nh_level(n, key, cs):
         assert torch.equal(cs.nh_level1(words, k, kind="split"), got), n
 
 
+@pytest.mark.parametrize("spans", [
+    [(0, 13)],
+    [(0, 256 * MiB), (256 * MiB, 0), (256 * MiB + 64, 3 * MiB + 5), (259 * MiB + 128, 8193)],
+    [(64 * i, 0) for i in range(3)] + [(192, 40 * MiB + 6)],
+])
+def test_bucket_lanes_kernel_equals_the_per_tensor_digests(spans, key, cs):
+    pytest.importorskip("triton", reason="needs the triton package (pip install triton)")
+    assert kh.segment_level("cuda") is cs.nh_segments
+    g = torch.Generator(device="cuda").manual_seed(len(spans))
+    buf = torch.randint(0, 256, (max(o + n for o, n in spans) + 64,), dtype=torch.uint8, device="cuda", generator=g)
+    got = kh.bucket_lanes(buf, spans, key)
+    assert torch.equal(got, kh.nh_lanes_many([buf[o: o + n] for o, n in spans], [key] * len(spans)))
+    small = [(o, n) for o, n in spans if n < 8 * MiB]
+    want = kh.bucket_lanes(buf.cpu(), small, key, level=kh.nh_segments_reference)
+    assert torch.equal(kh.bucket_lanes(buf, small, key).cpu(), want)
+
+
 @pytest.mark.parametrize("nbytes", [1, 5, 8, 8191, 8192, 8193, 3 * 8192 + 12, 4 * MiB + 4, 64 * MiB + 20, 300 * MiB + 7])
 def test_gpu_digest_equals_the_cpu_nh_digest(nbytes, key):
     g = torch.Generator(device="cuda").manual_seed(nbytes)

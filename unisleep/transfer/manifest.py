@@ -199,10 +199,11 @@ class UpdateSeal:
         return [_signed(v) for i in range(n) for v in self.pad(bucket, i)]
 
     def lanes(self, buf_u8, plan: "BucketPlan"):
-        """The NH lanes of every tensor of a bucket on the bucket's device, no wait: int64 [2n]."""
-        from ..keyed_hash import nh_lanes_many
+        """The NH lanes of every tensor of a bucket on the bucket's device, no wait: int64 [2n]
+        (all tensors of the bucket together, a few kernel launches: ``keyed_hash.bucket_lanes``)."""
+        from ..keyed_hash import bucket_lanes
 
-        return nh_lanes_many([buf_u8[s.offset: s.offset + s.nbytes] for s in plan.slots], [self.hash_key] * len(plan.slots))
+        return bucket_lanes(buf_u8, [(s.offset, s.nbytes) for s in plan.slots], self.hash_key)
 
     def digests(self, buf_u8, plan: "BucketPlan", algorithm: Optional[str] = None, slots=None) -> list:
         """The keyed digest of every tensor of a bucket (or of ``slots``), one wait for the device."""
