@@ -325,6 +325,36 @@ def test_bucket_lanes_fall_back_to_per_tensor_digests_off_8_bytes(key):
     assert torch.equal(got, kh.nh_lanes_many([buf[o: o + n] for o, n in spans], [key] * 2))
 
 
+def test_bucket_lanes_fill_copies_and_hashes_in_one_pass_or_declines(key):
+    spans = [(0, 8192 * 3), (8192 * 3, 0), (8192 * 3 + 64, 13), (8192 * 3 + 128, 8 * 1001), (8192 * 3 + 8192, 800)]
+    g = torch.Generator().manual_seed(6)
+    srcs = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for _, n in spans]
+    wide = torch.randint(0, 256, (2 * 800,), dtype=torch.uint8, generator=g)
+    srcs[4] = wide.view(-1, 2)[:, 0]  # not contiguous: declined, the caller copies
+    buf = torch.randint(0, 256, (spans[-1][0] + 800 + 64,), dtype=torch.uint8, generator=g)
+    bl = kh.BucketLanes(buf, spans, key, level=kh.nh_segments_reference, copy_level=kh.nh_segments_copy_reference)
+    bl.fill_min = 0
+    taken = [bl.fill(i, src.view(torch.int16) if i == 3 else src) for i, src in enumerate(srcs)]
+    assert taken == [True, True, False, True, False]  # 13 bytes: not whole pairs; a strided view
+    for i in (2, 4):
+        o, n = spans[i]
+        buf[o: o + n].copy_(srcs[i])
+    got = bl.lanes()
+    for (o, n), src in zip(spans, srcs):
+        assert torch.equal(buf[o: o + n], src)
+    assert torch.equal(got, kh.nh_lanes_many([buf[o: o + n] for o, n in spans], [key] * len(spans)))
+
+
+def test_bucket_lanes_fill_only_large_tensors_by_default(key):
+    spans = [(0, 2 << 20), (2 << 20, 4096), ((2 << 20) + 4096, 2 << 20)]
+    buf = torch.zeros((4 << 20) + 8192, dtype=torch.uint8)
+    srcs = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(n)) for _, n in spans]
+    bl = kh.BucketLanes(buf, spans, key, level=kh.nh_segments_reference, copy_level=kh.nh_segments_copy_reference)
+    assert [bl.fill(i, s) for i, s in enumerate(srcs)] == [True, False, True]
+    buf[2 << 20: (2 << 20) + 4096].copy_(srcs[1])
+    assert torch.equal(bl.lanes(), kh.nh_lanes_many([buf[o: o + n] for o, n in spans], [key] * 3))
+
+
 def test_segmented_kernel_equals_the_reference_in_the_triton_interpreter():
     pytest.importorskip("triton", reason="needs the triton package (pip install triton)")
     code = textwrap.dedent(
@@ -338,6 +368,15 @@ def test_segmented_kernel_equals_the_reference_in_the_triton_interpreter():
         for spans in ([(0, 13)], [(0, 8193), (8256, 0), (8320, 3 * 8192 - 64 - 21)]):
             want = kh.bucket_lanes(buf, spans, key, level=kh.nh_segments_reference)
             assert torch.equal(kh.bucket_lanes(buf, spans, key, level=cs.nh_segments), want), spans
+        spans = [(0, 8200), (8256, 3 * 8192)]
+        srcs = [torch.randint(0, 256, (n,), dtype=torch.uint8) for _, n in spans]
+        dst = torch.zeros_like(buf)
+        bl = kh.BucketLanes(dst, spans, key, level=cs.nh_segments, copy_level=cs.nh_segments_copy)
+        bl.fill_min = 0
+        assert all(bl.fill(i, s) for i, s in enumerate(srcs))
+        got = bl.lanes()
+        assert all(torch.equal(dst[o: o + n], s) for (o, n), s in zip(spans, srcs))
+        assert torch.equal(got, kh.bucket_lanes(dst, spans, key, level=kh.nh_segments_reference))
         print("OK")
         """
     )

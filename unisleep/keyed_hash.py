@@ -285,6 +285,10 @@ def nh_lanes_many(srcs, keys, level1: Optional[Level1] = None):
 #: zero), an AND mask for its last element, and where its two lanes go in ``out``:
 #: ``out[2 * dst]``, ``out[2 * dst + 1]``); fills ``out`` in place, queued on the device
 SegmentLevel = Callable[[object, object, object, object], None]
+#: the first level fused with the copy that fills a range: ``(src, dst, key, table, out, base)``
+#: — as :data:`SegmentLevel` over ``dst``, whose elements are read from ``src[first - base]``
+#: and written to ``dst[first]`` in the same pass
+SegmentCopyLevel = Callable[[object, object, object, object, object, int], None]
 _SEGMENTS: dict = {}
 _LAYOUTS: dict = {}  # (device, spans) -> _Layout, the few layouts of the buckets in use
 _LAYOUTS_KEPT = 8
@@ -304,10 +308,14 @@ class _Layout:
         for i, (off, n) in enumerate(spans):
             npairs = -(-n // 8)
             cur.append((i, off // 8, npairs, (1 << (8 * (n % 8))) - 1 if n % 8 else -1))
+        self.first_blocks = []  # per range: its columns of the first level's table
         while cur:
-            cols, nxt = [], []
+            cols, nxt, col = [], [], 0
             for i, first, npairs, last_mask in cur:
                 nb = max(1, -(-npairs // half))
+                if not tables:
+                    self.first_blocks.append((col, col + nb))
+                col += nb
                 b = torch.arange(nb, dtype=torch.int64)
                 count = (npairs - b * half).clamp_(0, half)
                 mask = torch.full((nb,), -1, dtype=torch.int64)
@@ -325,6 +333,34 @@ class _Layout:
         self.tables = tables
         self.out_lanes = 2 * cursor
         self.roots = 2 * len(spans)
+        self._range_tables: dict = {}
+
+    def range_table(self, i: int):
+        """The first level's table of range ``i`` alone (contiguous, cached)."""
+        t = self._range_tables.get(i)
+        if t is None:
+            b0, b1 = self.first_blocks[i]
+            t = self._range_tables[i] = self.tables[0][:, b0:b1].contiguous()
+        return t
+
+    def rest_table(self, filled: frozenset):
+        """The first level's table of the ranges not in ``filled`` (one launch for them all; cached)."""
+        t = self._range_tables.get(filled)
+        if t is None:
+            import torch
+
+            cols = [torch.arange(*self.first_blocks[i]) for i in range(len(self.first_blocks)) if i not in filled]
+            t = self._range_tables[filled] = self.tables[0].index_select(1, torch.cat(cols).to(self.tables[0].device))
+        return t
+
+    @classmethod
+    def of(cls, spans, device) -> "_Layout":
+        key = (str(device), spans)
+        lay = _LAYOUTS.pop(key, None) or cls(spans, device)
+        _LAYOUTS[key] = lay  # most recent last
+        while len(_LAYOUTS) > _LAYOUTS_KEPT:
+            _LAYOUTS.pop(next(iter(_LAYOUTS)))
+        return lay
 
 
 def segment_level(device_type: str) -> Optional[SegmentLevel]:
@@ -334,33 +370,90 @@ def segment_level(device_type: str) -> Optional[SegmentLevel]:
     return _SEGMENTS[device_type]
 
 
-def bucket_lanes(buf_u8, spans, key: HashKey, level: Optional[SegmentLevel] = None):
+def segment_copy_level(device_type: str) -> Optional[SegmentCopyLevel]:
+    """The backend's first level fused with a copy (``nh_segments_copy``), or None."""
+    k = ("copy", device_type)
+    if k not in _SEGMENTS:
+        _SEGMENTS[k] = _backend_checksum_attr(device_type, "nh_segments_copy")
+    return _SEGMENTS[k]
+
+
+class BucketLanes:
     """The NH lanes of the byte ranges ``spans`` ([(offset, nbytes)]) of one uint8 buffer, all
-    under ``key``: int64 ``[A0, B0, A1, B1, ...]`` on the buffer's device, without any wait —
-    the same values as :func:`nh_lanes_many` of the slices.
+    under ``key``, in two steps so that the copy filling the buffer can hash on the way.
 
-    One kernel launch per tree level for all the ranges (``level``: a :data:`SegmentLevel`,
-    default the backend's), from block tables made once per layout: the transfer hashes a
-    bucket of many tensors in a handful of launches instead of dozens of small ops per tensor.
-    Without such a kernel, or for offsets not on 8 bytes, it is :func:`nh_lanes_many`."""
-    import torch
+    :meth:`fill` copies a tensor into range ``i`` and hashes its bytes in the same pass (one
+    read and one write, where a copy then a hash reads them twice); :meth:`lanes` hashes the
+    ranges not filled that way, then the levels above, and returns int64 ``[A0, B0, A1, B1,
+    ...]`` on the buffer's device without any wait — the same values as :func:`nh_lanes_many`
+    of the slices.  One kernel launch per tree level for all the ranges (``level``: a
+    :data:`SegmentLevel`, default the backend's), from block tables made once per layout.
+    Without such a kernel, or for offsets not on 8 bytes, :meth:`lanes` is
+    :func:`nh_lanes_many` and :meth:`fill` declines."""
 
-    spans = tuple((int(o), int(n)) for o, n in spans)
-    dev = buf_u8.device
-    if level is None and dev.type != "cpu":
-        level = segment_level(dev.type)
-    if (level is None or not spans or buf_u8.data_ptr() % 8 or any(o % 8 for o, _ in spans)
-            or max(o + n for o, n in spans) > buf_u8.numel()):
-        return nh_lanes_many([buf_u8[o: o + n] for o, n in spans], [key] * len(spans))
-    lay = _LAYOUTS.pop((str(dev), spans), None) or _Layout(spans, dev)
-    _LAYOUTS[(str(dev), spans)] = lay  # most recent last
-    while len(_LAYOUTS) > _LAYOUTS_KEPT:
-        _LAYOUTS.pop(next(iter(_LAYOUTS)))
-    out = torch.empty(lay.roots + lay.out_lanes, dtype=torch.int64, device=dev)
-    whole = buf_u8[: buf_u8.numel() // 8 * 8].view(torch.int64)
-    for lv, table in enumerate(lay.tables):
-        level(whole if lv == 0 else out, key.level_tensor(lv, dev), table, out)
-    return out[: lay.roots]
+    #: smaller tensors are copied plainly and hashed with the rest at :meth:`lanes` (a fused
+    #: launch costs more host time than a plain copy; it pays off on large tensors)
+    fill_min = 1 << 20
+
+    def __init__(self, buf_u8, spans, key: HashKey, level: Optional[SegmentLevel] = None,
+                 copy_level: Optional[SegmentCopyLevel] = None):
+        import torch
+
+        self.buf, self.key = buf_u8, key
+        self.spans = spans = tuple((int(o), int(n)) for o, n in spans)
+        dev = buf_u8.device
+        if level is None and dev.type != "cpu":
+            level = segment_level(dev.type)
+            copy_level = copy_level or segment_copy_level(dev.type)
+        ok = (level is not None and spans and not buf_u8.data_ptr() % 8 and not any(o % 8 for o, _ in spans)
+              and max(o + n for o, n in spans) <= buf_u8.numel())
+        self.level, self.copy_level = (level, copy_level) if ok else (None, None)
+        self.layout = _Layout.of(spans, dev) if ok else None
+        self.filled: set = set()
+        self._out = None
+        if ok:
+            self._out = torch.empty(self.layout.roots + self.layout.out_lanes, dtype=torch.int64, device=dev)
+            self._whole = buf_u8[: buf_u8.numel() // 8 * 8].view(torch.int64)
+
+    def fill(self, i: int, src) -> bool:
+        """Copy ``src`` (a tensor of exactly range ``i``'s bytes) into range ``i`` and hash it
+        on the way; False (nothing done) when that cannot be fused: the caller copies."""
+        import torch
+
+        o, n = self.spans[i]
+        if (self.copy_level is None or i in self.filled or n < self.fill_min or src.device != self.buf.device
+                or not src.is_contiguous() or src.numel() * src.element_size() != n or n % 8 or src.data_ptr() % 8):
+            return False
+        flat = src.reshape(-1).view(torch.uint8).view(torch.int64)
+        self.copy_level(flat, self._whole, self.key.level_tensor(0, self.buf.device), self.layout.range_table(i),
+                        self._out, o // 8)
+        self.filled.add(i)
+        return True
+
+    def lanes(self):
+        if self.level is None:
+            return nh_lanes_many([self.buf[o: o + n] for o, n in self.spans], [self.key] * len(self.spans))
+        dev, lay, out = self.buf.device, self.layout, self._out
+        if not self.filled:
+            self.level(self._whole, self.key.level_tensor(0, dev), lay.tables[0], out)
+        elif len(self.filled) < len(self.spans):
+            self.level(self._whole, self.key.level_tensor(0, dev), lay.rest_table(frozenset(self.filled)), out)
+        for lv, table in enumerate(lay.tables[1:], 1):
+            self.level(out, self.key.level_tensor(lv, dev), table, out)
+        return out[: lay.roots]
+
+
+def bucket_lanes(buf_u8, spans, key: HashKey, level: Optional[SegmentLevel] = None):
+    """The NH lanes of the byte ranges ``spans`` of one buffer (see :class:`BucketLanes`)."""
+    return BucketLanes(buf_u8, spans, key, level).lanes()
+
+
+def nh_segments_copy_reference(src, dst, key, table, out, base: int) -> None:
+    """:data:`SegmentCopyLevel` in torch ops (for tests)."""
+    first, count = table[0], table[1]
+    for f, c in zip(first.tolist(), count.tolist()):
+        dst[f: f + c] = src[f - base: f - base + c]
+    nh_segments_reference(dst, key, table, out)
 
 
 def nh_segments_reference(src, key, table, out) -> None:

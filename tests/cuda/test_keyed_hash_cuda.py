@@ -67,6 +67,36 @@ def test_bucket_lanes_kernel_equals_the_per_tensor_digests(spans, key, cs):
     assert torch.equal(kh.bucket_lanes(buf, small, key).cpu(), want)
 
 
+def test_bucket_fill_packs_and_hashes_in_one_pass(key, cs):
+    pytest.importorskip("triton", reason="needs the triton package (pip install triton)")
+    assert kh.segment_copy_level("cuda") is cs.nh_segments_copy
+    sizes = [256 * MiB, 0, 3 * MiB + 8, 8200, 24]
+    spans, off = [], 0
+    for n in sizes:
+        spans.append((off, n))
+        off = (off + n + 63) // 64 * 64
+    g = torch.Generator(device="cuda").manual_seed(7)
+    srcs = [torch.randint(-(2**15), 2**15 - 1, (n // 2,), dtype=torch.int16, device="cuda", generator=g).view(torch.bfloat16)
+            for n in sizes]
+    want = None
+    for fill_min, fused in ((None, [True, False, True, False, False]), (0, [True] * 5)):
+        buf = torch.full((off + 64,), 0xAB, dtype=torch.uint8, device="cuda")
+        bl = kh.BucketLanes(buf, spans, key)
+        if fill_min is not None:
+            bl.fill_min = fill_min
+        assert [bl.fill(i, s) for i, s in enumerate(srcs)] == fused  # by default tensors >= 1 MiB
+        for i, done in enumerate(fused):
+            if not done:
+                buf[spans[i][0]: spans[i][0] + sizes[i]].copy_(srcs[i].view(torch.uint8))
+        got = bl.lanes()
+        for (o, n), s in zip(spans, srcs):
+            assert torch.equal(buf[o: o + n], s.view(torch.uint8))
+        assert buf[spans[2][0] + sizes[2]: spans[3][0]].eq(0xAB).all()  # padding between slots untouched
+        assert torch.equal(got, kh.nh_lanes_many([buf[o: o + n] for o, n in spans], [key] * len(spans)))
+        assert want is None or torch.equal(got, want)
+        want = got
+
+
 @pytest.mark.parametrize("nbytes", [1, 5, 8, 8191, 8192, 8193, 3 * 8192 + 12, 4 * MiB + 4, 64 * MiB + 20, 300 * MiB + 7])
 def test_gpu_digest_equals_the_cpu_nh_digest(nbytes, key):
     g = torch.Generator(device="cuda").manual_seed(nbytes)

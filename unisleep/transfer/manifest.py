@@ -205,6 +205,14 @@ class UpdateSeal:
 
         return bucket_lanes(buf_u8, [(s.offset, s.nbytes) for s in plan.slots], self.hash_key)
 
+    def hasher(self, buf_u8, plan: "BucketPlan"):
+        """A :class:`~unisleep.keyed_hash.BucketLanes` for a device bucket being packed: the
+        sender fills each tensor through it (copy and first hash level in one pass) and hands
+        its ``lanes()`` to :func:`write_trailer`."""
+        from ..keyed_hash import BucketLanes
+
+        return BucketLanes(buf_u8, [(s.offset, s.nbytes) for s in plan.slots], self.hash_key)
+
     def digests(self, buf_u8, plan: "BucketPlan", algorithm: Optional[str] = None, slots=None) -> list:
         """The keyed digest of every tensor of a bucket (or of ``slots``), one wait for the device."""
         from ..keyed_hash import digest_many
@@ -218,9 +226,10 @@ def _signed(v: int) -> int:
     return v - (1 << 64) if v >= (1 << 63) else v
 
 
-def write_trailer(buf_u8, plan: BucketPlan, seq: int, seal: Optional[UpdateSeal]) -> None:
+def write_trailer(buf_u8, plan: BucketPlan, seq: int, seal: Optional[UpdateSeal], lanes=None) -> None:
     """Write ``update, bucket, n`` and the masked keyed digest of every tensor (zeros when not
-    verifying) behind the data of a packed bucket."""
+    verifying) behind the data of a packed bucket.  ``lanes``: the device bucket's NH lanes,
+    already queued (e.g. by :meth:`UpdateSeal.hasher` while packing)."""
     import torch
 
     from ..keyed_hash import ALGORITHMS
@@ -228,7 +237,7 @@ def write_trailer(buf_u8, plan: BucketPlan, seq: int, seal: Optional[UpdateSeal]
     words = [seq, plan.index, len(plan.slots)]
     tr = buf_u8[plan.data_bytes: plan.total_bytes].view(torch.int64)
     if seal is not None and plan.slots and buf_u8.device.type != "cpu":
-        _write_on_device(buf_u8, tr, plan, words, seal)
+        _write_on_device(buf_u8, tr, plan, words, seal, lanes)
         return
     if seal is None:
         words += [0] * (WORDS_PER_TENSOR * len(plan.slots))
@@ -239,7 +248,7 @@ def write_trailer(buf_u8, plan: BucketPlan, seq: int, seal: Optional[UpdateSeal]
     tr.copy_(torch.tensor(words, dtype=torch.int64), non_blocking=True)
 
 
-def _write_on_device(buf_u8, tr, plan: BucketPlan, words: list, seal: UpdateSeal) -> None:
+def _write_on_device(buf_u8, tr, plan: BucketPlan, words: list, seal: UpdateSeal, lanes=None) -> None:
     """:func:`write_trailer` for a bucket on a device: the masked NH digests are made there with
     no wait for the device (the plain words and the pads go up in one small copy; the lanes are
     XORed into them on the device)."""
@@ -251,7 +260,9 @@ def _write_on_device(buf_u8, tr, plan: BucketPlan, words: list, seal: UpdateSeal
     for i, s in enumerate(plan.slots):
         words += [ALGORITHMS.index(NH2), s.nbytes, pads[2 * i], pads[2 * i + 1]]
     tr.copy_(torch.tensor(words, dtype=torch.int64), non_blocking=True)
-    tr[TRAILER_HEAD:].view(-1, WORDS_PER_TENSOR)[:, 2:].bitwise_xor_(seal.lanes(buf_u8, plan).view(-1, 2))
+    if lanes is None:
+        lanes = seal.lanes(buf_u8, plan)
+    tr[TRAILER_HEAD:].view(-1, WORDS_PER_TENSOR)[:, 2:].bitwise_xor_(lanes.view(-1, 2))
 
 
 def check_bucket(buf_u8, plan: BucketPlan, seq: int, seal: Optional[UpdateSeal]) -> tuple[Optional[str], list[int]]:
