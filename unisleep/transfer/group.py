@@ -521,7 +521,10 @@ class TransferGroup:
                 next_live = now + 0.25
                 self.check_alive(ranks)
             time.sleep(delay)  # the store's wait() logs a warning on every timeout: poll instead
-            delay = min(delay * 2, 0.002 if now - t0 < 1.0 else 0.02)
+            # an answer due within the update's steps is seen within 0.5 ms; a long wait (the next
+            # update) polls every 2 ms for 5 s, then every 10 ms
+            waited = now - t0
+            delay = min(delay * 2, 0.0005 if waited < 0.05 else 0.002 if waited < 5.0 else 0.01)
 
     def check(self, key: str) -> bool:
         try:
