@@ -127,9 +127,6 @@ class WeightSender:
         plans = plan_buckets(manifest.specs, self.bucket_bytes)
         seq, g._seq = g._seq, g._seq + 1
         epoch = g.epoch
-        if seq:
-            for k in ("go", "abort", *(f"ack/{r}" for r in g.receivers), *(f"done/{r}" for r in g.receivers)):
-                g.drop(f"u{seq - 1}/{k}")
         reuse = manifest.meta_id == self._last_meta_id
         ipc_name = None
         if path == "ipc":
@@ -144,8 +141,12 @@ class WeightSender:
         }
         intrusions0 = len(g.intrusions)
         g.put("hdr", header, seq, epoch)
-        # the update's keys are made while the receivers read the header (not after "go")
+        # the update's keys are made, and the last update's records dropped, while the receivers
+        # read the header (not after "go")
         seal = UpdateSeal.prepared(g, seq, epoch, plans) if self.verify else None
+        if seq:
+            for k in ("go", "abort", *(f"ack/{r}" for r in g.receivers), *(f"done/{r}" for r in g.receivers)):
+                g.drop(f"u{seq - 1}/{k}")
         # ---- acknowledgements: nothing moves before every receiver said yes
         refusals, connect = [], []
         try:
