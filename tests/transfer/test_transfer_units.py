@@ -112,6 +112,36 @@ def test_no_vendor_names_in_the_core_transfer_code():
                 assert not words.search(line), f"{f}:{n}: {line.strip()}"
 
 
+def _device_group(free_bytes):
+    """The two attributes default_bucket_bytes reads, as a device group would have them."""
+    from types import SimpleNamespace
+
+    plat = SimpleNamespace(is_accelerator=True, devices=[SimpleNamespace(free_bytes=free_bytes)])
+    return SimpleNamespace(platform=plat, device_index=0)
+
+
+@pytest.mark.parametrize("free_gib,collective_mib,ipc_mib", [(8, 512, 512), (20, 1024, 1280), (64, 1024, 2048),
+                                                             (0.1, 16, 16)])
+def test_default_buckets_take_an_eighth_of_free_memory_for_two_and_ipc_on_a_device_may_be_larger(
+        free_gib, collective_mib, ipc_mib):
+    from unisleep.transfer.sender import default_bucket_bytes
+
+    if torch.accelerator.is_available():
+        pytest.skip("reads this machine's device instead of the free memory given")
+    g = _device_group(int(free_gib * (1 << 30)))
+    assert default_bucket_bytes(g) == default_bucket_bytes(g, "collective") == collective_mib << 20
+    assert default_bucket_bytes(g, "ipc") == ipc_mib << 20
+
+
+def test_host_ipc_buckets_keep_the_collective_cap():
+    from unisleep.platform import detect_platform
+    from unisleep.transfer.sender import MAX_DEFAULT_BUCKET, default_bucket_bytes
+    from types import SimpleNamespace
+
+    g = SimpleNamespace(platform=detect_platform("host"), device_index=0)
+    assert default_bucket_bytes(g, "ipc") == default_bucket_bytes(g) <= MAX_DEFAULT_BUCKET["collective"]
+
+
 def test_bad_arguments():
     with pytest.raises(InvalidArgumentError):
         TransferGroup.create("tcp://127.0.0.1:1", 0, 1, platform="host")
