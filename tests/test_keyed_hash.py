@@ -346,12 +346,13 @@ def test_bucket_lanes_fill_copies_and_hashes_in_one_pass_or_declines(key):
 
 
 def test_bucket_lanes_fill_only_large_tensors_by_default(key):
-    spans = [(0, 2 << 20), (2 << 20, 4096), ((2 << 20) + 4096, 2 << 20)]
-    buf = torch.zeros((4 << 20) + 8192, dtype=torch.uint8)
+    big = kh.BucketLanes.fill_min
+    spans = [(0, big), (big, 4096), (big + 4096, big)]
+    buf = torch.zeros(2 * big + 8192, dtype=torch.uint8)
     srcs = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(n)) for _, n in spans]
     bl = kh.BucketLanes(buf, spans, key, level=kh.nh_segments_reference, copy_level=kh.nh_segments_copy_reference)
     assert [bl.fill(i, s) for i, s in enumerate(srcs)] == [True, False, True]
-    buf[2 << 20: (2 << 20) + 4096].copy_(srcs[1])
+    buf[big: big + 4096].copy_(srcs[1])
     assert torch.equal(bl.lanes(), kh.nh_lanes_many([buf[o: o + n] for o, n in spans], [key] * 3))
 
 

@@ -391,9 +391,11 @@ class BucketLanes:
     Without such a kernel, or for offsets not on 8 bytes, :meth:`lanes` is
     :func:`nh_lanes_many` and :meth:`fill` declines."""
 
-    #: smaller tensors are copied plainly and hashed with the rest at :meth:`lanes` (a fused
-    #: launch costs more host time than a plain copy; it pays off on large tensors)
-    fill_min = 1 << 20
+    #: smaller tensors are copied plainly and hashed with the rest at :meth:`lanes`: a fused
+    #: launch costs more host time than a plain copy, which only large tensors hide (8 GiB over
+    #: an H200's colocated IPC: fused 16.2 ms against 18.1 ms plain with 256 MiB tensors, but
+    #: 67 ms against 51 ms with 8 MiB ones; docs/results/h200-transfer-fill-by-tensor-size-2026-12-01.txt)
+    fill_min = 64 << 20
 
     def __init__(self, buf_u8, spans, key: HashKey, level: Optional[SegmentLevel] = None,
                  copy_level: Optional[SegmentCopyLevel] = None):

@@ -70,7 +70,7 @@ def test_bucket_lanes_kernel_equals_the_per_tensor_digests(spans, key, cs):
 def test_bucket_fill_packs_and_hashes_in_one_pass(key, cs):
     pytest.importorskip("triton", reason="needs the triton package (pip install triton)")
     assert kh.segment_copy_level("cuda") is cs.nh_segments_copy
-    sizes = [256 * MiB, 0, 3 * MiB + 8, 8200, 24]
+    sizes = [256 * MiB, 0, 3 * MiB + 8, 8200, 24, 64 * MiB]
     spans, off = [], 0
     for n in sizes:
         spans.append((off, n))
@@ -79,12 +79,12 @@ def test_bucket_fill_packs_and_hashes_in_one_pass(key, cs):
     srcs = [torch.randint(-(2**15), 2**15 - 1, (n // 2,), dtype=torch.int16, device="cuda", generator=g).view(torch.bfloat16)
             for n in sizes]
     want = None
-    for fill_min, fused in ((None, [True, False, True, False, False]), (0, [True] * 5)):
+    for fill_min, fused in ((None, [True, False, False, False, False, True]), (0, [True] * 6)):
         buf = torch.full((off + 64,), 0xAB, dtype=torch.uint8, device="cuda")
         bl = kh.BucketLanes(buf, spans, key)
         if fill_min is not None:
             bl.fill_min = fill_min
-        assert [bl.fill(i, s) for i, s in enumerate(srcs)] == fused  # by default tensors >= 1 MiB
+        assert [bl.fill(i, s) for i, s in enumerate(srcs)] == fused  # by default tensors >= 64 MiB
         for i, done in enumerate(fused):
             if not done:
                 buf[spans[i][0]: spans[i][0] + sizes[i]].copy_(srcs[i].view(torch.uint8))
