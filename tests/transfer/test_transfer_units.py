@@ -258,3 +258,33 @@ def test_streaming_mode_and_generator_with_specs(pair):
     s, r = _both(lambda: tx.send(bad, 6, specs=specs), rx.receive)
     assert isinstance(s, TransferError) and "specs say" in str(s)
     assert isinstance(r, TransferError) and "aborted" in str(r) and rx.version == 5
+
+
+def test_the_collectives_sealed_store_lives_as_long_as_its_backend():
+    """A backend that bootstraps after its constructor (the device collective reads its unique id on the first
+    collective) calls back into the Python store: it must not have been collected by then."""
+    import gc
+    import weakref
+
+    g0, g1 = _pair()
+    seen = []
+    try:
+        for g in (g0, g1):
+            real = g._collective.create_backend
+
+            def spy(store, *a, _real=real, **k):
+                seen.append(weakref.ref(store))
+                return _real(store, *a, **k)
+
+            g._collective = type("Spied", (), {"create_backend": staticmethod(spy),
+                                               "SAME_DEVICE_OK": g._collective.SAME_DEVICE_OK})
+            g.epoch += 1  # as after a broken update: the next use connects a new backend
+        _both(g0.process_group, g1.process_group)
+        gc.collect()
+        assert len(seen) == 2 and all(r() is not None for r in seen)
+        assert all(type(r()).__name__ == "SealedStore" for r in seen)
+        r = seen[0]()
+        r.set("k", b"v")
+        assert r.get("k") == b"v"  # still the Python store: its authenticated get answers
+    finally:
+        g0.close(), g1.close()

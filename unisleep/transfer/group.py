@@ -159,6 +159,7 @@ class TransferGroup:
         self.intrusions: list[str] = []
         self.epoch = 0
         self._pg = None
+        self._pg_store = None  # the Python store under _pg, kept alive with it
         self._pg_epoch = -1
         self._pg_error: Optional[str] = None
         self.broken: Optional[str] = None  # why this group must be recreated
@@ -389,6 +390,10 @@ class TransferGroup:
         except Exception as e:
             self.broken = f"the data channel (epoch {epoch}) could not connect: {type(e).__name__}: {e}"
             raise TransferError(f"{self.broken}; recreate the group") from e
+        # the backend holds only the C++ side of this Python store: without a Python reference
+        # it is collected, and a backend that bootstraps later (on its first collective)
+        # finds no ``get`` to call ("Not implemented")
+        self._pg_store = store
         self._pg_epoch = epoch
 
     def channel_broke(self, why: str) -> None:
