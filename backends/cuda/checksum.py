@@ -86,7 +86,7 @@ def _build(kind: str = "pairs"):
     return {"pairs": _nh1_pairs, "split": _nh1_split}[kind]
 
 
-_seg_kernel = None  # (segmented level, segmented level fused with a copy)
+_seg_kernel = None
 _seg_error: "BaseException | None" = None
 
 
@@ -94,36 +94,13 @@ def _build_segments():
     import triton
     import triton.language as tl
 
-    @triton.jit(do_not_specialize=["nblocks"])
-    def _nh_seg(x_ptr, k_ptr, t_ptr, out_ptr, nblocks, G: tl.constexpr, PAIRS: tl.constexpr, SH: tl.constexpr):
-        # keyed_hash.SegmentLevel: per block (row of the table) its first pair in x, its pair
-        # count, the AND mask of its last pair and where its two lanes go in out
-        pid = tl.program_id(0)
-        blk = pid.to(tl.int64) * G + tl.arange(0, G).to(tl.int64)
-        ok = blk < nblocks
-        first = tl.load(t_ptr + blk, mask=ok, other=0)
-        count = tl.load(t_ptr + nblocks + blk, mask=ok, other=0)
-        lmask = tl.load(t_ptr + 2 * nblocks + blk, mask=ok, other=-1)
-        dst = tl.load(t_ptr + 3 * nblocks + blk, mask=ok, other=0)
-        j = tl.arange(0, PAIRS)
-        ka = tl.load(k_ptr + j)
-        kb = tl.load(k_ptr + SH // 2 + j)
-        ka0, ka1 = ka.to(tl.uint32), (ka >> 32).to(tl.uint32)
-        kb0, kb1 = kb.to(tl.uint32), (kb >> 32).to(tl.uint32)
-        live = j[None, :] < count[:, None]
-        x = tl.load(x_ptr + first[:, None] + j[None, :], mask=live, other=0)
-        x = tl.where(j[None, :] == count[:, None] - 1, x & lmask[:, None], x)
-        m0, m1 = x.to(tl.uint32), (x >> 32).to(tl.uint32)
-        pa = (m0 + ka0[None, :]).to(tl.uint64) * (m1 + ka1[None, :]).to(tl.uint64)
-        pb = (m0 + kb0[None, :]).to(tl.uint64) * (m1 + kb1[None, :]).to(tl.uint64)
-        tl.store(out_ptr + 2 * dst, tl.sum(pa, axis=1).to(tl.int64, bitcast=True), mask=ok)
-        tl.store(out_ptr + 2 * dst + 1, tl.sum(pb, axis=1).to(tl.int64, bitcast=True), mask=ok)
-
     @triton.jit(do_not_specialize=["nblocks", "base"])
-    def _nh_seg_copy(x_ptr, y_ptr, k_ptr, t_ptr, out_ptr, nblocks, base, G: tl.constexpr, PAIRS: tl.constexpr,
-                     SH: tl.constexpr):
-        # keyed_hash.SegmentCopyLevel: the block's pairs are read from x[first - base] and
-        # written to y[first] in the same pass that hashes them
+    def _nh_seg(x_ptr, y_ptr, k_ptr, t_ptr, out_ptr, nblocks, base, G: tl.constexpr, PAIRS: tl.constexpr,
+                SH: tl.constexpr, COPY: tl.constexpr):
+        # keyed_hash.SegmentLevel: per block (row of the table) its first pair, its pair count,
+        # the AND mask of its last pair and where its two lanes go in out; the pairs are x[first].
+        # COPY (keyed_hash.SegmentCopyLevel): they are read from x[first - base] and written to
+        # y[first] in the same pass that hashes them
         pid = tl.program_id(0)
         blk = pid.to(tl.int64) * G + tl.arange(0, G).to(tl.int64)
         ok = blk < nblocks
@@ -138,7 +115,8 @@ def _build_segments():
         kb0, kb1 = kb.to(tl.uint32), (kb >> 32).to(tl.uint32)
         live = j[None, :] < count[:, None]
         x = tl.load(x_ptr + (first - base)[:, None] + j[None, :], mask=live, other=0)
-        tl.store(y_ptr + first[:, None] + j[None, :], x, mask=live)
+        if COPY:
+            tl.store(y_ptr + first[:, None] + j[None, :], x, mask=live)
         x = tl.where(j[None, :] == count[:, None] - 1, x & lmask[:, None], x)
         m0, m1 = x.to(tl.uint32), (x >> 32).to(tl.uint32)
         pa = (m0 + ka0[None, :]).to(tl.uint64) * (m1 + ka1[None, :]).to(tl.uint64)
@@ -146,7 +124,7 @@ def _build_segments():
         tl.store(out_ptr + 2 * dst, tl.sum(pa, axis=1).to(tl.int64, bitcast=True), mask=ok)
         tl.store(out_ptr + 2 * dst + 1, tl.sum(pb, axis=1).to(tl.int64, bitcast=True), mask=ok)
 
-    return _nh_seg, _nh_seg_copy
+    return _nh_seg
 
 
 def _segments_kernel():
@@ -239,8 +217,8 @@ def _nh_segments(src, key, table, out) -> None:
     nblocks = table.shape[1]
     g = BLOCKS_PER_PROGRAM
     k32 = _key_words32(key.to(src.device))
-    _segments_kernel()[0][(-(-nblocks // g),)](src, k32.view(_int64()), table, out, nblocks, G=g, PAIRS=BLOCK // 2,
-                                              SH=SHIFT, num_warps=NUM_WARPS)
+    _segments_kernel()[(-(-nblocks // g),)](src, src, k32.view(_int64()), table, out, nblocks, 0, G=g,
+                                           PAIRS=BLOCK // 2, SH=SHIFT, COPY=False, num_warps=NUM_WARPS)
 
 
 def _nh_segments_copy(src, dst, key, table, out, base: int) -> None:
@@ -249,8 +227,8 @@ def _nh_segments_copy(src, dst, key, table, out, base: int) -> None:
     nblocks = table.shape[1]
     g = BLOCKS_PER_PROGRAM
     k32 = _key_words32(key.to(src.device))
-    _segments_kernel()[1][(-(-nblocks // g),)](src, dst, k32.view(_int64()), table, out, nblocks, base, G=g,
-                                              PAIRS=BLOCK // 2, SH=SHIFT, num_warps=NUM_WARPS)
+    _segments_kernel()[(-(-nblocks // g),)](src, dst, k32.view(_int64()), table, out, nblocks, base, G=g,
+                                           PAIRS=BLOCK // 2, SH=SHIFT, COPY=True, num_warps=NUM_WARPS)
 
 
 def _int64():
