@@ -289,7 +289,6 @@ SegmentLevel = Callable[[object, object, object, object], None]
 #: — as :data:`SegmentLevel` over ``dst``, whose elements are read from ``src[first - base]``
 #: and written to ``dst[first]`` in the same pass
 SegmentCopyLevel = Callable[[object, object, object, object, object, int], None]
-_SEGMENTS: dict = {}
 _LAYOUTS: dict = {}  # (device, spans) -> _Layout, the few layouts of the buckets in use
 _LAYOUTS_KEPT = 8
 
@@ -365,17 +364,12 @@ class _Layout:
 
 def segment_level(device_type: str) -> Optional[SegmentLevel]:
     """The backend's segmented NH level kernel (``nh_segments`` in its ``checksum`` module), or None."""
-    if device_type not in _SEGMENTS:
-        _SEGMENTS[device_type] = _backend_checksum_attr(device_type, "nh_segments")
-    return _SEGMENTS[device_type]
+    return _backend_checksum_attr(device_type, "nh_segments")
 
 
 def segment_copy_level(device_type: str) -> Optional[SegmentCopyLevel]:
     """The backend's first level fused with a copy (``nh_segments_copy``), or None."""
-    k = ("copy", device_type)
-    if k not in _SEGMENTS:
-        _SEGMENTS[k] = _backend_checksum_attr(device_type, "nh_segments_copy")
-    return _SEGMENTS[k]
+    return _backend_checksum_attr(device_type, "nh_segments_copy")
 
 
 class BucketLanes:
@@ -635,38 +629,36 @@ def _nh_rows(words, keys):
     return torch.stack((a, b), 2).view(rows, -1)
 
 
-_LEVEL1: dict = {}
-_KEY_WORDS32: dict = {}
+_BACKEND_ATTRS: dict = {}  # (device type, name) -> what the backend's checksum module has, or None
 
 
 def device_key_words32(device_type: str):
     """The backend's ``remember_key_words32(key64, words32)`` (its level-1 kernel reads a key's
     words as int32; told them up front it skips converting each new key), or None."""
-    if device_type not in _KEY_WORDS32:
-        _KEY_WORDS32[device_type] = _backend_checksum_attr(device_type, "remember_key_words32")
-    return _KEY_WORDS32[device_type]
+    return _backend_checksum_attr(device_type, "remember_key_words32")
 
 
 def _backend_checksum_attr(device_type: str, name: str):
-    import importlib
+    """``name`` from the ``checksum`` module of the backend of ``device_type`` (looked up once),
+    or None."""
+    k = (device_type, name)
+    if k not in _BACKEND_ATTRS:
+        import importlib
 
-    from .platform import accelerated_module
+        from .platform import accelerated_module
 
-    mod = accelerated_module(device_type, "checksum")
-    if mod is None:
-        return None
-    try:
-        return getattr(importlib.import_module(mod), name, None)
-    except ImportError:
-        return None
+        mod = accelerated_module(device_type, "checksum")
+        try:
+            _BACKEND_ATTRS[k] = getattr(importlib.import_module(mod), name, None) if mod else None
+        except ImportError:
+            _BACKEND_ATTRS[k] = None
+    return _BACKEND_ATTRS[k]
 
 
 def device_level1(device_type: str) -> Optional[Level1]:
     """The fused level-1 kernel the backend of ``device_type`` ships (``nh_level1`` in its
     ``checksum`` module), or None (then the torch ops above run on the device)."""
-    if device_type not in _LEVEL1:
-        _LEVEL1[device_type] = _backend_checksum_attr(device_type, "nh_level1")
-    return _LEVEL1[device_type]
+    return _backend_checksum_attr(device_type, "nh_level1")
 
 
 _GMAC_PIECE = 1 << 30  # bytes per call into OpenSSL (one call takes at most 2**31 - 1)
