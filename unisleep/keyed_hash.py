@@ -332,24 +332,16 @@ class _Layout:
         self.tables = tables
         self.out_lanes = 2 * cursor
         self.roots = 2 * len(spans)
-        self._range_tables: dict = {}
+        self._columns: dict = {}
 
-    def range_table(self, i: int):
-        """The first level's table of range ``i`` alone (contiguous, cached)."""
-        t = self._range_tables.get(i)
-        if t is None:
-            b0, b1 = self.first_blocks[i]
-            t = self._range_tables[i] = self.tables[0][:, b0:b1].contiguous()
-        return t
-
-    def rest_table(self, filled: frozenset):
-        """The first level's table of the ranges not in ``filled`` (one launch for them all; cached)."""
-        t = self._range_tables.get(filled)
+    def columns(self, ranges: frozenset):
+        """The first level's table of ``ranges`` (indices) alone, contiguous; cached."""
+        t = self._columns.get(ranges)
         if t is None:
             import torch
 
-            cols = [torch.arange(*self.first_blocks[i]) for i in range(len(self.first_blocks)) if i not in filled]
-            t = self._range_tables[filled] = self.tables[0].index_select(1, torch.cat(cols).to(self.tables[0].device))
+            cols = torch.cat([torch.arange(*self.first_blocks[i]) for i in sorted(ranges)])
+            t = self._columns[ranges] = self.tables[0].index_select(1, cols.to(self.tables[0].device))
         return t
 
     @classmethod
@@ -421,8 +413,8 @@ class BucketLanes:
                 or not src.is_contiguous() or src.numel() * src.element_size() != n or n % 8 or src.data_ptr() % 8):
             return False
         flat = src.reshape(-1).view(torch.uint8).view(torch.int64)
-        self.copy_level(flat, self._whole, self.key.level_tensor(0, self.buf.device), self.layout.range_table(i),
-                        self._out, o // 8)
+        table = self.layout.columns(frozenset((i,)))
+        self.copy_level(flat, self._whole, self.key.level_tensor(0, self.buf.device), table, self._out, o // 8)
         self.filled.add(i)
         return True
 
@@ -433,7 +425,8 @@ class BucketLanes:
         if not self.filled:
             self.level(self._whole, self.key.level_tensor(0, dev), lay.tables[0], out)
         elif len(self.filled) < len(self.spans):
-            self.level(self._whole, self.key.level_tensor(0, dev), lay.rest_table(frozenset(self.filled)), out)
+            rest = frozenset(range(len(self.spans))) - frozenset(self.filled)
+            self.level(self._whole, self.key.level_tensor(0, dev), lay.columns(rest), out)
         for lv, table in enumerate(lay.tables[1:], 1):
             self.level(out, self.key.level_tensor(lv, dev), table, out)
         return out[: lay.roots]
