@@ -214,27 +214,23 @@ def nh_level1(words, key, blocks_per_program: "int | None" = None, num_warps: "i
 def _nh_segments(src, key, table, out) -> None:
     """``keyed_hash.SegmentLevel`` in one Triton launch: every block of every range of one
     NH level (the transfer's buckets: all tensors of a bucket, level by level)."""
-    nblocks = table.shape[1]
-    g = BLOCKS_PER_PROGRAM
-    k32 = _key_words32(key.to(src.device))
-    _segments_kernel()[(-(-nblocks // g),)](src, src, k32.view(_int64()), table, out, nblocks, 0, G=g,
-                                           PAIRS=BLOCK // 2, SH=SHIFT, COPY=False, num_warps=NUM_WARPS)
+    _launch_segments(src, src, key, table, out, 0, copy=False)
 
 
 def _nh_segments_copy(src, dst, key, table, out, base: int) -> None:
     """``keyed_hash.SegmentCopyLevel`` in one Triton launch: the sender's pack of one tensor
     into its bucket and the first level of its digest, reading the tensor once."""
-    nblocks = table.shape[1]
-    g = BLOCKS_PER_PROGRAM
-    k32 = _key_words32(key.to(src.device))
-    _segments_kernel()[(-(-nblocks // g),)](src, dst, k32.view(_int64()), table, out, nblocks, base, G=g,
-                                           PAIRS=BLOCK // 2, SH=SHIFT, COPY=True, num_warps=NUM_WARPS)
+    _launch_segments(src, dst, key, table, out, base, copy=True)
 
 
-def _int64():
+def _launch_segments(src, dst, key, table, out, base: int, copy: bool) -> None:
     import torch
 
-    return torch.int64
+    nblocks = table.shape[1]
+    g = BLOCKS_PER_PROGRAM
+    k32 = _key_words32(key.to(src.device)).view(torch.int64)
+    _segments_kernel()[(-(-nblocks // g),)](src, dst, k32, table, out, nblocks, base, G=g, PAIRS=BLOCK // 2,
+                                           SH=SHIFT, COPY=copy, num_warps=NUM_WARPS)
 
 
 def __getattr__(name):
