@@ -51,11 +51,11 @@ def run_peer(name: str, device: int, weights_gib: float, kv_gib: float, cycles: 
         wakes.append(_t(lambda: tms.resume()))
         ok = ok and bool(torch.equal(w, ref))
     out["steady_sleep_s"], out["steady_wake_s"] = statistics.median(sleeps), statistics.median(wakes)
-    un = []
+    un, unw = [], []
     for _ in range(max(2, cycles // 2)):
         un.append(_t(lambda: tms.pause()))
-        tms.resume()
-    out["unchanged_sleep_s"] = statistics.median(un)
+        unw.append(_t(lambda: tms.resume()))
+    out["unchanged_sleep_s"], out["unchanged_wake_s"] = statistics.median(un), statistics.median(unw)
     out["verified"] = ok and bool(torch.equal(w, ref))
     print(f"[peer] level-1 done: {out}", file=sys.stderr, flush=True)
     # (tensors are not freed: torch_memory_saver aborts on frees outside a region)
