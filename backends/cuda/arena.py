@@ -52,6 +52,7 @@ class Segment:
     addr: int
     size: int
     free: list = field(default_factory=list)  # [(off, n)] sorted
+    dev: int = 0  # its device address (``cuMemHostGetDevicePointer``), for reads by the SMs
 
 
 class PinnedArena(BackupStore):
@@ -92,7 +93,12 @@ class PinnedArena(BackupStore):
         except BaseException:
             libc.munmap(addr, size)
             raise
-        return Segment(addr, size, [(0, size)])
+        try:
+            dev = int(cu.call("cuMemHostGetDevicePointer", addr, 0))
+        except cu.CudaError as e:  # restores then stay on the copy engine
+            log.debug("no device address for the arena segment: %s", e)
+            dev = 0
+        return Segment(addr, size, [(0, size)], dev)
 
     def _grow(self) -> None:
         """Add segments (one at a time, each usable as soon as it is registered) until the
@@ -336,9 +342,17 @@ class PinnedArena(BackupStore):
                 pos += m
         torch.cuda.current_stream(self.device).wait_stream(s)
 
-    def load_range(self, key, offset: int, dst) -> None:
-        """Copy ``dst.numel()`` bytes of backup ``key``, from byte ``offset`` on, into ``dst``."""
+    def readable_by_sms(self, key) -> bool:
+        """Every segment backup ``key`` lies in has a device address (:mod:`.host_reads`)."""
+        return all(self._segs[si].dev for si, _, _ in self._slots[key])
+
+    def load_range(self, key, offset: int, dst, by_sms: bool = False) -> None:
+        """Copy ``dst.numel()`` bytes of backup ``key``, from byte ``offset`` on, into ``dst``;
+        with ``by_sms`` read by a kernel through the arena's device mapping (:mod:`.host_reads`;
+        check :meth:`readable_by_sms` first), else by the copy engine."""
         import torch
+
+        from . import host_reads
 
         ext = self._slots[key]
         want_lo, want_hi = offset, offset + dst.numel()
@@ -348,6 +362,11 @@ class PinnedArena(BackupStore):
             pos = 0
             for si, off, m in ext:
                 lo, hi = max(pos, want_lo), min(pos + m, want_hi)
+                if by_sms and hi > lo:
+                    seg = self._segs[si]
+                    src = host_reads.device_view(seg.dev + off + lo - pos, hi - lo, self.device)
+                    host_reads.copy(dst[lo - want_lo : hi - want_lo], src)
+                    lo = hi
                 for p in range(lo, hi, PIECE):
                     k = min(PIECE, hi - p)
                     dst[p - want_lo : p - want_lo + k].copy_(self._host_view(si, off + p - pos, k), non_blocking=True)

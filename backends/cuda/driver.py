@@ -19,15 +19,18 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
-from unisleep.driver import BackupStore, Driver, _Trace
+from unisleep.driver import BackupStore, Driver, RestoreJob, _Trace
 
 from . import cu
 from .arena import PinnedArena
 
 log = logging.getLogger("unisleep.cuda")
+
+RESTORE_READS = ("auto", "sm", "copy engine")
 
 
 @dataclass(eq=False)
@@ -70,6 +73,14 @@ class CudaDriver(Driver):
     #: with release_behind, a sleep copying at least this much still releases its discards
     #: under the copies (see :meth:`suspend`)
     early_release_min_copy = 1 << 30
+    #: the driver's work left after ``cuMemRelease``, in ms per GiB released (an H200: 17 ms
+    #: after 8 GiB, 50 ms after 24 GiB, 100 ms after 48 GiB); it progresses only while no
+    #: host-to-device traffic runs, and a copy-engine restore started before it is done takes
+    #: that much longer (:mod:`.host_reads`)
+    after_release_ms_per_gib = 2.1
+    #: what a restore read by the SMs costs over the copy engine, in ms per GiB (an H200: 8 GiB
+    #: in 167.5 ms against 155.2 ms settled)
+    sm_read_extra_ms_per_gib = 1.5
 
     def __init__(self, device: int = 0, exportable: bool = False, **options):
         super().__init__(device, **options)
@@ -115,17 +126,27 @@ class CudaDriver(Driver):
         acc.flags = cuda.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
         self._access = [acc]
         self._pools = None  # created by pool()
-        self._warm_digest()
+        self._after_work_until = 0.0  # time.monotonic() when the after-release work is done
+        self._restore_reads = "auto"
+        self.last_restore_by_sms = False
+        self._warm_kernels()
 
-    def _warm_digest(self) -> None:
-        """Compile the keyed-hash kernel now (model-load time), not inside the first sleep."""
-        from .checksum import warm_up
+    def _warm_kernels(self) -> None:
+        """Compile the keyed-hash and SM copy kernels now (model-load time), not inside the
+        first sleep or wake."""
+        from . import checksum, host_reads
 
         try:
-            if not warm_up(self.torch_device):
+            if not checksum.warm_up(self.torch_device):
                 log.debug("NH kernel not compiled; digests use the torch ops (same words, slower)")
         except Exception as e:  # the torch path still gives the same digest
             log.debug("NH kernel warm-up failed: %s", e)
+        try:
+            if not host_reads.warm_up(self.torch_device):
+                log.debug("SM copy kernel not compiled; restores stay on the copy engine")
+        except Exception as e:
+            log.debug("SM copy kernel warm-up failed: %s", e)
+            host_reads.disable(e)
 
     # ---- primitives ------------------------------------------------------------------
     def granularity(self) -> int:
@@ -175,6 +196,17 @@ class CudaDriver(Driver):
         if handle.handle is not None:
             cu.call("cuMemRelease", handle.handle)
             handle.handle = None
+            self._note_released(handle.size)
+
+    def _note_released(self, nbytes: int) -> None:
+        """Add what releasing ``nbytes`` leaves the driver to do (:attr:`after_release_ms_per_gib`;
+        the release thread of release_behind calls this too: one float, written whole)."""
+        now = time.monotonic()
+        self._after_work_until = max(now, self._after_work_until) + nbytes / 2**30 * self.after_release_ms_per_gib / 1e3
+
+    def after_release_pending_ms(self) -> float:
+        """The driver's after-release work still expected, in ms (0 once it is done)."""
+        return max(0.0, self._after_work_until - time.monotonic()) * 1e3
 
     def physical_bytes(self, handle: CuHandle) -> int:
         return handle.size if handle.handle is not None else 0
@@ -351,7 +383,76 @@ class CudaDriver(Driver):
                 if int(err) != 0:
                     raise cu.CudaError("cuMemRelease", err)
                 released += h.size
+        self._note_released(released)
         return released
+
+    # ---- wake ---------------------------------------------------------------------------
+    @property
+    def restore_reads(self) -> str:
+        """Who reads a wake's restores from the arena: ``"auto"`` (the default: the SMs when the
+        after-release work would cost the copy engine more than the SMs' slower reads, else
+        the copy engine), ``"sm"`` or ``"copy engine"``."""
+        return self._restore_reads
+
+    @restore_reads.setter
+    def restore_reads(self, mode: str) -> None:
+        if mode not in RESTORE_READS:
+            from unisleep.errors import InvalidArgumentError
+
+            raise InvalidArgumentError(f"restore_reads must be 'auto', 'sm' or 'copy engine', not {mode!r}")
+        self._restore_reads = mode
+
+    def resume(self, jobs: list[RestoreJob], store: BackupStore) -> int:
+        """The base order (restores first, so their copies run while the rest is mapped and
+        zeroed) with two changes: a chunk's restores are queued as soon as it is mapped, not
+        once its whole region is; and they are read by the SMs when the driver's after-release
+        work would slow the copy engine more than the SMs' reads cost (a wake right after a
+        sleep that copied nothing; :mod:`.host_reads`).  Returns bytes copied back."""
+        if not isinstance(store, PinnedArena):
+            return super().resume(jobs, store)
+        self.settle_releases()  # the releases behind the last sleep count in what is pending
+        restores = [j for j in jobs if j.ranges]
+        nbytes = sum(n for j in restores for _, n in j.ranges)
+        pending = self.after_release_pending_ms()
+        by_sms = self._restore_by_sms(nbytes, pending, store, restores)
+        tr = _Trace("resume")
+        for job in restores:
+            zero = job.zero and not self.fresh_memory_is_zero
+            job.region.map(self, each=lambda c, job=job, zero=zero: self._restore_chunk(job, c, store, zero, by_sms))
+        tr.mark("map + queue reads by the SMs" if by_sms else "map + queue copies")
+        for job in jobs:
+            if not job.ranges:
+                self.map_region(job.region, zero=job.zero and not self.fresh_memory_is_zero)
+        tr.mark("map + zero the rest")
+        store.flush()
+        self.synchronize()
+        tr.mark("wait")
+        if by_sms:  # the SMs' reads held the driver's work off: it is still to do
+            self._after_work_until = time.monotonic() + pending / 1e3
+        self.last_restore_by_sms = by_sms
+        tr.done(nbytes)
+        return nbytes
+
+    def _restore_by_sms(self, nbytes: int, pending_ms: float, store: PinnedArena, restores) -> bool:
+        from . import host_reads
+
+        mode = self._restore_reads
+        if not nbytes or mode == "copy engine" or not host_reads.available():
+            return False
+        if mode == "auto" and pending_ms <= nbytes / 2**30 * self.sm_read_extra_ms_per_gib:
+            return False
+        return all(store.readable_by_sms((j.key, off)) for j in restores for off, _ in j.ranges)
+
+    def _restore_chunk(self, job: RestoreJob, c, store: PinnedArena, zero: bool, by_sms: bool) -> None:
+        """Queue chunk ``c``'s share of ``job``: zeroed first where the backup covers it only
+        in part, then each saved range's bytes inside it."""
+        lo_c, hi_c = c.offset, c.offset + c.size
+        if zero:
+            self.zero(job.region.va + lo_c, c.size)
+        for off, n in job.ranges:
+            lo, hi = max(off, lo_c), min(off + n, hi_c)
+            if lo < hi:
+                store.load_range((job.key, off), lo - off, self.view(job.region.va + lo, hi - lo), by_sms=by_sms)
 
     # ---- progressive wake (unisleep.progressive): copies on the arena's stream ------------
     #: 64 MiB steps: a 256 MiB layer is usable ~1.3 ms after its first byte lands, and 128
