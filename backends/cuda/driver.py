@@ -418,7 +418,12 @@ class CudaDriver(Driver):
         tr = _Trace("resume")
         for job in restores:
             zero = job.zero and not self.fresh_memory_is_zero
-            job.region.map(self, each=lambda c, job=job, zero=zero: self._restore_chunk(job, c, store, zero, by_sms))
+            if by_sms:  # mapping calls made while the reads run stall them: map first
+                job.region.map(self)
+                for c in job.region.chunks:
+                    self._restore_chunk(job, c, store, zero, by_sms)
+            else:
+                job.region.map(self, each=lambda c, job=job, zero=zero: self._restore_chunk(job, c, store, zero, by_sms))
         tr.mark("map + queue reads by the SMs" if by_sms else "map + queue copies")
         for job in jobs:
             if not job.ranges:

@@ -10,9 +10,8 @@ driver finishes its work under them.  A wake right after a sleep that copied not
 weights) is the case this is for; :meth:`CudaDriver.resume <.driver.CudaDriver.resume>` decides
 per wake (docs/cuda.md, "Why a wake right after an unchanged sleep was slower").
 
-The kernel is persistent (two programs per SM, each looping over 16 KiB blocks of int64 words),
-so a zeroing queued on another stream (the KV cache's) runs beside it instead of after it.
-Ranges that are not 8-byte aligned, and a tail shorter than a word, go to the copy engine.
+The kernel copies one 16 KiB block of int64 words per program.
+Ranges that are not 16-byte aligned, and a tail shorter than a block, go to the copy engine.
 Without Triton, :func:`available` is False and every restore stays on the copy engine.
 """
 
@@ -23,31 +22,28 @@ import logging
 log = logging.getLogger("unisleep.cuda")
 
 #: int64 words per block (16 KiB) and warps per program: every setting of the H200 sweep
-#: (1024-8192 words, 2-16 warps, 132-528 programs) read 8 GiB in 167.3-168.6 ms
+#: (1024-8192 words, 2-16 warps, one block per program or 132-528 looping programs) read 8 GiB
+#: in 167.3-168.6 ms
 WORDS = 2048
 NUM_WARPS = 8
-PROGRAMS_PER_SM = 2
 
 _kernel = None
 _error: "BaseException | None" = None
-_sms: dict = {}
 
 
 def _build():
     import triton
     import triton.language as tl
 
-    @triton.jit(do_not_specialize=["n"])
-    def _copy_words(src, dst, n, BLOCK: tl.constexpr):
-        pid = tl.program_id(0)
-        step = tl.num_programs(0)
-        for b in range(pid, tl.cdiv(n, BLOCK), step):
-            offs = tl.cast(b, tl.int64) * BLOCK + tl.arange(0, BLOCK)
-            m = offs < n
-            # .cg: the bytes go to their destination once; nothing is gained by keeping them in L1
-            tl.store(dst + offs, tl.load(src + offs, mask=m, cache_modifier=".cg"), mask=m)
+    @triton.jit
+    def _copy_blocks(src, dst, BLOCK: tl.constexpr):
+        # one whole block per program: no mask, so the loads stay 16 bytes wide (a masked tail
+        # made them 8, and the reads took twice as long on an H200)
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        # .cg: the bytes go to their destination once; nothing is gained by keeping them in L1
+        tl.store(dst + offs, tl.load(src + offs, cache_modifier=".cg"))
 
-    return _copy_words
+    return _copy_blocks
 
 
 def _copy_kernel():
@@ -71,42 +67,27 @@ def disable(error: BaseException) -> None:
     _kernel, _error = None, error
 
 
-def _programs(device) -> int:
-    import torch
-
-    d = torch.device(device)
-    if d.type == "cpu":  # the interpreter (tests)
-        return 3
-    idx = d.index if d.index is not None else torch.cuda.current_device()
-    if idx not in _sms:
-        _sms[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return PROGRAMS_PER_SM * _sms[idx]
-
-
 def copy(dst, src) -> None:
     """Queue ``dst.copy_(src)`` (two uint8 tensors of one length) on the current stream, read
     by the SMs: ``src`` is page-locked host memory seen through its device mapping (a tensor on
-    the device, as :func:`device_view` makes).  The aligned words go to the kernel; a misaligned
-    range or a tail under 8 bytes to ``copy_``."""
+    the device, as :func:`device_view` makes).  Whole 16 KiB blocks go to the kernel, one per
+    program; a misaligned range and the tail under a block go to ``copy_``."""
+    import torch
+
     n = dst.numel()
     if n != src.numel():
         raise ValueError(f"copy of {src.numel()} bytes into {n}")
     k = _copy_kernel()
     if k is None:
         raise RuntimeError(f"the SM copy kernel is unavailable: {_error}")
-    if dst.data_ptr() % 8 or src.data_ptr() % 8:
-        dst.copy_(src, non_blocking=True)
-        return
-    body = n // 8 * 8
-    if body:
-        import torch
-
-        d64, s64 = dst[:body].view(torch.int64), src[:body].view(torch.int64)
-        words = body // 8
-        grid = (max(1, min(_programs(dst.device), -(-words // WORDS))),)
-        k[grid](s64, d64, words, BLOCK=WORDS, num_warps=NUM_WARPS)
-    if body < n:
-        dst[body:].copy_(src[body:], non_blocking=True)
+    done = 0
+    if dst.data_ptr() % 16 == 0 and src.data_ptr() % 16 == 0:
+        done = n // (WORDS * 8) * (WORDS * 8)
+        if done:
+            d64, s64 = dst[:done].view(torch.int64), src[:done].view(torch.int64)
+            k[(done // (WORDS * 8),)](s64, d64, BLOCK=WORDS, num_warps=NUM_WARPS)
+    if done < n:
+        dst[done:].copy_(src[done:], non_blocking=True)
 
 
 class _Mapped:

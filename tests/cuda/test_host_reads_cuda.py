@@ -74,7 +74,7 @@ def test_wakes_read_by_the_sms_restore_level1_and_preserved_level2_bytes_exactly
     ref = {k: v.detach().clone() for k, v in m.state_dict().items()}
     lc.adopt(m, tag="model")
     assert lc.preserve(["1.*"]) == ["1.bias", "1.weight"]
-    lc.sleep(2, ["model"])
+    lc.sleep(2, tags=["model"])
     lc.wake_up(["model"])
     assert lc.driver.last_restore_by_sms
     sd = m.state_dict()
