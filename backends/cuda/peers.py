@@ -8,6 +8,8 @@ import statistics
 import sys
 import time
 
+from unisleep.bench.common import GENERATION_PAUSE_S
+
 
 def available_peers() -> list[str]:
     return ["torch_memory_saver"] if importlib.util.find_spec("torch_memory_saver") else []
@@ -53,6 +55,7 @@ def run_peer(name: str, device: int, weights_gib: float, kv_gib: float, cycles: 
     out["steady_sleep_s"], out["steady_wake_s"] = statistics.median(sleeps), statistics.median(wakes)
     un, unw = [], []
     for _ in range(max(2, cycles // 2)):
+        time.sleep(GENERATION_PAUSE_S)  # as unisleep's workload (unisleep.bench.device)
         un.append(_t(lambda: tms.pause()))
         unw.append(_t(lambda: tms.resume()))
     out["unchanged_sleep_s"], out["unchanged_wake_s"] = statistics.median(un), statistics.median(unw)
@@ -66,6 +69,7 @@ def run_peer(name: str, device: int, weights_gib: float, kv_gib: float, cycles: 
         kv2 = torch.empty(K, dtype=torch.uint8, device="cuda")
     s, a, b = [], [], []
     for _ in range(3):
+        time.sleep(GENERATION_PAUSE_S)
         s.append(_t(lambda: (tms.pause("l2w"), tms.pause("l2kv"))))
         a.append(_t(lambda: tms.resume("l2w")))
         b.append(_t(lambda: tms.resume("l2kv")))

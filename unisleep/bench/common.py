@@ -68,6 +68,12 @@ def write_json(path: Optional[str], kind: str, results: Any, argv: Optional[Sequ
     return path
 
 
+#: seconds between a wake and the next sleep where the workload stands for the rollout that
+#: follows a wake (the unchanged-weights and level-2 cycles): a driver finishes the work a
+#: release left under it, as under real generation, instead of handing it to the next sleep
+GENERATION_PAUSE_S = 0.1
+
+
 def progress(msg: str) -> None:
     print(f"[bench] {msg}", file=sys.stderr, flush=True)
 

@@ -3,8 +3,10 @@
 Workload (device-figures.md): ``--weights`` GiB tagged "weights" (backed up) + ``--kv`` GiB tagged
 "kv_cache" (discarded); first sleep (cold, and with the backup arena prepared ahead), then
 ``--cycles`` steady sleep/wake cycles (weights changed each cycle so the copy really runs, and
-verified byte-exact), the unchanged-weights sleep, and level 2 (discard all, wake "weights" then
-"kv_cache").  ``--sweep`` adds total sizes × allocation counts through ``pool(tag)``.  Each
+verified byte-exact), the unchanged-weights sleep and the wake right after it, and level 2
+(discard all, wake "weights" then "kv_cache"); the unchanged and level-2 cycles start
+``GENERATION_PAUSE_S`` after the last wake, as a rollout would (nothing sits between a sleep and
+the wake that follows it).  ``--sweep`` adds total sizes × allocation counts through ``pool(tag)``.  Each
 implementation runs in its own process; the backend's peers (``backends/<name>/peers.py``, e.g.
 torch_memory_saver on CUDA) run the same workload when installed.
 """
@@ -20,7 +22,7 @@ import time
 from typing import Optional, Sequence
 
 from ..cli import plain
-from .common import emit_result, print_table, progress, run_worker, write_json
+from .common import GENERATION_PAUSE_S, emit_result, print_table, progress, run_worker, write_json
 
 GiB = 1 << 30
 
@@ -80,6 +82,7 @@ def run_unisleep(platform: str, device: int, weights_gib: float, kv_gib: float, 
     out["sleep_all_s"], out["wake_all_s"] = sleeps, wakes
     unchanged, unchanged_wakes = [], []
     for _ in range(max(2, cycles // 2)):
+        time.sleep(GENERATION_PAUSE_S)  # the rollout after the last wake (none between sleep and wake)
         unchanged.append(_timed(lambda: lc.sleep(1), sync))
         out["unchanged_copied_bytes"] = lc.last_report.bytes_copied
         unchanged_wakes.append(_timed(lambda: lc.wake_up(), sync))  # right after: the worst case
@@ -89,6 +92,7 @@ def run_unisleep(platform: str, device: int, weights_gib: float, kv_gib: float, 
     out["unchanged_wakes_all_s"] = unchanged_wakes
     l2s, l2w, l2k = [], [], []
     for _ in range(3):
+        time.sleep(GENERATION_PAUSE_S)
         l2s.append(_timed(lambda: lc.sleep(2), sync))
         l2w.append(_timed(lambda: lc.wake_up(["weights"]), sync))
         l2k.append(_timed(lambda: lc.wake_up(["kv_cache"]), sync))
