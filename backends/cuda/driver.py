@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Iterator, Optional
@@ -30,7 +31,7 @@ from .arena import PinnedArena
 
 log = logging.getLogger("unisleep.cuda")
 
-RESTORE_READS = ("auto", "sm", "copy engine")
+RESTORE_READS = ("auto", "sm", "copy-engine")
 
 
 @dataclass(eq=False)
@@ -128,6 +129,7 @@ class CudaDriver(Driver):
         self._pools = None  # created by pool()
         self._after_work_until = 0.0  # time.monotonic() when the after-release work is done
         self._restore_reads = "auto"
+        self.restore_reads = os.environ.get("UNISLEEP_RESTORE_READS", "auto")  # checked by the setter
         self.last_restore_by_sms = False
         self._warm_kernels()
 
@@ -391,7 +393,8 @@ class CudaDriver(Driver):
     def restore_reads(self) -> str:
         """Who reads a wake's restores from the arena: ``"auto"`` (the default: the SMs when the
         after-release work would cost the copy engine more than the SMs' slower reads, else
-        the copy engine), ``"sm"`` or ``"copy engine"``."""
+        the copy engine), ``"sm"`` or ``"copy-engine"``; the environment variable
+        ``UNISLEEP_RESTORE_READS`` sets it for every CUDA driver of the process."""
         return self._restore_reads
 
     @restore_reads.setter
@@ -399,7 +402,8 @@ class CudaDriver(Driver):
         if mode not in RESTORE_READS:
             from unisleep.errors import InvalidArgumentError
 
-            raise InvalidArgumentError(f"restore_reads must be 'auto', 'sm' or 'copy engine', not {mode!r}")
+            raise InvalidArgumentError(
+                f"restore_reads (UNISLEEP_RESTORE_READS) must be 'auto', 'sm' or 'copy-engine', not {mode!r}")
         self._restore_reads = mode
 
     def resume(self, jobs: list[RestoreJob], store: BackupStore) -> int:
@@ -442,7 +446,7 @@ class CudaDriver(Driver):
         from . import host_reads
 
         mode = self._restore_reads
-        if not nbytes or mode == "copy engine" or not host_reads.available():
+        if not nbytes or mode == "copy-engine" or not host_reads.available():
             return False
         if mode == "auto" and pending_ms <= nbytes / 2**30 * self.sm_read_extra_ms_per_gib:
             return False

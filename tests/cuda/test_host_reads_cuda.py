@@ -110,10 +110,24 @@ def test_restore_reads_names_the_choices(lc):
     from unisleep import InvalidArgumentError
 
     lc.empty((4 * MiB,), torch.uint8, tag="weights").fill_(1)
-    with pytest.raises(InvalidArgumentError, match="'auto', 'sm' or 'copy engine'"):
+    with pytest.raises(InvalidArgumentError, match="'auto', 'sm' or 'copy-engine'"):
         lc.driver.restore_reads = "fast"
     assert lc.driver.restore_reads == "auto"
     lc.sleep(1)
-    lc.driver.restore_reads = "copy engine"
+    lc.driver.restore_reads = "copy-engine"
     lc.wake_up()
     assert not lc.driver.last_restore_by_sms
+
+
+def test_restore_reads_from_the_environment_is_checked_at_start(monkeypatch):
+    from unisleep import InvalidArgumentError
+
+    monkeypatch.setenv("UNISLEEP_RESTORE_READS", "copy-engine")
+    m = MemoryLifecycle("cuda")
+    try:
+        assert m.driver.restore_reads == "copy-engine"
+    finally:
+        m.close()
+    monkeypatch.setenv("UNISLEEP_RESTORE_READS", "smx")
+    with pytest.raises(InvalidArgumentError, match="UNISLEEP_RESTORE_READS"):
+        MemoryLifecycle("cuda")
