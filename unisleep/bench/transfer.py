@@ -160,7 +160,7 @@ def main(argv: Optional[list] = None) -> int:
     ap.add_argument("--paths", default=",".join(PATHS), help=f"subset of {','.join(PATHS)}")
     ap.add_argument("--bucket-mib", default="512",
                     help="bucket size in MiB (default 512), or 'auto': the library's default for the path "
-                         "(sized from free memory, up to 1 GiB; 2 GiB for colocated IPC on a device)")
+                         "(sized from free memory, up to 1 GiB; 4 GiB for colocated IPC on a device)")
     ap.add_argument("--chunk-mib", type=int, default=256, help="tensor size in MiB in the synthetic update (default 256)")
     ap.add_argument("--repeat", type=int, default=2, help="timed updates per size after one warm-up (default 2)")
     ap.add_argument("--no-verify", action="store_true", help="skip the per-tensor keyed digests")

@@ -23,14 +23,15 @@ PATHS = ("auto", "collective", "ipc")
 
 #: the largest default bucket: colocated IPC on a device (both processes share the device's
 #: time, so fewer, larger buckets lose less to the hand-overs between them: 8 GiB verified in
-#: 15.0-15.5 ms with 2 GiB buckets against 19.8-20.2 ms with 1 GiB on an H200, docs/transfer.md);
+#: 14.7-15.6 ms with 4 GiB buckets, 16.5-17.5 ms with 2 GiB and 15.1-16.3 ms with one 8 GiB
+#: bucket in one run on an H200, docs/transfer.md; it needs 64 GiB free for two such buffers);
 #: every other path
-MAX_DEFAULT_BUCKET = {"ipc": 2048 * MiB, "collective": 1024 * MiB}
+MAX_DEFAULT_BUCKET = {"ipc": 4096 * MiB, "collective": 1024 * MiB}
 
 
 def default_bucket_bytes(group: TransferGroup, path: str = "collective") -> int:
     """Two send buffers take at most 1/8 of the free memory of the group's device; clamped to
-    [16 MiB, 1 GiB], or [16 MiB, 2 GiB] for colocated IPC on a device (``path="ipc"``)."""
+    [16 MiB, 1 GiB], or [16 MiB, 4 GiB] for colocated IPC on a device (``path="ipc"``)."""
     free = None
     if group.platform.is_accelerator:
         try:
