@@ -120,8 +120,8 @@ def _device_group(free_bytes):
     return SimpleNamespace(platform=plat, device_index=0)
 
 
-@pytest.mark.parametrize("free_gib,collective_mib,ipc_mib", [(8, 512, 512), (20, 1024, 1280), (64, 1024, 2048),
-                                                             (0.1, 16, 16)])
+@pytest.mark.parametrize("free_gib,collective_mib,ipc_mib", [(8, 512, 512), (20, 1024, 1280), (64, 1024, 4096), (40, 1024, 2560),
+                                                             (140, 1024, 4096), (0.1, 16, 16)])
 def test_default_buckets_take_an_eighth_of_free_memory_for_two_and_ipc_on_a_device_may_be_larger(
         free_gib, collective_mib, ipc_mib):
     from unisleep.transfer.sender import default_bucket_bytes
