@@ -422,7 +422,7 @@ class CudaDriver(Driver):
         tr = _Trace("resume")
         for job in restores:
             zero = job.zero and not self.fresh_memory_is_zero
-            if by_sms:  # mapping calls made while the reads run stall them: map first
+            if by_sms:  # mapping calls wait for reads running on the device (~100 ms in a probe): map first
                 job.region.map(self)
                 for c in job.region.chunks:
                     self._restore_chunk(job, c, store, zero, by_sms)
