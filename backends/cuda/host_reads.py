@@ -11,7 +11,7 @@ weights) is the case this is for; :meth:`CudaDriver.resume <.driver.CudaDriver.r
 per wake (docs/cuda.md, "Why a wake right after an unchanged sleep was slower").
 
 The kernel copies one 16 KiB block of int64 words per program.
-Ranges that are not 16-byte aligned, and a tail shorter than a block, go to the copy engine.
+Ranges that are not 16-byte aligned, and a tail shorter than a block, go to ``copy_``.
 Without Triton, :func:`available` is False and every restore stays on the copy engine.
 """
 
@@ -90,21 +90,14 @@ def copy(dst, src) -> None:
         dst[done:].copy_(src[done:], non_blocking=True)
 
 
-class _Mapped:
-    """``[ptr, ptr+n)`` of page-locked host memory as a device tensor (its device address)."""
-
-    __slots__ = ("__cuda_array_interface__",)
-
-    def __init__(self, ptr: int, n: int):
-        self.__cuda_array_interface__ = {"shape": (n,), "typestr": "|u1", "data": (ptr, False), "version": 3}
-
-
 def device_view(device_ptr: int, n: int, device: int):
     """The ``n`` bytes of registered host memory at ``device_ptr`` (from
     ``cuMemHostGetDevicePointer``) as a uint8 tensor on GPU ``device``."""
     import torch
 
-    return torch.as_tensor(_Mapped(device_ptr, n), device=f"cuda:{device}")
+    from .driver import _DeviceBuffer
+
+    return torch.as_tensor(_DeviceBuffer(device_ptr, n), device=f"cuda:{device}")
 
 
 def warm_up(device) -> bool:
