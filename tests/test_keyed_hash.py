@@ -246,8 +246,7 @@ def test_digest_round_trips_through_bytes(key):
 
 
 # ---- the fused level-1 kernel's logic, on the CPU through Triton's interpreter -------------
-def test_fused_kernel_equals_nh_level_in_the_triton_interpreter():
-    pytest.importorskip("triton", reason="needs the triton package (pip install triton)")
+def test_fused_kernel_equals_nh_level_in_the_triton_interpreter(triton_interpreter_env):
     code = textwrap.dedent(
         """
         import torch
@@ -266,8 +265,8 @@ def test_fused_kernel_equals_nh_level_in_the_triton_interpreter():
         print("OK")
         """
     )
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=triton_interpreter_env,
+                       timeout=600, cwd=ROOT)
     assert p.returncode == 0 and "OK" in p.stdout, p.stderr[-3000:]
 
 
@@ -356,8 +355,7 @@ def test_bucket_lanes_fill_only_large_tensors_by_default(key):
     assert torch.equal(bl.lanes(), kh.nh_lanes_many([buf[o: o + n] for o, n in spans], [key] * 3))
 
 
-def test_segmented_kernel_equals_the_reference_in_the_triton_interpreter():
-    pytest.importorskip("triton", reason="needs the triton package (pip install triton)")
+def test_segmented_kernel_equals_the_reference_in_the_triton_interpreter(triton_interpreter_env):
     code = textwrap.dedent(
         """
         import torch
@@ -381,8 +379,8 @@ def test_segmented_kernel_equals_the_reference_in_the_triton_interpreter():
         print("OK")
         """
     )
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=triton_interpreter_env,
+                       timeout=600, cwd=ROOT)
     assert p.returncode == 0 and "OK" in p.stdout, p.stderr[-3000:]
 
 
