@@ -34,11 +34,14 @@ def test_two_concurrent_sleeps_on_a_nearly_full_disk(tmp_path):
         resident = lc.resident_bytes()
         while not os.path.exists({go!r}):
             pass
+        tried = os.path.join({str(tmp_path)!r}, "tried-" + os.path.basename(me))
         try:
             lc.sleep(1)
             outcome = "slept"
+            open(tried, "a").close()
         except E.BackupError as e:
             outcome = "refused"
+            open(tried, "a").close()
             msg = str(e)
             assert isinstance(e, E.UnisleepError)
             # either the free-space check saw the other backup, or both passed it and the
@@ -56,7 +59,10 @@ def test_two_concurrent_sleeps_on_a_nearly_full_disk(tmp_path):
             lc.sleep(1)  # the retry works once there is room
         assert lc.state() == {{"weights": "offloaded", "kv_cache": "discarded"}}
         assert lc.resident_bytes() == 0
-        time.sleep(0.3)
+        # wake (and free the disk) only once both have tried to sleep: a child scheduled late
+        # must not find the room the other one already gave back
+        while sum(n.startswith("tried-") for n in os.listdir({str(tmp_path)!r})) < 2:
+            time.sleep(0.01)
         lc.wake_up()
         assert crc(w) == cw and kv.count_nonzero().item() == 0
         open({woke!r}, "a").close()
