@@ -209,6 +209,20 @@ class Driver(abc.ABC):
         if zero:
             self.zero(region.va, region.size)
 
+    def restore_regions(self, jobs: list[RestoreJob], store: BackupStore) -> int:
+        """Map the region of every restore job again (same addresses), zero it where the backup
+        covers it only in part, and queue the copies of its saved ranges; returns the bytes
+        queued.  A backend may interleave the three, chunk by chunk, or pick how they are read."""
+        copied = 0
+        for job in jobs:
+            job.region.map(self)
+            if job.zero and not self.fresh_memory_is_zero:
+                self.zero(job.region.va, job.region.size)
+            for off, n in job.ranges:
+                store.load((job.key, off), self.view(job.region.va + off, n))
+                copied += n
+        return copied
+
     def prepare_thread(self) -> None:
         """Make a new thread of this process ready to call the primitives (e.g. a current
         device context); a no-op where any thread can."""
@@ -367,15 +381,7 @@ class Driver(abc.ABC):
         Restores are mapped and queued first so their copies run while the rest is mapped and
         zeroed.  Returns bytes copied back."""
         tr = _Trace("resume")
-        copied = 0
-        restores = [j for j in jobs if j.ranges]
-        for job in restores:
-            job.region.map(self)
-            if job.zero and not self.fresh_memory_is_zero:
-                self.zero(job.region.va, job.region.size)
-            for off, n in job.ranges:
-                store.load((job.key, off), self.view(job.region.va + off, n))
-                copied += n
+        copied = self.restore_regions([j for j in jobs if j.ranges], store)
         tr.mark("map + queue copies")
         for job in jobs:
             if job.ranges:

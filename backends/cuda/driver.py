@@ -128,6 +128,7 @@ class CudaDriver(Driver):
         self._access = [acc]
         self._pools = None  # created by pool()
         self._after_work_until = 0.0  # time.monotonic() when the after-release work is done
+        self._held_off_ms = 0.0  # what of it the last restores read by the SMs held off
         self._restore_reads = "auto"
         self.restore_reads = os.environ.get("UNISLEEP_RESTORE_READS", "auto")  # checked by the setter
         self.last_restore_by_sms = False
@@ -406,21 +407,22 @@ class CudaDriver(Driver):
                 f"restore_reads (UNISLEEP_RESTORE_READS) must be 'auto', 'sm' or 'copy-engine', not {mode!r}")
         self._restore_reads = mode
 
-    def resume(self, jobs: list[RestoreJob], store: BackupStore) -> int:
-        """The base order (restores first, so their copies run while the rest is mapped and
-        zeroed) with two changes: a chunk's restores are queued as soon as it is mapped, not
-        once its whole region is; and they are read by the SMs when the driver's after-release
-        work would slow the copy engine more than the SMs' reads cost (a wake right after a
-        sleep that copied nothing; :mod:`.host_reads`).  Returns bytes copied back."""
+    def restore_regions(self, jobs: list[RestoreJob], store: BackupStore) -> int:
+        """The base's restores with two changes: a chunk's copies are queued as soon as it is
+        mapped, not once its whole region is; and they are read by the SMs when the driver's
+        after-release work would slow the copy engine more than the SMs' reads cost (a wake
+        right after a sleep that copied nothing; :mod:`.host_reads`)."""
         if not isinstance(store, PinnedArena):
-            return super().resume(jobs, store)
+            self.last_restore_by_sms = False
+            return super().restore_regions(jobs, store)
         self.settle_releases()  # the releases behind the last sleep count in what is pending
-        restores = [j for j in jobs if j.ranges]
-        nbytes = sum(n for j in restores for _, n in j.ranges)
+        nbytes = sum(n for j in jobs for _, n in j.ranges)
         pending = self.after_release_pending_ms()
-        by_sms = self._restore_by_sms(nbytes, pending, store, restores)
-        tr = _Trace("resume")
-        for job in restores:
+        by_sms = self.last_restore_by_sms = self._restore_by_sms(nbytes, pending, store, jobs)
+        if by_sms:
+            log.debug("restores read by the SMs: %.1f ms of the driver's after-release work pending", pending)
+            self._held_off_ms = pending
+        for job in jobs:
             zero = job.zero and not self.fresh_memory_is_zero
             if by_sms:  # mapping calls wait for reads running on the device (~100 ms in a probe): map first
                 job.region.map(self)
@@ -428,19 +430,13 @@ class CudaDriver(Driver):
                     self._restore_chunk(job, c, store, zero, by_sms)
             else:
                 job.region.map(self, each=lambda c, job=job, zero=zero: self._restore_chunk(job, c, store, zero, by_sms))
-        tr.mark("map + queue reads by the SMs" if by_sms else "map + queue copies")
-        for job in jobs:
-            if not job.ranges:
-                self.map_region(job.region, zero=job.zero and not self.fresh_memory_is_zero)
-        tr.mark("map + zero the rest")
-        store.flush()
-        self.synchronize()
-        tr.mark("wait")
-        if by_sms:  # the SMs' reads held the driver's work off: it is still to do
-            self._after_work_until = time.monotonic() + pending / 1e3
-        self.last_restore_by_sms = by_sms
-        tr.done(nbytes)
         return nbytes
+
+    def resume(self, jobs: list[RestoreJob], store: BackupStore) -> int:
+        copied = super().resume(jobs, store)
+        if self.last_restore_by_sms:  # the SMs' reads held the driver's work off: it is still to do
+            self._after_work_until = time.monotonic() + self._held_off_ms / 1e3
+        return copied
 
     def _restore_by_sms(self, nbytes: int, pending_ms: float, store: PinnedArena, restores) -> bool:
         from . import host_reads
