@@ -200,10 +200,9 @@ class UpdateSeal:
 
     def lanes(self, buf_u8, plan: "BucketPlan"):
         """The NH lanes of every tensor of a bucket on the bucket's device, no wait: int64 [2n]
-        (all tensors of the bucket together, a few kernel launches: ``keyed_hash.bucket_lanes``)."""
-        from ..keyed_hash import bucket_lanes
-
-        return bucket_lanes(buf_u8, [(s.offset, s.nbytes) for s in plan.slots], self.hash_key)
+        (all tensors of the bucket together, a few kernel launches: :meth:`hasher` with nothing
+        filled through it)."""
+        return self.hasher(buf_u8, plan).lanes()
 
     def hasher(self, buf_u8, plan: "BucketPlan"):
         """A :class:`~unisleep.keyed_hash.BucketLanes` for a device bucket being packed: the
