@@ -209,18 +209,29 @@ class Driver(abc.ABC):
         if zero:
             self.zero(region.va, region.size)
 
+    def fills_zeros(self, job: RestoreJob) -> bool:
+        """``job``'s region must be zeroed on the device (its memory does not come zeroed)."""
+        return job.zero and not self.fresh_memory_is_zero
+
     def restore_regions(self, jobs: list[RestoreJob], store: BackupStore) -> int:
-        """Map the region of every restore job again (same addresses), zero it where the backup
-        covers it only in part, and queue the copies of its saved ranges; returns the bytes
-        queued.  A backend may interleave the three, chunk by chunk, or pick how they are read."""
+        """Map the region of every restore job again (same addresses) and queue its restore:
+        the copies of its saved ranges (zeroed first where the backup covers it only in part),
+        or its zeroing when it has no saved range.  The copies are queued first, so they run
+        while the rest is mapped and zeroed.  Returns the bytes queued to copy.  A backend may
+        interleave the steps, chunk by chunk, or pick how the copies are read."""
         copied = 0
         for job in jobs:
+            if not job.ranges:
+                continue
             job.region.map(self)
-            if job.zero and not self.fresh_memory_is_zero:
+            if self.fills_zeros(job):
                 self.zero(job.region.va, job.region.size)
             for off, n in job.ranges:
                 store.load((job.key, off), self.view(job.region.va + off, n))
                 copied += n
+        for job in jobs:
+            if not job.ranges:
+                self.map_region(job.region, zero=self.fills_zeros(job))
         return copied
 
     def prepare_thread(self) -> None:
@@ -377,17 +388,11 @@ class Driver(abc.ABC):
         return released, copied
 
     def resume(self, jobs: list[RestoreJob], store: BackupStore) -> int:
-        """Map every job's region again (same addresses), restore saved ranges, zero the rest.
-        Restores are mapped and queued first so their copies run while the rest is mapped and
-        zeroed.  Returns bytes copied back."""
+        """Map every job's region again (same addresses), restore saved ranges, zero the rest
+        (:meth:`restore_regions`), and wait for it all.  Returns bytes copied back."""
         tr = _Trace("resume")
-        copied = self.restore_regions([j for j in jobs if j.ranges], store)
-        tr.mark("map + queue copies")
-        for job in jobs:
-            if job.ranges:
-                continue
-            self.map_region(job.region, zero=job.zero and not self.fresh_memory_is_zero)
-        tr.mark("map + zero the rest")
+        copied = self.restore_regions(jobs, store)
+        tr.mark("map + queue copies and zeroing")
         store.flush()
         self.synchronize()
         tr.mark("wait")

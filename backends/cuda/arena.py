@@ -346,10 +346,11 @@ class PinnedArena(BackupStore):
         """Every segment backup ``key`` lies in has a device address (:mod:`.host_reads`)."""
         return all(self._segs[si].dev for si, _, _ in self._slots[key])
 
-    def load_range(self, key, offset: int, dst, by_sms: bool = False) -> None:
+    def load_range(self, key, offset: int, dst, by_sms: bool = False, zero=None) -> None:
         """Copy ``dst.numel()`` bytes of backup ``key``, from byte ``offset`` on, into ``dst``;
         with ``by_sms`` read by a kernel through the arena's device mapping (:mod:`.host_reads`;
-        check :meth:`readable_by_sms` first), else by the copy engine."""
+        check :meth:`readable_by_sms` first), else by the copy engine.  ``zero``: a
+        :class:`~.host_reads.ZeroFeed` the kernel takes its share of (``by_sms`` only)."""
         import torch
 
         from . import host_reads
@@ -365,7 +366,7 @@ class PinnedArena(BackupStore):
                 if by_sms and hi > lo:
                     seg = self._segs[si]
                     src = host_reads.device_view(seg.dev + off + lo - pos, hi - lo, self.device)
-                    host_reads.copy(dst[lo - want_lo : hi - want_lo], src)
+                    host_reads.copy(dst[lo - want_lo : hi - want_lo], src, zero)
                     lo = hi
                 for p in range(lo, hi, PIECE):
                     k = min(PIECE, hi - p)

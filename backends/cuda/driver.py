@@ -132,6 +132,7 @@ class CudaDriver(Driver):
         self._restore_reads = "auto"
         self.restore_reads = os.environ.get("UNISLEEP_RESTORE_READS", "auto")  # checked by the setter
         self.last_restore_by_sms = False
+        self.last_zeroed_by_sms = 0  # bytes the last restore's SM reads zeroed besides
         self._warm_kernels()
 
     def _warm_kernels(self) -> None:
@@ -408,28 +409,45 @@ class CudaDriver(Driver):
         self._restore_reads = mode
 
     def restore_regions(self, jobs: list[RestoreJob], store: BackupStore) -> int:
-        """The base's restores with two changes: a chunk's copies are queued as soon as it is
-        mapped, not once its whole region is; and they are read by the SMs when the driver's
+        """The base's restores with three changes: a chunk's copies are queued as soon as it is
+        mapped, not once its whole region is; they are read by the SMs when the driver's
         after-release work would slow the copy engine more than the SMs' reads cost (a wake
-        right after a sleep that copied nothing; :mod:`.host_reads`)."""
+        right after a sleep that copied nothing; :mod:`.host_reads`); and then the same
+        kernels zero the regions that come back empty (the KV cache) while they wait on the
+        bus."""
         if not isinstance(store, PinnedArena):
             self.last_restore_by_sms = False
             return super().restore_regions(jobs, store)
+        from . import host_reads
+
         self.settle_releases()  # the releases behind the last sleep count in what is pending
-        nbytes = sum(n for j in jobs for _, n in j.ranges)
+        restores = [j for j in jobs if j.ranges]
+        nbytes = sum(n for j in restores for _, n in j.ranges)
         pending = self.after_release_pending_ms()
-        by_sms = self.last_restore_by_sms = self._restore_by_sms(nbytes, pending, store, jobs)
-        if by_sms:
-            log.debug("restores read by the SMs: %.1f ms of the driver's after-release work pending", pending)
-            self._held_off_ms = pending
+        by_sms = self.last_restore_by_sms = self._restore_by_sms(nbytes, pending, store, restores)
+        self.last_zeroed_by_sms = 0
+        if not by_sms:
+            for job in restores:
+                job.region.map(self, each=lambda c, job=job: self._restore_chunk(job, c, store, False))
+            for job in jobs:
+                if not job.ranges:
+                    self.map_region(job.region, zero=self.fills_zeros(job))
+            return nbytes
+        log.debug("restores read by the SMs: %.1f ms of the driver's after-release work pending", pending)
+        self._held_off_ms = pending
+        # mapping calls made while these reads run wait for them (an H200: mapping 16 GiB after
+        # 2 GiB of reads were queued returned when they were done), so every region is mapped
+        # first (24 GiB: ~2.2 ms); queuing half the reads before mapping the rest gained 0.3 ms
         for job in jobs:
-            zero = job.zero and not self.fresh_memory_is_zero
-            if by_sms:  # mapping calls wait for reads running on the device (~100 ms in a probe): map first
-                job.region.map(self)
-                for c in job.region.chunks:
-                    self._restore_chunk(job, c, store, zero, by_sms)
-            else:
-                job.region.map(self, each=lambda c, job=job, zero=zero: self._restore_chunk(job, c, store, zero, by_sms))
+            job.region.map(self)
+        feed = host_reads.ZeroFeed([self.view(j.region.va, j.region.size) for j in jobs
+                                    if not j.ranges and self.fills_zeros(j)], nbytes)
+        for job in restores:
+            for c in job.region.chunks:
+                self._restore_chunk(job, c, store, True, feed)
+        for t in feed.rest():  # more than the reads could carry: after them (the stream waits for them)
+            self.zero(t.data_ptr(), t.numel())
+        self.last_zeroed_by_sms = feed.zeroed
         return nbytes
 
     def resume(self, jobs: list[RestoreJob], store: BackupStore) -> int:
@@ -448,16 +466,18 @@ class CudaDriver(Driver):
             return False
         return all(store.readable_by_sms((j.key, off)) for j in restores for off, _ in j.ranges)
 
-    def _restore_chunk(self, job: RestoreJob, c, store: PinnedArena, zero: bool, by_sms: bool) -> None:
+    def _restore_chunk(self, job: RestoreJob, c, store: PinnedArena, by_sms: bool, feed=None) -> None:
         """Queue chunk ``c``'s share of ``job``: zeroed first where the backup covers it only
-        in part, then each saved range's bytes inside it."""
+        in part, then each saved range's bytes inside it (``feed``: what the SM reads zero
+        besides, :class:`~.host_reads.ZeroFeed`)."""
         lo_c, hi_c = c.offset, c.offset + c.size
-        if zero:
+        if self.fills_zeros(job):
             self.zero(job.region.va + lo_c, c.size)
         for off, n in job.ranges:
             lo, hi = max(off, lo_c), min(off + n, hi_c)
             if lo < hi:
-                store.load_range((job.key, off), lo - off, self.view(job.region.va + lo, hi - lo), by_sms=by_sms)
+                store.load_range((job.key, off), lo - off, self.view(job.region.va + lo, hi - lo), by_sms=by_sms,
+                                 zero=feed)
 
     # ---- progressive wake (unisleep.progressive): copies on the arena's stream ------------
     #: 64 MiB steps: a 256 MiB layer is usable ~1.3 ms after its first byte lands, and 128

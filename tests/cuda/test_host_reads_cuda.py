@@ -69,6 +69,7 @@ def test_wakes_read_by_the_sms_restore_level1_and_preserved_level2_bytes_exactly
     assert lc.driver.last_restore_by_sms
     assert all(torch.equal(w, r) for w, r in zip(ws, refs)) and [t.data_ptr() for t in ws] == ptrs
     assert int(kv.count_nonzero()) == 0
+    assert lc.driver.last_zeroed_by_sms == 32 * MiB  # the reads zeroed the KV cache themselves
     # level 2 with preserved parameters: the restore covers part of each region (zeroed first)
     m = torch.nn.Sequential(torch.nn.Linear(1000, 333), torch.nn.Linear(333, 7)).cuda()
     ref = {k: v.detach().clone() for k, v in m.state_dict().items()}
@@ -80,6 +81,26 @@ def test_wakes_read_by_the_sms_restore_level1_and_preserved_level2_bytes_exactly
     sd = m.state_dict()
     assert torch.equal(sd["1.weight"], ref["1.weight"]) and torch.equal(sd["1.bias"], ref["1.bias"])
     assert int(sd["0.weight"].count_nonzero()) == 0 and int(sd["0.bias"].count_nonzero()) == 0
+    assert lc.driver.last_zeroed_by_sms == 0  # a region restored in part is zeroed before its reads
+
+
+def test_reads_by_the_sms_zero_at_most_four_blocks_each_and_the_rest_after_them(lc):
+    _host_reads()
+    from unisleep.backends.cuda import host_reads
+
+    lc.driver.restore_reads = "sm"
+    w = lc.empty((4 * MiB,), torch.uint8, tag="weights")
+    w.view(torch.int32).random_()
+    kvs = [lc.empty((n,), torch.uint8, tag="kv_cache") for n in (6 * MiB, 58 * MiB)]
+    for kv in kvs:
+        kv.fill_(5)
+    ref = w.clone()
+    lc.sleep(1)
+    lc.wake_up()
+    assert lc.driver.last_restore_by_sms and torch.equal(w, ref)
+    assert all(int(kv.count_nonzero()) == 0 for kv in kvs)
+    # 4 MiB of reads carry 4 x 4 MiB of the 64 MiB to zero; the other 48 MiB are zeroed after them
+    assert host_reads.MAX_ZERO_PER_BLOCK == 4 and lc.driver.last_zeroed_by_sms == 16 * MiB
 
 
 def test_auto_reads_by_the_sms_right_after_a_sleep_that_copied_nothing(lc):
