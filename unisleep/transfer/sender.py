@@ -161,6 +161,18 @@ class WeightSender:
         if seq:
             for k in ("go", "abort", *(f"ack/{r}" for r in g.receivers), *(f"done/{r}" for r in g.receivers)):
                 g.drop(f"u{seq - 1}/{k}")
+        # ---- the first bucket is packed (and hashed) while the receivers read the header and
+        # answer: its bytes stay in this process's own buffer until "go"
+        chan = first = None
+        if path == "ipc" and plans and not self._ipc.busy[0]:
+            chan = IpcSendChannel(self, seq)
+            try:
+                first = self._pack(plans[0], chan, items, manifest.specs, seq, seal)
+            except BaseException as e:  # the generator, a spec mismatch...
+                self._call_off(seq, epoch, f"{type(e).__name__}: {e}")
+                if isinstance(e, UnisleepError) or not isinstance(e, Exception):
+                    raise
+                raise TransferError(f"update {seq} (version {version!r}) aborted on the sender: {type(e).__name__}: {e}") from e
         # ---- acknowledgements: nothing moves before every receiver said yes
         refusals, connect = [], []
         try:
@@ -186,17 +198,18 @@ class WeightSender:
         t_ack = time.perf_counter()
         g.put(f"u{seq}/go", {"go": True, "why": ""}, seq, epoch)
         # ---- stream the buckets
+        live = None  # the channel, once every receiver is connected to it
         try:
             if path == "ipc":
                 self._ipc.accept(connect)
-            chan = IpcSendChannel(self, seq) if path == "ipc" else CollectiveSendChannel(self, seq)
-            self._stream(items, manifest, plans, seq, chan, seal)
+            live = chan or (IpcSendChannel(self, seq) if path == "ipc" else CollectiveSendChannel(self, seq))
+            self._stream(items, manifest, plans, seq, live, seal, first)
         except Exception as e:  # the generator, a spec mismatch, the transport...
             ended = False
             try:
                 g.put(f"u{seq}/abort", {"why": f"{type(e).__name__}: {e}"[:4000]}, seq, epoch)
-                if "chan" in locals():
-                    chan.end(abort=True)
+                if live is not None:
+                    live.end(abort=True)
                     ended = True
             except Exception:
                 pass
@@ -263,27 +276,37 @@ class WeightSender:
         except TransferError:
             pass
 
-    def _stream(self, items: Iterator, manifest: Manifest, plans: list[BucketPlan], seq: int, chan, seal) -> None:
+    def _pack(self, plan: BucketPlan, chan, items: Iterator, specs, seq: int, seal):
+        """Pack (and, on a device, hash in the same pass) the next tensors from ``items`` into
+        the channel's buffer for ``plan``; returns the buffer."""
         import torch
 
-        specs = manifest.specs
+        buf = chan.buffer(plan.index % 2, plan.total_bytes)
+        # a device bucket is hashed while it is packed (one pass over each tensor)
+        hasher = seal.hasher(buf, plan) if seal is not None and plan.slots and buf.device.type != "cpu" else None
+        with torch.no_grad():
+            for i, s in enumerate(plan.slots):
+                spec = specs[s.index]
+                try:
+                    name, t = next(items)
+                except StopIteration:
+                    raise TransferError(f"the tensors ran out at {spec.name!r} (#{s.index}); the specs list {len(specs)}") from None
+                if name != spec.name or tuple(t.shape) != spec.shape or str(t.dtype).replace("torch.", "") != spec.dtype:
+                    raise TransferError(f"tensor #{s.index} is {name!r} {tuple(t.shape)} {t.dtype}, "
+                                        f"the specs say {spec.name!r} {spec.shape} {spec.dtype}")
+                if s.nbytes and not (hasher is not None and hasher.fill(i, t)):
+                    buf[s.offset: s.offset + s.nbytes].view(t.dtype).view(t.shape).copy_(t)
+            write_trailer(buf, plan, seq, seal, lanes=hasher.lanes() if hasher is not None else None)
+        return buf
+
+    def _stream(self, items: Iterator, manifest: Manifest, plans: list[BucketPlan], seq: int, chan, seal,
+                first=None) -> None:
+        """Pack and post every bucket; ``first``: the first bucket's buffer, packed already."""
         for plan in plans:
-            buf = chan.buffer(plan.index % 2, plan.total_bytes)
-            # a device bucket is hashed while it is packed (one pass over each tensor)
-            hasher = seal.hasher(buf, plan) if seal is not None and plan.slots and buf.device.type != "cpu" else None
-            with torch.no_grad():
-                for i, s in enumerate(plan.slots):
-                    spec = specs[s.index]
-                    try:
-                        name, t = next(items)
-                    except StopIteration:
-                        raise TransferError(f"the tensors ran out at {spec.name!r} (#{s.index}); the specs list {len(specs)}") from None
-                    if name != spec.name or tuple(t.shape) != spec.shape or str(t.dtype).replace("torch.", "") != spec.dtype:
-                        raise TransferError(f"tensor #{s.index} is {name!r} {tuple(t.shape)} {t.dtype}, "
-                                            f"the specs say {spec.name!r} {spec.shape} {spec.dtype}")
-                    if s.nbytes and not (hasher is not None and hasher.fill(i, t)):
-                        buf[s.offset: s.offset + s.nbytes].view(t.dtype).view(t.shape).copy_(t)
-                write_trailer(buf, plan, seq, seal, lanes=hasher.lanes() if hasher is not None else None)
+            if first is not None and plan.index == 0:
+                buf = first
+            else:
+                buf = self._pack(plan, chan, items, manifest.specs, seq, seal)
             if plan.index in self._faults["corrupt"] and plan.slots:
                 o = plan.slots[0].offset
                 buf[o: o + 1].bitwise_not_()
