@@ -52,18 +52,20 @@ def _build():
 
     # the counts vary per launch: no specialisation on their values, so one build serves all
     @triton.jit(do_not_specialize=["zblocks", "zper"])
-    def _copy_blocks(src, dst, z, zblocks, zper, BLOCK: tl.constexpr):
+    def _copy_blocks(src, dst, z, zblocks, zper, BLOCK: tl.constexpr, ZMAX: tl.constexpr):
         # one whole block per program: no mask, so the loads stay 16 bytes wide (a masked tail
         # made them 8, and the reads took twice as long on an H200)
         pid = tl.program_id(0).to(tl.int64)
         offs = pid * BLOCK + tl.arange(0, BLOCK)
         # .cg: the bytes go to their destination once; nothing is gained by keeping them in L1
         x = tl.load(src + offs, cache_modifier=".cg")
-        # while the loads are in flight: this program's share of the blocks to zero
-        for i in range(zper):
-            zb = pid * zper + i
-            if zb < zblocks:
-                tl.store(z + zb * BLOCK + tl.arange(0, BLOCK), tl.zeros([BLOCK], tl.int64))
+        # while the loads are in flight: this program's share of the blocks to zero (rows of
+        # whole blocks, each row stored or not: the stores stay 16 bytes wide)
+        rows = tl.arange(0, ZMAX)
+        zb = pid * zper + rows
+        keep = (rows < zper) & (zb < zblocks)
+        tl.store(z + zb[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :], tl.zeros([ZMAX, BLOCK], tl.int64),
+                 mask=keep[:, None])
         tl.store(dst + offs, x)
 
     return _copy_blocks
@@ -159,11 +161,13 @@ def copy(dst, src, zero: "ZeroFeed | None" = None) -> None:
             d64, s64 = dst[:done].view(torch.int64), src[:done].view(torch.int64)
             pos, blocks = 0, done // BLOCK_BYTES
             while pos < blocks:  # one launch per range to zero it carries, then the rest
+                # no zeroing: ``z`` is never written; the source stands in (never the destination)
                 z, zblocks = zero.take(blocks - pos) if zero is not None else (None, 0)
                 zper = zero.per_block if zblocks else 0
                 m = -(-zblocks // zper) if zblocks else blocks - pos  # read blocks of this launch
                 a, b = pos * WORDS, (pos + m) * WORDS
-                k[(m,)](s64[a:b], d64[a:b], d64 if z is None else z, zblocks, zper, BLOCK=WORDS, num_warps=NUM_WARPS)
+                k[(m,)](s64[a:b], d64[a:b], s64[a:a + WORDS] if z is None else z, zblocks, zper, BLOCK=WORDS, ZMAX=MAX_ZERO_PER_BLOCK,
+                        num_warps=NUM_WARPS)
                 pos += m
     if done < n:
         dst[done:].copy_(src[done:], non_blocking=True)
