@@ -161,18 +161,18 @@ class WeightSender:
         if seq:
             for k in ("go", "abort", *(f"ack/{r}" for r in g.receivers), *(f"done/{r}" for r in g.receivers)):
                 g.drop(f"u{seq - 1}/{k}")
-        # ---- the first bucket is packed (and hashed) while the receivers read the header and
-        # answer: its bytes stay in this process's own buffer until "go"
-        chan = first = None
+        # ---- colocated: the first bucket is packed (and hashed) while the receivers read the
+        # header and answer; its bytes stay in this process's own buffer until "go"
+        chan = first = packing = None
         if path == "ipc" and plans and not self._ipc.busy[0]:
             chan = IpcSendChannel(self, seq)
             try:
                 first = self._pack(plans[0], chan, items, manifest.specs, seq, seal)
-            except BaseException as e:  # the generator, a spec mismatch...
+            except Exception as e:  # the generator, a spec mismatch: said once the receivers answered
+                packing = e
+            except BaseException as e:
                 self._call_off(seq, epoch, f"{type(e).__name__}: {e}")
-                if isinstance(e, UnisleepError) or not isinstance(e, Exception):
-                    raise
-                raise TransferError(f"update {seq} (version {version!r}) aborted on the sender: {type(e).__name__}: {e}") from e
+                raise
         # ---- acknowledgements: nothing moves before every receiver said yes
         refusals, connect = [], []
         try:
@@ -195,6 +195,12 @@ class WeightSender:
                 self._last_meta_id = None
             cls = InvalidTransitionError if ack["kind"] == "asleep" else TransferError
             raise cls(f"receiver rank {r} refused update {seq} (version {version!r}); nothing was sent: {ack['msg']}")
+        if packing is not None:  # every receiver that read the header hears why, as "called off"
+            self._call_off(seq, epoch, f"{type(packing).__name__}: {packing}")
+            if isinstance(packing, UnisleepError):
+                raise packing
+            raise TransferError(f"update {seq} (version {version!r}) aborted on the sender: "
+                                f"{type(packing).__name__}: {packing}") from packing
         t_ack = time.perf_counter()
         g.put(f"u{seq}/go", {"go": True, "why": ""}, seq, epoch)
         # ---- stream the buckets
