@@ -84,6 +84,7 @@ class WeightSender:
         self._faults: dict[str, set] = {"skip": set(), "corrupt": set()}  # test hooks: bucket indices
         self._coll_slots: list = [None, None]
         self._ipc: Optional[IpcSenderState] = None
+        self._seal_ahead: Optional[tuple] = None  # (seq, epoch, seal) made while the last update committed
         self.last_report: Optional[TransferReport] = None
         self.version: Any = None
 
@@ -137,7 +138,6 @@ class WeightSender:
             if path not in self._path_buckets:
                 self._path_buckets[path] = default_bucket_bytes(g, path)
             self.bucket_bytes = self._path_buckets[path]
-        g.check_alive(g.receivers)  # a dead receiver: say so now, not after a timeout
         plans = plan_buckets(manifest.specs, self.bucket_bytes)
         seq, g._seq = g._seq, g._seq + 1
         epoch = g.epoch
@@ -155,12 +155,12 @@ class WeightSender:
         }
         intrusions0 = len(g.intrusions)
         g.put("hdr", header, seq, epoch)
-        # the update's keys are made, and the last update's records dropped, while the receivers
+        # the update's keys: made while the last update committed, else now, while the receivers
         # read the header (not after "go")
-        seal = UpdateSeal.prepared(g, seq, epoch, plans) if self.verify else None
-        if seq:
-            for k in ("go", "abort", *(f"ack/{r}" for r in g.receivers), *(f"done/{r}" for r in g.receivers)):
-                g.drop(f"u{seq - 1}/{k}")
+        ahead, self._seal_ahead = self._seal_ahead, None
+        seal = None
+        if self.verify:
+            seal = ahead[2] if ahead is not None and ahead[:2] == (seq, epoch) else UpdateSeal.prepared(g, seq, epoch, plans)
         # ---- colocated: the first bucket is packed (and hashed) while the receivers read the
         # header and answer; its bytes stay in this process's own buffer until "go"
         chan = first = packing = None
@@ -173,9 +173,15 @@ class WeightSender:
             except BaseException as e:
                 self._call_off(seq, epoch, f"{type(e).__name__}: {e}")
                 raise
+        # the last update's records are dropped while the receivers answer (after the first
+        # bucket's packing is queued: nothing waits on them)
+        if seq:
+            for k in ("go", "abort", *(f"ack/{r}" for r in g.receivers), *(f"done/{r}" for r in g.receivers)):
+                g.drop(f"u{seq - 1}/{k}")
         # ---- acknowledgements: nothing moves before every receiver said yes
         refusals, connect = [], []
         try:
+            g.check_alive(g.receivers)  # a dead receiver: say so now, not after a timeout
             if path == "collective":
                 g.process_group()  # a new epoch connects here; the receivers follow when they read the header
             for r in g.receivers:
@@ -235,7 +241,10 @@ class WeightSender:
             if seal is not None:
                 seal.release()
         t_sent = time.perf_counter()
-        # ---- every receiver verified and committed?
+        # ---- every receiver verified and committed?  Meanwhile the next update's keys are made
+        # (derived from the group secret, the epoch and the update number: nothing new is learnt)
+        if self.verify:
+            self._seal_ahead = (seq + 1, epoch, UpdateSeal.prepared(g, seq + 1, epoch, plans))
         errors = []
         try:
             for r in g.receivers:
