@@ -161,13 +161,13 @@ def copy(dst, src, zero: "ZeroFeed | None" = None) -> None:
             d64, s64 = dst[:done].view(torch.int64), src[:done].view(torch.int64)
             pos, blocks = 0, done // BLOCK_BYTES
             while pos < blocks:  # one launch per range to zero it carries, then the rest
-                # no zeroing: ``z`` is never written; the source stands in (never the destination)
                 z, zblocks = zero.take(blocks - pos) if zero is not None else (None, 0)
                 zper = zero.per_block if zblocks else 0
                 m = -(-zblocks // zper) if zblocks else blocks - pos  # read blocks of this launch
                 a, b = pos * WORDS, (pos + m) * WORDS
-                k[(m,)](s64[a:b], d64[a:b], s64[a:a + WORDS] if z is None else z, zblocks, zper, BLOCK=WORDS, ZMAX=MAX_ZERO_PER_BLOCK,
-                        num_warps=NUM_WARPS)
+                if z is None:  # nothing to zero: ``z`` is never written; the source stands in, never the destination
+                    z = s64[a: a + WORDS]
+                k[(m,)](s64[a:b], d64[a:b], z, zblocks, zper, BLOCK=WORDS, ZMAX=MAX_ZERO_PER_BLOCK, num_warps=NUM_WARPS)
                 pos += m
     if done < n:
         dst[done:].copy_(src[done:], non_blocking=True)
