@@ -16,13 +16,13 @@ def test_sm_copy_kernel_copies_every_byte_in_the_triton_interpreter(triton_inter
         """
         import torch
         from unisleep.backends.cuda import host_reads as hr
-        assert hr.available(), hr._error
-        kernel, launches = hr._kernel, []
+        assert hr.available(), hr._copy.error
+        kernel, launches = hr._copy.kernel, []
         class Counted:  # counts the kernel's launches, so the aligned cases prove they used it
             def __getitem__(self, grid):
                 launches.append(grid)
                 return kernel[grid]
-        hr._kernel = Counted()
+        hr._copy.kernel = Counted()
         B = hr.WORDS * 8  # bytes per block
         src = torch.randint(0, 256, (7 * B + 64,), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
         cases = ((0, 0, False), (0, 13, False), (0, B, True), (16, 3 * B + 5, True), (0, 5 * B, True),
@@ -51,13 +51,13 @@ def test_sm_copy_kernel_zeroes_what_the_feed_gives_it_and_no_more_in_the_triton_
         """
         import torch
         from unisleep.backends.cuda import host_reads as hr
-        assert hr.available(), hr._error
-        kernel, launches = hr._kernel, []
+        assert hr.available(), hr._copy.error
+        kernel, launches = hr._copy.kernel, []
         class Counted:
             def __getitem__(self, grid):
                 launches.append(grid)
                 return kernel[grid]
-        hr._kernel = Counted()
+        hr._copy.kernel = Counted()
         B = hr.BLOCK_BYTES
         src = torch.randint(0, 256, (6 * B + 7,), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
         mem = torch.full((40 * B,), 7, dtype=torch.uint8)

@@ -252,7 +252,7 @@ def test_fused_kernel_equals_nh_level_in_the_triton_interpreter(triton_interpret
         import torch
         from unisleep.keyed_hash import HashKey, nh_level, BLOCK
         from unisleep.backends.cuda import checksum as cs
-        assert cs._triton_kernel() is not None, cs._kernel_error
+        assert cs._triton_kernel() is not None, cs._nh1.error
         k = HashKey.new().level_tensor(0, "cpu")
         g = torch.Generator().manual_seed(5)
         for n in (0, 1, 2, 3, BLOCK - 1, BLOCK, BLOCK + 1, 5 * BLOCK + 6, 9 * BLOCK + 1001):
@@ -361,7 +361,7 @@ def test_segmented_kernel_equals_the_reference_in_the_triton_interpreter(triton_
         import torch
         from unisleep import keyed_hash as kh
         from unisleep.backends.cuda import checksum as cs
-        assert cs._segments_kernel() is not None, cs._seg_error
+        assert cs._segments.get() is not None, cs._segments.error
         key = kh.HashKey.new()
         buf = torch.randint(0, 256, (3 * 8192 + 300,), dtype=torch.uint8, generator=torch.Generator().manual_seed(4))
         for spans in ([(0, 13)], [(0, 8193), (8256, 0), (8320, 3 * 8192 - 64 - 21)]):

@@ -14,13 +14,12 @@ integer specialisation), so the one kernel compiled at driver start serves every
 
 from __future__ import annotations
 
-import logging
 import os
 import weakref
 
 from unisleep.keyed_hash import BLOCK, KEY_WORDS, SHIFT, nh_level
 
-log = logging.getLogger("unisleep.cuda")
+from .lazy_kernel import LazyKernel
 
 #: blocks hashed by one program (G * 8 KiB read per program) and warps per program: the best of
 #: the H200 sweep (docs/results/h200-nh-kernel-bench-2026-11-30.json, backends/cuda/bench_nh.py):
@@ -30,8 +29,6 @@ NUM_WARPS = 4
 #: "pairs": the words read as int64 pairs (16-byte loads); "split": int32 words split in registers
 KIND = "pairs"
 
-_kernel = None
-_kernel_error: "BaseException | None" = None
 _variants: dict = {}
 _key32: dict = {}  # id(key tensor) -> (weakref to it, its version, int32 words)
 
@@ -86,10 +83,6 @@ def _build(kind: str = "pairs"):
     return {"pairs": _nh1_pairs, "split": _nh1_split}[kind]
 
 
-_seg_kernel = None
-_seg_error: "BaseException | None" = None
-
-
 def _build_segments():
     import triton
     import triton.language as tl
@@ -127,31 +120,17 @@ def _build_segments():
     return _nh_seg
 
 
-def _segments_kernel():
-    global _seg_kernel, _seg_error
-    if _seg_kernel is None and _seg_error is None:
-        try:
-            _seg_kernel = _build_segments()
-        except Exception as e:  # no Triton: keyed_hash falls back to the per-tensor path
-            _seg_error = e
-            log.debug("Triton segmented NH kernel unavailable (%s)", e)
-    return _seg_kernel
+_nh1 = LazyKernel(lambda: _build(KIND), "Triton NH kernel (the torch ops give the same words)")
+_segments = LazyKernel(_build_segments, "Triton segmented NH kernel (keyed_hash hashes tensor by tensor)")
 
 
 def _triton_kernel(kind: str = "pairs"):
     """The compiled kernel, or None when Triton is missing or unusable (then ``nh_level``)."""
-    global _kernel, _kernel_error
     if kind != KIND:  # another variant (the bandwidth bench compares them)
         if kind not in _variants:
             _variants[kind] = _build(kind)
         return _variants[kind]
-    if _kernel is None and _kernel_error is None:
-        try:
-            _kernel = _build(kind)
-        except Exception as e:  # no Triton (or a broken install): the torch path gives the same words
-            _kernel_error = e
-            log.debug("Triton NH kernel unavailable (%s); using the torch ops", e)
-    return _kernel
+    return _nh1.get()
 
 
 def _key_words32(key):
@@ -229,14 +208,14 @@ def _launch_segments(src, dst, key, table, out, base: int, copy: bool) -> None:
     nblocks = table.shape[1]
     g = BLOCKS_PER_PROGRAM
     k32 = _key_words32(key.to(src.device)).view(torch.int64)
-    _segments_kernel()[(-(-nblocks // g),)](src, dst, k32, table, out, nblocks, base, G=g, PAIRS=BLOCK // 2,
+    _segments.get()[(-(-nblocks // g),)](src, dst, k32, table, out, nblocks, base, G=g, PAIRS=BLOCK // 2,
                                            SH=SHIFT, COPY=copy, num_warps=NUM_WARPS)
 
 
 def __getattr__(name):
     # ``nh_segments`` exists only where its kernel can be built (keyed_hash asks for it by name
     # and hashes tensor by tensor without it)
-    if name in ("nh_segments", "nh_segments_copy") and _segments_kernel() is not None:
+    if name in ("nh_segments", "nh_segments_copy") and _segments.get() is not None:
         return _nh_segments if name == "nh_segments" else _nh_segments_copy
     raise AttributeError(name)
 

@@ -24,10 +24,9 @@ them far more (184-302 ms).
 
 from __future__ import annotations
 
-import logging
 from collections import deque
 
-log = logging.getLogger("unisleep.cuda")
+from .lazy_kernel import LazyKernel
 
 #: int64 words per block (16 KiB) and warps per program: every setting of the H200 sweep
 #: (1024-8192 words, 2-16 warps, one block per program or 132-528 looping programs) read 8 GiB
@@ -41,9 +40,6 @@ MAX_ZERO_PER_BLOCK = 4
 #: ranges to zero smaller than this are left to the caller's memset: carrying one takes a
 #: launch of its own, too few programs to keep the bus busy
 MIN_ZERO_BYTES = 4 << 20
-
-_kernel = None
-_error: "BaseException | None" = None
 
 
 def _build():
@@ -71,25 +67,16 @@ def _build():
     return _copy_blocks
 
 
-def _copy_kernel():
-    global _kernel, _error
-    if _kernel is None and _error is None:
-        try:
-            _kernel = _build()
-        except Exception as e:  # no triton, or it cannot build here: the copy engine it is
-            _error = e
-            log.debug("SM copy kernel unavailable: %s", e)
-    return _kernel
+_copy = LazyKernel(_build, "SM copy kernel (restores stay on the copy engine)")
 
 
 def available() -> bool:
-    return _copy_kernel() is not None
+    return _copy.get() is not None
 
 
 def disable(error: BaseException) -> None:
     """Keep restores on the copy engine from now on (the kernel failed its warm-up)."""
-    global _kernel, _error
-    _kernel, _error = None, error
+    _copy.disable(error)
 
 
 class ZeroFeed:
@@ -151,9 +138,9 @@ def copy(dst, src, zero: "ZeroFeed | None" = None) -> None:
     n = dst.numel()
     if n != src.numel():
         raise ValueError(f"copy of {src.numel()} bytes into {n}")
-    k = _copy_kernel()
+    k = _copy.get()
     if k is None:
-        raise RuntimeError(f"the SM copy kernel is unavailable: {_error}")
+        raise RuntimeError(f"the SM copy kernel is unavailable: {_copy.error}")
     done = 0
     if dst.data_ptr() % 16 == 0 and src.data_ptr() % 16 == 0:
         done = n // BLOCK_BYTES * BLOCK_BYTES

@@ -32,7 +32,7 @@ def cs():
 def test_the_platform_finds_the_fused_kernel(cs):
     pytest.importorskip("triton", reason="needs the triton package (pip install triton)")
     assert kh.device_level1("cuda") is cs.nh_level1
-    assert cs._triton_kernel() is not None, cs._kernel_error
+    assert cs._triton_kernel() is not None, cs._nh1.error
     assert cs.warm_up(torch.device("cuda"))
 
 
