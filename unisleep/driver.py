@@ -218,21 +218,22 @@ class Driver(abc.ABC):
         the copies of its saved ranges (zeroed first where the backup covers it only in part),
         or its zeroing when it has no saved range.  The copies are queued first, so they run
         while the rest is mapped and zeroed.  Returns the bytes queued to copy.  A backend may
-        interleave the steps, chunk by chunk, or pick how the copies are read."""
-        copied = 0
-        for job in jobs:
-            if not job.ranges:
-                continue
-            job.region.map(self)
-            if self.fills_zeros(job):
-                self.zero(job.region.va, job.region.size)
-            for off, n in job.ranges:
-                store.load((job.key, off), self.view(job.region.va + off, n))
-                copied += n
+        change how one job's copies are queued (:meth:`queue_restore`), or the whole step."""
+        copied = sum(self.queue_restore(job, store) for job in jobs if job.ranges)
         for job in jobs:
             if not job.ranges:
                 self.map_region(job.region, zero=self.fills_zeros(job))
         return copied
+
+    def queue_restore(self, job: RestoreJob, store: BackupStore) -> int:
+        """Map ``job``'s region again, zero it where the backup covers it only in part, and
+        queue the copies of its saved ranges; returns the bytes queued."""
+        job.region.map(self)
+        if self.fills_zeros(job):
+            self.zero(job.region.va, job.region.size)
+        for off, n in job.ranges:
+            store.load((job.key, off), self.view(job.region.va + off, n))
+        return sum(n for _, n in job.ranges)
 
     def prepare_thread(self) -> None:
         """Make a new thread of this process ready to call the primitives (e.g. a current

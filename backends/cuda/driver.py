@@ -129,7 +129,6 @@ class CudaDriver(Driver):
         self._pools = None  # created by pool()
         self._after_work_until = 0.0  # time.monotonic() when the after-release work is done
         self._held_off_ms = 0.0  # what of it the last restores read by the SMs held off
-        self._restore_reads = "auto"
         self.restore_reads = os.environ.get("UNISLEEP_RESTORE_READS", "auto")  # checked by the setter
         self.last_restore_by_sms = False
         self.last_zeroed_by_sms = 0  # bytes the last restore's SM reads zeroed besides
@@ -404,19 +403,17 @@ class CudaDriver(Driver):
         if mode not in RESTORE_READS:
             from unisleep.errors import InvalidArgumentError
 
-            raise InvalidArgumentError(
-                f"restore_reads (UNISLEEP_RESTORE_READS) must be 'auto', 'sm' or 'copy-engine', not {mode!r}")
+            choices = ", ".join(map(repr, RESTORE_READS[:-1])) + f" or {RESTORE_READS[-1]!r}"
+            raise InvalidArgumentError(f"restore_reads (UNISLEEP_RESTORE_READS) must be {choices}, not {mode!r}")
         self._restore_reads = mode
 
     def restore_regions(self, jobs: list[RestoreJob], store: BackupStore) -> int:
-        """The base's restores with three changes: a chunk's copies are queued as soon as it is
-        mapped, not once its whole region is; they are read by the SMs when the driver's
-        after-release work would slow the copy engine more than the SMs' reads cost (a wake
-        right after a sleep that copied nothing; :mod:`.host_reads`); and then the same
-        kernels zero the regions that come back empty (the KV cache) while they wait on the
-        bus."""
+        """The base's restores, read by the SMs when the driver's after-release work would slow
+        the copy engine more than the SMs' reads cost (a wake right after a sleep that copied
+        nothing; :mod:`.host_reads`); then the same kernels zero the regions that come back
+        empty (the KV cache) while they wait on the bus."""
+        self.last_restore_by_sms, self.last_zeroed_by_sms = False, 0
         if not isinstance(store, PinnedArena):
-            self.last_restore_by_sms = False
             return super().restore_regions(jobs, store)
         from . import host_reads
 
@@ -425,14 +422,8 @@ class CudaDriver(Driver):
         nbytes = sum(n for j in restores for _, n in j.ranges)
         pending = self.after_release_pending_ms()
         by_sms = self.last_restore_by_sms = self._restore_by_sms(nbytes, pending, store, restores)
-        self.last_zeroed_by_sms = 0
         if not by_sms:
-            for job in restores:
-                job.region.map(self, each=lambda c, job=job: self._restore_chunk(job, c, store, False))
-            for job in jobs:
-                if not job.ranges:
-                    self.map_region(job.region, zero=self.fills_zeros(job))
-            return nbytes
+            return super().restore_regions(jobs, store)  # each job through queue_restore below
         log.debug("restores read by the SMs: %.1f ms of the driver's after-release work pending", pending)
         self._held_off_ms = pending
         # mapping calls made while these reads run wait for them (an H200: mapping 16 GiB after
@@ -455,6 +446,14 @@ class CudaDriver(Driver):
         if self.last_restore_by_sms:  # the SMs' reads held the driver's work off: it is still to do
             self._after_work_until = time.monotonic() + self._held_off_ms / 1e3
         return copied
+
+    def queue_restore(self, job: RestoreJob, store: BackupStore) -> int:
+        """Chunk by chunk from the arena: a chunk's copies are queued as soon as it is mapped,
+        not once the whole region is."""
+        if not isinstance(store, PinnedArena):
+            return super().queue_restore(job, store)
+        job.region.map(self, each=lambda c: self._restore_chunk(job, c, store, False))
+        return sum(n for _, n in job.ranges)
 
     def _restore_by_sms(self, nbytes: int, pending_ms: float, store: PinnedArena, restores) -> bool:
         from . import host_reads
