@@ -20,6 +20,16 @@ def _gpu_count() -> int:
         return 0
 
 
+@pytest.fixture
+def lc():
+    """A lifecycle on the first GPU, closed after the test."""
+    from unisleep import MemoryLifecycle
+
+    m = MemoryLifecycle("cuda")
+    yield m
+    m.close()
+
+
 def pytest_collection_modifyitems(config, items):
     mine = [it for it in items if str(it.path).startswith(HERE + os.sep)]
     for item in mine:  # every test here needs the GPU: select them all with -m cuda

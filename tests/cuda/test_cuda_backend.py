@@ -16,13 +16,6 @@ MiB = 1 << 20
 GiB = 1 << 30
 
 
-@pytest.fixture
-def lc():
-    m = MemoryLifecycle("cuda")
-    yield m
-    m.close()
-
-
 def test_level1_restores_bytes_exactly_at_the_same_addresses(lc):
     g = torch.Generator(device="cuda").manual_seed(0)
     sizes = [1, 7, 4096, 3 * MiB + 5, 64 * MiB]

@@ -24,13 +24,6 @@ def _host_reads():
     return host_reads
 
 
-@pytest.fixture
-def lc():
-    m = MemoryLifecycle("cuda")
-    yield m
-    m.close()
-
-
 def test_arena_reads_by_the_sms_equal_the_copy_engines_at_any_offset(lc):
     _host_reads()
     from unisleep.backends.cuda.arena import PinnedArena

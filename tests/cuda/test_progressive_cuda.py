@@ -35,13 +35,6 @@ def model():
     return torch.nn.Sequential(*[Layer() for _ in range(LAYERS)])
 
 
-@pytest.fixture
-def lc():
-    m = MemoryLifecycle("cuda")
-    yield m
-    m.close()
-
-
 def test_bytes_exact_in_adoption_and_given_order(lc):
     m = model()
     lc.adopt(m)
