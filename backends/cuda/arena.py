@@ -81,13 +81,21 @@ class PinnedArena(BackupStore):
     def _free_bytes(self) -> int:
         return sum(n for s in self._segs for _, n in s.free)
 
-    def _new_segment(self, size: int) -> Segment:
-        """Map ``size`` bytes, fault them in on several threads (registration of resident pages
-        is several times faster than letting the driver fault them), then page-lock them."""
+    def _map_faulted(self, size: int) -> int:
+        """Map ``size`` bytes and fault them in on several threads (registration of resident
+        pages is several times faster than letting the driver fault them); their address."""
         addr = libc.mmap(0, size, libc.PROT_READ | libc.PROT_WRITE, libc.MAP_PRIVATE | libc.MAP_ANONYMOUS)
         try:
             _libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(size), MADV_HUGEPAGE)  # best effort
             _fault_in(addr, size)
+        except BaseException:
+            libc.munmap(addr, size)
+            raise
+        return addr
+
+    def _register(self, addr: int, size: int) -> Segment:
+        """Page-lock the mapped ``[addr, addr+size)`` (unmapped again if that fails)."""
+        try:
             cu.ensure_context(self.device)
             cu.call("cuMemHostRegister", addr, size, 0)
         except BaseException:
@@ -100,25 +108,57 @@ class PinnedArena(BackupStore):
             dev = 0
         return Segment(addr, size, [(0, size)], dev)
 
+    def _next_size(self, in_flight: int) -> int:
+        """The size of the next segment to add, beyond ``in_flight`` bytes already on their way
+        (0: none is needed, or the budget has room only once those are in)."""
+        with self._cv:
+            left = self._pending - in_flight
+        if left <= 0:
+            return 0
+        size = min(SEGMENT, (left + GRAIN - 1) // GRAIN * GRAIN)
+        if self.budget is not None and self.capacity + in_flight + size > self.budget:
+            size = (self.budget - self.capacity - in_flight) // GRAIN * GRAIN
+            if size <= 0:
+                if in_flight:
+                    return 0
+                raise HostBudgetError(self._budget_msg(left))
+        return size
+
     def _grow(self) -> None:
-        """Add segments (one at a time, each usable as soon as it is registered) until the
-        bytes asked for (``_pending``, which later requests add to) are in; runs in the grower
-        thread."""
-        while True:
-            with self._cv:
-                left = self._pending
-            if left <= 0:
-                break
-            size = min(SEGMENT, (left + GRAIN - 1) // GRAIN * GRAIN)
-            if self.budget is not None and self.capacity + size > self.budget:
-                size = (self.budget - self.capacity) // GRAIN * GRAIN
-                if size <= 0:
-                    raise HostBudgetError(self._budget_msg(left))
-            seg = self._new_segment(size)
-            with self._cv:
-                self._segs.append(seg)
-                self._pending = max(0, self._pending - size)
-                self._cv.notify_all()
+        """Add segments until the bytes asked for (``_pending``, which later requests add to)
+        are in; runs in the grower thread.  Each segment is usable as soon as it is registered,
+        and while one registers the next is mapped and faulted in on a helper thread: the two
+        steps take about as long each (an H200 host, 8 GiB: faulting 230-340 ms, registering
+        180-240 ms), so the arena grows in 290-320 ms instead of 410-580 ms one after the other."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(1, thread_name_prefix="unisleep-arena-fault") as helper:
+            ahead = None  # (size, future of its address): the next segment, being faulted in
+            try:
+                while True:
+                    if ahead is None:
+                        size = self._next_size(0)
+                        if not size:
+                            break
+                        ahead = (size, helper.submit(self._map_faulted, size))
+                    size, fut = ahead
+                    addr = fut.result()
+                    ahead = None
+                    nxt = self._next_size(size)
+                    if nxt:
+                        ahead = (nxt, helper.submit(self._map_faulted, nxt))
+                    seg = self._register(addr, size)
+                    with self._cv:
+                        self._segs.append(seg)
+                        self._pending = max(0, self._pending - size)
+                        self._cv.notify_all()
+            finally:
+                if ahead is not None:  # growing failed: the segment faulted ahead goes back
+                    size, fut = ahead
+                    try:
+                        libc.munmap(fut.result(), size)
+                    except BaseException:  # it failed itself (and unmapped what it had)
+                        pass
         log.debug("arena now %.2f GiB", self.capacity / 2**30)
 
     def _start_grower(self, nbytes: int) -> None:

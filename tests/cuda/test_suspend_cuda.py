@@ -63,43 +63,78 @@ def test_no_room_raises_before_anything_is_released(drv):
         kv.free(drv)
 
 
-class _FailingArena:
-    """A pinned arena whose second host segment fails to register (as cuMemHostRegister does
-    when the host runs short): the fault is injected below the code under test."""
-
-    @staticmethod
-    def make(budget=None):
-        from unisleep.backends.cuda.arena import PinnedArena
-
-        class Arena(PinnedArena):
-            segments = 0
-
-            def _new_segment(self, size):
-                Arena.segments += 1
-                if Arena.segments >= 2:
-                    raise RuntimeError("injected: cuMemHostRegister failed")
-                return super()._new_segment(size)
-
-        return Arena(0, budget)
+def _mapped(addr: int, size: int) -> bool:
+    """Whether ``[addr, addr+size)`` lies in one mapping of this process (``/proc/self/maps``)."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= addr and addr + size <= hi:
+                return True
+    return False
 
 
-def test_failure_part_way_through_the_copies_leaves_everything_mapped(drv):
+def _failing_arena(monkeypatch, stage):
+    """A pinned arena whose second host segment fails, as the host does when it runs short:
+    its registration (``cuMemHostRegister``), or its faulting-in, which runs on a helper thread
+    while the first segment registers.  The fault is injected below the code under test (the
+    driver call, the page-touching helper); every address the arena mapped is recorded."""
+    from unisleep.backends.cuda import arena as ar
+
+    calls = {"cuMemHostRegister": 0, "fault": 0}
+    real_call, real_fault = ar.cu.call, ar._fault_in
+
+    def call(name, *args):
+        if name == "cuMemHostRegister":
+            calls[name] += 1
+            if stage == "register" and calls[name] >= 2:
+                raise RuntimeError("injected: cuMemHostRegister failed")
+        return real_call(name, *args)
+
+    def fault_in(addr, size):
+        calls["fault"] += 1
+        if stage == "fault" and calls["fault"] >= 2:
+            raise RuntimeError("injected: faulting the next segment in failed")
+        real_fault(addr, size)
+
+    monkeypatch.setattr(ar.cu, "call", call)
+    monkeypatch.setattr(ar, "_fault_in", fault_in)
+
+    class Arena(ar.PinnedArena):
+        mapped: list = []  # (address, size) of every segment mapped and faulted in
+
+        def _map_faulted(self, size):
+            addr = super()._map_faulted(size)
+            Arena.mapped.append((addr, size))
+            return addr
+
+    return Arena(0, None)
+
+
+@pytest.mark.parametrize("stage", ["register", "fault"])
+def test_failure_part_way_through_the_copies_leaves_everything_mapped(drv, monkeypatch, stage):
     from unisleep.backends.cuda.arena import SEGMENT, PinnedArena
 
-    a, b = _region(drv, 512 * MiB, seed=4), _region(drv, SEGMENT, seed=5)  # needs two segments
+    # three segments at least (1 GiB at most each): the third is faulted in ahead while the
+    # second registers, so a failure there also has a segment in flight to give back
+    a, b = _region(drv, 512 * MiB, seed=4), _region(drv, 2 * SEGMENT, seed=5)
     kv, _ = _region(drv, 64 * MiB, seed=6)
-    store = _FailingArena.make()
+    store = _failing_arena(monkeypatch, stage)
     saves = [SaveJob(0, a[0], [(0, a[0].size)]), SaveJob(1, b[0], [(0, b[0].size)])]
     try:
         with pytest.raises(RuntimeError, match="injected"):
             drv.suspend(saves, [kv], store)
+        # checked at once: a later host allocation (the byte checks below) may map the same addresses
+        kept = {seg.addr for seg in store._segs}
+        assert not [m for m in type(store).mapped if m[0] not in kept and _mapped(*m)]  # nothing left behind
         assert kv.mapped
         _intact(drv, [a, b])
         assert not store.has((0, 0)) and not store.has((1, 0))  # no half-written backup is kept
         assert store.held_bytes == 0
         assert store._free_bytes() == store.capacity  # the room taken is given back
+        assert len(store._segs) == 1  # the first segment only
     finally:
         store.close()
+        monkeypatch.undo()
     # the same memory sleeps and comes back exactly with a working arena
     good = PinnedArena(0, None)
     try:
