@@ -129,7 +129,7 @@ class PinnedArena(BackupStore):
         are in; runs in the grower thread.  Each segment is usable as soon as it is registered,
         and while one registers the next is mapped and faulted in on a helper thread: the two
         steps take about as long each (an H200 host, 8 GiB: faulting 230-340 ms, registering
-        180-240 ms), so the arena grows in 290-320 ms instead of 410-580 ms one after the other."""
+        180-240 ms), so the arena grows in 290-400 ms instead of 410-580 ms one after the other."""
         from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(1, thread_name_prefix="unisleep-arena-fault") as helper:
