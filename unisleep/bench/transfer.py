@@ -158,9 +158,10 @@ def main(argv: Optional[list] = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="1,8", help="update sizes in GiB, comma-separated (default 1,8)")
     ap.add_argument("--paths", default=",".join(PATHS), help=f"subset of {','.join(PATHS)}")
-    ap.add_argument("--bucket-mib", default="512",
-                    help="bucket size in MiB (default 512), or 'auto': the library's default for the path "
-                         "(sized from free memory, up to 1 GiB; 4 GiB for colocated IPC on a device)")
+    ap.add_argument("--bucket-mib", default="auto",
+                    help="bucket size in MiB, or 'auto' (the default): the library's default for the path "
+                         "(sized from free memory, up to 1 GiB; 4 GiB for colocated IPC on a device); "
+                         "figures recorded before 2026-12-01 without this option ran with 512")
     ap.add_argument("--chunk-mib", type=int, default=256, help="tensor size in MiB in the synthetic update (default 256)")
     ap.add_argument("--repeat", type=int, default=2, help="timed updates per size after one warm-up (default 2)")
     ap.add_argument("--no-verify", action="store_true", help="skip the per-tensor keyed digests")
@@ -225,7 +226,7 @@ def main(argv: Optional[list] = None) -> int:
             continue
         for r in out[0]["results"]:
             gbps = r["bytes"] / r["seconds"] / 1e9
-            note = f"{r['buckets']} buckets of {r['bucket_bytes'] / MiB:.0f} MiB"
+            note = f"{r['buckets']} bucket{'' if r['buckets'] == 1 else 's'} of {r['bucket_bytes'] / MiB:.0f} MiB"
             if path == "device-ipc" and r["bytes"] >= 8 * GiB and not args.no_verify:
                 note += f"; goal 8 GiB verified <= 15 ms: {'met' if r['seconds'] <= 0.015 else 'not met'}"
             rows.append([path, f"{r['bytes'] / GiB:.2f}", r["seconds"], r["bytes"] / r["seconds"] / GiB, gbps, note])
