@@ -60,3 +60,19 @@ def triton_interpreter_env():
         paths.append(TRITON_INTERPRETER_DIR)
     paths.append(os.environ.get("PYTHONPATH", ""))
     return dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(p for p in paths if p))
+
+
+@pytest.fixture
+def is_mapped():
+    """``is_mapped(addr, size)``: whether ``[addr, addr+size)`` lies in one mapping of this
+    process (``/proc/self/maps``), e.g. to check that memory given back was unmapped."""
+
+    def check(addr: int, size: int) -> bool:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+                if lo <= addr and addr + size <= hi:
+                    return True
+        return False
+
+    return check

@@ -18,16 +18,6 @@ MiB = 1 << 20
 SEG = 8 * MiB  # segments of at most 8 MiB here (1 GiB in the backend), to stay small
 
 
-def _mapped(addr: int, size: int) -> bool:
-    """Whether ``[addr, addr+size)`` lies in one mapping of this process (``/proc/self/maps``)."""
-    with open("/proc/self/maps") as f:
-        for line in f:
-            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
-            if lo <= addr and addr + size <= hi:
-                return True
-    return False
-
-
 @pytest.fixture
 def arena_cls(monkeypatch):
     """A PinnedArena whose registration is the simulated stand-in; it records, per segment,
@@ -67,14 +57,14 @@ def arena_cls(monkeypatch):
     return Arena
 
 
-def test_the_next_segment_is_faulted_in_while_this_one_registers(arena_cls):
+def test_the_next_segment_is_faulted_in_while_this_one_registers(arena_cls, is_mapped):
     arena = arena_cls()
     try:
         arena.prepare(5 * SEG - 2 * MiB, background=False)
         assert [s.size for s in arena._segs] == [SEG, SEG, SEG, SEG, SEG - 2 * MiB]
         assert arena.capacity == arena._free_bytes() == 5 * SEG - 2 * MiB
         for s in arena._segs:  # every segment kept is mapped
-            assert _mapped(s.addr, s.size)
+            assert is_mapped(s.addr, s.size)
         ev = arena.events
         reg_begin = [t for t, what, _ in ev if what == "register begins"]
         reg_end = [t for t, what, _ in ev if what == "register ends"]
@@ -85,7 +75,7 @@ def test_the_next_segment_is_faulted_in_while_this_one_registers(arena_cls):
         assert [a for _, what, a in ev if what == "register ends"] == [s.addr for s in arena._segs]  # in order
     finally:
         arena.close()
-    assert not [m for m in arena.mapped if _mapped(*m)]  # close gives every segment back
+    assert not [m for m in arena.mapped if is_mapped(*m)]  # close gives every segment back
 
 
 def test_growth_stops_at_the_budget_and_maps_nothing_beyond_it(arena_cls):
@@ -102,7 +92,7 @@ def test_growth_stops_at_the_budget_and_maps_nothing_beyond_it(arena_cls):
         arena.close()
 
 
-def test_a_failed_registration_gives_back_the_segment_faulted_in_ahead(arena_cls):
+def test_a_failed_registration_gives_back_the_segment_faulted_in_ahead(arena_cls, is_mapped):
     arena = arena_cls(fail_register_at=2)
     try:
         arena.prepare(4 * SEG)
@@ -112,7 +102,7 @@ def test_a_failed_registration_gives_back_the_segment_faulted_in_ahead(arena_cls
         assert len(kept) == 1 and arena.capacity == SEG  # the first segment only
         # the second (whose registration failed) and the third (faulted in ahead meanwhile) are gone
         assert len(arena.mapped) >= 3, "the third segment was not faulted in ahead"
-        assert not [m for m in arena.mapped if m[0] not in kept and _mapped(*m)]
+        assert not [m for m in arena.mapped if m[0] not in kept and is_mapped(*m)]
         assert arena._pending == 0
     finally:
         arena.close()

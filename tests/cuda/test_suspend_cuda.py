@@ -63,16 +63,6 @@ def test_no_room_raises_before_anything_is_released(drv):
         kv.free(drv)
 
 
-def _mapped(addr: int, size: int) -> bool:
-    """Whether ``[addr, addr+size)`` lies in one mapping of this process (``/proc/self/maps``)."""
-    with open("/proc/self/maps") as f:
-        for line in f:
-            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
-            if lo <= addr and addr + size <= hi:
-                return True
-    return False
-
-
 def _failing_arena(monkeypatch, stage):
     """A pinned arena whose second host segment fails, as the host does when it runs short:
     its registration (``cuMemHostRegister``), or its faulting-in, which runs on a helper thread
@@ -111,7 +101,7 @@ def _failing_arena(monkeypatch, stage):
 
 
 @pytest.mark.parametrize("stage", ["register", "fault"])
-def test_failure_part_way_through_the_copies_leaves_everything_mapped(drv, monkeypatch, stage):
+def test_failure_part_way_through_the_copies_leaves_everything_mapped(drv, monkeypatch, stage, is_mapped):
     from unisleep.backends.cuda.arena import SEGMENT, PinnedArena
 
     # three segments at least (1 GiB at most each): the third is faulted in ahead while the
@@ -125,7 +115,7 @@ def test_failure_part_way_through_the_copies_leaves_everything_mapped(drv, monke
             drv.suspend(saves, [kv], store)
         # checked at once: a later host allocation (the byte checks below) may map the same addresses
         kept = {seg.addr for seg in store._segs}
-        assert not [m for m in type(store).mapped if m[0] not in kept and _mapped(*m)]  # nothing left behind
+        assert not [m for m in type(store).mapped if m[0] not in kept and is_mapped(*m)]  # nothing left behind
         assert kv.mapped
         _intact(drv, [a, b])
         assert not store.has((0, 0)) and not store.has((1, 0))  # no half-written backup is kept
