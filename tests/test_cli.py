@@ -141,6 +141,24 @@ def test_bench_refuses_a_size_that_does_not_fit_in_the_spill_dir(tmp_path):
         assert not os.path.exists(spill) and not (tmp_path / "b.json").exists()  # nothing created
 
 
+def test_the_size_suggested_fits_the_spill_dir_too(tmp_path):
+    """Memory refuses the size first, but the spill directory (a 16 MB filesystem) holds less:
+    the size the message suggests fits both, and the message says the directory is the limit."""
+    sys.path.insert(0, os.path.join(ROOT, "tests", "trust"))
+    from trust_helpers import small_filesystem
+
+    from unisleep.bench.host import check_room, parse_size
+
+    with small_filesystem(16, tmp_path) as (mnt, kind):
+        spill = os.path.join(mnt, "spill")
+        r = cli("bench", "--size", "10TB", "--spill-dir", spill, "--json", str(tmp_path / "b.json"), timeout=60)
+        assert r.returncode == 2, (r.stdout, r.stderr)
+        assert "does not fit in memory" in r.stderr and f"the spill directory {mnt} has room for" in r.stderr, r.stderr
+        hint = re.search(r"Pass --size (\S+) or less", r.stderr).group(1)
+        assert parse_size(hint) <= 8 << 20  # half of the 16 MB: the backup and the limit's file
+        assert check_room(parse_size(hint), spill) == spill  # accepted by both checks
+
+
 def test_bench_refuses_a_file_as_spill_dir(tmp_path):
     f = tmp_path / "afile"
     f.write_text("x")

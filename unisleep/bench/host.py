@@ -92,20 +92,25 @@ def check_room(size: int, spill_dir: Optional[str]) -> str:
     avail = host_available_bytes()
     where, free = _free_bytes(parent)
     in_ram = filesystem_type(where) in RAM_FILESYSTEMS
-    need_mem = MEMORY_FACTOR * size + (SPILL_FACTOR * size if in_ram else 0)
+    per = MEMORY_FACTOR + (SPILL_FACTOR if in_ram else 0)
+    need_mem = per * size
+    # the size suggested fits both the memory and the spill directory, whichever refuses first
+    fit_disk = free // SPILL_FACTOR
+    fit = min(avail // per, fit_disk) if avail else fit_disk
+    disk_note = (f" (the spill directory {where} has room for {_size_hint(fit_disk)} only; "
+                 "--spill-dir on a filesystem with more room allows more)") if fit == fit_disk else ""
     if avail and need_mem > avail:
-        per = MEMORY_FACTOR + (SPILL_FACTOR if in_ram else 0)
         raise InvalidArgumentError(
             f"--size {human_bytes(size)} does not fit in memory: the benchmark holds about {per} x size = "
             f"{human_bytes(need_mem)} ({'the tag, a reference copy, a fresh read buffer' if not in_ram else 'those plus its spill files, on a RAM filesystem'}) "
             f"and {human_bytes(avail)} is available (MemAvailable in /proc/meminfo). "
-            f"Pass --size {_size_hint(avail // per)} or less.")
+            f"Pass --size {_size_hint(fit)} or less{disk_note}.")
     need_disk = SPILL_FACTOR * size
     if need_disk > free:
         raise InvalidArgumentError(
             f"--size {human_bytes(size)} does not fit in the spill directory {parent}: the benchmark writes about "
             f"{SPILL_FACTOR} x size = {human_bytes(need_disk)} there (the level-1 backup and the limit's file) and "
-            f"{where} has {human_bytes(free)} free. Pass --size {_size_hint(free // SPILL_FACTOR)} or less, or "
+            f"{where} has {human_bytes(free)} free. Pass --size {_size_hint(fit)} or less, or "
             "--spill-dir on a filesystem with more room.")
     return parent
 
