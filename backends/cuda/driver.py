@@ -435,7 +435,7 @@ class CudaDriver(Driver):
                                     if not j.ranges and self.fills_zeros(j)], nbytes)
         for job in restores:
             for c in job.region.chunks:
-                self._restore_chunk(job, c, store, True, feed)
+                self._restore_chunk(job, c, store, by_sms=True, feed=feed)
         for t in feed.rest():  # more than the reads could carry: after them (the stream waits for them)
             self.zero(t.data_ptr(), t.numel())
         self.last_zeroed_by_sms = feed.zeroed
@@ -452,7 +452,7 @@ class CudaDriver(Driver):
         not once the whole region is."""
         if not isinstance(store, PinnedArena):
             return super().queue_restore(job, store)
-        job.region.map(self, each=lambda c: self._restore_chunk(job, c, store, False))
+        job.region.map(self, each=lambda c: self._restore_chunk(job, c, store, by_sms=False))
         return sum(n for _, n in job.ranges)
 
     def _restore_by_sms(self, nbytes: int, pending_ms: float, store: PinnedArena, restores) -> bool:
@@ -465,7 +465,7 @@ class CudaDriver(Driver):
             return False
         return all(store.readable_by_sms((j.key, off)) for j in restores for off, _ in j.ranges)
 
-    def _restore_chunk(self, job: RestoreJob, c, store: PinnedArena, by_sms: bool, feed=None) -> None:
+    def _restore_chunk(self, job: RestoreJob, c, store: PinnedArena, *, by_sms: bool, feed=None) -> None:
         """Queue chunk ``c``'s share of ``job``: zeroed first where the backup covers it only
         in part, then each saved range's bytes inside it (``feed``: what the SM reads zero
         besides, :class:`~.host_reads.ZeroFeed`)."""
