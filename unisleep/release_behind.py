@@ -1,8 +1,8 @@
 """Releasing a sleep's physical memory behind its return (``MemoryLifecycle(release_behind=True)``).
 
-Giving device memory back costs the driver per handle, not per byte: ~0.3 ms a
-``cuMemRelease`` on an H200, so vLLM's 48 regions take ~14 ms, while unmapping them takes
-~1.5 ms (``docs/cuda.md``).  With ``release_behind`` a sleep unmaps what it frees (the
+Giving device memory back costs the driver per byte: ``cuMemRelease`` of 24 GiB takes
+~7.5-20 ms on an H200 (two speeds, whatever the handle sizes), while unmapping the same memory
+takes ~1-1.5 ms (``docs/cuda.md``).  With ``release_behind`` a sleep unmaps what it frees (the
 addresses stay reserved; nothing can touch the memory any more), hands the handles to one
 thread of the driver's and returns; that thread releases them in order.
 
@@ -10,7 +10,7 @@ The memory is back by the time anything *of unisleep* needs it: the driver's ``c
 wake and every new region) and ``memory_info`` wait for the releases still queued, and so do
 ``MemoryLifecycle.resident_bytes``, ``wait`` and ``close``.  Another allocator — torch's in this
 process, or another process — sees the memory come back over the next few milliseconds
-(~10 ms for 24 GiB on an H200); a caller that must hand the memory on at once calls
+(~7.5-20 ms for 24 GiB on an H200); a caller that must hand the memory on at once calls
 ``lc.wait()`` first, or keeps the default (release before returning).
 
 A release that fails behind the return is raised, as :class:`ReleaseBehindError`, by the next
