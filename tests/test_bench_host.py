@@ -45,3 +45,19 @@ def test_bench_default_json_under_out(tmp_path, capsys):
                          "--spill-dir", str(tmp_path / "s")])
     assert rc == 0
     assert (tmp_path / "bench-host.json").exists()
+
+
+def test_the_accelerator_workload_runs_on_the_host_backend(tmp_path, monkeypatch):
+    """``unisleep bench --backend NAME``'s workload (small sizes, real host memory): every figure is
+    measured, the wakes after the trainer's turn included, and the bytes are verified."""
+    from unisleep.bench import device
+
+    monkeypatch.setenv("UNISLEEP_SPILL_DIR", str(tmp_path / "spill"))
+    out = device.run_unisleep("host", 0, 4 / 1024, 8 / 1024, 1, False, turn_s=0.05)
+    assert out["verified"] is True
+    for key in device.LABELS:
+        assert isinstance(out[key], float) and out[key] > 0, key
+    rows = {r[0]: r for r in device.figure_rows({"unisleep": out, "peer": {"steady_wake_s": 1.0}})}
+    assert rows["steady wake"][1:] == [0.17, out["steady_wake_s"], 1.0, "yes" if out["steady_wake_s"] <= 0.17 else "no"]
+    turn = rows["wake after the trainer's turn"]
+    assert turn[1] is None and turn[2] == out["turn_wake_s"] and turn[3] is None and turn[4] is None  # no goal

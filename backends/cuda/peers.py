@@ -8,7 +8,7 @@ import statistics
 import sys
 import time
 
-from unisleep.bench.common import GENERATION_PAUSE_S
+from unisleep.bench.common import GENERATION_PAUSE_S, TRAINER_TURN_S
 
 
 def available_peers() -> list[str]:
@@ -59,6 +59,15 @@ def run_peer(name: str, device: int, weights_gib: float, kv_gib: float, cycles: 
         un.append(_t(lambda: tms.pause()))
         unw.append(_t(lambda: tms.resume()))
     out["unchanged_sleep_s"], out["unchanged_wake_s"] = statistics.median(un), statistics.median(unw)
+    turn = []
+    for _ in range(2):  # as unisleep's workload: the trainer's turn between the sleep and the wake
+        w[:4096].add_(1)
+        ref[:4096].add_(1)
+        time.sleep(GENERATION_PAUSE_S)
+        tms.pause()
+        time.sleep(TRAINER_TURN_S)
+        turn.append(_t(lambda: tms.resume()))
+    out["turn_wake_s"] = statistics.median(turn)
     out["verified"] = ok and bool(torch.equal(w, ref))
     print(f"[peer] level-1 done: {out}", file=sys.stderr, flush=True)
     # (tensors are not freed: torch_memory_saver aborts on frees outside a region)
@@ -74,6 +83,14 @@ def run_peer(name: str, device: int, weights_gib: float, kv_gib: float, cycles: 
         a.append(_t(lambda: tms.resume("l2w")))
         b.append(_t(lambda: tms.resume("l2kv")))
     out["l2_sleep_s"], out["l2_wake_weights_s"], out["l2_wake_kv_s"] = map(statistics.median, (s, a, b))
+    a, b = [], []
+    for _ in range(2):
+        time.sleep(GENERATION_PAUSE_S)
+        tms.pause("l2w"), tms.pause("l2kv")
+        time.sleep(TRAINER_TURN_S)
+        a.append(_t(lambda: tms.resume("l2w")))
+        b.append(_t(lambda: tms.resume("l2kv")))
+    out["turn_l2_wake_weights_s"], out["turn_l2_wake_kv_s"] = statistics.median(a), statistics.median(b)
     out["l2_note"] = "no zeroing on resume"
     return out
 

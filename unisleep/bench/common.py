@@ -72,6 +72,11 @@ def write_json(path: Optional[str], kind: str, results: Any, argv: Optional[Sequ
 #: follows a wake (the unchanged-weights and level-2 cycles): a driver finishes the work a
 #: release left under it, as under real generation, instead of handing it to the next sleep
 GENERATION_PAUSE_S = 0.1
+#: seconds between a sleep and the wake that follows it in the "after the trainer's turn" rows: in
+#: RL the trainer runs between them (seconds), so by the wake the driver has finished what the
+#: sleep's releases left it, and creating memory costs what it costs once the driver has settled
+#: (more than right after a release, when the rows without this pause wake)
+TRAINER_TURN_S = 1.0
 
 
 def progress(msg: str) -> None:

@@ -6,7 +6,9 @@ Workload (device-figures.md): ``--weights`` GiB tagged "weights" (backed up) + `
 verified byte-exact), the unchanged-weights sleep and the wake right after it, and level 2
 (discard all, wake "weights" then "kv_cache"); the unchanged and level-2 cycles start
 ``GENERATION_PAUSE_S`` after the last wake, as a rollout would (nothing sits between a sleep and
-the wake that follows it).  ``--sweep`` adds total sizes × allocation counts through ``pool(tag)``.  Each
+the wake that follows it).  Then the same wakes "after the trainer's turn": ``TRAINER_TURN_S``
+between the sleep and the wake, as in an RL step (rows without a goal: the goals are for the
+wake right after the sleep).  ``--sweep`` adds total sizes × allocation counts through ``pool(tag)``.  Each
 implementation runs in its own process; the backend's peers (``backends/<name>/peers.py``, e.g.
 torch_memory_saver on CUDA) run the same workload when installed.
 """
@@ -22,7 +24,7 @@ import time
 from typing import Optional, Sequence
 
 from ..cli import plain
-from .common import GENERATION_PAUSE_S, emit_result, print_table, progress, run_worker, write_json
+from .common import GENERATION_PAUSE_S, TRAINER_TURN_S, emit_result, print_table, progress, run_worker, write_json
 
 GiB = 1 << 30
 
@@ -35,7 +37,8 @@ def _timed(fn, sync):
     return time.perf_counter() - t0
 
 
-def run_unisleep(platform: str, device: int, weights_gib: float, kv_gib: float, cycles: int, sweep: bool) -> dict:
+def run_unisleep(platform: str, device: int, weights_gib: float, kv_gib: float, cycles: int, sweep: bool,
+                 turn_s: float = TRAINER_TURN_S) -> dict:
     import torch
 
     from unisleep import MemoryLifecycle
@@ -90,6 +93,17 @@ def run_unisleep(platform: str, device: int, weights_gib: float, kv_gib: float, 
     out["unchanged_sleep_s"] = statistics.median(unchanged)
     out["unchanged_wake_s"] = statistics.median(unchanged_wakes)
     out["unchanged_wakes_all_s"] = unchanged_wakes
+    turn = []
+    for _ in range(2):  # the wake of an RL step: the trainer ran between the sleep and it
+        w[:4096].add_(1)
+        ref[:4096].add_(1)
+        time.sleep(GENERATION_PAUSE_S)
+        lc.sleep(1)
+        time.sleep(turn_s)
+        turn.append(_timed(lambda: lc.wake_up(), sync))
+        ok = ok and bool(torch.equal(w, ref)) and not bool(kv.view(torch.int64).any())
+    out["turn_wake_s"] = statistics.median(turn)
+    progress(f"unisleep wake after the trainer's turn ({turn_s:g} s): {turn}")
     l2s, l2w, l2k = [], [], []
     for _ in range(3):
         time.sleep(GENERATION_PAUSE_S)
@@ -98,6 +112,17 @@ def run_unisleep(platform: str, device: int, weights_gib: float, kv_gib: float, 
         l2k.append(_timed(lambda: lc.wake_up(["kv_cache"]), sync))
         ok = ok and not bool(w.view(torch.int64).any()) and not bool(kv.view(torch.int64).any())
     out["l2_sleep_s"], out["l2_wake_weights_s"], out["l2_wake_kv_s"] = map(statistics.median, (l2s, l2w, l2k))
+    tw, tk = [], []
+    for _ in range(2):
+        w.fill_(5)
+        kv.fill_(5)
+        time.sleep(GENERATION_PAUSE_S)
+        lc.sleep(2)
+        time.sleep(turn_s)
+        tw.append(_timed(lambda: lc.wake_up(["weights"]), sync))
+        tk.append(_timed(lambda: lc.wake_up(["kv_cache"]), sync))
+        ok = ok and not bool(w.view(torch.int64).any()) and not bool(kv.view(torch.int64).any())
+    out["turn_l2_wake_weights_s"], out["turn_l2_wake_kv_s"] = statistics.median(tw), statistics.median(tk)
     out["verified"] = ok
     del w, kv, ref
     lc.close()
@@ -188,7 +213,22 @@ LABELS = {
     "unchanged_sleep_s": "level-1 sleep, unchanged weights",
     "unchanged_wake_s": "wake right after an unchanged sleep", "l2_sleep_s": "level-2 sleep (discard all)",
     "l2_wake_weights_s": "level-2 wake 'weights' (zeroed)", "l2_wake_kv_s": "level-2 wake 'kv_cache' (zeroed)",
+    "turn_wake_s": "wake after the trainer's turn", "turn_l2_wake_weights_s": "level-2 wake 'weights', after the turn",
+    "turn_l2_wake_kv_s": "level-2 wake 'kv_cache', after the turn",
 }
+
+
+def figure_rows(results: dict) -> list:
+    """The table's rows: figure, goal, each implementation's value, whether unisleep met the goal
+    ("-" for the rows without one)."""
+    rows = []
+    for key, label in LABELS.items():
+        goal = GOALS.get(key)
+        row = [label, goal] + [r.get(key) for r in results.values()]
+        ours = results.get("unisleep", {}).get(key)
+        row.append(None if goal is None else "yes" if ours is not None and ours <= goal else "no")
+        rows.append(row)
+    return rows
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -219,17 +259,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         results[impl] = run_worker(cmd, impl)
 
     names = list(results)
-    rows = []
-    for key, label in LABELS.items():
-        row = [label, GOALS.get(key)]
-        for n in names:
-            row.append(results[n].get(key))
-        ours = results.get("unisleep", {}).get(key)
-        row.append("yes" if ours is not None and ours <= GOALS[key] else "no")
-        rows.append(row)
     print_table(
-        f"sleep/wake on {args.backend}: {args.weights:g} GiB weights + {args.kv:g} GiB kv_cache (seconds, medians)",
-        ["figure", "goal"] + names + ["goal met"], rows,
+        f"sleep/wake on {args.backend}: {args.weights:g} GiB weights + {args.kv:g} GiB kv_cache (seconds, medians; "
+        f"'after the turn': {TRAINER_TURN_S:g} s between the sleep and the wake)",
+        ["figure", "goal"] + names + ["goal met"], figure_rows(results),
     )
     u = results.get("unisleep", {})
     lim = u.get("limits")
