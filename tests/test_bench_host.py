@@ -61,3 +61,11 @@ def test_the_accelerator_workload_runs_on_the_host_backend(tmp_path, monkeypatch
     assert rows["steady wake"][1:] == [0.17, out["steady_wake_s"], 1.0, "yes" if out["steady_wake_s"] <= 0.17 else "no"]
     turn = rows["wake after the trainer's turn"]
     assert turn[1] is None and turn[2] == out["turn_wake_s"] and turn[3] is None and turn[4] is None  # no goal
+
+
+def test_the_accelerator_workload_help_states_its_pauses():
+    from unisleep.bench import common, device
+
+    doc = " ".join(device.__doc__.split())
+    assert f"start {common.GENERATION_PAUSE_S:g} s after the last wake" in doc
+    assert f"{common.TRAINER_TURN_S:g} s between the sleep and the wake" in doc

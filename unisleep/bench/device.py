@@ -1,16 +1,16 @@
 """``unisleep bench --backend NAME``: the RL handoff workload on an accelerator, beside its peers.
 
-Workload (device-figures.md): ``--weights`` GiB tagged "weights" (backed up) + ``--kv`` GiB tagged
-"kv_cache" (discarded); first sleep (cold, and with the backup arena prepared ahead), then
-``--cycles`` steady sleep/wake cycles (weights changed each cycle so the copy really runs, and
-verified byte-exact), the unchanged-weights sleep and the wake right after it, and level 2
-(discard all, wake "weights" then "kv_cache"); the unchanged and level-2 cycles start
-``GENERATION_PAUSE_S`` after the last wake, as a rollout would (nothing sits between a sleep and
-the wake that follows it).  Then the same wakes "after the trainer's turn": ``TRAINER_TURN_S``
-between the sleep and the wake, as in an RL step (rows without a goal: the goals are for the
-wake right after the sleep).  ``--sweep`` adds total sizes × allocation counts through ``pool(tag)``.  Each
-implementation runs in its own process; the backend's peers (``backends/<name>/peers.py``, e.g.
-torch_memory_saver on CUDA) run the same workload when installed.
+Workload: ``--weights`` GiB tagged "weights" (backed up) + ``--kv`` GiB tagged "kv_cache"
+(discarded); first sleep (cold, and with the backup arena prepared ahead), then ``--cycles``
+steady sleep/wake cycles (weights changed each cycle so the copy really runs, and verified
+byte-exact), the unchanged-weights sleep and the wake right after it, and level 2 (discard all,
+wake "weights" then "kv_cache").  The unchanged and level-2 cycles start 0.1 s after the last
+wake, as a rollout would, and nothing sits between a sleep and the wake that follows it.  Then
+the same wakes "after the trainer's turn": 1 s between the sleep and the wake, as in an RL step
+(rows without a goal: the goals are for the wake right after the sleep).  ``--sweep`` adds total
+sizes × allocation counts through ``pool(tag)``.  Each implementation runs in its own process;
+the backend's peers (``backends/<name>/peers.py``, e.g. torch_memory_saver on CUDA) run the same
+workload when installed.  Figures and their commands: docs/cuda.md.
 """
 
 from __future__ import annotations
