@@ -1,6 +1,6 @@
 """MemoryLifecycle on the host backend: real memfd memory, real spill files, no mocks.
 
-"Freed" is measured the way the reference (§7) says it must be: the memfd's st_blocks, read
+"Freed" is measured where the kernel counts it: the memfd's st_blocks, read
 both through ``resident_bytes()`` and independently from the kernel's view of this process's
 open memfds (/proc/self/fd), never RSS.
 """

@@ -84,7 +84,7 @@ def test_collective_rpc_and_error_names_route_status_body(http_engine):
 def test_http_4xx_becomes_engine_error_with_body(http_engine):
     with pytest.raises(EngineError) as ei:     # bypasses the adapter's own level check
         http_engine.request("POST", "/sleep", params={"level": 7})
-    msg = str(ei.value)   # vLLM 0.32.0 answers 400 (the 0.33 notes say 422)
+    msg = str(ei.value)   # vLLM 0.32.0 answers 400 (0.33 is documented to answer 422)
     assert msg.startswith("POST /sleep -> HTTP 4") and "less than or equal to 2" in msg
     assert not http_engine.is_sleeping()
 

@@ -75,7 +75,7 @@ def test_workaround_table_by_version():
     keys = lambda v, p=None: {w.key for w in workarounds_for(v, p)}  # noqa: E731
     assert parse_version("0.32.0+cpu") == (0, 32, 0) and parse_version("v0.33.0rc1") == (0, 33, 0)
     k031, k032 = keys("0.31.0"), keys("0.32.0")
-    # seed 000 at 0.31.0: all three pitfalls
+    # the RL loop at 0.31.0 meets all three pitfalls
     assert {"draft-not-reloaded-after-l2-wake", "fp8-kv-scales-cleared-by-l2",
             "weight-update-while-asleep-kills-engine"} <= k031
     # the FP8 scale bug is fixed in 0.32.0; the other two are open

