@@ -6,7 +6,6 @@ Run on a GPU machine:  pytest -q -m cuda tests/cuda/test_ipc.py
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import socket
 import traceback
 
@@ -142,11 +141,6 @@ def test_ipc_one_gpu_bit_exact():
 @needs_gpu
 @needs_bindings
 def test_ipc_from_lifecycle_memory():
-    try:
-        from unisleep import MemoryLifecycle
-
-        MemoryLifecycle().close()
-    except Exception as e:  # the cuda driver is another module; its absence is not this test's failure
-        pytest.skip(f"MemoryLifecycle on this GPU is not available: {type(e).__name__}: {e}")
+    # no skip when the lifecycle fails here: with a GPU and cuda-bindings present, that failure is unisleep's
     out = _run(use_lifecycle=True)
     assert out[1]["v1_exact"] and out[1]["v2_exact"]
