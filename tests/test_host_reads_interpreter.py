@@ -10,19 +10,33 @@ import textwrap
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+#: run before each test's code: the kernel module as ``hr``, its launches counted in ``launches``
+#: (so a case proves it used the kernel, or not)
+PRELUDE = textwrap.dedent(
+    """
+    import torch
+    from unisleep.backends.cuda import host_reads as hr
+    assert hr.available(), hr._copy.error
+    kernel, launches = hr._copy.kernel, []
+    class Counted:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return kernel[grid]
+    hr._copy.kernel = Counted()
+    """
+)
+
+
+def _run_interpreted(code: str, env: dict) -> None:
+    """Run ``PRELUDE`` + ``code`` in a fresh Python under Triton's interpreter; it prints OK."""
+    p = subprocess.run([sys.executable, "-c", PRELUDE + code], capture_output=True, text=True, env=env,
+                       timeout=600, cwd=ROOT)
+    assert p.returncode == 0 and "OK" in p.stdout, p.stderr[-3000:]
+
 
 def test_sm_copy_kernel_copies_every_byte_in_the_triton_interpreter(triton_interpreter_env):
     code = textwrap.dedent(
         """
-        import torch
-        from unisleep.backends.cuda import host_reads as hr
-        assert hr.available(), hr._copy.error
-        kernel, launches = hr._copy.kernel, []
-        class Counted:  # counts the kernel's launches, so the aligned cases prove they used it
-            def __getitem__(self, grid):
-                launches.append(grid)
-                return kernel[grid]
-        hr._copy.kernel = Counted()
         B = hr.WORDS * 8  # bytes per block
         src = torch.randint(0, 256, (7 * B + 64,), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
         cases = ((0, 0, False), (0, 13, False), (0, B, True), (16, 3 * B + 5, True), (0, 5 * B, True),
@@ -37,9 +51,7 @@ def test_sm_copy_kernel_copies_every_byte_in_the_triton_interpreter(triton_inter
         print("OK")
         """
     )
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=triton_interpreter_env,
-                       timeout=600, cwd=ROOT)
-    assert p.returncode == 0 and "OK" in p.stdout, p.stderr[-3000:]
+    _run_interpreted(code, triton_interpreter_env)
 
 
 def test_sm_copy_kernel_zeroes_what_the_feed_gives_it_and_no_more_in_the_triton_interpreter(triton_interpreter_env):
@@ -49,15 +61,6 @@ def test_sm_copy_kernel_zeroes_what_the_feed_gives_it_and_no_more_in_the_triton_
     rest() for the caller's memset."""
     code = textwrap.dedent(
         """
-        import torch
-        from unisleep.backends.cuda import host_reads as hr
-        assert hr.available(), hr._copy.error
-        kernel, launches = hr._copy.kernel, []
-        class Counted:
-            def __getitem__(self, grid):
-                launches.append(grid)
-                return kernel[grid]
-        hr._copy.kernel = Counted()
         B = hr.BLOCK_BYTES
         src = torch.randint(0, 256, (6 * B + 7,), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
         mem = torch.full((40 * B,), 7, dtype=torch.uint8)
@@ -99,6 +102,4 @@ def test_sm_copy_kernel_zeroes_what_the_feed_gives_it_and_no_more_in_the_triton_
         print("OK")
         """
     )
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=triton_interpreter_env,
-                       timeout=600, cwd=ROOT)
-    assert p.returncode == 0 and "OK" in p.stdout, p.stderr[-3000:]
+    _run_interpreted(code, triton_interpreter_env)
