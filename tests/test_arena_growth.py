@@ -45,7 +45,7 @@ def arena_cls(monkeypatch):
                 self.mapped.append((addr, size))
             return addr
 
-        def _register(self, addr, size):  # SIMULATED: cuMemHostRegister needs an NVIDIA driver
+        def _page_lock(self, addr, size):  # SIMULATED: cuMemHostRegister needs an NVIDIA driver
             self._note("register begins", addr)
             time.sleep(self._register_s)
             if self._fail_at is not None and len([e for e in self.events if e[1] == "register begins"]) >= self._fail_at:

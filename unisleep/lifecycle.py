@@ -23,6 +23,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Sequence
 
+from . import graph_capture
 from .driver import BackupStore, Driver, RestoreJob, SaveJob, _Trace
 from .errors import (
     BackupCorruptError,
@@ -426,6 +427,8 @@ class MemoryLifecycle:
         defaults to what the "weights" tag holds now.  Returns the bytes asked for."""
         with self._lock:
             self._check_open()
+            if not background:  # waits for the arena's growth, which waits for the capture to end
+                graph_capture.refuse_if_capturing("prepare_backup(background=False)")
             if nbytes is None:
                 nbytes = sum(a.region.size for a in self._allocs.values() if a.tag == "weights")
             if nbytes > 0:
@@ -507,6 +510,7 @@ class MemoryLifecycle:
         self._refuse_in_flight(only, "sleep")
         with self._lock:
             self._check_open()
+            graph_capture.refuse_if_capturing("sleep()")
             self._check_tags(offload if only is None else only)
             self._refuse_in_flight(only, "sleep")
             self.state()  # an awake tag that lost its mapping is reported as lost
@@ -658,6 +662,7 @@ class MemoryLifecycle:
         self._refuse_in_flight(tags, "discard")
         with self._lock:
             self._check_open()
+            graph_capture.refuse_if_capturing("discard()")
             self._check_tags(tags)
             self._refuse_in_flight(tags, "discard")
             self.state()
@@ -702,6 +707,7 @@ class MemoryLifecycle:
         self._refuse_in_flight(tags, "wake_up")
         with self._lock:
             self._check_open()
+            graph_capture.refuse_if_capturing("wake_up()")
             self._driver.settle_releases()  # a failed release behind the last sleep: raised before any change
             self._refuse_in_flight(tags, "wake_up")
             self._settle_flight()

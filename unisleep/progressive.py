@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from . import graph_capture
 from .errors import BackupError, InvalidArgumentError
 
 log = logging.getLogger("unisleep")
@@ -143,6 +144,7 @@ class ProgressiveWake:
 
     # ---- worker --------------------------------------------------------------------------
     def start(self) -> None:
+        graph_capture.add_drainer(self.wait_queued)  # a capture waits until every step is queued
         for t in self._threads:
             t.start()
 
@@ -172,7 +174,7 @@ class ProgressiveWake:
         driver, store = lc._driver, lc._store
         cur = None
         try:
-            with driver.progressive_context(store):
+            with graph_capture.background(), driver.progressive_context(store):
                 ahead = driver.progressive_map_ahead and self._workers == 1
                 t0 = time.perf_counter()
                 while True:
@@ -332,11 +334,13 @@ class BackgroundSleep:
         self._thread = threading.Thread(target=self._run, name="unisleep-sleep", daemon=True)
 
     def start(self) -> None:
+        graph_capture.add_drainer(self._complete)  # a capture waits for the copies to be done
         self._thread.start()
 
     def _run(self) -> None:
         try:
-            self.report = self._work()
+            with graph_capture.background():
+                self.report = self._work()
         except BaseException as e:
             self.error = e
         finally:

@@ -15,6 +15,9 @@ process, or another process — sees the memory come back over the next few mill
 
 A release that fails behind the return is raised, as :class:`ReleaseBehindError`, by the next
 call that waits for the queue.
+
+Releases never run while a graph is being captured (:mod:`unisleep.graph_capture`): a capture
+first waits for the queue to empty, and releases queued during a capture wait for it to end.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import threading
 import weakref
 from typing import Optional
 
+from . import graph_capture
 from .errors import UnisleepError
 
 log = logging.getLogger("unisleep.release_behind")
@@ -47,6 +51,7 @@ class ReleaseBehind:
         self._thread: Optional[threading.Thread] = None
         self.released_bytes = 0
         _INSTANCES.add(self)
+        graph_capture.add_drainer(self.wait_idle)
 
     def _forget_after_fork(self) -> None:
         """In a child made by ``fork()``: no release thread came along, and its lock may have
@@ -69,6 +74,12 @@ class ReleaseBehind:
     def pending(self) -> bool:
         with self._cond:
             return bool(self._queue) or self._busy
+
+    def wait_idle(self) -> None:
+        """Wait until every queued release is done (a failure stays for :meth:`settle` to raise)."""
+        with self._cond:
+            while self._queue or self._busy:
+                self._cond.wait()
 
     def settle(self) -> None:
         """Wait for every queued release; raise the first that failed (once)."""
@@ -102,7 +113,8 @@ class ReleaseBehind:
                     hook = self._driver.release_hook
                     if hook is not None:
                         hook(h)
-                    self._driver.release(h)
+                    with graph_capture.background():
+                        self._driver.release(h)
                 except BaseException as e:
                     log.error("releasing %d bytes behind a sleep failed: %s", n, e)
                     with self._cond:

@@ -5,7 +5,9 @@ Host memory is mapped once (anonymous, transparent huge pages requested), page-l
 cycle.  It grows in segments as backups need room, never beyond ``host_budget_bytes``, and can be
 prepared ahead in a background thread so even the first sleep copies at bus speed.  Copies are
 asynchronous, in large pieces, on a dedicated stream; growing the arena (registering a new
-segment) overlaps with the copies already queued.
+segment) overlaps with the copies already queued.  A segment is never registered while a graph
+is being captured in the process (:mod:`unisleep.graph_capture`): the grower waits for the
+capture to end (faulting pages in, which touches only host memory, goes on).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Optional
 
+from unisleep import graph_capture
 from unisleep.backup import host_available_bytes
 from unisleep.driver import BackupStore
 from unisleep.errors import HostBudgetError
@@ -95,6 +98,10 @@ class PinnedArena(BackupStore):
 
     def _register(self, addr: int, size: int) -> Segment:
         """Page-lock the mapped ``[addr, addr+size)`` (unmapped again if that fails)."""
+        with graph_capture.background():  # page-locking invalidates a graph capture underway
+            return self._page_lock(addr, size)
+
+    def _page_lock(self, addr: int, size: int) -> Segment:
         try:
             cu.ensure_context(self.device)
             cu.call("cuMemHostRegister", addr, size, 0)

@@ -132,9 +132,16 @@ class CudaDriver(Driver):
         self.restore_reads = os.environ.get("UNISLEEP_RESTORE_READS", "auto")  # checked by the setter
         self.last_restore_by_sms = False
         self.last_zeroed_by_sms = 0  # bytes the last restore's SM reads zeroed besides
-        self._warm_kernels()
+        watch_captures()
+        self._warm_pending = True
+        if not _capturing():  # a lifecycle made inside a capture warms up at its first sleep or wake
+            self._warm_kernels()
 
     def _warm_kernels(self) -> None:
+        self._warm_pending = False
+        self._build_kernels()
+
+    def _build_kernels(self) -> None:
         """Compile the keyed-hash and SM copy kernels now (model-load time), not inside the
         first sleep or wake."""
         from . import checksum, host_reads
@@ -260,6 +267,8 @@ class CudaDriver(Driver):
 
     def new_backup_store(self, budget_bytes: Optional[int], spill_dir: Optional[str]) -> BackupStore:
         arena = PinnedArena(self.device, budget_bytes)
+        if _capturing():  # its first copy sets the stream up instead
+            return arena
         try:
             arena.warm_stream()
         except Exception as e:  # only the first sleep's free memory depends on it
@@ -295,6 +304,8 @@ class CudaDriver(Driver):
         """
         import torch
 
+        if self._warm_pending:
+            self._warm_kernels()
         self.synchronize()  # nothing in flight may touch memory we are about to unmap
         if not isinstance(store, PinnedArena):  # the plain path: digests first, as the lifecycle
             self.take_digests(saves)  # takes them for backends without digests_during_copies
@@ -413,6 +424,8 @@ class CudaDriver(Driver):
         nothing; :mod:`.host_reads`); then the same kernels zero the regions that come back
         empty (the KV cache) while they wait on the bus."""
         self.last_restore_by_sms, self.last_zeroed_by_sms = False, 0
+        if self._warm_pending:
+            self._warm_kernels()
         if not isinstance(store, PinnedArena):
             return super().restore_regions(jobs, store)
         from . import host_reads
@@ -540,3 +553,30 @@ class CudaDriver(Driver):
         if self._pools is not None:
             self._pools.close()
             self._pools = None
+
+
+def watch_captures() -> None:
+    """Route every CUDA-graph capture of the process through unisleep's gate, so background work
+    of the driver (the arena's growth, releases behind a sleep) never runs inside one."""
+    import torch
+
+    from unisleep import graph_capture
+
+    if not graph_capture.watch(getattr(torch.cuda, "CUDAGraph", None)):
+        log.warning("torch.cuda.CUDAGraph's captures cannot be watched in this torch %s: a capture outside "
+                    "unisleep's capture contexts may overlap the backup arena's growth; wrap it in "
+                    "unisleep.graph_capture.capture()", torch.__version__)
+
+
+def _capturing() -> bool:
+    """Whether this thread is capturing (through the gate, or on its current stream)."""
+    from unisleep import graph_capture
+
+    if graph_capture.capturing_here():
+        return True
+    try:
+        import torch
+
+        return bool(torch.cuda.is_current_stream_capturing())
+    except Exception:
+        return False

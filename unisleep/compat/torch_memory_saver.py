@@ -38,6 +38,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Iterator, Literal, Optional
 
+from .. import graph_capture
 from ..errors import (
     InsufficientMemoryError,
     InvalidArgumentError,
@@ -196,7 +197,7 @@ class TorchMemorySaver:
                 f"{self.cuda_graph.__name__}(): the {lc.platform_name} backend cannot put graph memory in a tag; the graph is "
                 "captured as usual and its memory is not released by pause()",
             )
-            with self._pushed(slot, route=False), \
+            with self._pushed(slot, route=False), graph_capture.capture(), \
                     devmod.graph(cuda_graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode):
                 yield RegionHandle(self, slot)
             return
@@ -208,7 +209,7 @@ class TorchMemorySaver:
         with self._lock:
             self._graph_pools[_pool_key(pid)] = slot
         # the capture allocates from its own pool: no region's routing may be active meanwhile
-        with self._pushed(slot, route=False), \
+        with self._pushed(slot, route=False), graph_capture.capture(), \
                 devmod.graph(cuda_graph, pool=pid, stream=stream, capture_error_mode=capture_error_mode):
             yield RegionHandle(self, slot)
 

@@ -48,6 +48,7 @@ import logging
 import threading
 from typing import Iterator, Optional
 
+from .. import graph_capture
 from ..errors import InvalidArgumentError, UnsupportedError
 
 log = logging.getLogger("unisleep.vllm")
@@ -158,7 +159,8 @@ class UnisleepAllocator:
     def cudagraph_pool(self) -> Iterator[object]:
         """What ``vllm/compilation/cudagraph_pool.py`` calls: yields the pool id to capture into;
         the graphs' memory is tag ``"cudagraph"`` (offloaded at every level by vLLM's backend,
-        restored in place, so replays stay valid)."""
+        restored in place, so replays stay valid).  unisleep's background device work (the
+        backup arena's growth, releases behind a sleep) waits while the context is open."""
         graph_pool = getattr(self.lifecycle.driver, "graph_pool", None)
         if graph_pool is None:
             raise UnsupportedError(
@@ -167,7 +169,8 @@ class UnisleepAllocator:
         pool_id = graph_pool(self.lifecycle, GRAPH_TAG)
         old, self.current_tag = self.current_tag, GRAPH_TAG
         try:
-            yield pool_id
+            with graph_capture.capture():  # no background device work while vLLM captures
+                yield pool_id
         finally:
             self.current_tag = old
 
