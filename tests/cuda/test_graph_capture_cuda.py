@@ -27,8 +27,8 @@ import time, torch
 torch.manual_seed(0)
 dev = torch.device("cuda", 0)
 def mlp():
-    m = torch.nn.Sequential(*[torch.nn.Linear(4096, 4096, bias=False) for _ in range(4)])
-    return m.to(device=dev, dtype=torch.bfloat16)
+    return torch.nn.Sequential(*[torch.nn.Linear(4096, 4096, bias=False, device=dev, dtype=torch.bfloat16)
+                                 for _ in range(4)])
 def warm(model, x):
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

@@ -65,8 +65,8 @@ def child(args) -> int:
     W, nw = int(args.weights_gib * GiB), 16
     with alloc.use_memory_pool(tag="weights"):
         weights = [torch.randint(0, 256, (W // nw,), dtype=torch.uint8, device=dev, generator=gen) for _ in range(nw)]
-        model = torch.nn.Sequential(*[torch.nn.Linear(hidden, hidden, bias=False) for _ in range(layers)])
-        model = model.to(device=dev, dtype=torch.bfloat16)
+        model = torch.nn.Sequential(*[torch.nn.Linear(hidden, hidden, bias=False, device=dev, dtype=torch.bfloat16)
+                                      for _ in range(layers)])
     with alloc.use_memory_pool(tag="kv_cache"):
         kv = torch.zeros((int(args.kv_gib * GiB),), dtype=torch.uint8, device=dev)
     x = torch.randn((args.batch, hidden), device=dev, dtype=torch.bfloat16, generator=gen) * 0.02

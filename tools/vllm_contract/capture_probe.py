@@ -79,7 +79,7 @@ def child(call: str) -> int:
         except Exception as e:
             errs.append(f"{type(e).__name__}: {e}")
 
-    m = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048, bias=False) for _ in range(4)]).to(dev, torch.bfloat16)
+    m = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048, bias=False, device=dev, dtype=torch.bfloat16) for _ in range(4)])
     x = torch.randn(64, 2048, device=dev, dtype=torch.bfloat16)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
