@@ -164,7 +164,8 @@ def main() -> int:
     out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "machine": f"{torch.cuda.get_device_name()}, torch {torch.__version__}",
            "vllm": open(os.path.join(HERE, "vllm_pkg", "VERSION")).read().strip(),
-           "command": "python3 tools/vllm_contract/capture_loop.py " + " ".join(sys.argv[1:]),
+           "command": "python3 tools/vllm_contract/capture_loop.py " + " ".join(
+               os.path.basename(a) if a == args.json else a for a in sys.argv[1:]),
            "tree": "the tree given by --tree" if args.tree else "this tree",
            "summary": summary, "failures": [r for r in results if not r["ok"]][:5],
            "seconds": time.perf_counter() - t0}
