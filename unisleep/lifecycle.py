@@ -33,6 +33,7 @@ from .errors import (
     InsufficientMemoryError,
     InvalidArgumentError,
     InvalidTransitionError,
+    LifecycleClosedError,
     LiveTensorsError,
     UnisleepError,
     UnknownTagError,
@@ -44,6 +45,7 @@ log = logging.getLogger("unisleep")
 
 AWAKE, OFFLOADED, DISCARDED, LOST = "awake", "offloaded", "discarded", "lost"
 WAKING, SLEEPING = "waking", "sleeping"  # a progressive wake / background sleep is copying
+CLOSED = "closed"  # every tag of a closed lifecycle (its memory is released)
 LEVELS = (1, 2)
 _ALIGN = 512  # byte alignment of tensors packed into one region by adopt()
 
@@ -216,12 +218,24 @@ class MemoryLifecycle:
     def torch_device(self):
         return self._driver.torch_device
 
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran (or the lifecycle was finalized at garbage collection or
+        interpreter exit): every tag then reads ``"closed"`` and every verb raises
+        :class:`~unisleep.errors.LifecycleClosedError`."""
+        return self._closed or self._shut.is_set()
+
     def state(self) -> dict[str, str]:
         """Each tag's state: ``"awake"``, ``"offloaded"``, ``"discarded"`` or ``"lost"`` (and
-        ``"waking"`` / ``"sleeping"`` while a progressive wake / background sleep copies it).  An
-        awake tag is checked against what the driver holds: one whose memory is not all mapped
-        is reported (and recorded) as ``"lost"``, never as awake."""
+        ``"waking"`` / ``"sleeping"`` while a progressive wake / background sleep copies it;
+        ``"closed"`` for every tag once the lifecycle is closed).  An awake tag is checked
+        against what the driver holds: one whose memory is not all mapped is reported (and
+        recorded) as ``"lost"``, never as awake."""
+        if self.closed:
+            return {t: CLOSED for t in list(self._tags)}
         with self._lock:
+            if self.closed:
+                return {t: CLOSED for t in self._tags}
             self._settle_flight()
             for tag in {a.tag for a in self._allocs.values() if self._tags.get(a.tag) == AWAKE and not a.region.mapped}:
                 log.error("tag %r was recorded awake but its memory is not mapped: marked lost", tag)
@@ -230,7 +244,10 @@ class MemoryLifecycle:
 
     @property
     def is_sleeping(self) -> bool:
+        """Some tag is not awake; a closed lifecycle raises
+        :class:`~unisleep.errors.LifecycleClosedError` (it is neither awake nor asleep)."""
         with self._lock:
+            self._check_open()
             return any(s != AWAKE for s in self._tags.values())
 
     @property
@@ -243,6 +260,7 @@ class MemoryLifecycle:
         memory still being released behind a sleep's return (``release_behind``) is waited for."""
         from .progressive import BackgroundSleep
 
+        self._check_open()
         self._driver.settle_releases()
         f = self._flight[0]
         if isinstance(f, BackgroundSleep) and not f.done:  # its copies hold the lock: read without it
@@ -259,6 +277,7 @@ class MemoryLifecycle:
                             pass
             return total
         with self._lock:
+            self._check_open()
             if tag is not None:
                 self._check_tags([tag])
             return sum(a.region.physical_bytes(self._driver) for a in self._allocs.values() if tag in (None, a.tag))
@@ -266,6 +285,7 @@ class MemoryLifecycle:
     def allocated_bytes(self, tag: Optional[str] = None) -> int:
         """Bytes reserved for allocations (awake or not), rounded up to the granularity."""
         with self._lock:
+            self._check_open()
             return sum(a.region.size for a in self._allocs.values() if tag in (None, a.tag))
 
     def backup_bytes(self) -> int:
@@ -284,6 +304,7 @@ class MemoryLifecycle:
         ``out`` (e.g. to read weights while they sleep); False when that memory has no full
         backup held (never backed up, discarded, or not retained after a wake)."""
         with self._lock:
+            self._check_open()
             a = self._allocation_at(ptr, out.numel())
             if a is None or a.saved != [(0, a.region.size)] or not self._store.has((a.id, 0)):
                 return False
@@ -337,6 +358,7 @@ class MemoryLifecycle:
         """
         import torch
 
+        self._check_open()
         named = list(_named_tensors(obj))
         if not named:
             raise InvalidArgumentError(f"adopt() found no tensors in {type(obj).__name__}")
@@ -407,6 +429,7 @@ class MemoryLifecycle:
         nothing raises."""
         pats = [patterns] if isinstance(patterns, str) else list(patterns)
         with self._lock:
+            self._check_open()
             known = self.names()
             matched = []
             for p in pats:
@@ -438,6 +461,7 @@ class MemoryLifecycle:
         released, and ``after_wake(tags)`` once woken memory is mapped and restored.  Policies
         such as the extra cleanup (collective teardown/restore, graph recapture) plug in here."""
         with self._lock:
+            self._check_open()
             if before_sleep is not None:
                 self._before_sleep.append(before_sleep)
             if after_wake is not None:
@@ -791,6 +815,8 @@ class MemoryLifecycle:
         verified.  Takes no lock: call it from the forward pass."""
         from .progressive import ProgressiveWake
 
+        if self.closed:
+            self._check_open()
         f = self._flight[0]
         if isinstance(f, ProgressiveWake):
             f.ready(obj)
@@ -802,6 +828,7 @@ class MemoryLifecycle:
         Returns the handles (``h.remove()``)."""
         from .progressive import install_ready_hooks
 
+        self._check_open()
         return install_ready_hooks(self, model)
 
     def wait(self) -> Optional[Report]:
@@ -811,6 +838,7 @@ class MemoryLifecycle:
         the last sleep freed is released.  Raises its error, if it failed:
         a failed progressive wake leaves its tags asleep as before (memory unmapped), a failed
         background sleep leaves its tags awake with their bytes (or lost, as a plain sleep)."""
+        self._check_open()
         f = self._flight[0]
         if f is not None:
             f._complete()
@@ -979,7 +1007,10 @@ class MemoryLifecycle:
 
     def _check_open(self) -> None:
         if self._closed or self._shut.is_set():
-            raise InvalidTransitionError("this MemoryLifecycle is closed; create a new one")
+            raise LifecycleClosedError(
+                "this MemoryLifecycle is closed (close(), garbage collection or interpreter exit): its memory was "
+                "released and every tag reads 'closed'. Create a new MemoryLifecycle; nothing was touched."
+            )
 
     def _check_tags(self, tags: Iterable[str]) -> None:
         unknown = [t for t in tags if t not in self._tags]
