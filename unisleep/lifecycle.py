@@ -355,6 +355,11 @@ class MemoryLifecycle:
         tensor, a mapping or an iterable of those.  Python objects stay the same; each tensor's
         ``data_ptr()`` changes once and then stays fixed across every sleep/wake.  Tensors that
         share a storage (tied weights, views) keep sharing it.  Returns ``obj``.
+
+        Every tensor sharing a storage must be passed (in ``obj``) together: a view whose base is
+        not passed, or a tensor whose views or aliases (a held ``state_dict()``, ``.data``,
+        ``.detach()``) are not, would leave the others on the old memory, silently no longer
+        sharing bytes — refused with :class:`~unisleep.errors.InvalidArgumentError`, nothing moved.
         """
         import torch
 
@@ -378,6 +383,7 @@ class MemoryLifecycle:
             for t, names in aliases.values():
                 st = t.untyped_storage()
                 storages.setdefault((t.device, st.data_ptr(), st.nbytes()), []).append((names, t))
+            _check_storages_passed_whole(storages)
             offsets, total = {}, 0
             for key in storages:
                 offsets[key] = total
@@ -447,6 +453,13 @@ class MemoryLifecycle:
         """Reserve backup room ahead of the first level-1 sleep (e.g. register a pinned host
         arena while the model loads), so even the first sleep copies at full speed.  ``nbytes``
         defaults to what the "weights" tag holds now.  Returns the bytes asked for."""
+        if nbytes is not None and (not _is_int(nbytes) or nbytes < 0):
+            raise InvalidArgumentError(
+                f"prepare_backup(nbytes) takes an int >= 0 (bytes) or None for what the 'weights' tag holds, got "
+                f"{nbytes!r}. Nothing was reserved."
+            )
+        if not isinstance(background, bool):
+            raise InvalidArgumentError(f"prepare_backup(background=) must be True or False, got {background!r}")
         with self._lock:
             self._check_open()
             if nbytes is None:
@@ -1318,6 +1331,64 @@ def _cannot_adopt(t) -> Optional[str]:
     except Exception as e:
         return f"it has no plain storage ({e})"
     return None
+
+
+def _check_storages_passed_whole(storages: dict) -> None:
+    """Refuse (before anything moves) a storage some of whose tensors were not passed to
+    ``adopt()``; ``storages`` maps each storage to its passed ``(names, tensor)`` pairs.
+
+    Each tensor on a storage holds one reference to it: a count above the passed tensors (and
+    the bases their views keep alive) is another tensor — an unpassed view, a held
+    ``state_dict()`` entry, a ``.data``/``.detach()`` alias.  A passed view whose base was not
+    passed is refused when that base is held by anyone else than its views (a variable, a
+    module); a base only its views keep alive (``torch.arange(n).reshape(a, b)``) is nobody's
+    to track and moves with them."""
+    import torch
+
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    probe = _base_refs(torch.empty(2)[:1])  # an unheld base kept alive by one view: the baseline
+    for members in storages.values():
+        ids = {id(t) for _, t in members}
+        views: dict[int, list] = {}  # id of an unpassed base -> [(names, view)] of passed views
+        for names, t in members:
+            if t._base is not None and id(t._base) not in ids:
+                views.setdefault(id(t._base), []).append((names, t))
+        if use_count is not None:
+            st = members[0][1].untyped_storage()
+            extra = use_count(st._cdata) - 1 - len(ids) - len(views)  # 1: ``st`` itself
+            nbytes = st.nbytes()
+            del st
+            if extra > 0:
+                names = [n for ns, _ in members for n in ns]
+                shown = ", ".join(map(repr, names[:4])) + (" ..." if len(names) > 4 else "")
+                raise InvalidArgumentError(
+                    f"adopt() cannot move {shown}: {extra} other tensor(s) share its storage ({human_bytes(nbytes)}) "
+                    "but were not passed — a view of it, the tensor it is a view of, or an alias such as a held "
+                    "state_dict() entry, .data or .detach(); after the move they would keep pointing at the old "
+                    "memory and silently stop tracking it. Pass them in the same adopt() call (e.g. adopt the whole "
+                    "module, or adopt({'base': t, 'view': v})), or drop them (del) first. Nothing was moved."
+                )
+        for passed in views.values():
+            names, t = passed[0]
+            refs = _base_refs(t)
+            if refs[0] > probe[0] or (refs[1] >= 0 and refs[1] - (len(passed) - 1) > probe[1]):
+                raise InvalidArgumentError(
+                    f"adopt() cannot move {names[0]!r}: it is a view (shape {tuple(t.shape)}) of a tensor of shape "
+                    f"{tuple(t._base.shape)} that was not passed and is still in use; moved alone it would leave "
+                    "that base tensor on the old memory and the two would silently stop sharing their bytes. Pass "
+                    f"the base tensor in the same adopt() call (e.g. adopt({{'base': base, {names[0]!r}: view}}), "
+                    "or adopt the module that owns it), or pass view.clone() to adopt an independent copy. Nothing "
+                    "was moved."
+                )
+
+
+def _base_refs(view) -> tuple[int, int]:
+    """(Python references, tensor references) of ``view``'s base, as seen from here."""
+    import sys
+
+    b = view._base
+    uc = getattr(b, "_use_count", None)
+    return sys.getrefcount(b), (uc() if uc is not None else -1)
 
 
 def _check_tag_name(tag) -> None:
