@@ -788,8 +788,8 @@ class MemoryLifecycle:
                         continue
                 for tag in group:
                     for a in by_tag[tag]:
-                        self._after_restore(a)
-                    self._tags[tag] = AWAKE
+                        self._after_restore_safely(a)
+                    self._tags[tag] = AWAKE  # mapped, restored and verified
                     woken.append(tag)
             if woken:
                 for hook in self._after_wake:
@@ -915,7 +915,7 @@ class MemoryLifecycle:
         for a in f._allocs:
             if not a.region.mapped:  # a chunk no step covered (cannot happen: every chunk has one)
                 a.region.map(self._driver)
-            self._after_restore(a)
+            self._after_restore_safely(a)
         for t in f.tags:
             self._tags[t] = AWAKE
         for hook in self._after_wake:
@@ -1296,6 +1296,16 @@ class MemoryLifecycle:
             self._store.drop((a.id, off))
         a.saved = []
         a.digest = None
+
+    def _after_restore_safely(self, a: Allocation) -> None:
+        """:meth:`_after_restore` once the bytes are back and verified: a failure of that
+        bookkeeping (dropping a backup no longer needed) never makes the restored memory look
+        asleep — the tag is awake, the failure is logged."""
+        try:
+            self._after_restore(a)
+        except Exception as e:
+            log.warning("tag %r is awake (its bytes were restored and verified), but dropping its backup failed: "
+                        "%s: %s; the backup stays recorded", a.tag, type(e).__name__, e)
 
     def _after_restore(self, a: Allocation) -> None:
         full = a.saved == [(0, a.region.size)]
