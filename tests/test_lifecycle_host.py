@@ -756,7 +756,8 @@ def test_level2_preserve_strided_view_and_offsets(lifecycle):
     lc = lifecycle
     first = torch.full((1000,), 7.0)
     grid = torch.arange(64, dtype=torch.float32).reshape(8, 8)
-    d = {"first": first, "cols": grid[:, ::2], "last": torch.full((300,), 3.0)}
+    # grid is adopted with its view: left out, it would stay on the old memory (refused)
+    d = {"first": first, "grid": grid, "cols": grid[:, ::2], "last": torch.full((300,), 3.0)}
     lc.adopt(d)
     assert lc.preserve(["cols", "last"]) == ["cols", "last"]
     expect_cols = d["cols"].clone()

@@ -15,10 +15,8 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import shutil
 import socket
 import subprocess
-import sys
 import threading
 import time
 
@@ -29,8 +27,10 @@ from unisleep.errors import InvalidArgumentError, TransferError
 from unisleep.transfer import TransferGroup, WeightReceiver, WeightSender
 from unisleep.transfer import records as R
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NOBODY = 65534
+from nobody import NOBODY, ROOT
+from nobody import as_nobody as _as_nobody
+from nobody import nobody_env as _nobody_env
+from nobody import skip_without_nobody as _skip_without_nobody
 
 
 def _port() -> int:
@@ -79,43 +79,6 @@ def _weights(v: int) -> dict:
 
 def _exact(tgt: dict, want: dict) -> bool:
     return all(torch.equal(tgt[k].reshape(-1).view(torch.uint8), want[k].reshape(-1).view(torch.uint8)) for k in want)
-
-
-_NOBODY_PROBLEM: list = []
-
-
-def _nobody_problem():
-    """Why a process cannot be run as uid 65534 here (None: it can)."""
-    if _NOBODY_PROBLEM:
-        return _NOBODY_PROBLEM[0]
-    why = None
-    if os.geteuid() != 0:
-        why = "the attack tests switch to uid 65534 and need root (CI runs them as root)"
-    elif shutil.which("setpriv") is None:
-        why = "the attack tests need setpriv (util-linux) to run a process as uid 65534"
-    else:
-        r = subprocess.run(_as_nobody(["-c", "import torch, unisleep, os; print(os.getuid())"]),
-                           capture_output=True, text=True, timeout=120)
-        if r.returncode != 0 or r.stdout.strip() != str(NOBODY):
-            last = ((r.stderr or r.stdout).strip().splitlines() or ["no output"])[-1]
-            why = (f"setpriv --reuid={NOBODY} could not run this Python with torch and unisleep (are the "
-                   f"interpreter and the checkout readable by uid {NOBODY}?): {last.split(':')[0][:80]}")
-    _NOBODY_PROBLEM.append(why)
-    return why
-
-
-def _as_nobody(args: list) -> list:
-    return ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", sys.executable, *args]
-
-
-def _nobody_env() -> dict:
-    return dict(os.environ, PYTHONPATH=ROOT, HOME="/tmp", UNISLEEP_PLATFORM="host", OMP_NUM_THREADS="1")
-
-
-def _skip_without_nobody():
-    why = _nobody_problem()
-    if why:
-        pytest.skip(why)
 
 
 def _wait(cond, timeout_s: float, what: str):

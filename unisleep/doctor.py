@@ -45,10 +45,17 @@ def _module_found(module: str) -> bool:
 
 
 def _spill_info() -> dict[str, Any]:
-    from .backends.host.spill import RAM_FILESYSTEMS, clean_orphans, default_spill_parent, filesystem_type, tree_bytes
+    from .backends.host.spill import (RAM_FILESYSTEMS, check_spill_parent, clean_orphans, default_spill_parent,
+                                      filesystem_type, tree_bytes)
+    from .errors import SpillDirError
 
     path = default_spill_parent()
     info: dict[str, Any] = {"path": path, "from_env": "UNISLEEP_SPILL_DIR" in os.environ}
+    try:
+        check_spill_parent(os.path.abspath(path))
+        info["unsafe"] = None
+    except SpillDirError as e:
+        info["unsafe"] = str(e)
     info["filesystem"] = filesystem_type(path)
     try:
         st = os.statvfs(path)
@@ -175,6 +182,8 @@ def collect() -> dict[str, Any]:
             f"the host spill directory {spill['path']} is on {spill['filesystem']} (RAM): level-1 backups "
             "written there free no memory; set UNISLEEP_SPILL_DIR or pass spill_dir= to a disk-backed directory."
         )
+    if spill.get("unsafe"):
+        warnings.append(f"the host spill directory is refused: {spill['unsafe']}")
     if spill["orphans"]:
         warnings.append(
             f"{len(spill['orphans'])} spill director{'y' if len(spill['orphans']) == 1 else 'ies'} in {spill['path']} "

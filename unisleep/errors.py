@@ -49,6 +49,13 @@ class InsufficientMemoryError(UnisleepError):
     before anything is committed."""
 
 
+class LifecycleClosedError(InvalidTransitionError):
+    """The :class:`~unisleep.MemoryLifecycle` was closed (``close()``, garbage collection or
+    interpreter exit): its memory is released, every tag reads ``"closed"``, and every verb —
+    sleep, wake, discard, allocate, adopt, pool, backup, ``resident_bytes``, a transfer guard —
+    raises this before touching memory.  Create a new lifecycle."""
+
+
 class CopyInFlightError(InvalidTransitionError):
     """A progressive wake or a background sleep is still copying the memory this call would
     touch (wake, sleep, discard or allocate into a tag whose copy is in flight).  Nothing was
@@ -93,6 +100,7 @@ class EngineError(UnisleepError):
 __all__ = [
     "UnisleepError",
     "InvalidTransitionError",
+    "LifecycleClosedError",
     "HostBudgetError",
     "BackupError",
     "BackupCorruptError",

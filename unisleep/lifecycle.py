@@ -34,6 +34,7 @@ from .errors import (
     InsufficientMemoryError,
     InvalidArgumentError,
     InvalidTransitionError,
+    LifecycleClosedError,
     LiveTensorsError,
     UnisleepError,
     UnknownTagError,
@@ -45,6 +46,7 @@ log = logging.getLogger("unisleep")
 
 AWAKE, OFFLOADED, DISCARDED, LOST = "awake", "offloaded", "discarded", "lost"
 WAKING, SLEEPING = "waking", "sleeping"  # a progressive wake / background sleep is copying
+CLOSED = "closed"  # every tag of a closed lifecycle (its memory is released)
 LEVELS = (1, 2)
 _ALIGN = 512  # byte alignment of tensors packed into one region by adopt()
 
@@ -217,12 +219,24 @@ class MemoryLifecycle:
     def torch_device(self):
         return self._driver.torch_device
 
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran (or the lifecycle was finalized at garbage collection or
+        interpreter exit): every tag then reads ``"closed"`` and every verb raises
+        :class:`~unisleep.errors.LifecycleClosedError`."""
+        return self._closed or self._shut.is_set()
+
     def state(self) -> dict[str, str]:
         """Each tag's state: ``"awake"``, ``"offloaded"``, ``"discarded"`` or ``"lost"`` (and
-        ``"waking"`` / ``"sleeping"`` while a progressive wake / background sleep copies it).  An
-        awake tag is checked against what the driver holds: one whose memory is not all mapped
-        is reported (and recorded) as ``"lost"``, never as awake."""
+        ``"waking"`` / ``"sleeping"`` while a progressive wake / background sleep copies it;
+        ``"closed"`` for every tag once the lifecycle is closed).  An awake tag is checked
+        against what the driver holds: one whose memory is not all mapped is reported (and
+        recorded) as ``"lost"``, never as awake."""
+        if self.closed:
+            return {t: CLOSED for t in list(self._tags)}
         with self._lock:
+            if self.closed:
+                return {t: CLOSED for t in self._tags}
             self._settle_flight()
             for tag in {a.tag for a in self._allocs.values() if self._tags.get(a.tag) == AWAKE and not a.region.mapped}:
                 log.error("tag %r was recorded awake but its memory is not mapped: marked lost", tag)
@@ -231,7 +245,10 @@ class MemoryLifecycle:
 
     @property
     def is_sleeping(self) -> bool:
+        """Some tag is not awake; a closed lifecycle raises
+        :class:`~unisleep.errors.LifecycleClosedError` (it is neither awake nor asleep)."""
         with self._lock:
+            self._check_open()
             return any(s != AWAKE for s in self._tags.values())
 
     @property
@@ -244,6 +261,7 @@ class MemoryLifecycle:
         memory still being released behind a sleep's return (``release_behind``) is waited for."""
         from .progressive import BackgroundSleep
 
+        self._check_open()
         self._driver.settle_releases()
         f = self._flight[0]
         if isinstance(f, BackgroundSleep) and not f.done:  # its copies hold the lock: read without it
@@ -260,6 +278,7 @@ class MemoryLifecycle:
                             pass
             return total
         with self._lock:
+            self._check_open()
             if tag is not None:
                 self._check_tags([tag])
             return sum(a.region.physical_bytes(self._driver) for a in self._allocs.values() if tag in (None, a.tag))
@@ -267,6 +286,7 @@ class MemoryLifecycle:
     def allocated_bytes(self, tag: Optional[str] = None) -> int:
         """Bytes reserved for allocations (awake or not), rounded up to the granularity."""
         with self._lock:
+            self._check_open()
             return sum(a.region.size for a in self._allocs.values() if tag in (None, a.tag))
 
     def backup_bytes(self) -> int:
@@ -285,6 +305,7 @@ class MemoryLifecycle:
         ``out`` (e.g. to read weights while they sleep); False when that memory has no full
         backup held (never backed up, discarded, or not retained after a wake)."""
         with self._lock:
+            self._check_open()
             a = self._allocation_at(ptr, out.numel())
             if a is None or a.saved != [(0, a.region.size)] or not self._store.has((a.id, 0)):
                 return False
@@ -335,9 +356,15 @@ class MemoryLifecycle:
         tensor, a mapping or an iterable of those.  Python objects stay the same; each tensor's
         ``data_ptr()`` changes once and then stays fixed across every sleep/wake.  Tensors that
         share a storage (tied weights, views) keep sharing it.  Returns ``obj``.
+
+        Every tensor sharing a storage must be passed (in ``obj``) together: a view whose base is
+        not passed, or a tensor whose views or aliases (a held ``state_dict()``, ``.data``,
+        ``.detach()``) are not, would leave the others on the old memory, silently no longer
+        sharing bytes — refused with :class:`~unisleep.errors.InvalidArgumentError`, nothing moved.
         """
         import torch
 
+        self._check_open()
         named = list(_named_tensors(obj))
         if not named:
             raise InvalidArgumentError(f"adopt() found no tensors in {type(obj).__name__}")
@@ -357,6 +384,7 @@ class MemoryLifecycle:
             for t, names in aliases.values():
                 st = t.untyped_storage()
                 storages.setdefault((t.device, st.data_ptr(), st.nbytes()), []).append((names, t))
+            _check_storages_passed_whole(storages)
             offsets, total = {}, 0
             for key in storages:
                 offsets[key] = total
@@ -408,6 +436,7 @@ class MemoryLifecycle:
         nothing raises."""
         pats = [patterns] if isinstance(patterns, str) else list(patterns)
         with self._lock:
+            self._check_open()
             known = self.names()
             matched = []
             for p in pats:
@@ -425,6 +454,13 @@ class MemoryLifecycle:
         """Reserve backup room ahead of the first level-1 sleep (e.g. register a pinned host
         arena while the model loads), so even the first sleep copies at full speed.  ``nbytes``
         defaults to what the "weights" tag holds now.  Returns the bytes asked for."""
+        if nbytes is not None and (not _is_int(nbytes) or nbytes < 0):
+            raise InvalidArgumentError(
+                f"prepare_backup(nbytes) takes an int >= 0 (bytes) or None for what the 'weights' tag holds, got "
+                f"{nbytes!r}. Nothing was reserved."
+            )
+        if not isinstance(background, bool):
+            raise InvalidArgumentError(f"prepare_backup(background=) must be True or False, got {background!r}")
         with self._lock:
             self._check_open()
             if not background:  # waits for the arena's growth, which waits for the capture to end
@@ -441,6 +477,7 @@ class MemoryLifecycle:
         released, and ``after_wake(tags)`` once woken memory is mapped and restored.  Policies
         such as the extra cleanup (collective teardown/restore, graph recapture) plug in here."""
         with self._lock:
+            self._check_open()
             if before_sleep is not None:
                 self._before_sleep.append(before_sleep)
             if after_wake is not None:
@@ -757,8 +794,8 @@ class MemoryLifecycle:
                         continue
                 for tag in group:
                     for a in by_tag[tag]:
-                        self._after_restore(a)
-                    self._tags[tag] = AWAKE
+                        self._after_restore_safely(a)
+                    self._tags[tag] = AWAKE  # mapped, restored and verified
                     woken.append(tag)
             if woken:
                 for hook in self._after_wake:
@@ -797,6 +834,8 @@ class MemoryLifecycle:
         verified.  Takes no lock: call it from the forward pass."""
         from .progressive import ProgressiveWake
 
+        if self.closed:
+            self._check_open()
         f = self._flight[0]
         if isinstance(f, ProgressiveWake):
             f.ready(obj)
@@ -808,6 +847,7 @@ class MemoryLifecycle:
         Returns the handles (``h.remove()``)."""
         from .progressive import install_ready_hooks
 
+        self._check_open()
         return install_ready_hooks(self, model)
 
     def wait(self) -> Optional[Report]:
@@ -817,6 +857,7 @@ class MemoryLifecycle:
         the last sleep freed is released.  Raises its error, if it failed:
         a failed progressive wake leaves its tags asleep as before (memory unmapped), a failed
         background sleep leaves its tags awake with their bytes (or lost, as a plain sleep)."""
+        self._check_open()
         f = self._flight[0]
         if f is not None:
             f._complete()
@@ -880,7 +921,7 @@ class MemoryLifecycle:
         for a in f._allocs:
             if not a.region.mapped:  # a chunk no step covered (cannot happen: every chunk has one)
                 a.region.map(self._driver)
-            self._after_restore(a)
+            self._after_restore_safely(a)
         for t in f.tags:
             self._tags[t] = AWAKE
         for hook in self._after_wake:
@@ -985,7 +1026,10 @@ class MemoryLifecycle:
 
     def _check_open(self) -> None:
         if self._closed or self._shut.is_set():
-            raise InvalidTransitionError("this MemoryLifecycle is closed; create a new one")
+            raise LifecycleClosedError(
+                "this MemoryLifecycle is closed (close(), garbage collection or interpreter exit): its memory was "
+                "released and every tag reads 'closed'. Create a new MemoryLifecycle; nothing was touched."
+            )
 
     def _check_tags(self, tags: Iterable[str]) -> None:
         unknown = [t for t in tags if t not in self._tags]
@@ -1259,6 +1303,16 @@ class MemoryLifecycle:
         a.saved = []
         a.digest = None
 
+    def _after_restore_safely(self, a: Allocation) -> None:
+        """:meth:`_after_restore` once the bytes are back and verified: a failure of that
+        bookkeeping (dropping a backup no longer needed) never makes the restored memory look
+        asleep — the tag is awake, the failure is logged."""
+        try:
+            self._after_restore(a)
+        except Exception as e:
+            log.warning("tag %r is awake (its bytes were restored and verified), but dropping its backup failed: "
+                        "%s: %s; the backup stays recorded", a.tag, type(e).__name__, e)
+
     def _after_restore(self, a: Allocation) -> None:
         full = a.saved == [(0, a.region.size)]
         if not (full and self._driver.retain_backups and a.digest is not None):
@@ -1293,6 +1347,64 @@ def _cannot_adopt(t) -> Optional[str]:
     except Exception as e:
         return f"it has no plain storage ({e})"
     return None
+
+
+def _check_storages_passed_whole(storages: dict) -> None:
+    """Refuse (before anything moves) a storage some of whose tensors were not passed to
+    ``adopt()``; ``storages`` maps each storage to its passed ``(names, tensor)`` pairs.
+
+    Each tensor on a storage holds one reference to it: a count above the passed tensors (and
+    the bases their views keep alive) is another tensor — an unpassed view, a held
+    ``state_dict()`` entry, a ``.data``/``.detach()`` alias.  A passed view whose base was not
+    passed is refused when that base is held by anyone else than its views (a variable, a
+    module); a base only its views keep alive (``torch.arange(n).reshape(a, b)``) is nobody's
+    to track and moves with them."""
+    import torch
+
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    probe = _base_refs(torch.empty(2)[:1])  # an unheld base kept alive by one view: the baseline
+    for members in storages.values():
+        ids = {id(t) for _, t in members}
+        views: dict[int, list] = {}  # id of an unpassed base -> [(names, view)] of passed views
+        for names, t in members:
+            if t._base is not None and id(t._base) not in ids:
+                views.setdefault(id(t._base), []).append((names, t))
+        if use_count is not None:
+            st = members[0][1].untyped_storage()
+            extra = use_count(st._cdata) - 1 - len(ids) - len(views)  # 1: ``st`` itself
+            nbytes = st.nbytes()
+            del st
+            if extra > 0:
+                names = [n for ns, _ in members for n in ns]
+                shown = ", ".join(map(repr, names[:4])) + (" ..." if len(names) > 4 else "")
+                raise InvalidArgumentError(
+                    f"adopt() cannot move {shown}: {extra} other tensor(s) share its storage ({human_bytes(nbytes)}) "
+                    "but were not passed — a view of it, the tensor it is a view of, or an alias such as a held "
+                    "state_dict() entry, .data or .detach(); after the move they would keep pointing at the old "
+                    "memory and silently stop tracking it. Pass them in the same adopt() call (e.g. adopt the whole "
+                    "module, or adopt({'base': t, 'view': v})), or drop them (del) first. Nothing was moved."
+                )
+        for passed in views.values():
+            names, t = passed[0]
+            refs = _base_refs(t)
+            if refs[0] > probe[0] or (refs[1] >= 0 and refs[1] - (len(passed) - 1) > probe[1]):
+                raise InvalidArgumentError(
+                    f"adopt() cannot move {names[0]!r}: it is a view (shape {tuple(t.shape)}) of a tensor of shape "
+                    f"{tuple(t._base.shape)} that was not passed and is still in use; moved alone it would leave "
+                    "that base tensor on the old memory and the two would silently stop sharing their bytes. Pass "
+                    f"the base tensor in the same adopt() call (e.g. adopt({{'base': base, {names[0]!r}: view}}), "
+                    "or adopt the module that owns it), or pass view.clone() to adopt an independent copy. Nothing "
+                    "was moved."
+                )
+
+
+def _base_refs(view) -> tuple[int, int]:
+    """(Python references, tensor references) of ``view``'s base, as seen from here."""
+    import sys
+
+    b = view._base
+    uc = getattr(b, "_use_count", None)
+    return sys.getrefcount(b), (uc() if uc is not None else -1)
 
 
 def _check_tag_name(tag) -> None:

@@ -6,19 +6,25 @@ Trust rules:
   that fills up fails the sleep *before* anything changes;
 * every piece is written with its XXH3-64 checksum (``xxhash``) and checked when read back: a
   corrupted, truncated or deleted file raises :class:`~unisleep.errors.BackupCorruptError`;
-* each spill directory carries its owner (pid, boot id, an ``flock`` held while the process
-  lives), so a later lifecycle or ``unisleep doctor --clean`` removes the directories of dead
-  processes — never a live one's.
+* each spill directory carries unisleep's marker of its owner (an ``.owner`` file: pid, boot
+  id, and an ``flock`` taken *before* the marker is written and held while the process lives),
+  so a later lifecycle or ``unisleep doctor --clean`` removes only directories whose marker
+  names a dead owner — never a live one's, never one being created, never anything unmarked;
+* a spill directory another user could swap is refused (:func:`check_spill_parent`), and every
+  spill file is opened relative to the private directory's descriptor (``O_NOFOLLOW``, created
+  ``O_EXCL``), so no renamed directory or planted link redirects the weights.
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import fcntl
+import itertools
 import json
 import logging
 import os
-import shutil
+import secrets
 import signal
 import stat as _stat
 import tempfile
@@ -58,39 +64,193 @@ def filesystem_type(path: str) -> str:
 
 OWNER_FILE = ".owner"
 DIR_PREFIX = "unisleep-"
+#: a dead owner's directory renamed here while it is removed (no start-up ever sees it again)
+REAP_PREFIX = ".unisleep-reap-"
+#: the ``kind`` of unisleep's owner marker: only directories carrying it are ever removed
+MARKER_KIND = "unisleep-spill-dir"
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def clean_orphans(parent: str, remove: bool = True) -> list[str]:
-    """Remove the spill directories under ``parent`` whose owner is gone (its ``flock`` is free,
-    or it was made before the last boot, or — for directories from before owner files — its pid
-    no longer runs).  Only directories of this user are touched; a live owner's never.  Returns
-    the paths removed (with ``remove=False``: the paths that would be)."""
+    """Remove the spill directories under ``parent`` whose owner is gone.  A directory is
+    removed only when it carries unisleep's marker (a private ``.owner`` file of this user,
+    written by :class:`SpillStore` after taking its lock) and that marker's lock is free, or it
+    was made before the last boot.  Nothing else is touched: no directory without a valid
+    marker (e.g. the private run directory ``unisleep-<uid>`` holding transfer-group secrets),
+    no other user's, no live or half-created one.  A directory being removed is first renamed
+    (under its owner's lock) so no other process sees it.  Returns the paths removed (with
+    ``remove=False``: the paths that would be)."""
     removed: list[str] = []
     try:
-        names = os.listdir(parent)
+        pfd = os.open(parent, _DIR_FLAGS & ~os.O_NOFOLLOW)
     except OSError:
         return removed
-    me, boot = os.geteuid(), boot_id()
-    for name in names:
-        if not name.startswith(DIR_PREFIX):
-            continue
-        path = os.path.join(parent, name)
-        try:
-            st = os.lstat(path)
-        except OSError:
-            continue
-        if not _stat.S_ISDIR(st.st_mode) or st.st_uid != me:
-            continue
-        if _owner_alive(path, boot):
-            continue
-        if not remove:
-            removed.append(path)
-            continue
-        shutil.rmtree(path, ignore_errors=True)
-        if not os.path.exists(path):
-            removed.append(path)
-            log.warning("removed the spill directory %s left by a process that is gone", path)
+    try:
+        names = os.listdir(pfd)
+        boot = boot_id()
+        for name in names:
+            if not (name.startswith(DIR_PREFIX) or name.startswith(REAP_PREFIX)):
+                continue
+            if _reap(pfd, parent, name, boot, remove):
+                removed.append(os.path.join(parent, name))
+    finally:
+        os.close(pfd)
     return removed
+
+
+def _reap(pfd: int, parent: str, name: str, boot: str, remove: bool) -> bool:
+    """Remove ``parent/name`` if it is a spill directory of this user whose marked owner is
+    dead (``remove=False``: only say so).  True when it was (or would be) removed."""
+    me = os.geteuid()
+    try:
+        dfd = os.open(name, _DIR_FLAGS, dir_fd=pfd)
+    except OSError:  # gone, not a directory, a link, or not ours to read
+        return False
+    ofd = -1
+    try:
+        st = os.fstat(dfd)
+        if st.st_uid != me:
+            return False
+        try:
+            ofd = os.open(OWNER_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dfd)
+        except OSError:  # no marker (or not a plain file): not ours to judge
+            return False
+        info = _read_marker(ofd, me)
+        if info is None:  # not unisleep's marker, or still being written by a starting owner
+            return False
+        if info["boot_id"] == boot:
+            try:  # the marker is written only after its owner took this lock
+                fcntl.flock(ofd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                return False  # its owner lives
+        # else: made before the last boot, its process is gone
+        if not remove:
+            return True
+        shown = os.path.join(parent, name)
+        if name.startswith(DIR_PREFIX):
+            reap = f"{REAP_PREFIX}{secrets.token_hex(6)}"
+            try:
+                os.rename(name, reap, src_dir_fd=pfd, dst_dir_fd=pfd)
+            except OSError:  # removed meanwhile (its owner closed, another cleaner took it)
+                return False
+            name = reap
+        _empty_dir(dfd)
+        _unlink_at(OWNER_FILE, dfd)  # the marker goes last: an interrupted removal is retried
+        try:
+            os.rmdir(name, dir_fd=pfd)
+        except OSError as e:
+            log.warning("could not remove the spill directory %s left by a process that is gone (now %s): %s",
+                        shown, os.path.join(parent, name), e.strerror)
+            return False
+        log.warning("removed the spill directory %s left by a process that is gone", shown)
+        return True
+    finally:
+        if ofd >= 0:
+            os.close(ofd)
+        os.close(dfd)
+
+
+def _read_marker(fd: int, uid: int) -> Optional[dict]:
+    """The owner marker in ``fd`` when it is unisleep's: a regular file of ``uid``, not readable
+    by others, holding ``{"kind": MARKER_KIND, "pid": int, "boot_id": str, ...}``."""
+    try:
+        st = os.fstat(fd)
+        if not _stat.S_ISREG(st.st_mode) or st.st_uid != uid or st.st_mode & 0o077 or st.st_size > 4096:
+            return None
+        info = json.loads(os.pread(fd, 4096, 0))
+    except (OSError, ValueError):
+        return None
+    if (not isinstance(info, dict) or info.get("kind") != MARKER_KIND or not isinstance(info.get("pid"), int)
+            or not isinstance(info.get("boot_id"), str)):
+        return None
+    return info
+
+
+def _empty_dir(dfd: int) -> None:
+    """Remove everything in the directory ``dfd`` except its owner marker (without following
+    links; best effort)."""
+    try:
+        names = os.listdir(dfd)
+    except OSError:
+        return
+    for n in names:
+        if n == OWNER_FILE:
+            continue
+        try:
+            os.unlink(n, dir_fd=dfd)
+        except IsADirectoryError:
+            _remove_tree_at(n, dfd)
+        except OSError as e:
+            if e.errno in (errno.EISDIR, errno.EPERM):
+                _remove_tree_at(n, dfd)
+
+
+def _remove_tree_at(name: str, pfd: int) -> None:
+    try:
+        fd = os.open(name, _DIR_FLAGS, dir_fd=pfd)
+    except OSError:
+        return
+    try:
+        for n in os.listdir(fd):
+            try:
+                os.unlink(n, dir_fd=fd)
+            except OSError:
+                _remove_tree_at(n, fd)
+    finally:
+        os.close(fd)
+    try:
+        os.rmdir(name, dir_fd=pfd)
+    except OSError:
+        pass
+
+
+def _unlink_at(name: str, dfd: int) -> None:
+    try:
+        os.unlink(name, dir_fd=dfd)
+    except OSError:
+        pass
+
+
+def check_spill_parent(path: str, shown: Optional[str] = None) -> None:
+    """Raise :class:`~unisleep.errors.SpillDirError` unless no other user can swap ``path`` or
+    anything on the way to it: every directory from ``/`` to it (as given, and with links
+    resolved) must belong to root or to this user, and must not be writable by group or others
+    unless it is sticky (like ``/tmp``, where others cannot rename what is ours).  ``shown``:
+    the spill directory asked for, when ``path`` is the part of it that exists."""
+    me = os.geteuid()
+    shown = shown or path
+    seen = set()
+    for chain in (path, os.path.realpath(path)):
+        parts = chain.split("/")
+        for i in range(1, len(parts) + 1):
+            d = "/".join(parts[:i]) or "/"
+            if d in seen:
+                continue
+            seen.add(d)
+            try:
+                st = os.lstat(d)
+            except OSError as e:
+                raise SpillDirError(f"cannot check the spill directory {path!r}: {d}: {e.strerror}") from e
+            if _stat.S_ISLNK(st.st_mode):
+                continue  # the link's own directory is checked; its target is, through realpath
+            why = None
+            dn = d if d.rstrip("/") == shown.rstrip("/") else f"{d} (on the way to it)"
+            if st.st_uid not in (0, me):
+                why = f"{dn} belongs to uid {st.st_uid}, who can rename or replace what is in it"
+            elif st.st_mode & 0o022 and not st.st_mode & _stat.S_ISVTX:
+                who = "other users" if st.st_mode & 0o002 else "its group"
+                why = (f"{who} can write in {dn}, mode {oct(st.st_mode & 0o7777)} and not sticky, and so rename or "
+                       "replace what is in it")
+            if why:
+                raise SpillDirError(
+                    f"spill_dir {shown!r} is not safe: {why} — e.g. swap in links or files of theirs and get "
+                    f"the weights written where they can read them. Use a directory that only this user (uid {me}) "
+                    "or root can change — e.g. "
+                    f"mkdir -m 700 /var/tmp/unisleep-spill — and pass it as spill_dir= (or UNISLEEP_SPILL_DIR; "
+                    f"TMS_DISK_BACKUP_DIR for the torch_memory_saver facade), or fix it: chmod go-w {d} (or chmod "
+                    f"+t {d} to make it sticky like /tmp){'' if st.st_uid in (0, me) else f', chown {me} {d}'}. "
+                    "Nothing was written there."
+                )
 
 
 def tree_bytes(path: str) -> int:
@@ -103,41 +263,6 @@ def tree_bytes(path: str) -> int:
             except OSError:
                 pass
     return total
-
-
-def _owner_alive(path: str, boot: str) -> bool:
-    owner = os.path.join(path, OWNER_FILE)
-    try:
-        fd = os.open(owner, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except FileNotFoundError:
-        # no owner file: made by an older unisleep (unisleep-<pid>-...), or being created now
-        parts = os.path.basename(path).split("-")
-        try:
-            pid = int(parts[1])
-        except (IndexError, ValueError):
-            return True
-        try:
-            if time.time() - os.stat(path).st_mtime < 60:
-                return True  # a directory this young may be mid-creation
-        except OSError:
-            return True
-        return os.path.exists(f"/proc/{pid}")
-    except OSError:
-        return True
-    try:
-        try:
-            info = json.loads(os.pread(fd, 4096, 0) or b"{}")
-        except ValueError:
-            info = {}
-        if info.get("boot_id") not in (None, boot):
-            return False  # made before the last boot: its process is gone
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:  # the owner holds its lock (or it cannot be tested): treat as alive
-            return True
-        return False  # we got the lock: nobody holds it
-    finally:
-        os.close(fd)
 
 
 _signals_installed = False
@@ -202,34 +327,29 @@ class SpillStore(BackupStore):
 
     Writing is ``pwrite`` from the resident pages into a file allocated to its full size first;
     reading is ``preadv`` straight into the freshly mapped memory, then each piece's XXH3-64
-    is checked.  Dropping a backup unlinks its file, so disk is returned at once.
+    is checked.  Dropping a backup unlinks its file, so disk is returned at once; a file that
+    cannot be unlinked (a file system gone read-only) stays counted in :attr:`held_bytes`,
+    is named in a warning and is removed at the next level-1 sleep or at :meth:`close`.
+
+    ``spill_dir`` and every directory on the way to it must be safe from other users
+    (:func:`check_spill_parent`); the private directory is created and then only used through
+    its descriptor, its files opened with ``O_NOFOLLOW`` (and created ``O_EXCL``).
     """
 
     def __init__(self, budget_bytes: Optional[int], spill_dir: Optional[str]):
         parent = os.path.abspath(os.path.expanduser(spill_dir or default_spill_parent()))
         self._made_parent = None
-        if os.path.lexists(parent) and not os.path.isdir(parent):
-            raise SpillDirError(
-                f"spill_dir {parent!r} exists and is not a directory. Pass spill_dir= (or set "
-                "UNISLEEP_SPILL_DIR) to a directory on a disk with room for the weights."
-            )
-        if not os.path.exists(parent):
-            try:
-                os.makedirs(parent, mode=0o700)
-            except FileExistsError:  # another process starting at the same time made it first
-                if not os.path.isdir(parent):
-                    raise SpillDirError(
-                        f"spill_dir {parent!r} exists and is not a directory. Pass spill_dir= (or set "
-                        "UNISLEEP_SPILL_DIR) to a directory on a disk with room for the weights."
-                    ) from None
-            except OSError as e:
-                raise SpillDirError(
-                    f"cannot create spill_dir {parent!r}: {e.strerror}. Pass spill_dir= (or set "
-                    "UNISLEEP_SPILL_DIR) to a writable directory on a disk with room for the weights."
-                ) from e
-            else:
-                self._made_parent = parent
-                log.warning("created the spill directory %s (removed again at close if still empty)", parent)
+        self._parent_fd = self._dir_fd = self._lock_fd = -1
+        existing = parent
+        while not os.path.lexists(existing):  # nothing is created under a directory others can swap
+            existing = os.path.dirname(existing)
+        check_spill_parent(existing, shown=parent)
+        self._ensure_parent(parent)
+        try:
+            check_spill_parent(parent)
+        except SpillDirError:
+            self._remove_made_parent()
+            raise
         self.fstype = filesystem_type(parent)
         if self.fstype in RAM_FILESYSTEMS:
             warnings.warn(
@@ -240,45 +360,122 @@ class SpillStore(BackupStore):
             )
         clean_orphans(parent)
         try:
-            self.dir = tempfile.mkdtemp(prefix=f"{DIR_PREFIX}{os.getpid()}-{boot_id()[:8]}-", dir=parent)
-        except OSError as e:
+            self._make_private_dir(parent)
+        except BaseException:
+            self._close_fds()
             self._remove_made_parent()
-            raise SpillDirError(
-                f"cannot write in spill_dir {parent!r}: {e.strerror}. Pass spill_dir= (or set "
-                "UNISLEEP_SPILL_DIR) to a writable directory on a disk with room for the weights."
-            ) from e
+            raise
         self.parent = parent
-        self._lock_fd = self._claim(self.dir)
         _exit_cleanly_on_sigterm()
         self.where = f"spill files in {self.dir} ({self.fstype})"
         self.budget = budget_bytes
+        self._names = itertools.count()
         self._reserved: dict[tuple[int, int], tuple[str, int]] = {}
-        # key -> (path, nbytes, [(offset, length, xxh3)])
+        # key -> (file name, nbytes, [(offset, length, xxh3)])
         self._files: dict[tuple[int, int], tuple[str, int, list[tuple[int, int, int]]]] = {}
+        # file name -> nbytes: backups no longer needed whose file could not be unlinked yet
+        self._leftover: dict[str, int] = {}
+
+    def _ensure_parent(self, parent: str) -> None:
+        if os.path.lexists(parent) and not os.path.isdir(parent):
+            raise SpillDirError(
+                f"spill_dir {parent!r} exists and is not a directory. Pass spill_dir= (or set "
+                "UNISLEEP_SPILL_DIR) to a directory on a disk with room for the weights."
+            )
+        if os.path.exists(parent):
+            return
+        try:
+            os.makedirs(parent, mode=0o700)
+        except FileExistsError:  # another process starting at the same time made it first
+            if not os.path.isdir(parent):
+                raise SpillDirError(
+                    f"spill_dir {parent!r} exists and is not a directory. Pass spill_dir= (or set "
+                    "UNISLEEP_SPILL_DIR) to a directory on a disk with room for the weights."
+                ) from None
+        except OSError as e:
+            raise SpillDirError(
+                f"cannot create spill_dir {parent!r}: {e.strerror}. Pass spill_dir= (or set "
+                "UNISLEEP_SPILL_DIR) to a writable directory on a disk with room for the weights."
+            ) from e
+        else:
+            self._made_parent = parent
+            log.warning("created the spill directory %s (removed again at close if still empty)", parent)
+
+    def _make_private_dir(self, parent: str) -> None:
+        """Create this store's private directory in ``parent`` and claim it: the owner lock is
+        taken before the marker is written, so no cleaner ever takes a starting store's
+        directory for a dead one.  ``parent`` may be removed by another store's close while
+        this one starts (it created it and found it empty): it is made again then."""
+        me = os.geteuid()
+        for attempt in range(20):
+            try:
+                self._parent_fd = os.open(parent, _DIR_FLAGS & ~os.O_NOFOLLOW)
+            except FileNotFoundError:
+                self._ensure_parent(parent)
+                check_spill_parent(parent)
+                continue
+            except OSError as e:
+                raise SpillDirError(f"cannot open spill_dir {parent!r}: {e.strerror}. Pass spill_dir= (or set "
+                                    "UNISLEEP_SPILL_DIR) to a writable directory on a disk with room for the weights.") from e
+            st, now = os.fstat(self._parent_fd), os.stat(parent)
+            if (st.st_dev, st.st_ino) != (now.st_dev, now.st_ino):  # pragma: no cover - replaced meanwhile
+                raise SpillDirError(f"spill_dir {parent!r} was replaced while unisleep opened it; nothing was written")
+            name = f"{DIR_PREFIX}{os.getpid()}-{boot_id()[:8]}-{secrets.token_hex(5)}"
+            try:
+                os.mkdir(name, 0o700, dir_fd=self._parent_fd)
+            except FileExistsError:
+                os.close(self._parent_fd)
+                self._parent_fd = -1
+                continue
+            except FileNotFoundError:  # the parent was removed under its descriptor: make it again
+                os.close(self._parent_fd)
+                self._parent_fd = -1
+                self._ensure_parent(parent)
+                check_spill_parent(parent)
+                continue
+            except OSError as e:
+                raise SpillDirError(
+                    f"cannot write in spill_dir {parent!r}: {e.strerror}. Pass spill_dir= (or set "
+                    "UNISLEEP_SPILL_DIR) to a writable directory on a disk with room for the weights."
+                ) from e
+            break
+        else:  # pragma: no cover
+            raise SpillDirError(f"cannot create a private directory in spill_dir {parent!r}: 20 attempts failed")
+        self.dir, self._name = os.path.join(parent, name), name
+        self._dir_fd = os.open(name, _DIR_FLAGS, dir_fd=self._parent_fd)
+        st = os.fstat(self._dir_fd)
+        if st.st_uid != me or _stat.S_IMODE(st.st_mode) & 0o077:  # pragma: no cover - not what mkdir made
+            raise SpillDirError(f"the private spill directory {self.dir} is not this user's mode-0700 directory")
+        self._lock_fd = self._claim(self._dir_fd)
 
     @staticmethod
-    def _claim(path: str) -> int:
-        owner = os.path.join(path, OWNER_FILE)
-        fd = os.open(owner, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    def _claim(dfd: int) -> int:
+        """Create the owner marker in the directory ``dfd``: lock first, then write.  Returns
+        the descriptor holding the lock (read-only: a file open for writing would keep the
+        file system from being remounted)."""
+        wfd = os.open(OWNER_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                      dir_fd=dfd)
         try:
-            os.write(fd, json.dumps({"pid": os.getpid(), "boot_id": boot_id(), "created": time.time()}).encode())
+            fd = os.open(OWNER_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # nobody locks an unwritten marker
+            info = {"kind": MARKER_KIND, "pid": os.getpid(), "boot_id": boot_id(), "created": time.time()}
+            os.write(wfd, json.dumps(info).encode())
         finally:
-            os.close(fd)
-        # held read-only (a file open for writing would keep the filesystem from being remounted)
-        fd = os.open(owner, os.O_RDONLY | os.O_CLOEXEC)
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.close(wfd)
         return fd
 
     # -- accounting
     @property
     def held_bytes(self) -> int:
-        return sum(e[1] for e in self._files.values()) + sum(n for _, n in self._reserved.values())
+        return (sum(e[1] for e in self._files.values()) + sum(n for _, n in self._reserved.values())
+                + sum(self._leftover.values()))
 
     def free_space(self) -> int:
-        st = os.statvfs(self.dir)
+        st = os.fstatvfs(self._dir_fd)
         return st.f_bavail * st.f_frsize
 
     def ensure_fits(self, nbytes: int) -> None:
+        self._retry_leftovers()
         if self.budget is not None and self.held_bytes + nbytes > self.budget:
             raise HostBudgetError(
                 f"a level-1 backup of {human_bytes(nbytes)} would exceed host_budget_bytes="
@@ -294,16 +491,23 @@ class SpillStore(BackupStore):
             )
 
     # -- data
-    def _path(self, key):
-        return os.path.join(self.dir, f"{key[0]}-{key[1]}.bin")
+    def _new_name(self, key) -> str:
+        return f"{key[0]}-{key[1]}-{next(self._names)}.bin"
+
+    def _full(self, name: str) -> str:
+        return os.path.join(self.dir, name)
+
+    def _open(self, name: str, flags: int, mode: int = 0o600) -> int:
+        return os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=self._dir_fd)
 
     def reserve(self, key, nbytes: int) -> None:
         """Allocate the whole file for backup ``key`` now, so a full disk fails here, before
         any memory is released."""
         self.drop(key)
-        path = self._path(key)
+        name = self._new_name(key)
+        path = self._full(name)
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            fd = self._open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         except OSError as e:
             raise BackupError(
                 f"cannot create the backup file {path}: {e.strerror} (point spill_dir= at a writable disk "
@@ -315,7 +519,7 @@ class SpillStore(BackupStore):
                 os.posix_fallocate(fd, 0, nbytes)
         except OSError as e:
             os.close(fd)
-            _unlink(path)
+            self._unlink(name)
             raise BackupError(
                 f"cannot reserve {human_bytes(nbytes)} for the backup file {path}: {e.strerror} "
                 f"({human_bytes(self.free_space())} free now; free disk space, point spill_dir= at a "
@@ -323,7 +527,7 @@ class SpillStore(BackupStore):
                 nbytes=nbytes, path=path, cause=e,
             ) from e
         os.close(fd)
-        self._reserved[key] = (path, nbytes)
+        self._reserved[key] = (name, nbytes)
 
     def save(self, key, src) -> None:
         self.save_progressively(key, src, PIECE, lambda end: None)
@@ -335,10 +539,11 @@ class SpillStore(BackupStore):
         n = src.numel()
         if key not in self._reserved or self._reserved[key][1] != n:
             self.reserve(key, n)
-        path = self._reserved[key][0]
+        name = self._reserved[key][0]
+        path = self._full(name)
         pieces: list[tuple[int, int, int]] = []
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+            fd = self._open(name, os.O_WRONLY)
             try:
                 mv, done = _buffer(src.data_ptr(), n), 0
                 while done < n:
@@ -360,7 +565,7 @@ class SpillStore(BackupStore):
                 nbytes=n, path=path, cause=e,
             ) from e
         del self._reserved[key]
-        self._files[key] = (path, n, pieces)
+        self._files[key] = (name, n, pieces)
 
     def load(self, key, dst) -> None:
         n = self._entry(key)[1]
@@ -378,12 +583,13 @@ class SpillStore(BackupStore):
         """Read ``dst.numel()`` bytes of backup ``key`` starting at ``offset`` into ``dst`` and
         check every piece they cover against its checksum (a piece only partly covered is read
         whole into a scratch buffer to be checked)."""
-        path, total, pieces = self._entry(key)
+        name, total, pieces = self._entry(key)
+        path = self._full(name)
         n = dst.numel()
         if offset + n > total:
             raise ValueError(f"backup {key} holds {total} bytes; cannot read {n} at {offset}")
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = self._open(name, os.O_RDONLY)
         except OSError as e:
             raise BackupCorruptError(
                 f"the backup file {path} cannot be opened ({e.strerror}): it was removed or made unreadable "
@@ -416,25 +622,73 @@ class SpillStore(BackupStore):
             os.close(fd)
 
     def path(self, key) -> str:
-        return self._entry(key)[0]
+        return self._full(self._entry(key)[0])
 
     def has(self, key) -> bool:
         return key in self._files
 
     def drop(self, key) -> None:
+        """Forget backup ``key`` and unlink its file.  A file that cannot be unlinked (e.g. the
+        file system went read-only) is not an error — its bytes are no longer needed — but it
+        keeps its room counted and is named in a warning until a later try removes it."""
         for table in (self._files, self._reserved):
             entry = table.pop(key, None)
             if entry:
-                _unlink(entry[0])
+                self._unlink(entry[0], entry[1])
+
+    def _unlink(self, name: str, nbytes: int = 0) -> bool:
+        try:
+            os.unlink(name, dir_fd=self._dir_fd)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            first = name not in self._leftover
+            self._leftover[name] = nbytes
+            if first:
+                msg = (f"the spill file {self._full(name)} could not be removed ({e.strerror}); the backup it holds is "
+                       f"no longer needed (the memory it backed up is mapped again, or was discarded). Its "
+                       f"{human_bytes(nbytes)} stay on disk, counted in backup_bytes(), until it can be removed: "
+                       "unisleep tries again at the next level-1 sleep and at close()")
+                log.warning("%s", msg)
+                warnings.warn(msg, RuntimeWarning, stacklevel=2)
+            return False
+        self._leftover.pop(name, None)
+        return True
+
+    def _retry_leftovers(self) -> None:
+        for name in list(self._leftover):
+            try:
+                os.unlink(name, dir_fd=self._dir_fd)
+            except FileNotFoundError:
+                pass
+            except OSError:
+                continue
+            self._leftover.pop(name, None)
+            log.info("removed the leftover spill file %s", self._full(name))
 
     def close(self) -> None:
         self._files.clear()
         self._reserved.clear()
-        shutil.rmtree(self.dir, ignore_errors=True)
-        if self._lock_fd >= 0:
-            os.close(self._lock_fd)
-            self._lock_fd = -1
+        self._leftover.clear()
+        if self._dir_fd >= 0:
+            _empty_dir(self._dir_fd)
+            _unlink_at(OWNER_FILE, self._dir_fd)  # the marker last: a failed removal is reaped later
+            try:
+                os.rmdir(self._name, dir_fd=self._parent_fd)
+            except OSError:
+                pass
+        self._close_fds()
         self._remove_made_parent()
+
+    def _close_fds(self) -> None:
+        for attr in ("_lock_fd", "_dir_fd", "_parent_fd"):
+            fd = getattr(self, attr, -1)
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+                setattr(self, attr, -1)
 
     def _remove_made_parent(self) -> None:
         if self._made_parent:
@@ -442,13 +696,6 @@ class SpillStore(BackupStore):
                 os.rmdir(self._made_parent)  # only if still empty
             except OSError:
                 pass
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 def _read_hashed(fd: int, target, offset: int, path: str, total: int) -> int:

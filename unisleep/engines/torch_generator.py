@@ -238,6 +238,7 @@ class TorchGenerator(Engine):
     def _require_awake(self, tags: Iterable[str], doing: str) -> None:
         if self._closed:
             raise InvalidTransitionError(f"cannot {doing}: the engine is closed")
+        self.lifecycle._check_open()  # a lifecycle closed under the engine: LifecycleClosedError
         st = self.lifecycle.state()
         asleep = {t: st[t] for t in tags if st.get(t, AWAKE) != AWAKE}
         if asleep:

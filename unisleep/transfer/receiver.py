@@ -8,7 +8,7 @@ import os
 import time
 from typing import Any, Callable, Optional, Sequence
 
-from ..errors import InvalidArgumentError, InvalidTransitionError, TransferError, UnisleepError
+from ..errors import InvalidArgumentError, InvalidTransitionError, LifecycleClosedError, TransferError, UnisleepError
 from . import records as R
 from .channels import ABORT, END, IpcConn, connect_ipc, handshake_receiver, wait_work
 from .group import TransferGroup
@@ -29,7 +29,8 @@ class WeightReceiver:
 
     ``guard``: a :class:`~unisleep.MemoryLifecycle` (its ``guard_tags``, default ``"weights"``
     or else every tag, must be awake) or a callable returning True when the target may be written.
-    A closed guard makes ``receive`` raise :class:`InvalidTransitionError` before a byte moves.
+    A closed guard makes ``receive`` raise :class:`InvalidTransitionError` before a byte moves
+    (:class:`~unisleep.errors.LifecycleClosedError` when the lifecycle itself was closed).
 
     ``staged`` (default True): every bucket is verified and held until the whole update is good,
     then applied; the previous version stays intact on any failure (costs one update's size of
@@ -69,13 +70,26 @@ class WeightReceiver:
 
     # ---------------------------------------------------------------- checks before bytes
     def check_guard(self) -> None:
-        """Raise :class:`InvalidTransitionError` if the target memory may not be written now."""
+        """Raise :class:`InvalidTransitionError` if the target memory may not be written now
+        (:class:`LifecycleClosedError` when the guarding lifecycle is closed)."""
         g = self.guard
         if g is None:
             return
+        if getattr(g, "closed", False) is True:
+            raise LifecycleClosedError(
+                "cannot receive weights: the receiver's guard, a MemoryLifecycle, is closed (its memory was "
+                "released); create a new lifecycle, adopt the target into it, and guard the receiver with that. "
+                "Nothing was transferred."
+            )
         if hasattr(g, "state") and callable(g.state):
             st = g.state()
             tags = self.guard_tags or (["weights"] if "weights" in st else list(st))
+            closed = [t for t in tags if st.get(t) == "closed"]
+            if closed:
+                raise LifecycleClosedError(
+                    f"cannot receive weights: the guard reports tag(s) {', '.join(map(repr, closed))} closed (the "
+                    "lifecycle's memory was released); create a new lifecycle for the target. Nothing was transferred."
+                )
             asleep = {t: st.get(t, "unknown") for t in tags if st.get(t) != "awake"}
             if asleep:
                 raise InvalidTransitionError(
