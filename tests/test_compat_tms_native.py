@@ -280,3 +280,9 @@ def test_slimes_env_and_deep_ep_patch_work_with_the_facade():
     """
     got = _json(_run(actor, actor_env))
     assert got == {"facade": FACADE, "freed": True, "backup": True, "deep_ep_usable": True, "restored": True}
+
+
+def test_preload_path_helper_prints_the_library():
+    proc = _run("import runpy, sys; sys.argv = ['x', '--preload-path']; runpy.run_module('unisleep.compat', run_name='__main__')",
+                _env())
+    assert proc.returncode == 0 and proc.stdout.strip() == native_library_path(), proc.stderr
