@@ -368,9 +368,11 @@ class TorchMemorySaver:
 
     @hook_mode.setter
     def hook_mode(self, hook_mode: HookMode) -> None:
-        # tms 0.0.10 refuses this after its first use (it picks its hook then); unisleep installs
-        # no hook in either mode, so any valid value is accepted at any time and changes nothing
-        # (SGLang's adapter sets "torch" or "preload" whenever it is created)
+        # tms 0.0.10 refuses this after its first use (it picks its hook then); unisleep's
+        # routing does not depend on it (regions use the lifecycle's pool, whole-process capture
+        # follows TMS_INIT_ENABLE), so any valid value is accepted at any time and changes
+        # nothing (SGLang's adapter sets "torch" or "preload" whenever it is created; AReaL sets
+        # "preload" after its first use)
         if hook_mode not in _HOOK_MODES:
             raise InvalidArgumentError(f"hook_mode must be 'preload' or 'torch', got {hook_mode!r}")
 
