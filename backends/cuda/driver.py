@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
+from unisleep.backends._capture import CaptureSpec
 from unisleep.driver import BackupStore, Driver, RestoreJob, _Trace
 
 from . import cu
@@ -56,6 +57,8 @@ class CudaDriver(Driver):
     retain_backups = True
     views_hold_owner = True
     supports_pool = True
+    #: torch's caching allocator asks the runtime for segments through these two imports
+    capture_spec = CaptureSpec("libc10_cuda", "cudaMalloc", "cudaFree", "device", "libcudart")
     #: 1 GiB physical chunks: a backed-up chunk is released as soon as its copy is done
     default_chunk_bytes = 1 << 30
     #: True (default): discarded regions (the KV cache) are released while the backup copies

@@ -24,6 +24,7 @@ import threading
 from dataclasses import dataclass
 from typing import Optional
 
+from unisleep.backends._capture import CaptureSpec
 from unisleep.driver import BackupStore, Driver, _Trace
 
 from . import libc
@@ -42,6 +43,9 @@ class HostDriver(Driver):
     retain_backups = False
     views_hold_owner = True
     supports_release_behind = True
+    #: torch's CPU allocator (libc10's ``posix_memalign``/``free``): every CPU tensor of a thread
+    #: in an interesting region becomes a region of this driver
+    capture_spec = CaptureSpec("libc10", "posix_memalign", "free", "host")
 
     #: physical chunks of a region: a chunk already written to the spill file is released (on a
     #: second thread) while the next one is written

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 from unisleep.backends._native import record_fallback
+from unisleep.backends._capture import CaptureSpec
 from unisleep.driver import BackupStore, Driver, SaveJob
 from unisleep.errors import UnisleepError
 from unisleep.platform import SPECS
@@ -77,6 +78,9 @@ class RocmDriver(Driver):
     fresh_memory_is_zero = False  # remapped VRAM may hold stale data: zero explicitly
     retain_backups = False
     supports_pool = False  # per instance: True with a ROCm build of torch on a real HIP library
+    #: torch's caching allocator asks HIP for segments through these two imports (NOT RUN on ROCm
+    #: hardware: the rewrite is the code path run on CUDA and on the host)
+    capture_spec = CaptureSpec("libc10_hip", "hipMalloc", "hipFree", "device", "libamdhip64")
 
     def __init__(
         self,

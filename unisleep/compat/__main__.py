@@ -1,5 +1,7 @@
-"""``python -m unisleep.compat --pythonpath``: print the shim folder to put first on PYTHONPATH
-(with ``UNISLEEP_TMS=1``) so ``import torch_memory_saver`` gives unisleep's facade."""
+"""``python -m unisleep.compat``: print the line that makes ``import torch_memory_saver`` give
+unisleep's facade in the processes a shell starts; ``--pythonpath``: only the shim folder (with
+``UNISLEEP_TMS=1``); ``--preload-path``: unisleep's native library, the file to name in
+``LD_PRELOAD`` where a launcher sets torch_memory_saver's (preloading it gives the facade)."""
 
 import argparse
 
@@ -7,8 +9,13 @@ from . import ENV_SWITCH, shim_dir
 
 ap = argparse.ArgumentParser(prog="python -m unisleep.compat", description=__doc__)
 ap.add_argument("--pythonpath", action="store_true", help="print the shim folder only")
+ap.add_argument("--preload-path", action="store_true", help="print the native library's path")
 args = ap.parse_args()
 if args.pythonpath:
     print(shim_dir())
+elif args.preload_path:
+    from .torch_memory_saver import native_library_path
+
+    print(native_library_path())
 else:
     print(f'export {ENV_SWITCH}=1 PYTHONPATH="{shim_dir()}${{PYTHONPATH:+:$PYTHONPATH}}"')

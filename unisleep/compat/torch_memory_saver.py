@@ -32,6 +32,7 @@ instead of in the first pause, as tms does.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import threading
@@ -59,8 +60,69 @@ _HOOK_MODES = ("preload", "torch")
 _BACKENDS = ("mmap", "pinned")
 NONE, CPU, DISK = "none", "cpu", "disk"  # backup kinds
 
-#: the variable that makes ``import torch_memory_saver`` resolve to this facade in child
-#: processes that have the shim folder on their path (see unisleep.compat)
+#: the native library's file name: torch_memory_saver's own preload library is called so, and
+#: slime and AReaL look for it in ``dirname(dirname(torch_memory_saver.__file__))``
+NATIVE_NAME = "torch_memory_saver_hook_mode_preload.abi3.so"
+#: torch_memory_saver's accepted values of its boolean variables (others end that library's process)
+_ON, _OFF = ("1", "true", "TRUE", "yes", "YES"), ("0", "false", "FALSE", "no", "NO")
+_INIT_VARS = ("TMS_INIT_ENABLE", "TMS_INIT_ENABLE_CPU_BACKUP", "TMS_INIT_ENABLE_DISK_BACKUP")
+
+
+def native_library_path() -> str:
+    """Where the native library is installed: beside ``unisleep/compat/`` in the unisleep
+    package, i.e. ``dirname(dirname(torch_memory_saver.__file__))`` when the facade is the
+    ``torch_memory_saver`` module — the file slime and AReaL put in ``LD_PRELOAD``."""
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), NATIVE_NAME)
+
+
+class _BinaryWrapper:
+    """torch_memory_saver's ``_impl._binary_wrapper``: ``cdll`` is unisleep's native library
+    with tms's per-thread setting functions (``tms_{get,set}_interesting_region``,
+    ``_current_tag``, ``_enable_cpu_backup``, ``_cpu_backup_backend``, ``_enable_disk_backup``),
+    their signatures set as tms sets them.  Turning the interesting region off on a thread makes
+    that thread's allocations ordinary memory, outside any tag, until it is turned on again."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.cdll = ctypes.CDLL(path)
+        c = self.cdll
+        c.tms_set_current_tag.argtypes = [ctypes.c_char_p]
+        c.tms_get_current_tag.restype = ctypes.c_char_p
+        c.tms_set_interesting_region.argtypes = [ctypes.c_bool]
+        c.tms_get_interesting_region.restype = ctypes.c_bool
+        c.tms_set_enable_cpu_backup.argtypes = [ctypes.c_bool]
+        c.tms_get_enable_cpu_backup.restype = ctypes.c_bool
+        c.tms_set_cpu_backup_backend.argtypes = [ctypes.c_char_p]
+        c.tms_get_cpu_backup_backend.restype = ctypes.c_char_p
+        c.tms_set_enable_disk_backup.argtypes = [ctypes.c_bool]
+        c.tms_get_enable_disk_backup.restype = ctypes.c_bool
+        c.unisleep_tms_set_cpu_backup_backend.argtypes = [ctypes.c_char_p]
+        c.unisleep_capture_owned.restype = ctypes.c_size_t
+        c.unisleep_tms_library.restype = ctypes.c_char_p
+
+    def set_config(self, *, tag: str, interesting_region: bool, enable_cpu_backup: bool,
+                   cpu_backup_backend: Optional[str] = None, enable_disk_backup: bool = False) -> None:
+        """All of the calling thread's settings at once (tms's ``BinaryWrapper.set_config``)."""
+        self.cdll.tms_set_current_tag(tag.encode("utf-8"))
+        self.cdll.tms_set_interesting_region(interesting_region)
+        self.cdll.tms_set_enable_cpu_backup(enable_cpu_backup)
+        if cpu_backup_backend is not None:
+            self.cdll.tms_set_cpu_backup_backend(cpu_backup_backend.encode("utf-8"))
+        self.cdll.tms_set_enable_disk_backup(enable_disk_backup)
+
+    def get_config(self) -> tuple:
+        c = self.cdll
+        return (c.tms_get_current_tag().decode("utf-8"), bool(c.tms_get_interesting_region()),
+                bool(c.tms_get_enable_cpu_backup()), c.tms_get_cpu_backup_backend().decode("utf-8"),
+                bool(c.tms_get_enable_disk_backup()))
+
+
+class _Impl:
+    """What ``torch_memory_saver._impl`` is once the facade started (``None`` before, as in tms)."""
+
+    def __init__(self, binary_wrapper: _BinaryWrapper):
+        self._binary_wrapper = binary_wrapper
+
 
 
 @dataclass
@@ -114,6 +176,14 @@ class TorchMemorySaver:
         self._disk_dir: Optional[str] = os.environ.get("TMS_DISK_BACKUP_DIR") or None
         self._default_backend = os.environ.get("TMS_INIT_CPU_BACKUP_BACKEND") or "pinned"
         self._warned: set[str] = set()
+        self._impl: Optional[_Impl] = None  # tms's attribute: set by the first use
+        self._native_problem: Optional[str] = None
+        self._capture = None  # whole-process capture (TMS_INIT_ENABLE=1), owned by this instance
+        self._listener = None
+        # get_cpu_backup: tags resumed with retain_cpu_backup on (their backup stays readable), and
+        # the host tensors handed out with zero_copy=True, by (ptr, nbytes): (tensor, slot)
+        self._retained: set[tuple[int, str]] = set()
+        self._zero_copy: dict[tuple[int, int], tuple[Any, _Slot]] = {}
 
     # ------------------------------------------------------------------ tms surface
     @contextlib.contextmanager
@@ -139,18 +209,24 @@ class TorchMemorySaver:
         slot = self._slot(tag, kind, self._current_device(), tag)
         handle = RegionHandle(self, slot)
         lc = slot.lc
+        # the thread's settings as tms keeps them (what the capture reads, and what callers of
+        # _impl._binary_wrapper.cdll see); the previous ones come back at the end
+        config = self._thread_config(tag=tag, interesting=True, cpu=enable_cpu_backup,
+                                     backend=cpu_backup_backend if enable_cpu_backup else None,
+                                     disk=enable_disk_backup)
         if lc.driver.supports_pool:
-            with self._pushed(slot, route=True):
+            with config, self._pushed(slot, route=True):
                 yield handle
             self._prepare_backup(slot)
         else:
-            self._say_once(
-                "host-region",
-                f"torch_memory_saver.region() on the {lc.platform_name} backend: torch's own allocations are not "
-                "routed into the tag there (the backend has no memory pool); allocate with "
-                "`with torch_memory_saver.region(...) as r: r.empty(...)` or r.adopt(module)",
-            )
-            with self._pushed(slot, route=False):
+            if self._capture is None:
+                self._say_once(
+                    "host-region",
+                    f"torch_memory_saver.region() on the {lc.platform_name} backend: torch's own allocations are "
+                    "routed into the tag only with whole-process capture (TMS_INIT_ENABLE=1); otherwise allocate "
+                    "with `with torch_memory_saver.region(...) as r: r.empty(...)` or r.adopt(module)",
+                )
+            with config, self._pushed(slot, route=False):
                 yield handle
             self._prepare_backup(slot)
 
@@ -218,17 +294,18 @@ class TorchMemorySaver:
         """Allocations inside are ordinary memory, outside any tag (e.g. weight-update buffers
         that must not be paused; slime runs its weight sync in it)."""
         self._ensure_initialized()
-        # the routing into the current region's pool is switched off (tms: "interesting region"
-        # off, a throwaway pool of the default allocator); torch's default allocator serves
-        # what is allocated inside, as outside any region
-        with self._pushed(None, route=False):  # a region entered inside routes again, as in tms
-            yield
+        # as tms: the thread's "interesting region" is off (nothing it allocates is captured) and
+        # the routing into the current region's pool is switched off; with whole-process capture
+        # on an accelerator the thread also allocates from a throwaway pool, given back at the
+        # end, so torch never hands out cached blocks of captured (maybe paused) memory inside
+        with self._pushed(None, route=False), self._thread_config(interesting=False), self._scratch_pool():
+            yield  # a region entered inside routes again, as in tms
 
     def pause(self, tag: Optional[str] = None) -> None:
         """Release the memory of ``tag`` (every tag if ``None``); backed-up regions keep their
         bytes, the others come back zeroed.  Addresses never change."""
         self._ensure_initialized()
-        with self._lock:
+        with self._own(), self._lock:
             slots = self._targets(tag)
             busy = [s for s in slots if s.lc.state().get(s.ltag) != "awake"]
             if busy:
@@ -250,11 +327,17 @@ class TorchMemorySaver:
                     except Exception as e:  # keep the original error
                         log.error("could not resume %s after a failed pause: %s", ltags, e)
                 raise
+            # host tensors handed out by get_cpu_backup(zero_copy=True) show the new backup, at the
+            # same address (tms refreshes its retained host buffer in place)
+            paused = set(map(id, slots))
+            for (ptr, _n), (t, s) in list(self._zero_copy.items()):
+                if id(s) in paused and not s.lc.read_backup(ptr, t):
+                    del self._zero_copy[(ptr, _n)]
 
     def resume(self, tag: Optional[str] = None) -> None:
         """Map the memory of ``tag`` (every tag if ``None``) back at the same addresses."""
         self._ensure_initialized()
-        with self._lock:
+        with self._own(), self._lock:
             slots = self._targets(tag)
             awake = [s for s in slots if s.lc.state().get(s.ltag) == "awake"]
             if awake:
@@ -264,6 +347,17 @@ class TorchMemorySaver:
                 )
             for lc, group in _by_lifecycle(slots):
                 lc.wake_up([s.ltag for s in group])
+            # tms decides at resume: retained backups stay readable (same host tensors) until the
+            # next resume without retain_cpu_backup; the others are given up
+            woken = set(map(id, slots))
+            for s in slots:
+                if self._retain and s.kind == CPU:
+                    self._retained.add((id(s.lc), s.ltag))
+                else:
+                    self._retained.discard((id(s.lc), s.ltag))
+            for key, (_t, s) in list(self._zero_copy.items()):
+                if id(s) in woken and (id(s.lc), s.ltag) not in self._retained:
+                    del self._zero_copy[key]
 
     @property
     def enabled(self) -> bool:
@@ -275,9 +369,11 @@ class TorchMemorySaver:
 
     @hook_mode.setter
     def hook_mode(self, hook_mode: HookMode) -> None:
-        # tms 0.0.10 refuses this after its first use (it picks its hook then); unisleep installs
-        # no hook in either mode, so any valid value is accepted at any time and changes nothing
-        # (SGLang's adapter sets "torch" or "preload" whenever it is created)
+        # tms 0.0.10 refuses this after its first use (it picks its hook then); unisleep's
+        # routing does not depend on it (regions use the lifecycle's pool, whole-process capture
+        # follows TMS_INIT_ENABLE), so any valid value is accepted at any time and changes
+        # nothing (SGLang's adapter sets "torch" or "preload" whenever it is created; AReaL sets
+        # "preload" after its first use)
         if hook_mode not in _HOOK_MODES:
             raise InvalidArgumentError(f"hook_mode must be 'preload' or 'torch', got {hook_mode!r}")
 
@@ -303,11 +399,16 @@ class TorchMemorySaver:
         self._retain = bool(value)
 
     def get_cpu_backup(self, x, zero_copy: bool = False):
-        """The host copy of ``x``'s bytes: while ``x`` is paused with a CPU backup, or after
-        resume when ``retain_cpu_backup`` is on and the backend still holds it; ``None`` when
-        there is none (disk-backed regions always give ``None``, as in tms).  The result is a
-        new CPU tensor (``zero_copy=True`` also copies: the backup may be a spill file or split
-        over arena segments; writes to it never reach the backup)."""
+        """The host copy of ``x``'s bytes: while ``x`` is paused with a CPU backup, and after a
+        resume made while ``retain_cpu_backup`` was on, until the next resume made while it is
+        off (as tms decides); ``None`` otherwise (disk-backed regions always give ``None``, as in
+        tms).  ``zero_copy=False``: a new CPU tensor each call.  ``zero_copy=True``: the same host
+        tensor (same ``data_ptr``) for the same ``x`` for as long as its backup is readable; a
+        pause refreshes its bytes in place, as tms's retained buffer.  Unlike tms it is a copy
+        of the backup (which may be a spill file or split over arena segments): writes to it
+        never reach the backup.  On backends that drop backups once their bytes are back (host,
+        ROCm, Ascend), a retained backup is readable after resume for the tensors read with
+        ``zero_copy=True`` while paused."""
         import torch
 
         self._ensure_initialized()
@@ -319,7 +420,7 @@ class TorchMemorySaver:
                 "pass the contiguous tensor the region allocated"
             )
         ptr, n = x.data_ptr(), x.numel() * x.element_size()
-        with self._lock:
+        with self._own(), self._lock:
             found = next((s for s in self._slots.values() if s.lc.owns(ptr, n, s.ltag)), None)
             if found is None:
                 raise InvalidArgumentError(
@@ -330,8 +431,6 @@ class TorchMemorySaver:
             if s.kind == DISK:
                 return None
             paused = s.lc.state().get(s.ltag) != "awake"
-            if not paused and not self._retain:
-                return None
             if s.kind == NONE:
                 if paused:
                     raise InvalidTransitionError(
@@ -339,11 +438,19 @@ class TorchMemorySaver:
                         "Allocate it in region(..., enable_cpu_backup=True) to read it while paused"
                     )
                 return None
+            if not paused and (id(s.lc), s.ltag) not in self._retained:
+                return None
+            hit = self._zero_copy.get((ptr, n))
+            if hit is not None and hit[1] is s:
+                out = hit[0] if zero_copy else hit[0].clone()
+                return out.view(x.dtype).view(x.shape)
             out = torch.empty(n, dtype=torch.uint8)
             if not s.lc.read_backup(ptr, out):
                 if paused:  # pragma: no cover - a paused backed-up tag always has its backup
                     raise InvalidTransitionError(f"get_cpu_backup(): no backup of tag {s.tag!r} is held")
                 return None
+            if zero_copy:
+                self._zero_copy[(ptr, n)] = (out, s)
         return out.view(x.dtype).view(x.shape)
 
     def set_disk_backup_dir(self, path: str) -> None:
@@ -410,14 +517,129 @@ class TorchMemorySaver:
                 return
             from ..platform import detect_platform
 
+            _check_init_env()
             self._platform = detect_platform()
-            if env_flag("TMS_INIT_ENABLE"):
-                self._say_once(
-                    "init-enable",
-                    "TMS_INIT_ENABLE=1 is set: unisleep's torch_memory_saver routes nothing process-wide (it has no "
-                    "LD_PRELOAD hook); wrap the allocations to pause in torch_memory_saver.region()",
-                )
+            self._load_native()
+            if os.environ.get("TMS_INIT_ENABLE", "") in _ON:
+                self._start_capture()
             self._initialized = True
+
+    def _load_native(self) -> None:
+        """The native library as ``_impl._binary_wrapper.cdll`` (tms's per-thread settings and
+        the capture's hooks); without it (not built) everything but whole-process capture works."""
+        path = native_library_path()
+        _check_preload(path)
+        if not os.path.exists(path):
+            self._native_problem = (
+                f"unisleep's native library {path} is missing: it is built when unisleep is installed (pip needs a C "
+                "compiler, e.g. `apt-get install gcc`, then `pip install --force-reinstall unisleep`; in a source "
+                "tree: `python setup.py build_ext --inplace`)")
+            return
+        try:
+            bw = _BinaryWrapper(path)
+        except OSError as e:
+            self._native_problem = f"unisleep's native library {path} does not load: {e}"
+            return
+        self._impl = _Impl(bw)
+        _listen(self, bw.cdll)
+
+    def _start_capture(self) -> None:
+        """TMS_INIT_ENABLE=1: every allocation torch's allocator makes from a thread in an
+        "interesting region" (every thread, from the start, unless it turns it off) goes into the
+        thread's current tag — "default" outside ``region()`` — with the backup the environment
+        asks for (TMS_INIT_ENABLE_CPU_BACKUP, TMS_INIT_ENABLE_DISK_BACKUP)."""
+        from ..backends._capture import ProcessCapture, active
+        from ..registry import driver_class
+
+        if self._impl is None:
+            raise UnsupportedError(f"TMS_INIT_ENABLE=1 (whole-process capture) needs {self._native_problem}")
+        spec = driver_class(self._platform.name).capture_spec
+        if spec is None:
+            raise UnsupportedError(
+                f"TMS_INIT_ENABLE=1: the {self._platform.name} backend has no whole-process capture; unset it and wrap "
+                "the allocations to pause in torch_memory_saver.region()")
+        if active() is not None:
+            raise UnsupportedError(
+                "TMS_INIT_ENABLE=1: whole-process capture already runs in this process, for another TorchMemorySaver; "
+                "use that one (the module's torch_memory_saver)")
+        cap = ProcessCapture(spec, self._impl._binary_wrapper.cdll, self._capture_target)
+        cap.install()
+        self._capture = cap
+
+    def _capture_target(self, size: int):
+        """Called by the capture (inside torch's allocator): the lifecycle and tag of the calling
+        thread's current settings; None (not captured) for unisleep's own threads and for what the
+        facade itself allocates (backups read, copies made while pausing or resuming)."""
+        if getattr(self._local, "busy", 0) or threading.current_thread().name.startswith("unisleep"):
+            return None
+        c = self._impl._binary_wrapper.cdll
+        tag = c.tms_get_current_tag().decode("utf-8")
+        kind = CPU if c.tms_get_enable_cpu_backup() else DISK if c.tms_get_enable_disk_backup() else NONE
+        device = self._current_device()
+        s = self._slots.get((kind, device, tag)) or self._slot(tag, kind, device, tag)
+        return s.lc, s.ltag
+
+    @contextlib.contextmanager
+    def _own(self):
+        """The facade's own work on this thread: what it allocates is never captured."""
+        self._local.busy = getattr(self._local, "busy", 0) + 1
+        try:
+            yield
+        finally:
+            self._local.busy -= 1
+
+    @contextlib.contextmanager
+    def _thread_config(self, *, tag: Optional[str] = None, interesting: Optional[bool] = None,
+                       cpu: Optional[bool] = None, backend: Optional[str] = None, disk: Optional[bool] = None):
+        """The calling thread's tms settings changed inside (None: unchanged), restored after;
+        the facade's own changes are not reported to its listener."""
+        if self._impl is None:
+            yield
+            return
+        bw, st = self._impl._binary_wrapper, self._state()
+        old = bw.get_config()
+        new = (old[0] if tag is None else tag, old[1] if interesting is None else interesting,
+               old[2] if cpu is None else cpu, old[3] if backend is None else backend, old[4] if disk is None else disk)
+        st.quiet += 1
+        try:
+            bw.set_config(tag=new[0], interesting_region=new[1], enable_cpu_backup=new[2],
+                          cpu_backup_backend=new[3], enable_disk_backup=new[4])
+        finally:
+            st.quiet -= 1
+        try:
+            yield
+        finally:
+            st.quiet += 1
+            try:
+                bw.set_config(tag=old[0], interesting_region=old[1], enable_cpu_backup=old[2],
+                              cpu_backup_backend=old[3], enable_disk_backup=old[4])
+            finally:
+                st.quiet -= 1
+            self._reroute(st)  # the routing follows the restored setting
+
+    def _interesting_changed(self) -> None:
+        """Someone else's code set this thread's interesting region (e.g. slime's DeepEP patch):
+        a region's pool routing follows it (off: the thread's allocations are ordinary memory)."""
+        st = self._state()
+        if not st.quiet:
+            self._reroute(st)
+
+    @contextlib.contextmanager
+    def _scratch_pool(self):
+        """With whole-process capture on an accelerator: the calling thread allocates from a
+        private pool inside, given back to the device at the end (tms's throwaway pool)."""
+        if self._capture is None or not self._platform.is_accelerator:
+            yield
+            return
+        scratch = self._lifecycle(self._current_device(), NONE).driver.digest_scratch()
+        if scratch is None:
+            yield
+            return
+        try:
+            with scratch:
+                yield
+        finally:
+            scratch.close()
 
     def _check_backend(self, enable_cpu_backup, cpu_backup_backend) -> None:
         if cpu_backup_backend is None:
@@ -495,6 +717,7 @@ class TorchMemorySaver:
         st = self._local
         if not hasattr(st, "stack"):
             st.stack, st.active = [], None  # stack of (slot, routes) and (None, False) for disable()
+            st.quiet = 0  # > 0 while the facade itself changes the thread's tms settings
         return st
 
     # At most one pool routing is active per thread: the innermost region's.  Entering a nested
@@ -506,14 +729,27 @@ class TorchMemorySaver:
         if ctx is not None:
             ctx.__exit__(None, None, None)
 
+    def _wanted_route(self, st) -> bool:
+        """Whether the innermost entry of this thread's stack routes into its tag now: a region
+        on a backend with a pool, while the thread's interesting region is on."""
+        if not st.stack or not st.stack[-1][1]:
+            return False
+        # turned off inside the region (e.g. by slime's DeepEP patch): not captured, as in tms
+        return self._impl is None or bool(self._impl._binary_wrapper.cdll.tms_get_interesting_region())
+
     def _route_on(self, st) -> None:
-        if st.active is not None or not st.stack:
+        if st.active is not None or not self._wanted_route(st):
             return
-        slot, route = st.stack[-1]
-        if route:
-            ctx = slot.lc.pool(slot.ltag)
-            ctx.__enter__()
-            st.active = ctx
+        slot = st.stack[-1][0]
+        ctx = slot.lc.pool(slot.ltag)
+        ctx.__enter__()
+        st.active = ctx
+
+    def _reroute(self, st) -> None:
+        """Make the routing match the stack and the thread's setting (no change when it does)."""
+        if (st.active is not None) != self._wanted_route(st):
+            self._route_off(st)
+            self._route_on(st)
 
     @contextlib.contextmanager
     def _pushed(self, slot: Optional[_Slot], route: bool):
@@ -578,6 +814,58 @@ class TorchMemorySaver:
 
 
 # ---------------------------------------------------------------------- helpers
+def _check_init_env() -> None:
+    """The TMS_INIT_* variables with values torch_memory_saver accepts (it ends the process on
+    others); an unset or empty variable is off."""
+    for var in _INIT_VARS:
+        v = os.environ.get(var, "")
+        if v and v not in _ON + _OFF:
+            raise InvalidArgumentError(f"{var}={v!r}: use 1/true/yes (on) or 0/false/no (off), as torch_memory_saver reads it")
+    b = os.environ.get("TMS_INIT_CPU_BACKUP_BACKEND", "")
+    if b not in ("", "mmap", "pinned"):
+        raise InvalidArgumentError(f"TMS_INIT_CPU_BACKUP_BACKEND={b!r}: use 'pinned' or 'mmap'")
+    if os.environ.get("TMS_INIT_ENABLE_CPU_BACKUP", "") in _ON and os.environ.get("TMS_INIT_ENABLE_DISK_BACKUP", "") in _ON:
+        raise InvalidArgumentError(
+            "TMS_INIT_ENABLE_CPU_BACKUP and TMS_INIT_ENABLE_DISK_BACKUP are both on; they are mutually exclusive, set one")
+
+
+def _check_preload(ours: str) -> None:
+    """torch_memory_saver's own preload library in LD_PRELOAD would capture the allocations a
+    second time, under this facade: refused, naming it."""
+    real_ours = os.path.realpath(ours)
+    for entry in os.environ.get("LD_PRELOAD", "").replace(" ", ":").split(":"):
+        if "torch_memory_saver" in os.path.basename(entry) and os.path.realpath(entry) != real_ours:
+            raise UnsupportedError(
+                f"LD_PRELOAD names torch_memory_saver's own library ({entry}): under unisleep's facade it would capture "
+                f"this process's allocations a second time. Remove it from LD_PRELOAD, or name unisleep's instead ({ours}; "
+                "`python -m unisleep.compat --preload-path` prints it)")
+
+
+_LISTENER = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_int)
+_listening: "weakref.WeakSet[TorchMemorySaver]" = None  # type: ignore[assignment]
+_listener_fn = None
+
+
+def _listen(saver: "TorchMemorySaver", cdll) -> None:
+    """Tell ``saver`` when code other than a facade sets a thread's interesting region."""
+    global _listening, _listener_fn
+    import weakref
+
+    if _listener_fn is None:
+        _listening = weakref.WeakSet()
+
+        def changed(_what, _value):
+            try:
+                for s in list(_listening):
+                    s._interesting_changed()
+            except BaseException as e:  # never raise through C
+                log.error("torch_memory_saver: could not follow a change of the interesting region: %s", e)
+
+        _listener_fn = _LISTENER(changed)
+        cdll.unisleep_tms_set_listener(_listener_fn)
+    _listening.add(saver)
+
+
 def _check_tag(tag) -> None:
     if not isinstance(tag, str) or not tag:
         raise InvalidArgumentError(f"tag must be a non-empty string, got {tag!r}")
@@ -612,3 +900,8 @@ def configure_subprocess() -> Iterator[None]:
 
 #: the global singleton, as ``from torch_memory_saver import torch_memory_saver`` gives it
 torch_memory_saver = TorchMemorySaver()
+
+if os.environ.get("TMS_INIT_ENABLE", "") in _ON:
+    # whole-process capture starts with the import, before the program's first allocation (tms
+    # captures from the process's start through LD_PRELOAD)
+    torch_memory_saver._ensure_initialized()
