@@ -319,7 +319,7 @@ class ProcessCapture:
             drv.prepare_thread()
             region = Region.allocate(drv, int(size), lc.chunk_bytes)
             try:
-                lc._register_region(tag, region, int(size))
+                lc.register_region(tag, region, int(size))
             except BaseException:
                 region.free(drv)
                 raise
@@ -342,7 +342,7 @@ class ProcessCapture:
             lc, region = hit
             drv = lc.driver
             drv.prepare_thread()
-            if lc._forget_region(int(ptr)) is None:  # the lifecycle was closed: it freed the region
+            if lc.forget_region(int(ptr)) is None:  # the lifecycle was closed: it freed the region
                 return
             if region.mapped:
                 drv.synchronize()  # in-flight work may still use it

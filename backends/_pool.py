@@ -86,7 +86,7 @@ class TagAllocator:
                 raise RuntimeError("the lifecycle owning this pool is gone")
             region = Region.allocate(self.driver, int(size), lc.chunk_bytes)
             try:
-                lc._register_region(self.tag, region, int(size))
+                lc.register_region(self.tag, region, int(size))
             except BaseException:
                 region.free(self.driver)
                 raise
@@ -101,7 +101,7 @@ class TagAllocator:
         try:
             self.bind()
             lc = self.lifecycle()
-            region = lc._forget_region(int(ptr)) if lc is not None else None
+            region = lc.forget_region(int(ptr)) if lc is not None else None
             if region is None:
                 return
             if region.mapped:

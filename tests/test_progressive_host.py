@@ -187,8 +187,8 @@ def test_progressive_wake_of_a_corrupt_backup_exposes_nothing(lc):
     m = make_model()
     lc.adopt(m)
     lc.sleep(1)
-    a = next(iter(lc._allocs.values()))
-    path = lc._store.path((a.id, 0))
+    a = lc._state.all()[0]
+    path = lc.backup_store.path((a.id, 0))
     with open(path, "r+b") as f:  # flip one byte of the 7th chunk
         f.seek(6 * CHUNK + 100)
         b = f.read(1)

@@ -131,7 +131,7 @@ def test_a_sticky_world_writable_dir_like_tmp_is_accepted(base):
     spill = _dir(os.path.join(base, "sticky"), 0o1777)
     lc = MemoryLifecycle("host", spill_dir=spill)
     try:
-        st = os.stat(lc._store.dir)
+        st = os.stat(lc.backup_store.dir)
         assert stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == os.geteuid()
     finally:
         lc.close()

@@ -101,7 +101,7 @@ def test_checker_on_a_file_like_the_package(tmp_path):
 # ---------------------------------------------------------------------------- the package itself
 def test_package_has_files_to_check():
     files = package_files()
-    assert os.path.join(PACKAGE, "lifecycle.py") in files and len(files) >= 8
+    assert os.path.join(PACKAGE, "lifecycle", "memory.py") in files and len(files) >= 8
 
 
 def test_no_vendor_strings_outside_platform():

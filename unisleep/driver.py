@@ -125,7 +125,7 @@ class Driver(abc.ABC):
     #: what the last sleep kept instead of returning to the device ({"bytes", "regions",
     #: "reason"}), e.g. ROCm reservations it could not safely give back; None when nothing
     last_sleep_kept: Optional[dict] = None
-    #: progressive wake (:mod:`unisleep.progressive`): the most bytes of one step, so the
+    #: progressive wake (:mod:`unisleep.lifecycle.progressive`): the most bytes of one step, so the
     #: caller's work waits on finer pieces than the mapping chunks; None = one step per chunk
     progressive_piece: Optional[int] = None
     #: progressive wake: map the first chunk, queue its restores, then map *every* other chunk

@@ -29,9 +29,34 @@ import weakref
 from typing import Optional
 
 from . import graph_capture
-from .errors import UnisleepError
+from .errors import InvalidArgumentError, UnisleepError
 
 log = logging.getLogger("unisleep.release_behind")
+
+
+ENV = "UNISLEEP_RELEASE_BEHIND"
+
+
+def release_behind_setting(asked: Optional[bool], driver) -> bool:
+    """Whether a lifecycle on ``driver`` releases behind its sleeps: ``asked`` (True/False), or
+    for None the ``UNISLEEP_RELEASE_BEHIND`` environment variable (``1`` = True).  True for a
+    driver without release behind is refused (:class:`~unisleep.errors.InvalidArgumentError`);
+    from the variable, set for a whole fleet, it is ignored with a warning."""
+    from_env = asked is None
+    if from_env:
+        env = os.environ.get(ENV, "").strip()
+        if env not in ("", "0", "1"):
+            raise InvalidArgumentError(f"{ENV} must be 0 or 1, got {env!r}")
+        asked = env == "1"
+    if not isinstance(asked, bool):
+        raise InvalidArgumentError(f"release_behind must be True, False or None, got {asked!r}")
+    if asked and not driver.supports_release_behind:
+        if not from_env:
+            raise InvalidArgumentError(
+                f"release_behind=True is not supported by the {driver.name} backend; leave it False")
+        log.warning("%s=1 is ignored: the %s backend releases memory before sleep() returns", ENV, driver.name)
+        return False
+    return asked
 
 
 class ReleaseBehindError(UnisleepError):

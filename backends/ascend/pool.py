@@ -39,7 +39,7 @@ class _Hooks:
     def _alloc(self, size, device, stream):
         try:
             region = Region.allocate(self.driver, int(size), self.driver.default_chunk_bytes)
-            self.lifecycle._register_region(self.tag, region, int(size))
+            self.lifecycle.register_region(self.tag, region, int(size))
             return region.va
         except BaseException:  # an exception must not cross the C ABI: report OOM (NULL)
             log.exception("unisleep NPU pool allocation of %d bytes failed", size)
@@ -47,7 +47,7 @@ class _Hooks:
 
     def _free(self, ptr, size, device, stream):
         try:
-            region = self.lifecycle._forget_region(int(ptr or 0))
+            region = self.lifecycle.forget_region(int(ptr or 0))
             if region is not None:
                 self.driver.synchronize()
                 region.free(self.driver)

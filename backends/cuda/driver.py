@@ -494,7 +494,7 @@ class CudaDriver(Driver):
                 store.load_range((job.key, off), lo - off, self.view(job.region.va + lo, hi - lo), by_sms=by_sms,
                                  zero=feed)
 
-    # ---- progressive wake (unisleep.progressive): copies on the arena's stream ------------
+    # ---- progressive wake (unisleep.lifecycle.progressive): copies on the arena's stream ------------
     #: 64 MiB steps: a 256 MiB layer is usable ~1.3 ms after its first byte lands, and 128
     #: events per 8 GiB cost nothing against the copy
     progressive_piece = 64 << 20

@@ -69,11 +69,11 @@ def test_arena_growth_started_inside_a_capture_waits_for_it_to_end():
             y = model(x)
             lc.prepare_backup(4 << 30, background=True)  # 4 segments of 1 GiB, ~25 ms each
             time.sleep(1.0)
-            inside = lc._store.capacity
+            inside = lc.backup_store.capacity
             y = model(y)
-        lc._store.wait_prepared()
+        lc.backup_store.wait_prepared()
         assert inside == 0, f"{inside} bytes page-locked during the capture"
-        assert lc._store.capacity >= 4 << 30
+        assert lc.backup_store.capacity >= 4 << 30
         with torch.no_grad():
             g.replay()
             assert torch.equal(y, model(model(x)))

@@ -29,7 +29,7 @@ def test_arena_reads_by_the_sms_equal_the_copy_engines_at_any_offset(lc):
     _host_reads()
     from unisleep.backends.cuda.arena import PinnedArena
 
-    arena = lc._store
+    arena = lc.backup_store
     assert isinstance(arena, PinnedArena)
     g = torch.Generator(device="cuda").manual_seed(3)
     src = torch.randint(0, 256, (64 * MiB + 13,), dtype=torch.uint8, device="cuda", generator=g)

@@ -53,7 +53,7 @@ def test_two_concurrent_sleeps_on_a_nearly_full_disk(tmp_path):
             assert lc.resident_bytes() == resident
             assert (crc(w), crc(kv)) == (cw, ckv)  # nothing lost, kv_cache included
             assert (w.data_ptr(), kv.data_ptr()) == ptrs
-            assert bins(lc._store.dir) == [], bins(lc._store.dir)  # the partial backup is gone
+            assert bins(lc.backup_store.dir) == [], bins(lc.backup_store.dir)  # the partial backup is gone
             while not os.path.exists({woke!r}):
                 time.sleep(0.01)
             lc.sleep(1)  # the retry works once there is room
@@ -102,7 +102,7 @@ def test_enospc_when_reserving_the_backup_changes_nothing(tmp_path):
             assert "'weights'" in str(e) and "Nothing was released" in str(e), str(e)
         assert lc.state() == {{"weights": "awake", "kv_cache": "awake"}}
         assert (crc(w), crc(kv), lc.resident_bytes()) == (cw, ckv, resident)
-        assert bins(lc._store.dir) == []
+        assert bins(lc.backup_store.dir) == []
         os.unlink(os.path.join(fillers, "0"))
         lc.sleep(1)
         lc.wake_up()
@@ -231,9 +231,9 @@ def test_sigkill_while_asleep_then_a_new_lifecycle_cleans_up_but_never_a_live_on
     w = fill(lc.empty((32 * MiB,), torch.uint8, tag="weights"), 5)
     cw = crc(w)
     lc.sleep(1)
-    print("ASLEEP " + lc._store.dir, flush=True)
+    print("ASLEEP " + lc.backup_store.dir, flush=True)
     sys.stdin.readline() if False else None
-    while not os.path.exists(lc._store.dir + ".wake"):
+    while not os.path.exists(lc.backup_store.dir + ".wake"):
         time.sleep(0.02)
     lc.wake_up()
     assert crc(w) == cw
@@ -252,7 +252,7 @@ def test_sigkill_while_asleep_then_a_new_lifecycle_cleans_up_but_never_a_live_on
     # a new lifecycle on the same spill_dir removes the dead process's directory, not the live one's
     res = run_child(f"""
     lc = MemoryLifecycle("host", spill_dir={spill!r})
-    report(left=sorted(os.listdir({spill!r})), mine=os.path.basename(lc._store.dir))
+    report(left=sorted(os.listdir({spill!r})), mine=os.path.basename(lc.backup_store.dir))
     lc.close()
     """, tmp_path, "newcomer")
     assert os.path.basename(doomed_dir) not in res["left"]
@@ -269,7 +269,7 @@ def test_sigterm_cleans_up_like_a_normal_exit(tmp_path):
     lc = MemoryLifecycle("host", spill_dir={spill!r})
     w = fill(lc.empty((8 * MiB,), torch.uint8, tag="weights"), 5)
     lc.sleep(1)
-    print("ASLEEP " + lc._store.dir, flush=True)
+    print("ASLEEP " + lc.backup_store.dir, flush=True)
     while True:
         time.sleep(0.05)
     """, tmp_path)
@@ -470,8 +470,8 @@ def test_doctor_reports_and_cleans_orphans_but_not_a_live_process(tmp_path):
     lc = MemoryLifecycle("host", spill_dir={spill!r})
     w = fill(lc.empty((4 * MiB,), torch.uint8, tag="weights"), 5)
     lc.sleep(1)
-    print("ASLEEP " + lc._store.dir, flush=True)
-    while not os.path.exists(lc._store.dir + ".wake"):
+    print("ASLEEP " + lc.backup_store.dir, flush=True)
+    while not os.path.exists(lc.backup_store.dir + ".wake"):
         time.sleep(0.02)
     lc.wake_up()
     report(ok=True)

@@ -181,7 +181,7 @@ def test_a_spill_filesystem_turning_read_only_while_asleep_never_loses_good_byte
         for mode in ("plain", "progressive"):
             lc.sleep(1)
             assert lc.state() == {{"weights": "offloaded", "kv_cache": "discarded"}}
-            files = bins(lc._store.dir)
+            files = bins(lc.backup_store.dir)
             assert len(files) == 1, files
             mount("ro")
             with warnings.catch_warnings(record=True) as ws:
@@ -199,7 +199,7 @@ def test_a_spill_filesystem_turning_read_only_while_asleep_never_loses_good_byte
             got = {{"woke": woke, "state": state, "warnings": [str(x.message) for x in ws],
                     "exact": state.get("weights") == "awake" and crc(w) == cw and w.data_ptr() == ptr,
                     "kv_zero": state.get("kv_cache") == "awake" and kv.count_nonzero().item() == 0,
-                    "held": lc.backup_bytes(), "files": bins(lc._store.dir)}}
+                    "held": lc.backup_bytes(), "files": bins(lc.backup_store.dir)}}
             print(mode, "first wake:", got, flush=True)
             # a second wake is a no-op; a sleep on the read-only file system is refused with
             # everything as it was (and no advice to discard anything)
@@ -219,7 +219,7 @@ def test_a_spill_filesystem_turning_read_only_while_asleep_never_loses_good_byte
             mount("rw")
             lc.sleep(1)  # the file system is writable again: the leftover file goes
             lc.wake_up()
-            got["files_rw"] = bins(lc._store.dir)
+            got["files_rw"] = bins(lc.backup_store.dir)
             got["held_rw"] = lc.backup_bytes()
             got["exact_rw"] = crc(w) == cw
             out[mode] = got
@@ -248,7 +248,7 @@ def test_a_corrupt_backup_error_says_the_bytes_were_not_exposed(tmp_path):
     lc = MemoryLifecycle("host", spill_dir={spill!r})
     w = fill(lc.empty((4 * MiB,), torch.uint8, tag="weights"), 3)
     lc.sleep(1)
-    path = bins(lc._store.dir)[0]
+    path = bins(lc.backup_store.dir)[0]
     with open(path, "r+b") as f:
         f.seek(MiB); b = f.read(1); f.seek(MiB); f.write(bytes([b[0] ^ 0xFF]))
     try:
@@ -357,7 +357,7 @@ def test_two_processes_starting_lifecycles_on_one_spill_dir_never_lose_one(tmp_p
         try:
             # a ready driver: the start-up is then the spill directory's claim (no backend lookup)
             lc = MemoryLifecycle(HostDriver(), spill_dir={spill!r})
-            d = lc._store.dir
+            d = lc.backup_store.dir
             if i % 50 == 0:
                 t = fill(lc.empty((64 << 10,), torch.uint8, tag="weights"), i)
                 c = crc(t)

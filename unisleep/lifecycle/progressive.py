@@ -10,8 +10,7 @@ makes the caller's later work wait for the steps holding that module's tensors o
 :meth:`ProgressiveWake.install_hooks` (``lc.install_ready_hooks(model)``) does it in a forward
 pre-hook of every module that holds tensors.
 
-:class:`BackgroundSleep` is the other direction: ``sleep(level, background=True)`` releases the
-discarded tags (the KV cache) before it returns and copies the backed-up tags out behind it.
+The other direction, ``sleep(level, background=True)``, is :class:`~.flight.BackgroundSleep`.
 
 While either is in flight the tags involved are ``"waking"`` / ``"sleeping"`` in
 :meth:`~unisleep.lifecycle.MemoryLifecycle.state`; ``lc.wait()`` waits for the end, and a
@@ -26,10 +25,10 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
-from . import graph_capture
-from .errors import BackupError, InvalidArgumentError
+from .. import graph_capture
+from ..errors import BackupError, InvalidArgumentError
 
 log = logging.getLogger("unisleep")
 
@@ -115,26 +114,30 @@ def plan_steps(allocs: list, piece: Optional[int], order=None) -> list[Step]:
 class ProgressiveWake:
     """A wake in flight (see the module docstring).  Created by
     ``MemoryLifecycle.wake_up(tags, progressive=True)``; use :meth:`ready`, :meth:`install_hooks`
-    and :meth:`wait` (or the lifecycle's methods of the same names)."""
+    and :meth:`wait` (or the lifecycle's methods of the same names).
 
-    def __init__(self, lifecycle, tags: list[str], allocs: list, steps: list[Step], t0: float):
-        self._lc = lifecycle
+    What the lifecycle reads once it ends: ``tags``, ``allocs``, ``steps``, ``previous`` (each
+    tag's state before the wake), ``started`` (``time.perf_counter()`` of the call),
+    ``returned_s`` and ``error``."""
+
+    def __init__(self, owner, driver, store, tags: list[str], allocs: list, steps: list[Step], started: float):
+        self._owner = owner  # the lifecycle: its public ready() and wait()
+        self._driver, self._store = driver, store
         self.tags = list(tags)
-        self._allocs = allocs
+        self.allocs = allocs
         self.steps = steps
-        self._t0 = t0
+        self.started = started
+        self.previous: dict[str, str] = {}
         self.returned_s: Optional[float] = None  # how long wake_up took to return
         #: where the worker's time went: mapping the first chunk, mapping the rest (backends
         #: that map ahead), every step queued (seconds since the call)
         self.timings: dict[str, float] = {}
         self.error: Optional[BaseException] = None
         self._finished = threading.Event()  # the worker queued (host: completed) every step
-        self._settled = False
         self._by_alloc = {id(a): [s for s in sorted(steps, key=lambda s: s.lo) if s.alloc is a] for a in allocs}
         self._lo = {k: [s.lo for s in v] for k, v in self._by_alloc.items()}
         self._cache: dict[int, list[Step]] = {}
-        drv = lifecycle._driver
-        self._workers = max(1, int(drv.progressive_workers or 1)) if len(steps) > 1 else 1
+        self._workers = max(1, int(driver.progressive_workers or 1)) if len(steps) > 1 else 1
         self._next = 0  # index of the next step a worker takes (under _take)
         self._take = threading.Lock()
         self._chunk_locks: dict[int, threading.Lock] = {}
@@ -144,6 +147,9 @@ class ProgressiveWake:
 
     # ---- worker --------------------------------------------------------------------------
     def start(self) -> None:
+        if not self.steps:  # nothing to copy: ended already
+            self._finished.set()
+            return
         graph_capture.add_drainer(self.wait_queued)  # a capture waits until every step is queued
         for t in self._threads:
             t.start()
@@ -162,16 +168,15 @@ class ProgressiveWake:
         if c.handle is not None:
             return
         if self._workers == 1:
-            region.map_chunk(self._lc._driver, c)
+            region.map_chunk(self._driver, c)
             return
         with self._take:
             lock = self._chunk_locks.setdefault(id(c), threading.Lock())
         with lock:  # two workers may need the same chunk
-            region.map_chunk(self._lc._driver, c)
+            region.map_chunk(self._driver, c)
 
     def _run(self) -> None:
-        lc = self._lc
-        driver, store = lc._driver, lc._store
+        driver, store = self._driver, self._store
         cur = None
         try:
             with graph_capture.background(), driver.progressive_context(store):
@@ -221,7 +226,7 @@ class ProgressiveWake:
                             st.error = self.error
                             st.queued.set()
                 else:
-                    self.timings["queued_s"] = time.perf_counter() - self._t0
+                    self.timings["queued_s"] = time.perf_counter() - self.started
                 self._finished.set()
 
     # ---- the caller's side ---------------------------------------------------------------
@@ -233,7 +238,7 @@ class ProgressiveWake:
         need: dict[int, Step] = {}
         for t in _tensors(obj):
             ptr, n = _span(t)
-            for a in self._allocs:
+            for a in self.allocs:
                 va = a.region.va
                 if not (va <= ptr < va + a.region.size):
                     continue
@@ -255,7 +260,7 @@ class ProgressiveWake:
         of the last step holding them (the host thread does not block on the copy); on the host
         this blocks until those bytes are read back and verified.  Raises the wake's error if
         a step they need failed."""
-        drv = self._lc._driver
+        drv = self._driver
         for step in self._needed(obj):
             step.queued.wait()
             if step.error is not None:
@@ -271,24 +276,25 @@ class ProgressiveWake:
     def install_hooks(self, model) -> list:
         """A forward pre-hook on every module of ``model`` that holds tensors itself, calling
         :meth:`ready` for those tensors.  Returns the hook handles (``h.remove()``)."""
-        return install_ready_hooks(self._lc, model)
+        return install_ready_hooks(self._owner, model)
 
-    def wait_queued(self) -> None:
-        """Block until every step is mapped and its restore queued (on the host: complete)."""
-        self._finished.wait()
+    def wait_queued(self, timeout: Optional[float] = None) -> bool:
+        """Block until every step is mapped and its restore queued (on the host: complete);
+        False when ``timeout`` seconds passed first."""
+        return self._finished.wait(timeout)
 
     @property
     def done(self) -> bool:
         """Every copy has completed (never blocks)."""
         if not self._finished.is_set():
             return False
-        drv = self._lc._driver
+        drv = self._driver
         return self.error is not None or all(drv.fence_done(s.fence) for s in self.steps)
 
-    def _complete(self) -> None:
+    def wait_copies(self) -> None:
         """Block until the worker is finished and every copy has completed (not under the lock)."""
         self._finished.wait()
-        drv = self._lc._driver
+        drv = self._driver
         if self.error is None and self.steps:
             for st in self.steps if self._workers > 1 else self.steps[-1:]:  # one queue: the last covers all
                 drv.fence_sync(st.fence)
@@ -299,7 +305,7 @@ class ProgressiveWake:
 
     def wait(self):
         """Wait for every copy, then settle the tags (awake, or as after a failed wake)."""
-        return self._lc.wait()
+        return self._owner.wait()
 
 
 def install_ready_hooks(lc, model) -> list:
@@ -318,41 +324,3 @@ def install_ready_hooks(lc, model) -> list:
 
         handles.append(mod.register_forward_pre_hook(pre))
     return handles
-
-
-class BackgroundSleep:
-    """A level-1 sleep whose backup copies run behind the caller (``sleep(..., background=True)``):
-    the discarded tags were released before ``sleep`` returned; ``run`` does the rest."""
-
-    def __init__(self, tags: list[str], work: Callable[[], Any]):
-        self.tags = list(tags)
-        self._work = work
-        self.error: Optional[BaseException] = None
-        self.report = None
-        self._finished = threading.Event()
-        self._settled = False
-        self._thread = threading.Thread(target=self._run, name="unisleep-sleep", daemon=True)
-
-    def start(self) -> None:
-        graph_capture.add_drainer(self._complete)  # a capture waits for the copies to be done
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            with graph_capture.background():
-                self.report = self._work()
-        except BaseException as e:
-            self.error = e
-        finally:
-            self._finished.set()
-
-    @property
-    def done(self) -> bool:
-        return self._finished.is_set()
-
-    def _complete(self) -> None:
-        self._finished.wait()
-
-
-def elapsed(t0: float) -> float:
-    return time.perf_counter() - t0

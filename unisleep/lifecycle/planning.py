@@ -1,0 +1,133 @@
+"""Sleep planning: what each tag becomes, and which bytes are copied out or released.
+
+* :func:`transitions` — for a sleep of ``level``: the awake tags to put to sleep (offloaded or
+  discarded) and the corrupt or lost tags to write off as discarded; an illegal move raises
+  before anything changes;
+* :func:`jobs` — the backend's work for those tags: a :class:`~unisleep.driver.SaveJob` per
+  allocation to back up (whole, or only its preserved parameters at level 2) and the regions to
+  release without a copy;
+* :func:`unchanged` — the allocations whose bytes equal their retained backup, proven by the
+  keyed digest (their copy is skipped).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Optional
+
+from ..driver import SaveJob
+from ..errors import BackupLostError, InvalidArgumentError, InvalidTransitionError
+from .state import AWAKE, DISCARDED, LOST, OFFLOADED, Allocation, LifecycleState
+
+
+def transitions(state: LifecycleState, level: int, offload: set, only: Optional[set]) -> tuple[dict, dict]:
+    """``(plan, write_off)``: tag -> the state a sleep of ``level`` puts it in, for the awake
+    tags (``offload`` and, at level 1, ``"weights"`` are backed up; the rest discarded), and
+    the corrupt or lost tags that become discarded (no memory moves).  ``only`` limits the
+    sleep to those tags."""
+    plan: dict[str, str] = {}
+    write_off: dict[str, str] = {}
+    for tag, cur in state.tags.items():
+        if only is not None and tag not in only:
+            continue
+        want = OFFLOADED if (tag in offload or (level == 1 and tag == "weights")) else DISCARDED
+        if cur == AWAKE:
+            plan[tag] = want
+        elif cur == want:
+            continue
+        elif want == DISCARDED and (cur == LOST or (cur == OFFLOADED and state.is_corrupt(tag))):
+            write_off[tag] = DISCARDED
+        elif cur == LOST:
+            raise BackupLostError(
+                f"tag {tag!r} is lost (its memory could not be brought back); discard it "
+                f"(discard([{tag!r}])), wake it and load it again — nothing was changed.", tag=tag
+            )
+        else:
+            raise InvalidTransitionError(
+                f"tag {tag!r} is already asleep as {cur!r}; a level-{level} sleep would make it {want!r}. "
+                f"Wake it first (wake_up([{tag!r}])) — nothing was changed."
+            )
+    return plan, write_off
+
+
+def match_preserve(names: list[str], patterns: list[str]) -> list[str]:
+    """The adopted ``names`` matched by the globs ``patterns``; a pattern matching nothing raises."""
+    matched = []
+    for p in patterns:
+        hit = [n for n in names if fnmatch.fnmatchcase(n, p)]
+        if not hit:
+            raise InvalidArgumentError(
+                f"preserve pattern {p!r} matches no adopted name; adopted names start with: "
+                + ", ".join(names[:8]) + (" ..." if len(names) > 8 else "")
+            )
+        matched += hit
+    return sorted(set(matched))
+
+
+def preserved_ranges(a: Allocation, patterns: list[str]) -> list[tuple[int, int]]:
+    """The byte ranges of ``a`` holding parameters that ``patterns`` keep across a level-2 sleep
+    (overlaps merged)."""
+    if not patterns or not a.names:
+        return []
+    spans = sorted(
+        (off, n) for name, (off, n) in a.names.items() if any(fnmatch.fnmatchcase(name, p) for p in patterns)
+    )
+    merged: list[list[int]] = []
+    for off, n in spans:  # merge overlaps (tied names)
+        if merged and off <= merged[-1][0] + merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], off + n - merged[-1][0])
+        else:
+            merged.append([off, n])
+    return [(o, n) for o, n in merged if n]
+
+
+def split_background(state: LifecycleState, plan: dict[str, str], patterns: list[str]) -> tuple[set, dict]:
+    """``(now, later)`` for a background sleep: the tags only discarded (nothing of theirs
+    preserved) are released before the call returns; the others (``later``: tag -> state) are
+    copied out behind it."""
+    now = {t for t, want in plan.items()
+           if want == DISCARDED and not any(preserved_ranges(a, patterns) for a in state.of(t))}
+    return now, {t: want for t, want in plan.items() if t not in now}
+
+
+def jobs(state: LifecycleState, plan: dict[str, str], patterns: list[str]) -> tuple[list[SaveJob], list]:
+    """``(saves, discards)`` for the tags of ``plan``: offloaded allocations are saved whole
+    (their copy skipped when a retained backup is proven equal); discarded ones keep only
+    their preserved ranges, or are released outright."""
+    saves, discards, offloads = [], [], []
+    for a in state.all():
+        want = plan.get(a.tag)
+        if want is None:
+            continue
+        if want == OFFLOADED:
+            offloads.append(a)
+        else:
+            keep = preserved_ranges(a, patterns)
+            if keep:
+                state.drop_backup(a)
+                saves.append(SaveJob(a.id, a.region, keep))
+            else:
+                discards.append(a.region)
+    retain = state.driver.retain_backups
+    skip = unchanged(state, offloads) if retain else set()
+    for a in offloads:
+        copy = a.id not in skip
+        saves.append(SaveJob(a.id, a.region, [(0, a.region.size)], skip_copy=not copy, want_digest=retain and copy))
+    return saves, discards
+
+
+def unchanged(state: LifecycleState, allocs: list[Allocation]) -> set:
+    """Ids of the allocations whose bytes equal their retained full backup, proven by the
+    keyed digest under that backup's key (one batch, one device wait); those keep their
+    digest (``pending_digest``).  Every other one is copied, and its save job gets a fresh
+    key: the driver digests it while the copies run (:meth:`Driver.take_digests`)."""
+    driver = state.driver
+    retained = [a for a in allocs if a.digest is not None and a.fully_saved and not a.corrupt]
+    same = set()
+    if retained:
+        views = [driver.view(a.region.va, a.region.size) for a in retained]
+        now = driver.keyed_digests(views, [a.digest[0] for a in retained])
+        same = {a.id for a, d in zip(retained, now) if d == a.digest[1]}
+    for a in allocs:
+        a.pending_digest = a.digest if a.id in same else None
+    return same
