@@ -9,6 +9,7 @@ byte-exactly through it.  The torch_npu ``pool(tag)`` route is not exercised (no
 from __future__ import annotations
 
 import ctypes
+from dataclasses import replace
 
 import pytest
 import torch
@@ -83,7 +84,7 @@ def test_ascend_sim_level2_wake_by_tag_and_discard(simulated):
 
 def test_ascend_sim_stale_memory_is_real_in_the_simulator():
     lib, drv = make()
-    drv.fresh_memory_is_zero = True  # the control: trusting fresh memory shows stale bytes
+    drv.capabilities = replace(drv.capabilities, fresh_memory_is_zero=True)  # the control: trusting fresh memory shows stale bytes
     with MemoryLifecycle(drv) as lc:
         t = lc.empty(2 * MiB, torch.uint8, tag="kv_cache")
         assert int((t == STALE_BYTE).sum()) == t.numel()

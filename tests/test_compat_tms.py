@@ -20,6 +20,7 @@ import torch
 
 from unisleep.compat import shim_dir
 from unisleep.compat.torch_memory_saver import TorchMemorySaver
+from unisleep.driver import Capabilities
 from unisleep.errors import (
     InsufficientMemoryError,
     InvalidArgumentError,
@@ -613,7 +614,7 @@ class _RecordingLifecycle:
         self.log, self.tags = log, []
 
         class _Driver:
-            supports_pool = True
+            capabilities = Capabilities(supports_pool=True)
 
         self.driver = _Driver()
 

@@ -184,14 +184,14 @@ def test_releases_behind_a_sleep_are_done_before_a_capture_and_none_runs_inside_
     try:
         for _ in range(4):
             lc.empty((1 * MiB,), torch.uint8, tag="kv_cache")
-        lc._driver.release_hook = lambda h: (time.sleep(0.05), seen.append(graph_capture.underway()))
+        lc._driver.hooks.release = lambda h: (time.sleep(0.05), seen.append(graph_capture.underway()))
         lc.sleep(2)
         assert lc._driver._behind.pending  # the releases run behind the return
         with graph_capture.capture():
             assert not lc._driver._behind.pending, "the capture began with releases still queued"
         assert seen and not any(seen), "a release ran while the capture was underway"
     finally:
-        lc._driver.release_hook = None
+        lc._driver.hooks.release = None
         lc.close()
 
 

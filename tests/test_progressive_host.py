@@ -1,5 +1,5 @@
 """Progressive wake and background sleep on the host backend: real memfd memory, real spill
-files, copies delayed through the driver's own hooks (``restore_hook`` / ``backup_hook``), no
+files, copies delayed through the driver's own hooks (``hooks.restore`` / ``hooks.backup``), no
 mocks.  A layer that ran on a chunk still in flight would read unmapped memory (SIGSEGV) or
 bytes that are not yet back, so the forward-pass checks run in a child process."""
 
@@ -36,14 +36,14 @@ def lc(spill_dir):
 
 
 def test_bytes_exact_and_adoption_order(lc):
-    lc.driver.progressive_workers = 1  # one reader: the read order is exactly the step order
+    lc.driver.configure(progressive_workers=1)  # one reader: the read order is exactly the step order
     m = make_model()
     lc.adopt(m)
     ref = [p.detach().clone() for p in m.parameters()]
     ptrs = [p.data_ptr() for p in m.parameters()]
     lc.sleep(1)
     seen = []
-    lc.driver.restore_hook = lambda va, n: seen.append(va)
+    lc.driver.hooks.restore = lambda va, n: seen.append(va)
     pw = lc.wake_up(["weights"], progressive=True)
     assert lc.state()["weights"] in ("waking", "awake")
     rep = lc.wait()
@@ -57,12 +57,12 @@ def test_bytes_exact_and_adoption_order(lc):
 
 
 def test_given_module_order_is_the_read_order(lc):
-    lc.driver.progressive_workers = 1
+    lc.driver.configure(progressive_workers=1)
     m = make_model()
     lc.adopt(m)
     lc.sleep(1)
     seen = []
-    lc.driver.restore_hook = lambda va, n: seen.append(va)
+    lc.driver.hooks.restore = lambda va, n: seen.append(va)
     order = [m[5], m[0], m[11]]
     lc.wake_up(["weights"], progressive=True, order=order)
     lc.wait()
@@ -85,7 +85,7 @@ CHILD = textwrap.dedent(
         ref_out = m(x)
     ref = [p.detach().clone() for p in m.parameters()]
     lc.sleep(1)
-    lc.driver.restore_hook = lambda va, n: time.sleep(0.03)   # every chunk's read starts 30 ms late
+    lc.driver.hooks.restore = lambda va, n: time.sleep(0.03)   # every chunk's read starts 30 ms late
     bad = []
     if hooks:
         lc.install_ready_hooks(m)
@@ -131,7 +131,7 @@ def test_guards_while_a_progressive_wake_is_in_flight(lc):
     ref = [p.detach().clone() for p in m.parameters()]
     lc.sleep(1)
     go = threading.Event()
-    lc.driver.restore_hook = lambda va, n: go.wait(10)
+    lc.driver.hooks.restore = lambda va, n: go.wait(10)
     lc.wake_up(["weights"], progressive=True)
     try:
         assert lc.state() == {"weights": "waking", "kv_cache": "discarded"}
@@ -158,7 +158,7 @@ def test_guards_while_a_progressive_wake_is_in_flight(lc):
 
 
 def test_steps_are_taken_in_use_order_by_several_readers(lc):
-    assert lc.driver.progressive_workers > 1 or os.cpu_count() == 1
+    assert lc.driver.config.progressive_workers > 1 or os.cpu_count() == 1
     m = make_model()
     lc.adopt(m)
     ref = [p.detach().clone() for p in m.parameters()]
@@ -170,7 +170,7 @@ def test_steps_are_taken_in_use_order_by_several_readers(lc):
             seen.append(va)
         time.sleep(0.01)
 
-    lc.driver.restore_hook = hook
+    lc.driver.hooks.restore = hook
     lc.wake_up(["weights"], progressive=True, order=list(reversed(list(m))))
     lc.ready(m[11])
     assert torch.equal(m[11].weight, ref[11])
@@ -179,7 +179,7 @@ def test_steps_are_taken_in_use_order_by_several_readers(lc):
     assert sorted(seen) == sorted(want)
     # taken in order: a step starts at most (readers - 1) places before its turn
     pos = {va: i for i, va in enumerate(seen)}
-    assert all(abs(pos[va] - i) < lc.driver.progressive_workers for i, va in enumerate(want))
+    assert all(abs(pos[va] - i) < lc.driver.config.progressive_workers for i, va in enumerate(want))
     assert all(torch.equal(p, r) for p, r in zip(m.parameters(), ref))
 
 
@@ -213,7 +213,7 @@ def test_background_sleep_frees_the_kv_cache_before_returning(lc):
     kv.fill_(7)
     ref = [p.detach().clone() for p in m.parameters()]
     go = threading.Event()
-    lc.driver.backup_hook = lambda va, end: go.wait(10)
+    lc.driver.hooks.backup = lambda va, end: go.wait(10)
     rep = lc.sleep(1, background=True)
     try:
         assert rep.tags == ["kv_cache"] and rep.bytes_released >= 4 << 20

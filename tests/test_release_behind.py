@@ -5,6 +5,7 @@ after it, and nothing of unisleep runs ahead of those releases."""
 import os
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -40,7 +41,7 @@ def test_sleep_returns_before_the_releases_and_a_wake_waits_for_them():
         seen.append(threading.get_ident())
         assert gate.wait(10), "the test never opened the gate"
 
-    drv.release_hook = hold
+    drv.hooks.release = hold
     rep = lc.sleep(1)
     assert rep.bytes_released >= 24 * MiB  # reported as released: unmapped, no longer the lifecycle's
     time.sleep(0.05)
@@ -65,7 +66,7 @@ def test_resident_bytes_memory_info_and_wait_see_the_releases_done():
     lc, drv = _lifecycle()
     _fill(lc)
     gate = threading.Event()
-    drv.release_hook = lambda h: gate.wait(10)
+    drv.hooks.release = lambda h: gate.wait(10)
     lc.sleep(2)
     for read in (lc.resident_bytes, drv.memory_info, lc.wait):
         threading.Timer(0.1, gate.set).start()
@@ -91,7 +92,7 @@ def test_a_release_that_fails_behind_the_return_is_raised_by_the_next_wake_and_c
             failures.append(handle)
             raise OSError("injected: the release of this handle failed")
 
-    drv.release_hook = fail_once
+    drv.hooks.release = fail_once
     lc.sleep(1)
     with pytest.raises(ReleaseBehindError, match="injected.*release_behind=False"):
         lc.wake_up()
@@ -106,7 +107,7 @@ def test_default_releases_before_sleep_returns():
     drv = HostDriver()
     lc = MemoryLifecycle(drv)
     _fill(lc)
-    drv.release_hook = lambda h: pytest.fail("nothing is released behind the return by default")
+    drv.hooks.release = lambda h: pytest.fail("nothing is released behind the return by default")
     lc.sleep(1)
     assert drv._behind is None and lc.resident_bytes() == 0
     lc.close()
@@ -120,17 +121,17 @@ def test_release_behind_arguments_are_checked(monkeypatch):
         MemoryLifecycle("host")
     monkeypatch.setenv("UNISLEEP_RELEASE_BEHIND", "1")
     lc = MemoryLifecycle("host")
-    assert lc.driver.release_behind
+    assert lc.driver.config.release_behind
     lc.close()
 
     class NoBehind(HostDriver):
-        supports_release_behind = False
+        capabilities = replace(HostDriver.capabilities, supports_release_behind=False)
 
     with pytest.raises(InvalidArgumentError, match="not supported by the host backend"):
         MemoryLifecycle(NoBehind(), release_behind=True)
     # set in the environment (for a whole fleet): a backend without it releases before returning
     lc = MemoryLifecycle(NoBehind())
-    assert not lc.driver.release_behind
+    assert not lc.driver.config.release_behind
     lc.close()
 
 
@@ -140,7 +141,7 @@ def test_a_child_forked_while_releases_are_queued_does_not_wait_for_them():
     lc, drv = _lifecycle()
     _fill(lc)
     gate = threading.Event()
-    drv.release_hook = lambda h: gate.wait(10)
+    drv.hooks.release = lambda h: gate.wait(10)
     lc.sleep(2)
     assert drv._behind.pending
     pid = os.fork()
@@ -148,7 +149,7 @@ def test_a_child_forked_while_releases_are_queued_does_not_wait_for_them():
         code = 1
         try:
             t0 = time.monotonic()
-            drv.settle_releases()
+            drv.wait_releases()
             code = 0 if time.monotonic() - t0 < 2 else 2
         finally:
             os._exit(code)

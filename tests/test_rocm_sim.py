@@ -11,6 +11,7 @@ simulator.
 from __future__ import annotations
 
 import ctypes
+from dataclasses import replace
 import json
 import os
 import resource
@@ -104,7 +105,7 @@ def test_rocm_sim_discard_zeroes_stale_memory(simulated):
     assert int(kv.count_nonzero()) == 0
     # the control: a driver that trusted fresh memory to be zero sees the stale bytes
     lib2, drv2 = make()
-    drv2.fresh_memory_is_zero = True
+    drv2.capabilities = replace(drv2.capabilities, fresh_memory_is_zero=True)
     with MemoryLifecycle(drv2) as lc2:
         t = lc2.empty(1 * MiB, torch.uint8, tag="kv_cache")
         assert int((t == STALE_BYTE).sum()) == t.numel()
@@ -126,7 +127,7 @@ def test_rocm_sim_zero_is_an_explicit_synchronised_step():
 
 def test_rocm_sim_chunking_one_handle_per_chunk_offset_zero():
     lib, drv = make(chunk_bytes=None, env={rocm_config.CHUNK_ENV: "1"})
-    assert drv.default_chunk_bytes == 1 * MiB
+    assert drv.config.chunk_bytes == 1 * MiB
     with MemoryLifecycle(drv) as lc:
         t = lc.empty(5 * MiB + 1, torch.uint8, tag="weights")
         maps = [e for e in lib.dev.log if e[0] == "hipMemMap"]
@@ -548,7 +549,7 @@ def test_rocm_sim_pool_callbacks_put_torch_segments_in_the_tag(simulated):
 
 def test_rocm_sim_pool_says_why_it_cannot_route(simulated):
     lib, drv, lc = simulated
-    assert drv.supports_pool is False  # host-backed simulated memory: torch never hands it out
+    assert drv.capabilities.supports_pool is False  # host-backed simulated memory: torch never hands it out
     with pytest.raises(UnsupportedError, match="simulated HIP library"):
         with lc.pool("kv_cache"):
             pass

@@ -25,14 +25,84 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import dataclasses
 import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, ClassVar, Iterator, Optional
 
-from .errors import UnsupportedError
+from .errors import InvalidArgumentError, UnsupportedError
 from .region import Region
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a driver can do: fixed per driver class (a driver may narrow them when it is
+    created, e.g. ROCm's ``supports_pool`` without a ROCm build of torch)."""
+
+    #: physical memory from ``create`` reads as zeros (no explicit zeroing needed on wake)
+    fresh_memory_is_zero: bool = False
+    #: keep a backup after wake so an unchanged tag can skip the copy on the next sleep
+    retain_backups: bool = False
+    #: ``view(..., owner=x)`` makes the tensor's storage hold ``x`` (else the lifecycle keeps
+    #: it as an attribute of the tensor it hands out)
+    views_hold_owner: bool = False
+    #: ``pool(tag)`` can route the framework's own allocations
+    supports_pool: bool = False
+    #: the sleep can release behind its return (:mod:`unisleep.release_behind`): the release
+    #: path goes through :meth:`Driver.release_regions`, and ``create`` and ``memory_info``
+    #: call :meth:`Driver.wait_releases` first
+    supports_release_behind: bool = False
+    #: :meth:`Driver.suspend` itself calls :meth:`Driver.take_digests` once the backup copies
+    #: are queued (the digests then run while the copies do); else the lifecycle calls it first
+    digests_during_copies: bool = False
+
+
+@dataclass(frozen=True)
+class DriverConfig:
+    """A driver's tuning knobs: ``Driver(config=...)`` or :meth:`Driver.configure`.  A backend
+    with knobs of its own subclasses it."""
+
+    #: size of the physical chunks behind each region (None = one handle per region)
+    chunk_bytes: Optional[int] = None
+    #: progressive wake (:mod:`unisleep.lifecycle.progressive`): the most bytes of one step, so
+    #: the caller's work waits on finer pieces than the mapping chunks; None = one step per chunk
+    progressive_piece: Optional[int] = None
+    #: progressive wake: threads restoring steps at once (taken in use order); 1 keeps one copy
+    #: queue in order (accelerators: the copy stream), more suit synchronous copies (host)
+    progressive_workers: int = 1
+    #: progressive wake: map the first chunk, queue its restores, then map every other chunk
+    #: in one go before queueing more (backends whose mapping calls wait for copies in flight);
+    #: False maps each chunk just before its first step
+    progressive_map_ahead: bool = False
+    #: release a sleep's physical memory behind its return (``MemoryLifecycle(release_behind=)``;
+    #: only where ``Capabilities.supports_release_behind``)
+    release_behind: bool = False
+
+    def __post_init__(self):
+        for name in ("chunk_bytes", "progressive_piece"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
+                raise InvalidArgumentError(f"{name} must be a positive int (bytes) or None, got {v!r}")
+        w = self.progressive_workers
+        if not isinstance(w, int) or isinstance(w, bool) or w < 1:
+            raise InvalidArgumentError(f"progressive_workers must be an int >= 1, got {w!r}")
+
+
+@dataclass
+class DriverHooks:
+    """Calls a driver makes at fixed points, for tracing or for tests that delay or fail a step
+    (``driver.hooks.restore = fn``); None = nothing is called."""
+
+    #: ``restore(va, nbytes)``: a progressive wake, just before each step's restore is queued,
+    #: inside :meth:`Driver.progressive_context` (on the copy stream where the backend has one)
+    restore: Optional[Callable[[int, int], Any]] = None
+    #: ``backup(va, nbytes)``: a sleep, after each piece is backed up and before it is released,
+    #: where the backend pipelines them (host)
+    backup: Optional[Callable[[int, int], Any]] = None
+    #: ``release(handle)``: the release thread, just before each release behind a sleep's return
+    release: Optional[Callable[[Any], Any]] = None
 
 
 @dataclass
@@ -104,60 +174,49 @@ class BackupStore(abc.ABC):
 
 
 class Driver(abc.ABC):
-    """One platform's virtual-memory primitives and policy (see the module docstring)."""
+    """One platform's virtual-memory primitives and policy (see the module docstring): what it
+    can do (:attr:`capabilities`), its tuning knobs (:attr:`config`, changed through
+    :meth:`configure`) and the calls it makes for tracing and fault tests (:attr:`hooks`)."""
 
     #: platform name this driver serves
     name: str = "?"
-    #: physical memory from ``create`` reads as zeros (no explicit zeroing needed on wake)
-    fresh_memory_is_zero: bool = False
-    #: keep a backup after wake so an unchanged tag can skip the copy on the next sleep
-    retain_backups: bool = False
-    #: default chunk size of the mapping policy (None = one handle per region)
-    default_chunk_bytes: Optional[int] = None
-    #: ``pool(tag)`` can route the framework's own allocations
-    supports_pool: bool = False
+    capabilities: ClassVar[Capabilities] = Capabilities()
+    #: the knobs a driver of this class starts with
+    default_config: ClassVar[DriverConfig] = DriverConfig()
     #: whole-process capture (``unisleep.backends._capture``): which functions of torch's
     #: allocator library to redirect (a ``CaptureSpec``), or None where the platform has none
-    capture_spec = None
-    #: ``view(..., owner=x)`` makes the tensor's storage hold ``x`` (else the lifecycle keeps
-    #: it as an attribute of the tensor it hands out)
-    views_hold_owner: bool = False
-    #: what the last sleep kept instead of returning to the device ({"bytes", "regions",
-    #: "reason"}), e.g. ROCm reservations it could not safely give back; None when nothing
-    last_sleep_kept: Optional[dict] = None
-    #: progressive wake (:mod:`unisleep.lifecycle.progressive`): the most bytes of one step, so the
-    #: caller's work waits on finer pieces than the mapping chunks; None = one step per chunk
-    progressive_piece: Optional[int] = None
-    #: progressive wake: map the first chunk, queue its restores, then map *every* other chunk
-    #: in one go before queueing more (for backends whose mapping calls wait for copies in
-    #: flight); False maps each chunk just before its first step (host: creating a chunk
-    #: commits its pages, so mapping ahead would delay the first layer)
-    progressive_map_ahead: bool = False
-    #: progressive wake: threads restoring steps at once (taken in use order); 1 keeps one copy
-    #: queue in order (accelerators: the copy stream), more suit synchronous copies (host)
-    progressive_workers: int = 1
-    #: called as ``restore_hook(va, nbytes)`` by a progressive wake just before each step's
-    #: restore is queued, inside :meth:`progressive_context` (on the copy stream where the
-    #: backend has one): tracing, or delaying copies to test that nothing runs ahead of them
-    restore_hook = None
-    #: called as ``backup_hook(va, nbytes)`` by a sleep after each piece is backed up and
-    #: before it is released, where the backend pipelines them (host): tracing, or delaying a
-    #: background sleep to test the guards
-    backup_hook = None
-    #: the driver's sleep can release behind its return (:mod:`unisleep.release_behind`):
-    #: its release path goes through :meth:`release_regions`, and its ``create`` and
-    #: ``memory_info`` call :meth:`settle_releases` first
-    supports_release_behind: bool = False
-    #: set by ``MemoryLifecycle(release_behind=True)``
-    release_behind: bool = False
-    #: called as ``release_hook(handle)`` on the release thread just before each release
-    #: behind a sleep's return: tracing, or delaying it to test that nothing runs ahead of it
-    release_hook = None
+    capture_spec: ClassVar[Any] = None
 
-    def __init__(self, device: int = 0, **options: Any):
+    def __init__(self, device: int = 0, *, config: Optional[DriverConfig] = None, **options: Any):
         self.device = device
         self.options = options
+        self.config = self.default_config
+        if config is not None:
+            if not isinstance(config, type(self.default_config)):
+                raise InvalidArgumentError(
+                    f"config for the {self.name} backend must be a {type(self.default_config).__name__}, "
+                    f"got {type(config).__name__}")
+            self.config = config
+        self.hooks = DriverHooks()
         self._behind = None  # the ReleaseBehind thread, made at the first release behind
+
+    def configure(self, **knobs: Any) -> DriverConfig:
+        """Change tuning knobs (fields of :attr:`config`), checked all at once: an unknown knob
+        or a bad value raises :class:`~unisleep.errors.InvalidArgumentError` and changes
+        nothing.  Returns the new config."""
+        known = {f.name for f in dataclasses.fields(self.config)}
+        unknown = sorted(set(knobs) - known)
+        if unknown:
+            raise InvalidArgumentError(
+                f"unknown knob(s) {', '.join(unknown)} for the {self.name} backend; its knobs: {', '.join(sorted(known))}")
+        self.config = dataclasses.replace(self.config, **knobs)
+        return self.config
+
+    @property
+    def last_sleep_kept(self) -> Optional[dict]:
+        """What the last sleep kept instead of returning to the device (``{"bytes", "regions",
+        "reason"}``, e.g. ROCm reservations it could not safely give back); None when nothing."""
+        return None
 
     # ---- primitives ------------------------------------------------------------------
     @abc.abstractmethod
@@ -214,7 +273,7 @@ class Driver(abc.ABC):
 
     def fills_zeros(self, job: RestoreJob) -> bool:
         """``job``'s region must be zeroed on the device (its memory does not come zeroed)."""
-        return job.zero and not self.fresh_memory_is_zero
+        return job.zero and not self.capabilities.fresh_memory_is_zero
 
     def restore_regions(self, jobs: list[RestoreJob], store: BackupStore) -> int:
         """Map the region of every restore job again (same addresses) and queue its restore:
@@ -244,9 +303,9 @@ class Driver(abc.ABC):
 
     def release_regions(self, regions) -> int:
         """Unmap (keeping the addresses) and release every mapped chunk of ``regions``; returns
-        bytes released.  With :attr:`release_behind` the chunks are unmapped now and their
+        bytes released.  With the ``release_behind`` knob the chunks are unmapped now and their
         handles released by the driver's release thread after this returns."""
-        if not self.release_behind:
+        if not self.config.release_behind:
             return sum(r.release(self) for r in regions)
         handles, released = [], 0
         for r in regions:
@@ -265,11 +324,11 @@ class Driver(abc.ABC):
             self._behind.submit(handles)
         return released
 
-    def settle_releases(self) -> None:
+    def wait_releases(self) -> None:
         """Wait for the releases still running behind a sleep's return (none: returns at once);
         raises :class:`~unisleep.release_behind.ReleaseBehindError` if one failed."""
         if self._behind is not None:
-            self._behind.settle()
+            self._behind.wait()
 
     def keyed_digest(self, src, key) -> Any:
         """The keyed digest (:mod:`unisleep.keyed_hash`) of a uint8 tensor's bytes, computed
@@ -291,10 +350,6 @@ class Driver(abc.ABC):
         digests are read) — so that a sleep leaves no cached scratch behind in the memory it
         was asked to free."""
         return None
-
-    #: True when :meth:`suspend` itself calls :meth:`take_digests`, once the backup copies are
-    #: queued (the digests then run while the copies do); else the lifecycle calls it first
-    digests_during_copies = False
 
     def take_digests(self, saves: list[SaveJob]) -> None:
         """For every job that wants one, a fresh key and the keyed digest of its whole region

@@ -50,7 +50,7 @@ def release_behind_setting(asked: Optional[bool], driver) -> bool:
         asked = env == "1"
     if not isinstance(asked, bool):
         raise InvalidArgumentError(f"release_behind must be True, False or None, got {asked!r}")
-    if asked and not driver.supports_release_behind:
+    if asked and not driver.capabilities.supports_release_behind:
         if not from_env:
             raise InvalidArgumentError(
                 f"release_behind=True is not supported by the {driver.name} backend; leave it False")
@@ -65,7 +65,7 @@ class ReleaseBehindError(UnisleepError):
 
 class ReleaseBehind:
     """One driver's release thread: :meth:`submit` queues handles (already unmapped),
-    :meth:`settle` waits until every queued handle is released."""
+    :meth:`wait` waits until every queued handle is released."""
 
     def __init__(self, driver):
         self._driver = driver
@@ -76,7 +76,7 @@ class ReleaseBehind:
         self._thread: Optional[threading.Thread] = None
         self.released_bytes = 0
         _INSTANCES.add(self)
-        graph_capture.add_drainer(self.wait_idle)
+        graph_capture.add_drainer(self.drain)
 
     def _forget_after_fork(self) -> None:
         """In a child made by ``fork()``: no release thread came along, and its lock may have
@@ -100,13 +100,13 @@ class ReleaseBehind:
         with self._cond:
             return bool(self._queue) or self._busy
 
-    def wait_idle(self) -> None:
-        """Wait until every queued release is done (a failure stays for :meth:`settle` to raise)."""
+    def drain(self) -> None:
+        """Wait until every queued release is done (a failure stays for :meth:`wait` to raise)."""
         with self._cond:
             while self._queue or self._busy:
                 self._cond.wait()
 
-    def settle(self) -> None:
+    def wait(self) -> None:
         """Wait for every queued release; raise the first that failed (once)."""
         with self._cond:
             while self._queue or self._busy:
@@ -135,7 +135,7 @@ class ReleaseBehind:
             for h in batch:
                 n = self._driver.physical_bytes(h)
                 try:
-                    hook = self._driver.release_hook
+                    hook = self._driver.hooks.release
                     if hook is not None:
                         hook(h)
                     with graph_capture.background():

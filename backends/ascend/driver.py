@@ -28,7 +28,7 @@ from ctypes import byref, c_size_t, c_void_p
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
-from unisleep.driver import BackupStore, Driver
+from unisleep.driver import BackupStore, Capabilities, Driver
 from unisleep.errors import UnisleepError
 from unisleep.platform import SPECS
 
@@ -47,10 +47,9 @@ class AclHandle:
 
 class AscendDriver(Driver):
     name = "ascend"
-    fresh_memory_is_zero = False  # not documented by CANN: zero discarded memory explicitly
-    retain_backups = False
-    default_chunk_bytes = None  # one physical handle per region (map size == physical size)
-    supports_pool = True
+    #: fresh memory is not documented as zeroed by CANN: discarded memory is zeroed explicitly.
+    #: One physical handle per region (the map size equals the physical size): no chunk size
+    capabilities = Capabilities(supports_pool=True)
 
     def __init__(
         self,
@@ -64,7 +63,7 @@ class AscendDriver(Driver):
     ):
         super().__init__(device, **options)
         if chunk_bytes is not None:
-            self.default_chunk_bytes = chunk_bytes
+            self.configure(chunk_bytes=chunk_bytes)
         self.simulated = bool(getattr(lib, "SIMULATED", False))
         self.api = acl.AclApi(lib if lib is not None else acl.load_library())
         self._tls = threading.local()

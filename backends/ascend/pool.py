@@ -38,7 +38,7 @@ class _Hooks:
 
     def _alloc(self, size, device, stream):
         try:
-            region = Region.allocate(self.driver, int(size), self.driver.default_chunk_bytes)
+            region = Region.allocate(self.driver, int(size), self.driver.config.chunk_bytes)
             self.lifecycle.register_region(self.tag, region, int(size))
             return region.va
         except BaseException:  # an exception must not cross the C ABI: report OOM (NULL)

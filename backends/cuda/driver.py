@@ -25,14 +25,54 @@ from dataclasses import dataclass
 from typing import Iterator, Optional
 
 from unisleep.backends._capture import CaptureSpec
-from unisleep.driver import BackupStore, Driver, RestoreJob, _Trace
+from unisleep.driver import BackupStore, Capabilities, Driver, DriverConfig, RestoreJob, _Trace
+from unisleep.errors import InvalidArgumentError
 
 from . import cu
 from .arena import PinnedArena
+from .views import DeviceBuffer
 
 log = logging.getLogger("unisleep.cuda")
 
 RESTORE_READS = ("auto", "sm", "copy-engine")
+
+
+@dataclass(frozen=True)
+class CudaConfig(DriverConfig):
+    """The CUDA driver's knobs: 1 GiB physical chunks (a backed-up chunk is released as soon as
+    its copy is done), 64 MiB progressive steps with every chunk mapped ahead of the copies,
+    and the policy of the pipelined sleep and of the wake's restores.  docs/cuda.md holds the
+    H200 figures behind each default."""
+
+    chunk_bytes: Optional[int] = 1 << 30
+    progressive_piece: Optional[int] = 64 << 20
+    progressive_map_ahead: bool = True
+    #: discarded regions (the KV cache) are released while the backup copies run, once every
+    #: reservation succeeded; a failure *during the copies* (a CUDA error, or Ctrl-C) then
+    #: gives the weights back exactly and marks the discarded tags lost.  False releases them
+    #: only once every copy is done, so such a failure gives every tag back exactly, at the
+    #: cost docs/cuda.md measures
+    release_discards_during_copies: bool = True
+    #: with release_behind, a sleep copying at least this many bytes still releases its
+    #: discards under its copies (:meth:`CudaDriver.suspend`)
+    early_release_min_copy: int = 1 << 30
+    #: the driver's work left after ``cuMemRelease``, in ms per GiB released: it progresses only
+    #: while no host-to-device traffic runs, and a copy-engine restore started before it is
+    #: done takes that much longer (:mod:`.host_reads`)
+    after_release_ms_per_gib: float = 2.1
+    #: what a restore read by the SMs costs over the copy engine, in ms per GiB
+    sm_read_extra_ms_per_gib: float = 1.5
+    #: who reads a wake's restores from the arena: "auto" (the SMs when the after-release work
+    #: would cost the copy engine more than the SMs' slower reads, else the copy engine), "sm"
+    #: or "copy-engine"; ``UNISLEEP_RESTORE_READS`` sets the default of every CUDA driver
+    restore_reads: str = "auto"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.restore_reads not in RESTORE_READS:
+            choices = ", ".join(map(repr, RESTORE_READS[:-1])) + f" or {RESTORE_READS[-1]!r}"
+            raise InvalidArgumentError(
+                f"restore_reads (UNISLEEP_RESTORE_READS) must be {choices}, not {self.restore_reads!r}")
 
 
 @dataclass(eq=False)
@@ -41,53 +81,19 @@ class CuHandle:
     size: int
 
 
-class _DeviceBuffer:
-    """Exposes ``[ptr, ptr+n)`` through ``__cuda_array_interface__`` so torch can wrap it."""
-
-    __slots__ = ("__cuda_array_interface__", "owner")
-
-    def __init__(self, ptr: int, n: int, owner=None):
-        self.__cuda_array_interface__ = {"shape": (n,), "typestr": "|u1", "data": (ptr, False), "version": 3}
-        self.owner = owner  # torch keeps this object alive as long as the tensor's storage
-
-
 class CudaDriver(Driver):
     name = "cuda"
-    fresh_memory_is_zero = False
-    retain_backups = True
-    views_hold_owner = True
-    supports_pool = True
+    #: digests: the keyed digests of the regions being backed up are taken once their copies
+    #: are queued (they read at memory speed beside the copy engine) and before anything is
+    #: released
+    capabilities = Capabilities(retain_backups=True, views_hold_owner=True, supports_pool=True,
+                                supports_release_behind=True, digests_during_copies=True)
+    default_config = CudaConfig()
     #: torch's caching allocator asks the runtime for segments through these two imports
     capture_spec = CaptureSpec("libc10_cuda", "cudaMalloc", "cudaFree", "device", "libcudart")
-    #: 1 GiB physical chunks: a backed-up chunk is released as soon as its copy is done
-    default_chunk_bytes = 1 << 30
-    #: True (default): discarded regions (the KV cache) are released while the backup copies
-    #: run, after every reservation succeeded; a failure *during the copies* (a CUDA error, which
-    #: ruins the context anyway, or Ctrl-C) then gives the weights back exactly and marks the
-    #: discarded tags "lost".  False releases them only once every copy is done, so such a
-    #: failure gives every tag back exactly — at ~12 ms more per sleep and a wake right after
-    #: the sleep ~35 ms slower on an H200 (the driver's work after releasing 16 GiB;
-    #: docs/cuda.md)
-    release_discards_during_copies = True
-    #: the keyed digests of the regions being backed up are taken once their copies are queued
-    #: (the kernels read at HBM speed next to the copy engine; their launches and the key set-up
-    #: cost the host ~0.5 ms a region, hidden under the copies) and before anything is released
-    digests_during_copies = True
-    supports_release_behind = True
-    #: with release_behind, a sleep copying at least this much still releases its discards
-    #: under the copies (see :meth:`suspend`)
-    early_release_min_copy = 1 << 30
-    #: the driver's work left after ``cuMemRelease``, in ms per GiB released (an H200: 17 ms
-    #: after 8 GiB, 50 ms after 24 GiB, 100 ms after 48 GiB); it progresses only while no
-    #: host-to-device traffic runs, and a copy-engine restore started before it is done takes
-    #: that much longer (:mod:`.host_reads`)
-    after_release_ms_per_gib = 2.1
-    #: what a restore read by the SMs costs over the copy engine, in ms per GiB (an H200: 8 GiB
-    #: in 167.5 ms against 155.2 ms settled)
-    sm_read_extra_ms_per_gib = 1.5
 
-    def __init__(self, device: int = 0, exportable: bool = False, **options):
-        super().__init__(device, **options)
+    def __init__(self, device: int = 0, exportable: bool = False, config: Optional[CudaConfig] = None, **options):
+        super().__init__(device, config=config, **options)
         cuda = cu.driver()
         cu.ensure_context(device)
         self._cu = cuda
@@ -132,7 +138,8 @@ class CudaDriver(Driver):
         self._pools = None  # created by pool()
         self._after_work_until = 0.0  # time.monotonic() when the after-release work is done
         self._held_off_ms = 0.0  # what of it the last restores read by the SMs held off
-        self.restore_reads = os.environ.get("UNISLEEP_RESTORE_READS", "auto")  # checked by the setter
+        if config is None and os.environ.get("UNISLEEP_RESTORE_READS"):
+            self.configure(restore_reads=os.environ["UNISLEEP_RESTORE_READS"])
         self.last_restore_by_sms = False
         self.last_zeroed_by_sms = 0  # bytes the last restore's SM reads zeroed besides
         watch_captures()
@@ -177,7 +184,7 @@ class CudaDriver(Driver):
         cu.ensure_context(self.device)
 
     def create(self, size: int) -> CuHandle:
-        self.settle_releases()  # memory released behind the last sleep is back first
+        self.wait_releases()  # memory released behind the last sleep is back first
         cu.ensure_context(self.device)
         try:
             h = cu.call("cuMemCreate", size, self._prop, 0)
@@ -212,10 +219,11 @@ class CudaDriver(Driver):
             self._note_released(handle.size)
 
     def _note_released(self, nbytes: int) -> None:
-        """Add what releasing ``nbytes`` leaves the driver to do (:attr:`after_release_ms_per_gib`;
-        the release thread of release_behind calls this too: one float, written whole)."""
+        """Add what releasing ``nbytes`` leaves the driver to do (the ``after_release_ms_per_gib``
+        knob; the release thread of release_behind calls this too: one float, written whole)."""
         now = time.monotonic()
-        self._after_work_until = max(now, self._after_work_until) + nbytes / 2**30 * self.after_release_ms_per_gib / 1e3
+        self._after_work_until = (max(now, self._after_work_until)
+                                  + nbytes / 2**30 * self.config.after_release_ms_per_gib / 1e3)
 
     def after_release_pending_ms(self) -> float:
         """The driver's after-release work still expected, in ms (0 once it is done)."""
@@ -227,14 +235,14 @@ class CudaDriver(Driver):
     def view(self, va: int, nbytes: int, owner=None):
         import torch
 
-        t = torch.as_tensor(_DeviceBuffer(va, nbytes, owner))
+        t = torch.as_tensor(DeviceBuffer(va, nbytes, owner))
         if t.device.index != self.device:
             raise RuntimeError(f"memory at {va:#x} resolved to {t.device}, expected device {self.device}")
         return t
 
     def zero(self, va: int, nbytes: int) -> None:
-        """Queue a fill with zeros on the current stream: ``cuMemsetD32Async`` (16 GiB in 3.8 ms
-        on an H200, where torch's ``zero_`` takes 5.1 ms), torch's for an unaligned range."""
+        """Queue a fill with zeros on the current stream: ``cuMemsetD32Async`` (faster than
+        torch's ``zero_``, docs/cuda.md), torch's for an unaligned range."""
         if va % 4 or nbytes % 4:
             self.view(va, nbytes).zero_()
             return
@@ -244,8 +252,8 @@ class CudaDriver(Driver):
         cu.call("cuMemsetD32Async", va, 0, nbytes // 4, torch.cuda.current_stream(self.device).cuda_stream)
 
     def map_region(self, region, zero: bool) -> None:
-        """Chunk by chunk: map one, queue its zeroing, map the next while the device zeroes (16 GiB
-        of 1 GiB chunks: the fills run under the mapping calls instead of after them)."""
+        """Chunk by chunk: map one, queue its zeroing, map the next while the device zeroes (the
+        fills run under the mapping calls instead of after them)."""
         if not zero:
             region.map(self)
             return
@@ -257,7 +265,7 @@ class CudaDriver(Driver):
         torch.cuda.synchronize(self.device)
 
     def memory_info(self) -> tuple[int, int]:
-        self.settle_releases()
+        self.wait_releases()
         cu.ensure_context(self.device)
         free, total = cu.call("cuMemGetInfo")
         return int(free), int(total)
@@ -342,12 +350,13 @@ class CudaDriver(Driver):
             raise
         # ---- the release point: from here on memory is handed back
         # discards are released here, under the copies, when there are copies to hide them
-        # under: the driver's work after a release slows host<->device copies for ~50 ms (24
-        # GiB on an H200), which the copies of this sleep absorb and a wake right after would
+        # under: the driver's work after a release slows host<->device copies for tens of ms
+        # (docs/cuda.md), which the copies of this sleep absorb and a wake right after would
         # not.  With release_behind and (next to) nothing to copy they go to the release thread
         # at the end instead: its cuMemRelease calls would hold up this thread's waits
-        early = self.release_discards_during_copies and (
-            not self.release_behind or copied >= self.early_release_min_copy)
+        cfg = self.config
+        early = cfg.release_discards_during_copies and (
+            not cfg.release_behind or copied >= cfg.early_release_min_copy)
         released = self._release_regions(discards) if early else 0
         tr.mark("release discarded")
         digests_run.synchronize()  # the digest kernels have read every saved region
@@ -377,7 +386,7 @@ class CudaDriver(Driver):
         return released, copied
 
     def release_regions(self, regions) -> int:
-        if self.release_behind:  # unmap now (~1.5 ms for 48 regions), release on the thread
+        if self.config.release_behind:  # unmap now, release on the thread
             return super().release_regions(regions)
         return self._release_regions(regions)
 
@@ -404,23 +413,6 @@ class CudaDriver(Driver):
         return released
 
     # ---- wake ---------------------------------------------------------------------------
-    @property
-    def restore_reads(self) -> str:
-        """Who reads a wake's restores from the arena: ``"auto"`` (the default: the SMs when the
-        after-release work would cost the copy engine more than the SMs' slower reads, else
-        the copy engine), ``"sm"`` or ``"copy-engine"``; the environment variable
-        ``UNISLEEP_RESTORE_READS`` sets it for every CUDA driver of the process."""
-        return self._restore_reads
-
-    @restore_reads.setter
-    def restore_reads(self, mode: str) -> None:
-        if mode not in RESTORE_READS:
-            from unisleep.errors import InvalidArgumentError
-
-            choices = ", ".join(map(repr, RESTORE_READS[:-1])) + f" or {RESTORE_READS[-1]!r}"
-            raise InvalidArgumentError(f"restore_reads (UNISLEEP_RESTORE_READS) must be {choices}, not {mode!r}")
-        self._restore_reads = mode
-
     def restore_regions(self, jobs: list[RestoreJob], store: BackupStore) -> int:
         """The base's restores, read by the SMs when the driver's after-release work would slow
         the copy engine more than the SMs' reads cost (a wake right after a sleep that copied
@@ -433,7 +425,7 @@ class CudaDriver(Driver):
             return super().restore_regions(jobs, store)
         from . import host_reads
 
-        self.settle_releases()  # the releases behind the last sleep count in what is pending
+        self.wait_releases()  # the releases behind the last sleep count in what is pending
         restores = [j for j in jobs if j.ranges]
         nbytes = sum(n for j in restores for _, n in j.ranges)
         pending = self.after_release_pending_ms()
@@ -442,9 +434,8 @@ class CudaDriver(Driver):
             return super().restore_regions(jobs, store)  # each job through queue_restore below
         log.debug("restores read by the SMs: %.1f ms of the driver's after-release work pending", pending)
         self._held_off_ms = pending
-        # mapping calls made while these reads run wait for them (an H200: mapping 16 GiB after
-        # 2 GiB of reads were queued returned when they were done), so every region is mapped
-        # first (24 GiB: ~2.2 ms); queuing half the reads before mapping the rest gained 0.3 ms
+        # mapping calls made while these reads run wait for them (docs/cuda.md), so every
+        # region is mapped first
         for job in jobs:
             job.region.map(self)
         feed = host_reads.ZeroFeed([self.view(j.region.va, j.region.size) for j in jobs
@@ -474,10 +465,10 @@ class CudaDriver(Driver):
     def _restore_by_sms(self, nbytes: int, pending_ms: float, store: PinnedArena, restores) -> bool:
         from . import host_reads
 
-        mode = self._restore_reads
+        mode = self.config.restore_reads
         if not nbytes or mode == "copy-engine" or not host_reads.available():
             return False
-        if mode == "auto" and pending_ms <= nbytes / 2**30 * self.sm_read_extra_ms_per_gib:
+        if mode == "auto" and pending_ms <= nbytes / 2**30 * self.config.sm_read_extra_ms_per_gib:
             return False
         return all(store.readable_by_sms((j.key, off)) for j in restores for off, _ in j.ranges)
 
@@ -494,15 +485,7 @@ class CudaDriver(Driver):
                 store.load_range((job.key, off), lo - off, self.view(job.region.va + lo, hi - lo), by_sms=by_sms,
                                  zero=feed)
 
-    # ---- progressive wake (unisleep.lifecycle.progressive): copies on the arena's stream ------------
-    #: 64 MiB steps: a 256 MiB layer is usable ~1.3 ms after its first byte lands, and 128
-    #: events per 8 GiB cost nothing against the copy
-    progressive_piece = 64 << 20
-    #: map the first chunk, queue its copies, then map all the others at once (~1.1 ms for
-    #: 7 GiB on an H200, under the first chunk's copies), so no mapping call sits between two
-    #: chunks' copies (docs/cuda.md has the figures of both ways)
-    progressive_map_ahead = True
-
+    # ---- progressive wake (unisleep.lifecycle.progressive): copies on the arena's stream ----
     @contextlib.contextmanager
     def progressive_context(self, store) -> Iterator[None]:
         """The worker's zeroing and copies go on the backup store's copy stream, never on the

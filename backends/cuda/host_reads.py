@@ -1,25 +1,21 @@
 """Restores read by the SMs: a copy kernel that reads page-locked host memory through its device
 mapping, for the wakes the copy engine would run slowly.
 
-Why: after ``cuMemRelease`` the driver has work left to do, about 2.1 ms per GiB released on an
-H200 (24 GiB: ~50 ms), and that work only progresses while no host-to-device traffic runs.  A
-copy-engine restore started before it is done takes that much longer (8 GiB: 208 ms right after
-releasing 24 GiB, 188 ms 20 ms later, 155 ms from 50 ms on); reads by the SMs are not slowed
-(167.5 ms for 8 GiB, settled or not), and compute kernels that follow are not slowed either: the
-driver finishes its work under them.  A wake right after a sleep that copied nothing (unchanged
-weights) is the case this is for; :meth:`CudaDriver.resume <.driver.CudaDriver.resume>` decides
-per wake (docs/cuda.md, "Why a wake right after an unchanged sleep was slower").
+Contract: :func:`copy` queues ``dst.copy_(src)`` on the current stream, ``src`` being registered
+host memory seen through its device mapping (:func:`device_view`); the bytes are exactly
+those of ``src`` once the stream reaches that point.  With a :class:`ZeroFeed` the same programs
+also zero other device memory while their loads are in flight; what they did not zero is
+handed back (:meth:`ZeroFeed.rest`) for the caller to zero.  Without Triton, :func:`available`
+is False and every restore stays on the copy engine.
 
-The kernel copies one 16 KiB block of int64 words per program.
-Ranges that are not 16-byte aligned, and a tail shorter than a block, go to ``copy_``.
-Without Triton, :func:`available` is False and every restore stays on the copy engine.
+Why: after ``cuMemRelease`` the driver has work left to do, and that work only progresses while
+no host-to-device traffic runs, so a copy-engine restore started before it is done is slowed;
+reads by the SMs are not.  :meth:`CudaDriver.restore_regions <.driver.CudaDriver.restore_regions>`
+decides per wake.  docs/cuda.md ("Why a wake right after an unchanged sleep was slower", and
+"the KV cache zeroed by the reads") holds the H200 measurements behind every choice below.
 
-The same programs can zero other memory while they wait on the bus (:class:`ZeroFeed`: the
-KV cache a wake hands back zeroed): a program has its block's loads in flight for microseconds,
-and a few blocks of stores to device memory fit under them.  On an H200, 8 GiB read while 16 GiB
-were zeroed took 167.6-168.2 ms, as long as the reads alone (167.5-168.0), where reads and then
-a ``cuMemsetD32Async`` took 171.3-171.9 ms; zeroing beside the reads in a kernel of its own slowed
-them far more (184-302 ms).
+The kernel copies one 16 KiB block of int64 words per program; ranges that are not 16-byte
+aligned, and a tail shorter than a block, go to ``copy_``.
 """
 
 from __future__ import annotations
@@ -27,15 +23,15 @@ from __future__ import annotations
 from collections import deque
 
 from .lazy_kernel import LazyKernel
+from .views import DeviceBuffer
 
-#: int64 words per block (16 KiB) and warps per program: every setting of the H200 sweep
-#: (1024-8192 words, 2-16 warps, one block per program or 132-528 looping programs) read 8 GiB
-#: in 167.3-168.6 ms
+#: int64 words per block (16 KiB) and warps per program (the H200 sweep in docs/cuda.md found
+#: no setting faster)
 WORDS = 2048
 NUM_WARPS = 8
 BLOCK_BYTES = WORDS * 8
-#: at most this many blocks zeroed per block read (16 GiB zeroed by 4 GiB of reads cost the
-#: reads nothing on an H200); zeroing left over goes to the caller's memset after the reads
+#: at most this many blocks zeroed per block read (more slows the reads, docs/cuda.md);
+#: zeroing left over goes to the caller's memset after the reads
 MAX_ZERO_PER_BLOCK = 4
 #: ranges to zero smaller than this are left to the caller's memset: carrying one takes a
 #: launch of its own, too few programs to keep the bus busy
@@ -165,9 +161,7 @@ def device_view(device_ptr: int, n: int, device: int):
     ``cuMemHostGetDevicePointer``) as a uint8 tensor on GPU ``device``."""
     import torch
 
-    from .driver import _DeviceBuffer
-
-    return torch.as_tensor(_DeviceBuffer(device_ptr, n), device=f"cuda:{device}")
+    return torch.as_tensor(DeviceBuffer(device_ptr, n), device=f"cuda:{device}")
 
 
 def warm_up(device) -> bool:

@@ -22,13 +22,16 @@ import os
 import queue
 import threading
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from unisleep.backends._capture import CaptureSpec
-from unisleep.driver import BackupStore, Driver, _Trace
+from unisleep.driver import BackupStore, Capabilities, Driver, DriverConfig, _Trace
 
 from . import libc
 from .spill import SpillStore
+
+
+_DEFAULT = object()  # an argument left out
 
 
 @dataclass(eq=False)
@@ -39,32 +42,28 @@ class MemfdHandle:
 
 class HostDriver(Driver):
     name = "host"
-    fresh_memory_is_zero = True
-    retain_backups = False
-    views_hold_owner = True
-    supports_release_behind = True
+    capabilities = Capabilities(fresh_memory_is_zero=True, views_hold_owner=True, supports_release_behind=True)
+    #: 256 MiB chunks: a chunk already written to the spill file is released (on a second thread)
+    #: while the next one is written.  A progressive wake reads (and verifies) 32 MiB at a time
+    #: (backups are checksummed in pieces of the same size, so each step verifies exactly what it
+    #: read), on as many threads as a plain wake uses
+    default_config = DriverConfig(chunk_bytes=256 << 20, progressive_piece=32 << 20,
+                                  progressive_workers=min(4, os.cpu_count() or 1))
     #: torch's CPU allocator (libc10's ``posix_memalign``/``free``): every CPU tensor of a thread
     #: in an interesting region becomes a region of this driver
     capture_spec = CaptureSpec("libc10", "posix_memalign", "free", "host")
 
-    #: physical chunks of a region: a chunk already written to the spill file is released (on a
-    #: second thread) while the next one is written
-    CHUNK = 256 << 20
-    #: a progressive wake reads (and verifies) 32 MiB at a time; backups are checksummed in
-    #: pieces of the same size so each step verifies exactly what it read
-    progressive_piece = 32 << 20
-    #: read back on as many threads as a plain wake uses (taken in use order)
-    progressive_workers = min(4, os.cpu_count() or 1)
-
-    def __init__(self, device: int = 0, granularity: Optional[int] = None, chunk_bytes: Optional[int] = CHUNK,
-                 **options):
+    def __init__(self, device: int = 0, granularity: Optional[int] = None, chunk_bytes: Any = _DEFAULT, **options):
+        """``chunk_bytes``: the physical chunk size (None: one chunk per region; left out: the
+        default config's)."""
         super().__init__(device, **options)
         page = _mmap.PAGESIZE
         gran = granularity or page
         if gran % page or gran & (gran - 1):
             raise ValueError(f"host granularity must be a power-of-two multiple of the page size {page}, got {gran}")
         self._gran = gran
-        self.default_chunk_bytes = chunk_bytes
+        if chunk_bytes is not _DEFAULT:
+            self.configure(chunk_bytes=chunk_bytes)
 
     # ---- primitives ------------------------------------------------------------------
     def granularity(self) -> int:
@@ -99,7 +98,7 @@ class HostDriver(Driver):
         return MemfdHandle(fd, size)
 
     def create(self, size: int) -> MemfdHandle:
-        self.settle_releases()  # memory released behind the last sleep is back first
+        self.wait_releases()  # memory released behind the last sleep is back first
         return self._memfd(size, commit=True)
 
     def map(self, va: int, size: int, handle: MemfdHandle) -> None:
@@ -130,7 +129,7 @@ class HostDriver(Driver):
         ctypes.memset(va, 0, nbytes)
 
     def memory_info(self) -> tuple[int, int]:
-        self.settle_releases()
+        self.wait_releases()
         info = {}
         with open("/proc/meminfo") as f:
             for line in f:
@@ -160,12 +159,12 @@ class HostDriver(Driver):
                     todo = list(region.chunks)
 
                     def written(end, todo=todo, region=region):
-                        if self.backup_hook is not None:
-                            self.backup_hook(region.va, end)
+                        if self.hooks.backup is not None:
+                            self.hooks.backup(region.va, end)
                         while todo and todo[0].offset + todo[0].size <= end:
                             releaser.submit(region.release_chunk, self, todo.pop(0))
 
-                    piece = min(region.chunks[0].size, self.progressive_piece or region.chunks[0].size)
+                    piece = min(region.chunks[0].size, self.config.progressive_piece or region.chunks[0].size)
                     store.save_progressively((job.key, 0), self.view(region.va, region.size), piece, written)
                     copied += region.size
                 else:
@@ -173,13 +172,13 @@ class HostDriver(Driver):
                         store.save((job.key, off), self.view(region.va + off, n))
                         copied += n
             tr.mark("write (releasing under it)")
-            if not self.release_behind:
+            if not self.config.release_behind:
                 for r in discards:
                     releaser.submit(r.release, self)
         finally:
             released = releaser.join()
         tr.mark("wait releases")
-        if self.release_behind:  # every write is done: unmap the rest, release it behind the return
+        if self.config.release_behind:  # every write is done: unmap the rest, release it behind the return
             released += self.release_regions(discards)
         released += self.release_regions([job.region for job in saves])
         tr.mark("release the rest")

@@ -36,12 +36,12 @@ import os
 import resource
 import threading
 from ctypes import byref, c_int, c_size_t, c_void_p
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterator, Optional
 
 from unisleep.backends._native import record_fallback
 from unisleep.backends._capture import CaptureSpec
-from unisleep.driver import BackupStore, Driver, SaveJob
+from unisleep.driver import BackupStore, Capabilities, Driver, SaveJob
 from unisleep.errors import UnisleepError
 from unisleep.platform import SPECS
 from unisleep.region import Region
@@ -75,9 +75,9 @@ class HipHandle:
 
 class RocmDriver(Driver):
     name = "rocm"
-    fresh_memory_is_zero = False  # remapped VRAM may hold stale data: zero explicitly
-    retain_backups = False
-    supports_pool = False  # per instance: True with a ROCm build of torch on a real HIP library
+    #: remapped VRAM may hold stale data (zeroed explicitly); ``supports_pool`` is decided per
+    #: driver: True with a ROCm build of torch on a real HIP library
+    capabilities = Capabilities()
     #: torch's caching allocator asks HIP for segments through these two imports (NOT RUN on ROCm
     #: hardware: the rewrite is the code path run on CUDA and on the host)
     capture_spec = CaptureSpec("libc10_hip", "hipMalloc", "hipFree", "device", "libamdhip64")
@@ -96,16 +96,14 @@ class RocmDriver(Driver):
     ):
         super().__init__(device, **options)
         config.check_visible_devices(env)
-        self.default_chunk_bytes = chunk_bytes if chunk_bytes is not None else config.chunk_bytes_from_env(env)
+        self.configure(chunk_bytes=chunk_bytes if chunk_bytes is not None else config.chunk_bytes_from_env(env))
         self.rereserve_on_sleep = rereserve_on_sleep
         #: why sleep keeps address reservations (device memory not returned), or None while the
         #: free-and-re-reserve step is in use
         self.kept_reason: Optional[str] = None
         self._probed = False
         self._lost: list[tuple[int, int]] = []  # address ranges given up and taken by someone else
-        #: the last suspend's memory kept held by a kept reservation: {"bytes", "regions", "reason"},
-        #: or None when every released byte went back to the device
-        self.last_sleep_kept: Optional[dict] = None
+        self._last_kept: Optional[dict] = None  # last_sleep_kept
         self.raise_file_limit = raise_file_limit
         self.simulated = bool(getattr(lib, "SIMULATED", False))
         self.api = hip.HipApi(lib if lib is not None else hip.load_library())
@@ -138,7 +136,7 @@ class RocmDriver(Driver):
         from .pool import pool_problem
 
         self._pool_problem = pool_problem(self)
-        self.supports_pool = self._pool_problem is None
+        self.capabilities = replace(self.capabilities, supports_pool=self._pool_problem is None)
         self._pools = None  # made by pool()
 
     # ---- context ---------------------------------------------------------------------
@@ -218,7 +216,7 @@ class RocmDriver(Driver):
                 log.info("raised the soft RLIMIT_NOFILE from %d to %d (one descriptor per HIP handle)", soft, target)
                 soft = target
             else:
-                chunk = self.default_chunk_bytes
+                chunk = self.config.chunk_bytes
                 raise FileLimitError(
                     f"creating another HIP memory handle needs a file descriptor, and {open_now} of the "
                     f"{soft} allowed (RLIMIT_NOFILE, hard limit {hard}) are open. Each handle holds one "
@@ -385,6 +383,12 @@ class RocmDriver(Driver):
                     "reservations instead (see last_sleep_kept)."
                 )
 
+    @property
+    def last_sleep_kept(self) -> Optional[dict]:
+        """The last sleep's memory kept held by a kept reservation (``{"bytes", "regions",
+        "reason"}``), or None when every released byte went back to the device."""
+        return self._last_kept
+
     def suspend(self, saves: list[SaveJob], discards: list[Region], store: BackupStore) -> tuple[int, int]:
         if self.rereserve_on_sleep and self.kept_reason is None and not self._probed:
             self._probe_rereserve()
@@ -400,7 +404,5 @@ class RocmDriver(Driver):
             else:
                 kept += region.size
                 kept_regions += 1
-        self.last_sleep_kept = (
-            {"bytes": kept, "regions": kept_regions, "reason": self.kept_reason} if kept else None
-        )
+        self._last_kept = {"bytes": kept, "regions": kept_regions, "reason": self.kept_reason} if kept else None
         return released - min(kept, released), copied

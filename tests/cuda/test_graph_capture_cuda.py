@@ -129,12 +129,12 @@ def test_releases_behind_a_sleep_never_run_inside_a_capture():
         x = torch.randn(64, 4096, device=dev, dtype=torch.bfloat16)
         warm(model, x)
         seen = []
-        lc.driver.release_hook = lambda h: (time.sleep(0.1), seen.append(graph_capture.underway()))
+        lc.driver.hooks.release = lambda h: (time.sleep(0.1), seen.append(graph_capture.underway()))
         lc.sleep(2)
         g = torch.cuda.CUDAGraph()
         with torch.no_grad(), torch.cuda.graph(g):
             y = model(x)
-        lc.driver.release_hook = None
+        lc.driver.hooks.release = None
         assert seen and not any(seen), seen
         with torch.no_grad():
             g.replay()

@@ -49,7 +49,7 @@ def test_arena_reads_by_the_sms_equal_the_copy_engines_at_any_offset(lc):
 
 def test_wakes_read_by_the_sms_restore_level1_and_preserved_level2_bytes_exactly(lc):
     _host_reads()
-    lc.driver.restore_reads = "sm"
+    lc.driver.configure(restore_reads="sm")
     g = torch.Generator(device="cuda").manual_seed(0)
     ws = [lc.empty((n,), torch.uint8, tag="weights") for n in (1, 7, 4096, 3 * MiB + 5, 1 * GiB + 3)]
     for w in ws:
@@ -82,7 +82,7 @@ def test_reads_by_the_sms_zero_at_most_four_blocks_each_and_the_rest_after_them(
     _host_reads()
     from unisleep.backends.cuda import host_reads
 
-    lc.driver.restore_reads = "sm"
+    lc.driver.configure(restore_reads="sm")
     w = lc.empty((4 * MiB,), torch.uint8, tag="weights")
     w.view(torch.int32).random_()
     kvs = [lc.empty((n,), torch.uint8, tag="kv_cache") for n in (6 * MiB, 58 * MiB)]
@@ -99,7 +99,7 @@ def test_reads_by_the_sms_zero_at_most_four_blocks_each_and_the_rest_after_them(
 
 def test_auto_reads_by_the_sms_right_after_a_sleep_that_copied_nothing(lc):
     _host_reads()
-    assert lc.driver.restore_reads == "auto"
+    assert lc.driver.config.restore_reads == "auto"
     w = lc.empty((1 * GiB,), torch.uint8, tag="weights")
     w.view(torch.int32).random_()
     kv = lc.empty((4 * GiB,), torch.uint8, tag="kv_cache")
@@ -126,10 +126,10 @@ def test_restore_reads_names_the_choices(lc):
 
     lc.empty((4 * MiB,), torch.uint8, tag="weights").fill_(1)
     with pytest.raises(InvalidArgumentError, match="'auto', 'sm' or 'copy-engine'"):
-        lc.driver.restore_reads = "fast"
-    assert lc.driver.restore_reads == "auto"
+        lc.driver.configure(restore_reads="fast")
+    assert lc.driver.config.restore_reads == "auto"
     lc.sleep(1)
-    lc.driver.restore_reads = "copy-engine"
+    lc.driver.configure(restore_reads="copy-engine")
     lc.wake_up()
     assert not lc.driver.last_restore_by_sms
 
@@ -140,7 +140,7 @@ def test_restore_reads_from_the_environment_is_checked_at_start(monkeypatch):
     monkeypatch.setenv("UNISLEEP_RESTORE_READS", "copy-engine")
     m = MemoryLifecycle("cuda")
     try:
-        assert m.driver.restore_reads == "copy-engine"
+        assert m.driver.config.restore_reads == "copy-engine"
     finally:
         m.close()
     monkeypatch.setenv("UNISLEEP_RESTORE_READS", "smx")

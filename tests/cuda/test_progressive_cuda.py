@@ -1,6 +1,6 @@
 """Progressive wake and background sleep on a real GPU (marker ``cuda``; CPU CI skips these).
 
-Copies are delayed on the device itself: the driver's ``restore_hook`` runs on the copy stream
+Copies are delayed on the device itself: the driver's ``hooks.restore`` runs on the copy stream
 before each step, and ``torch.cuda._sleep`` there holds that step's copy back for ~10 ms, so a
 layer whose kernels did not wait for its bytes reads memory still in flight."""
 
@@ -47,11 +47,11 @@ def test_bytes_exact_in_adoption_and_given_order(lc):
         ref = [p.detach().clone() for p in m.parameters()]
         lc.sleep(1)
         seen = []
-        lc.driver.restore_hook = lambda va, n: seen.append(va)
+        lc.driver.hooks.restore = lambda va, n: seen.append(va)
         pw = lc.wake_up(["weights"], progressive=True, order=order)
         assert lc.state()["weights"] in ("waking", "awake")
         rep = lc.wait()
-        lc.driver.restore_hook = None
+        lc.driver.hooks.restore = None
         assert rep.bytes_copied == LAYERS * 64 * MiB and len(pw.steps) == LAYERS
         want = [p.data_ptr() for p in m.parameters()]
         assert seen == (want if order is None else want[::-1])
@@ -82,7 +82,7 @@ def test_a_layer_never_runs_on_a_step_in_flight(lc):
     ref = [p.detach().clone() for p in m.parameters()]
     ready_hooks = lc.install_ready_hooks(m)
     lc.sleep(1)
-    lc.driver.restore_hook = lambda va, n: torch.cuda._sleep(SPIN)
+    lc.driver.hooks.restore = lambda va, n: torch.cuda._sleep(SPIN)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     pw = lc.wake_up(["weights"], progressive=True)
@@ -107,7 +107,7 @@ def test_a_layer_never_runs_on_a_step_in_flight(lc):
     lc.driver.fence_sync(lc.driver.fence())  # the forward is done ...
     assert not pw.done  # ... while the copies are still in flight
     lc.wait()
-    lc.driver.restore_hook = None
+    lc.driver.hooks.restore = None
     assert all(torch.equal(p, r) for p, r in zip(m.parameters(), ref))
 
 
@@ -118,7 +118,7 @@ def test_guards_while_copies_are_in_flight(lc):
     kv.fill_(3)
     ref = [p.detach().clone() for p in m.parameters()]
     lc.sleep(1)
-    lc.driver.restore_hook = lambda va, n: torch.cuda._sleep(SPIN * 2)
+    lc.driver.hooks.restore = lambda va, n: torch.cuda._sleep(SPIN * 2)
     pw = lc.wake_up(["weights"], progressive=True)
     pw.wait_queued()
     assert not pw.done
@@ -128,7 +128,7 @@ def test_guards_while_copies_are_in_flight(lc):
             call()
     lc.wake_up(["kv_cache"])  # another tag wakes meanwhile
     lc.wait()
-    lc.driver.restore_hook = None
+    lc.driver.hooks.restore = None
     assert lc.state() == {"weights": "awake", "kv_cache": "awake"}
     assert all(torch.equal(p, r) for p, r in zip(m.parameters(), ref)) and int(kv.count_nonzero()) == 0
 

@@ -149,7 +149,7 @@ def test_strict_order_and_partial_reload(drv):
     a = _region(drv, 768 * MiB, chunk=256 * MiB, seed=8)
     kv, _ = _region(drv, 64 * MiB, seed=9)
     store = PinnedArena(0, None)
-    drv.release_discards_during_copies = False
+    drv.configure(release_discards_during_copies=False)
     try:
         store.reserve((0, 0), a[0].size)
         assert store._promised == {(0, 0): a[0].size}
@@ -166,7 +166,7 @@ def test_strict_order_and_partial_reload(drv):
         torch.cuda.synchronize()
         assert torch.equal(piece, ref[300 * MiB - 7 : 300 * MiB + 993])
     finally:
-        drv.release_discards_during_copies = True
+        drv.configure(release_discards_during_copies=True)
         store.close()
         a[0].free(drv)
         kv.free(drv)

@@ -4,6 +4,8 @@ Run on the host backend with retention switched on (real spill files, real memor
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from unisleep import MemoryLifecycle
@@ -13,7 +15,7 @@ MiB = 1 << 20
 
 
 class RetainingHostDriver(HostDriver):
-    retain_backups = True
+    capabilities = replace(HostDriver.capabilities, retain_backups=True)
 
 
 def test_changed_weights_reuse_the_room_of_their_stale_backup(tmp_path):

@@ -9,14 +9,13 @@ wake, as a rollout would, and nothing sits between a sleep and the wake that fol
 the same wakes "after the trainer's turn": 1 s between the sleep and the wake, as in an RL step
 (rows without a goal: the goals are for the wake right after the sleep).  ``--sweep`` adds total
 sizes × allocation counts through ``pool(tag)``.  Each implementation runs in its own process;
-the backend's peers (``backends/<name>/peers.py``, e.g. torch_memory_saver on CUDA) run the same
-workload when installed.  Figures and their commands: docs/cuda.md.
+other libraries (:mod:`.peers`: torch_memory_saver) run the same workload when installed, and the
+copy-bound limits are measured in the same run.  Figures and their commands: docs/cuda.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import statistics
 import sys
@@ -24,6 +23,7 @@ import time
 from typing import Optional, Sequence
 
 from ..cli import plain
+from . import peers
 from .common import GENERATION_PAUSE_S, TRAINER_TURN_S, emit_result, print_table, progress, run_worker, write_json
 
 GiB = 1 << 30
@@ -136,11 +136,10 @@ def run_unisleep(platform: str, device: int, weights_gib: float, kv_gib: float, 
     out["first_sleep_prepared_s"] = _timed(lambda: lc.sleep(1), sync)
     lc.wake_up()
     del w, kv
+    accelerator = lc.torch_device.type != "cpu"
     lc.close()
-
-    limits = _limits(platform, device, W)
-    if limits:
-        out["limits"] = limits
+    if accelerator:  # the host's limits are unisleep bench's own table (unisleep.bench.host)
+        out["limits"] = peers.measure_limits(platform, device, W)
 
     if sweep:
         rows = []
@@ -170,37 +169,10 @@ def run_unisleep(platform: str, device: int, weights_gib: float, kv_gib: float, 
     return out
 
 
-def _limits(platform: str, device: int, nbytes: int) -> dict:
-    """The bus limits measured in the same run by the backend's peers module (if it has one)."""
-    from unisleep.platform import SPECS
-
-    try:
-        mod = importlib.import_module(SPECS[platform].driver.split(":")[0] + ".peers")
-    except (ImportError, KeyError):
-        return {}
-    fn = getattr(mod, "measure_limits", None)
-    return fn(device, nbytes) if fn else {}
-
-
 def _worker(impl: str, args) -> dict:
     if impl == "unisleep":
         return run_unisleep(args.backend, args.device, args.weights, args.kv, args.cycles, args.sweep)
-    from unisleep.platform import SPECS
-
-    mod = importlib.import_module(SPECS[args.backend].driver.split(":")[0] + ".peers")
-    return mod.run_peer(impl, args.device, args.weights, args.kv, args.cycles)
-
-
-def _peers(backend: str) -> list[str]:
-    from unisleep.platform import SPECS
-
-    if backend not in SPECS:
-        return []
-    try:
-        mod = importlib.import_module(SPECS[backend].driver.split(":")[0] + ".peers")
-    except ImportError:
-        return []
-    return mod.available_peers()
+    return peers.run_peer(impl, args.backend, args.device, args.weights, args.kv, args.cycles)
 
 
 GOALS = {  # H200 goals from the issue (seconds)
@@ -249,7 +221,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             os._exit(0)  # a peer's own exit path is not what is measured
         return 0
 
-    impls = ["unisleep"] + ([] if args.no_peers else _peers(args.backend))
+    impls = ["unisleep"] + ([] if args.no_peers else peers.available_peers())
     results = {}
     for impl in impls:
         cmd = [sys.executable, "-m", "unisleep", "bench", "--backend", args.backend, "--device", str(args.device),

@@ -214,7 +214,7 @@ class TorchMemorySaver:
         config = self._thread_config(tag=tag, interesting=True, cpu=enable_cpu_backup,
                                      backend=cpu_backup_backend if enable_cpu_backup else None,
                                      disk=enable_disk_backup)
-        if lc.driver.supports_pool:
+        if lc.driver.capabilities.supports_pool:
             with config, self._pushed(slot, route=True):
                 yield handle
             self._prepare_backup(slot)

@@ -35,7 +35,7 @@ anything is released, the platform's mapping policy (chunks on ROCm), the Ascend
 report per operation (:attr:`UnisleepAllocator.last_report`).
 
 Limits.  ``use_memory_pool`` routes the framework's allocations only where the platform's driver
-can (``driver.supports_pool``: CUDA, Ascend).  On host memory (CPU) nothing routes torch's CPU
+can (``driver.capabilities.supports_pool``: CUDA, Ascend).  On host memory (CPU) nothing routes torch's CPU
 allocator: the context only sets :attr:`current_tag`, and memory enters a tag through the
 lifecycle's own means (``allocator.lifecycle.empty(..., tag=...)`` / ``adopt``) — the unit tests
 do that; vLLM never calls the allocator on CPU.
@@ -134,7 +134,7 @@ class UnisleepAllocator:
             raise InvalidArgumentError(f"tag must be a non-empty string or None, got {tag!r}")
         old, self.current_tag = self.current_tag, tag
         try:
-            if getattr(self.lifecycle.driver, "supports_pool", False):
+            if self.lifecycle.driver.capabilities.supports_pool:
                 with self.lifecycle.pool(tag):
                     yield
             else:
@@ -255,7 +255,7 @@ class UnisleepAllocator:
     def _prepare_weights_backup(self) -> None:
         try:
             lc = self.lifecycle
-            if lc.driver.retain_backups or getattr(lc.driver, "supports_pool", False):
+            if lc.driver.capabilities.retain_backups or lc.driver.capabilities.supports_pool:
                 lc.prepare_backup()  # room for the first level-1 sleep, grown in the background
         except Exception as e:  # an optimisation: the first sleep then allocates as it goes
             log.info("could not prepare the weights' backup room ahead of the first sleep: %s", e)

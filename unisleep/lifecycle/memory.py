@@ -96,10 +96,10 @@ class MemoryLifecycle:
                 f"chunk_bytes must be a positive int (bytes) or None for the backend's default, got {chunk_bytes!r}"
             )
         driver = platform if isinstance(platform, Driver) else _resolve_driver(platform, device, driver_options)
-        driver.release_behind = release_behind_setting(release_behind, driver)
+        driver.configure(release_behind=release_behind_setting(release_behind, driver))
         self.platform_name = driver.name
         self.device = device
-        self.chunk_bytes = chunk_bytes if chunk_bytes is not None else driver.default_chunk_bytes
+        self.chunk_bytes = chunk_bytes if chunk_bytes is not None else driver.config.chunk_bytes
         self.host_budget_bytes = host_budget_bytes
         self._driver = driver
         self._state = LifecycleState(driver, driver.new_backup_store(host_budget_bytes, spill_dir), self.chunk_bytes)
@@ -167,7 +167,7 @@ class MemoryLifecycle:
         """Physical bytes the backend holds now, read from the backend (not from bookkeeping);
         memory still being released behind a sleep's return (``release_behind``) is waited for."""
         self._check_open()
-        self._driver.settle_releases()
+        self._driver.wait_releases()
         op = self._flight.op
         if isinstance(op, BackgroundSleep) and not op.done:  # its copies hold the lock: read without it
             return self._state.resident_bytes(tag, racing=True)
@@ -487,7 +487,7 @@ class MemoryLifecycle:
         with self._lock:
             self._check_open()
             graph_capture.refuse_if_capturing("wake_up()")
-            self._driver.settle_releases()  # a failed release behind the last sleep: raised before any change
+            self._driver.wait_releases()  # a failed release behind the last sleep: raised before any change
             self._flight.refuse(tags, "wake_up")
             self._settle()
             st = self._state
@@ -518,7 +518,7 @@ class MemoryLifecycle:
     # ------------------------------------------------------------------ copies in flight
     def _wake_progressive(self, todo: list[str], order, t0: float) -> ProgressiveWake:
         allocs = self._state.of(*todo)
-        steps = plan_steps(allocs, self._driver.progressive_piece, order)
+        steps = plan_steps(allocs, self._driver.config.progressive_piece, order)
         pw = ProgressiveWake(self, self._driver, self._state.store, todo, allocs, steps, t0)
         pw.previous = {t: self._state.tags[t] for t in todo}
         for t in todo:
@@ -556,7 +556,7 @@ class MemoryLifecycle:
         background sleep leaves its tags awake with their bytes (or lost, as a plain sleep)."""
         self._check_open()
         self._flight.wait_copies()
-        self._driver.settle_releases()  # memory released behind the last sleep is back
+        self._driver.wait_releases()  # memory released behind the last sleep is back
         with self._lock:
             self._settle(block=True)
             rep, err = self._flight.take()

@@ -108,7 +108,7 @@ def jobs(state: LifecycleState, plan: dict[str, str], patterns: list[str]) -> tu
                 saves.append(SaveJob(a.id, a.region, keep))
             else:
                 discards.append(a.region)
-    retain = state.driver.retain_backups
+    retain = state.driver.capabilities.retain_backups
     skip = unchanged(state, offloads) if retain else set()
     for a in offloads:
         copy = a.id not in skip

@@ -137,7 +137,7 @@ class ProgressiveWake:
         self._by_alloc = {id(a): [s for s in sorted(steps, key=lambda s: s.lo) if s.alloc is a] for a in allocs}
         self._lo = {k: [s.lo for s in v] for k, v in self._by_alloc.items()}
         self._cache: dict[int, list[Step]] = {}
-        self._workers = max(1, int(driver.progressive_workers or 1)) if len(steps) > 1 else 1
+        self._workers = max(1, int(driver.config.progressive_workers or 1)) if len(steps) > 1 else 1
         self._next = 0  # index of the next step a worker takes (under _take)
         self._take = threading.Lock()
         self._chunk_locks: dict[int, threading.Lock] = {}
@@ -180,7 +180,7 @@ class ProgressiveWake:
         cur = None
         try:
             with graph_capture.background(), driver.progressive_context(store):
-                ahead = driver.progressive_map_ahead and self._workers == 1
+                ahead = driver.config.progressive_map_ahead and self._workers == 1
                 t0 = time.perf_counter()
                 while True:
                     cur = step = self._take_step()
@@ -198,10 +198,10 @@ class ProgressiveWake:
                             self._map(region, c)
                         if step.index == 0:
                             self.timings["map_first_s"] = time.perf_counter() - t0
-                    hook = driver.restore_hook
+                    hook = driver.hooks.restore
                     if hook is not None:
                         hook(region.va + step.lo, step.hi - step.lo)
-                    if step.zero and not driver.fresh_memory_is_zero:
+                    if step.zero and not driver.capabilities.fresh_memory_is_zero:
                         driver.zero(region.va + step.lo, step.hi - step.lo)
                     for s_off, lo, hi in step.loads:
                         store.load_range((step.alloc.id, s_off), lo - s_off, driver.view(region.va + lo, hi - lo))

@@ -112,7 +112,7 @@ class Keeper:
     def attach(self, t, driver: Driver):
         """Make ``t`` hold this keeper where the driver's views cannot carry it themselves
         (``views_hold_owner``): as an attribute of the tensor.  Returns ``t``."""
-        if not driver.views_hold_owner:
+        if not driver.capabilities.views_hold_owner:
             try:
                 t._unisleep_keeper = self
             except (AttributeError, RuntimeError):
@@ -168,7 +168,7 @@ class LifecycleState:
     def new(self, tag: str, nbytes: int) -> Allocation:
         """A new region of ``nbytes`` (zeroed) recorded under ``tag``."""
         region = Region.allocate(self.driver, nbytes, self.chunk_bytes)
-        if not self.driver.fresh_memory_is_zero:
+        if not self.driver.capabilities.fresh_memory_is_zero:
             self.driver.zero(region.va, region.size)
         return self.add(tag, region, nbytes)
 
@@ -244,7 +244,7 @@ class LifecycleState:
         it (a full backup with its digest); a failure of that bookkeeping never makes the
         restored memory look asleep — it is logged, the backup stays recorded."""
         try:
-            if not (a.fully_saved and self.driver.retain_backups and a.digest is not None):
+            if not (a.fully_saved and self.driver.capabilities.retain_backups and a.digest is not None):
                 self.drop_backup(a)
         except Exception as e:
             log.warning("tag %r is awake (its bytes were restored and verified), but dropping its backup failed: "
@@ -284,7 +284,7 @@ class LifecycleState:
         """Refuse, before anything is committed, an allocation larger than the free memory."""
         if nbytes <= 0:
             return
-        self.driver.settle_releases()  # its error is raised, not taken for "cannot tell"
+        self.driver.wait_releases()  # its error is raised, not taken for "cannot tell"
         try:
             free, total = self.driver.memory_info()
         except Exception:  # a backend that cannot tell: let the allocation itself fail
@@ -360,7 +360,7 @@ def finalize(state: LifecycleState, lock, shut, flight) -> None:
         except Exception:
             pass
         try:
-            driver.settle_releases()
+            driver.wait_releases()
         except Exception as e:  # best effort at shutdown
             log.warning("%s", e)
         state.free_all(exiting)

@@ -68,7 +68,7 @@ def sleep(state: LifecycleState, level: int, plan: dict, write_off: dict, patter
         for hook in before_sleep:
             hooks_ran = True
             hook(level, sorted(plan))
-        if not driver.digests_during_copies:
+        if not driver.capabilities.digests_during_copies:
             driver.take_digests(saves)
         released, copied = driver.suspend(saves, discards, state.store)
         tr.mark("suspend")
@@ -155,7 +155,7 @@ def undo_sleep(state: LifecycleState, saves, discards, reserved: list) -> None:
         if not region.mapped:
             try:
                 region.map(driver)
-                if not driver.fresh_memory_is_zero:
+                if not driver.capabilities.fresh_memory_is_zero:
                     driver.zero(region.va, region.size)
             except BaseException:  # pragma: no cover
                 pass

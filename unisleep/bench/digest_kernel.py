@@ -1,7 +1,8 @@
 """Bandwidth of the keyed NH level-1 kernel against the HBM read bandwidth measured in the same
-run (a torch reduction over the same bytes), and the cost of a whole keyed digest.
+run (a torch reduction over the same bytes), and the cost of a whole keyed digest, on the CUDA
+backend's kernel (``unisleep.backends.cuda.checksum``).
 
-    PYTHONPATH=. python3 -m unisleep.backends.cuda.bench_nh --gib 8 --out result.json [--sleep]
+    python3 -m unisleep.bench.digest_kernel --gib 8 --out result.json [--sleep]
 
 ``--sleep`` adds the level-1 sleep figures of 8 GiB weights + 16 GiB KV through the public API
 (steady and unchanged-weights sleeps, discards released during or after the copies).
@@ -51,7 +52,7 @@ def sleep_figures(weights_gib: float = 8, kv_gib: float = 16, cycles: int = 4) -
         return time.perf_counter() - t0, r
 
     out: dict = {"weights_gib": weights_gib, "kv_gib": kv_gib}
-    lc = MemoryLifecycle("cuda")
+    lc = MemoryLifecycle()  # the GPU the platform detection finds
     try:
         w = lc.empty((int(weights_gib * (1 << 30)),), torch.uint8, tag="weights")
         kv = lc.empty((int(kv_gib * (1 << 30)),), torch.uint8, tag="kv_cache")
@@ -63,7 +64,7 @@ def sleep_figures(weights_gib: float = 8, kv_gib: float = 16, cycles: int = 4) -
         lc.wake_up()
         ok = bool(torch.equal(w, ref))
         for early in (True, False):
-            lc.driver.release_discards_during_copies = early
+            lc.driver.configure(release_discards_during_copies=early)
             sl, wk, un, copied_unchanged = [], [], [], []
             for _ in range(cycles):
                 w[:4096].add_(1)
@@ -87,7 +88,7 @@ def sleep_figures(weights_gib: float = 8, kv_gib: float = 16, cycles: int = 4) -
                 "all_unchanged_s": un,
             }
             print(name, json.dumps(out[name]), flush=True)
-        lc.driver.release_discards_during_copies = True
+        lc.driver.configure(release_discards_during_copies=True)
         out["verified"] = ok
     finally:
         lc.close()
@@ -99,7 +100,7 @@ def main(argv=None) -> int:
 
     from unisleep import keyed_hash as kh
 
-    from . import checksum as cs
+    from unisleep.backends.cuda import checksum as cs
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--gib", type=float, default=8.0)
@@ -111,7 +112,7 @@ def main(argv=None) -> int:
         "split:2x8,split:4x8,split:8x16",
     )
     args = ap.parse_args(argv)
-    dev = torch.device("cuda:0")
+    dev = torch.device(0)  # the first GPU
     nbytes = int(args.gib * (1 << 30))
     x = torch.empty(nbytes // 4, dtype=torch.int32, device=dev).random_()
     res: dict = {

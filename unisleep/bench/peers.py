@@ -1,5 +1,7 @@
-"""Peers run by ``unisleep bench --backend cuda`` on the same workload: torch_memory_saver
-(``hook_mode="torch"``, ``retain_cpu_backup=True``, pinned backups) when it is installed."""
+"""Beside unisleep in ``unisleep bench --backend NAME``: the other libraries run on the same
+workload (torch_memory_saver: ``hook_mode="torch"``, ``retain_cpu_backup=True``, pinned
+backups, when it is installed), and the copy-bound limits measured in the same run with the
+backend's own backup store."""
 
 from __future__ import annotations
 
@@ -15,31 +17,44 @@ def available_peers() -> list[str]:
     return ["torch_memory_saver"] if importlib.util.find_spec("torch_memory_saver") else []
 
 
-def _t(fn):
+def _device_module(platform: str):
+    """(torch device module, torch device type) of ``platform``."""
     import torch
 
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return time.perf_counter() - t0
+    from unisleep.platform import detect_platform
+
+    kind = detect_platform(platform).torch_device_type
+    return torch.get_device_module(kind), kind
 
 
-def run_peer(name: str, device: int, weights_gib: float, kv_gib: float, cycles: int) -> dict:
+def _timer(devmod):
+    def t(fn):
+        devmod.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        devmod.synchronize()
+        return time.perf_counter() - t0
+
+    return t
+
+
+def run_peer(name: str, platform: str, device: int, weights_gib: float, kv_gib: float, cycles: int) -> dict:
     if name != "torch_memory_saver":
         raise ValueError(name)
     import torch
     from torch_memory_saver import torch_memory_saver as tms
 
+    devmod, kind = _device_module(platform)
+    _t = _timer(devmod)
     tms.hook_mode = "torch"
-    torch.cuda.set_device(device)
+    devmod.set_device(device)
     tms.retain_cpu_backup = True
     W, K = int(weights_gib * 2**30), int(kv_gib * 2**30)
     out: dict = {"impl": name}
     with tms.region(tag="weights", enable_cpu_backup=True, cpu_backup_backend="pinned"):
-        w = torch.empty(W, dtype=torch.uint8, device="cuda")
+        w = torch.empty(W, dtype=torch.uint8, device=kind)
     with tms.region(tag="kv_cache"):
-        kv = torch.empty(K, dtype=torch.uint8, device="cuda")
+        kv = torch.empty(K, dtype=torch.uint8, device=kind)
     w.view(torch.int32).random_()
     ref = w.clone()
     out["first_sleep_s"] = _t(lambda: tms.pause())
@@ -71,11 +86,11 @@ def run_peer(name: str, device: int, weights_gib: float, kv_gib: float, cycles: 
     out["verified"] = ok and bool(torch.equal(w, ref))
     print(f"[peer] level-1 done: {out}", file=sys.stderr, flush=True)
     # (tensors are not freed: torch_memory_saver aborts on frees outside a region)
-    # level 2: no backups anywhere
+    # level 2: no backups anywhere (the tensors stay referenced: see above)
     with tms.region(tag="l2w"):
-        w2 = torch.empty(W, dtype=torch.uint8, device="cuda")
+        w2 = torch.empty(W, dtype=torch.uint8, device=kind)
     with tms.region(tag="l2kv"):
-        kv2 = torch.empty(K, dtype=torch.uint8, device="cuda")
+        kv2 = torch.empty(K, dtype=torch.uint8, device=kind)
     s, a, b = [], [], []
     for _ in range(3):
         time.sleep(GENERATION_PAUSE_S)
@@ -95,25 +110,28 @@ def run_peer(name: str, device: int, weights_gib: float, kv_gib: float, cycles: 
     return out
 
 
-def measure_limits(device: int, nbytes: int) -> dict:
-    """Device<->host copy speed with page-locked host memory, in the same process: the registered
-    arena unisleep uses, and (for scale) the time cudaHostAlloc-style pinning takes."""
+def measure_limits(platform: str, device: int, nbytes: int) -> dict:
+    """Device<->host copy speed through the backup store of ``platform``'s driver (page-locked
+    host memory where the backend has it), in the same process, and (for scale) how long torch's
+    own pinned allocation takes."""
     import torch
 
-    from .arena import PinnedArena
+    from unisleep.registry import load_driver
 
-    torch.cuda.set_device(device)
-    dev = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{device}")
+    driver = load_driver(platform, device=device)
+    _t = _timer(torch.get_device_module(driver.torch_device.type))
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=driver.torch_device)
     dev.fill_(7)
-    arena = PinnedArena(device, None)
+    store = driver.new_backup_store(None, None)
     t0 = time.perf_counter()
-    arena.prepare(nbytes, background=False)
+    store.prepare(nbytes, background=False)
     register_s = time.perf_counter() - t0
     d2h, h2d = [], []
-    for i in range(3):
-        d2h.append(_t(lambda: (arena.save(("limit", 0), dev), arena.flush())))
-        h2d.append(_t(lambda: (arena.load(("limit", 0), dev), arena.flush())))
-    arena.close()
+    for _ in range(3):
+        d2h.append(_t(lambda: (store.save((0, 0), dev), store.flush())))
+        h2d.append(_t(lambda: (store.load((0, 0), dev), store.flush())))
+    store.close()
+    driver.close()
     t0 = time.perf_counter()
     pinned = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
     host_alloc_s_per_gib = time.perf_counter() - t0
@@ -124,6 +142,6 @@ def measure_limits(device: int, nbytes: int) -> dict:
         "h2d_gbps": nbytes / min(h2d) / 1e9,
         "register_s": register_s,
         "pin_memory_alloc_s_per_gib": host_alloc_s_per_gib,
-        "notes": f"arena: {nbytes / 2**30:.0f} GiB faulted in and registered in {register_s:.2f} s; "
+        "notes": f"{store.where}: {nbytes / 2**30:.0f} GiB prepared in {register_s:.2f} s; "
                  f"torch.empty(pin_memory=True) took {host_alloc_s_per_gib:.2f} s per GiB",
     }

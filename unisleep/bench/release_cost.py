@@ -1,11 +1,11 @@
-"""What giving device memory back costs, per call: ``cuMemUnmap`` + ``cuMemRelease`` of the
+"""What giving CUDA device memory back costs, per call: ``cuMemUnmap`` + ``cuMemRelease`` of the
 regions a sleep discards, in vLLM's layout (32 weight tensors of 256 MiB + 16 KV tensors of
 1 GiB, one region each) and in a few large regions (8 GiB + 16 GiB in 1 GiB chunks), one
 region after another, all unmaps then all releases, and spread over threads; the unmaps and
 the releases timed apart (``--only split``); and what a wake right after a release pays
 (``--only after-release``).
 
-    PYTHONPATH=. python3 -m unisleep.backends.cuda.bench_release --out result.json
+    python3 -m unisleep.bench.release_cost --out result.json
 
 Each figure is the median of ``--repeat`` rounds; every round checks with ``cuMemGetInfo`` that
 the memory came back.
@@ -33,7 +33,7 @@ def _release_serial(drv, regions, _threads):
 
 
 def _release_phased(drv, regions, _threads):
-    from . import cu
+    from unisleep.backends.cuda import cu
 
     cu.ensure_context(drv.device)
     chunks = [(r, c) for r in regions for c in r.chunks if c.handle is not None]
@@ -45,7 +45,7 @@ def _release_phased(drv, regions, _threads):
 
 
 def _release_threads(drv, regions, threads):
-    from . import cu
+    from unisleep.backends.cuda import cu
 
     chunks = [(r, c) for r in regions for c in r.chunks if c.handle is not None]
     errors = []
@@ -76,7 +76,7 @@ def run(repeat: int = 3) -> dict:
 
     from unisleep.region import Region
 
-    from .driver import CudaDriver
+    from unisleep.backends.cuda.driver import CudaDriver
 
     drv = CudaDriver(torch.cuda.current_device())
     out = {}
@@ -84,7 +84,7 @@ def run(repeat: int = 3) -> dict:
         for mname, (fn, threads) in MODES.items():
             times, freed_ok = [], True
             for _ in range(repeat):
-                regions = [Region.allocate(drv, n, drv.default_chunk_bytes) for n in layout]
+                regions = [Region.allocate(drv, n, drv.config.chunk_bytes) for n in layout]
                 for r in regions:
                     drv.zero(r.va, r.size)  # touched, as a model's memory is
                 drv.synchronize()
@@ -115,7 +115,7 @@ def overlap(repeat: int = 3) -> dict:
     from unisleep.keyed_hash import HashKey
     from unisleep.region import Region
 
-    from .driver import CudaDriver
+    from unisleep.backends.cuda.driver import CudaDriver
 
     drv = CudaDriver(torch.cuda.current_device())
     checked = [Region.allocate(drv, n) for n in [256 * MiB] * 32 + [64 * MiB, 20 * MiB, 20 * MiB]]
@@ -169,15 +169,15 @@ def split(repeat: int = 3) -> dict:
 
     from unisleep.region import Region
 
-    from . import cu
-    from .driver import CudaDriver
+    from unisleep.backends.cuda import cu
+    from unisleep.backends.cuda.driver import CudaDriver
 
     drv = CudaDriver(torch.cuda.current_device())
     out = {}
     for lname, layout in LAYOUTS.items():
         unmaps, releases = [], []
         for _ in range(repeat):
-            regions = [Region.allocate(drv, n, drv.default_chunk_bytes) for n in layout]
+            regions = [Region.allocate(drv, n, drv.config.chunk_bytes) for n in layout]
             for r in regions:
                 drv.zero(r.va, r.size)
             drv.synchronize()
@@ -208,7 +208,7 @@ def after_release(repeat: int = 3) -> dict:
 
     from unisleep.region import Region
 
-    from .driver import CudaDriver
+    from unisleep.backends.cuda.driver import CudaDriver
 
     drv = CudaDriver(torch.cuda.current_device())
     host = torch.empty(8 * GiB, dtype=torch.uint8).pin_memory()
@@ -228,7 +228,7 @@ def after_release(repeat: int = 3) -> dict:
         for _ in range(repeat):
             settle()
             if gap is not None:
-                big = [Region.allocate(drv, n, drv.default_chunk_bytes) for n in (8 * GiB, 16 * GiB)]
+                big = [Region.allocate(drv, n, drv.config.chunk_bytes) for n in (8 * GiB, 16 * GiB)]
                 for b in big:
                     drv.zero(b.va, b.size)
                 drv.synchronize()
@@ -236,7 +236,7 @@ def after_release(repeat: int = 3) -> dict:
                     b.free(drv)
                 time.sleep(gap)
             t0 = time.perf_counter()
-            r = Region.allocate(drv, 8 * GiB, drv.default_chunk_bytes)
+            r = Region.allocate(drv, 8 * GiB, drv.config.chunk_bytes)
             t1 = time.perf_counter()
             drv.view(r.va, r.size).copy_(host, non_blocking=True)
             torch.cuda.synchronize()
@@ -253,7 +253,7 @@ def after_release(repeat: int = 3) -> dict:
 def r_chunks(n, drv):
     from unisleep.region import chunk_sizes, round_up
 
-    return chunk_sizes(round_up(n, drv.granularity()), drv.default_chunk_bytes, drv.granularity())
+    return chunk_sizes(round_up(n, drv.granularity()), drv.config.chunk_bytes, drv.granularity())
 
 
 def main(argv=None) -> int:
