@@ -10,7 +10,7 @@ from typing import Optional
 
 from .constants import LEARNED_MIN, LEARNED_MIN_STEPS, PROBE_TOL, RELEASED_MIN, VLLM_PROBE_PROMPTS, VLLM_PROBE_TOL
 from .report import kib, mib
-from .steps import DemoStep, VLLMDemoStep
+from .steps import DemoStep, VLLMDemoStep, reward_quarters
 
 
 @dataclass
@@ -40,13 +40,6 @@ def _gap_steady(steps: list, monitor) -> Check:
         f"median |Δ logprob| {min(s.gap for s in steps):.1e}..{max(s.gap for s in steps):.1e}, no finding"
         if monitor.ok else " | ".join(f.message for f in monitor.findings),
     )
-
-
-def reward_quarters(steps: list) -> tuple[float, float]:
-    """The mean reward over the first and over the last quarter of the steps (at least one each)."""
-    q = max(1, len(steps) // 4)
-    first, last = steps[:q], steps[-q:]
-    return sum(s.reward for s in first) / len(first), sum(s.reward for s in last) / len(last)
 
 
 def learned(steps: list, target) -> Check:

@@ -9,7 +9,7 @@ import sys
 from typing import Optional
 
 from .constants import VLLM_PROBE_PROMPTS, MiB
-from .steps import DemoStep, VLLMDemoStep
+from .steps import DemoStep, VLLMDemoStep, reward_quarters
 
 
 def progress(args, text: str, final: bool = False) -> None:
@@ -127,8 +127,6 @@ def plot_steps(steps: list[DemoStep], path: str) -> Optional[str]:
 
 def print_run(steps, checks, target: int, elapsed: float, how: str = "") -> None:
     """The end of a run of the tiny loop: the table, the reward line, the checks."""
-    from .checks import reward_quarters
-
     print()
     if steps:
         print(format_table(steps))

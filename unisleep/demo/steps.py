@@ -71,3 +71,10 @@ class VLLMDemoStep(_StepRecord):
     greedy_changed: int  # probe prompts whose greedy tokens differ from version 0's
     reward: float
     findings: list[str] = field(default_factory=list)
+
+
+def reward_quarters(steps: list) -> tuple[float, float]:
+    """The mean reward over the first and over the last quarter of the steps (at least one each)."""
+    q = max(1, len(steps) // 4)
+    first, last = steps[:q], steps[-q:]
+    return sum(s.reward for s in first) / len(first), sum(s.reward for s in last) / len(last)
