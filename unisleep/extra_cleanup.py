@@ -50,7 +50,6 @@ class _Group:
     on_restore: Optional[Callable[[Any], None]]
     kwargs: dict = field(default_factory=dict)
     handle: Any = None
-    restores: int = 0
 
 
 @dataclass
@@ -59,8 +58,6 @@ class _Graphs:
     capture: Callable[[], Any]
     release: Optional[Callable[[], None]]
     captured: bool = True
-    captures: int = 0
-    releases: int = 0
 
 
 class ExtraCleanup:
@@ -123,12 +120,6 @@ class ExtraCleanup:
             raise InvalidTransitionError(f"group {name!r} is torn down while asleep; wake up first")
         return g.handle
 
-    def capture_count(self, name: str) -> int:
-        return self._graphs[name].captures
-
-    def release_count(self, name: str) -> int:
-        return self._graphs[name].releases
-
     # ------------------------------------------------------------------ policy
     def before_sleep(self, level: int = 1, tags: Optional[Iterable[str]] = None) -> None:
         """Release graph workspaces, wait for the device, tear down the groups.  Idempotent."""
@@ -137,7 +128,6 @@ class ExtraCleanup:
                 if gr.release is not None:
                     gr.release()
                 gr.captured = False
-                gr.releases += 1
                 self.events.append(("release_graphs", gr.name))
         live = [g for g in self._groups.values() if g.handle is not None]
         if live:
@@ -158,7 +148,6 @@ class ExtraCleanup:
             if not gr.captured:
                 gr.capture()
                 gr.captured = True
-                gr.captures += 1
                 self.events.append(("capture_graphs", gr.name))
 
     def restore_groups(self) -> None:
@@ -166,7 +155,6 @@ class ExtraCleanup:
         for g in self._groups.values():
             if g.handle is None:
                 g.handle = self._create(g)
-                g.restores += 1
                 self.events.append(("restore_group", g.name))
                 if g.on_restore is not None:
                     g.on_restore(g.handle)

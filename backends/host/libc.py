@@ -1,5 +1,5 @@
 """The few libc calls Python's ``mmap`` module cannot make (fixed addresses, PROT_NONE
-reservations, hole punching).  Linux only."""
+reservations).  Linux only."""
 
 from __future__ import annotations
 
@@ -11,15 +11,12 @@ PROT_NONE, PROT_READ, PROT_WRITE = 0x0, 0x1, 0x2
 MAP_SHARED, MAP_PRIVATE = 0x01, 0x02
 MAP_FIXED, MAP_ANONYMOUS, MAP_NORESERVE, MAP_POPULATE = 0x10, 0x20, 0x4000, 0x8000
 MAP_FAILED = ctypes.c_void_p(-1).value
-FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 _libc.munmap.restype = ctypes.c_int
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.fallocate.restype = ctypes.c_int
-_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
 
 
 def _check(ret, what):
@@ -36,6 +33,3 @@ def mmap(addr: int, size: int, prot: int, flags: int, fd: int = -1, offset: int 
 def munmap(addr: int, size: int) -> None:
     _check(_libc.munmap(addr, size), "munmap")
 
-
-def punch_hole(fd: int, offset: int, length: int) -> None:
-    _check(_libc.fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, length), "fallocate(PUNCH_HOLE)")

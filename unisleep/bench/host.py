@@ -120,10 +120,6 @@ def missed_goals(res: dict) -> list[str]:
     return [r["operation"] for r in res["rows"] if r["met"] is False]
 
 
-def _ptr(buf) -> int:
-    return ctypes.addressof(ctypes.c_char.from_buffer(buf))
-
-
 def _write_file(path: str, src_ptr: int, n: int) -> float:
     """The level-1 sleep's limit: the same pwrite loop into a new file, timed from open to close."""
     mv = memoryview((ctypes.c_char * n).from_address(src_ptr)).cast("B")

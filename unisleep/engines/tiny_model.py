@@ -19,7 +19,6 @@ import json
 import os
 import shutil
 import tempfile
-from typing import Optional
 
 #: bump when the recipe changes, so cached directories are rebuilt
 RECIPE_VERSION = 1
@@ -166,12 +165,6 @@ def build_tiny_pair(root: str, seed_a: int = 0, seed_b: int = 1) -> tuple[str, s
     """Model A and model B (same tokenizer and shapes, other weights) under ``root``."""
     return (build_tiny_llama(os.path.join(root, f"tiny-llama-s{seed_a}"), seed_a),
             build_tiny_llama(os.path.join(root, f"tiny-llama-s{seed_b}"), seed_b))
-
-
-def weights_file(model_dir: str) -> Optional[str]:
-    """Path of the single safetensors file of a built tiny model."""
-    p = os.path.join(model_dir, "model.safetensors")
-    return p if os.path.exists(p) else None
 
 
 if __name__ == "__main__":  # pragma: no cover - manual use
