@@ -133,3 +133,26 @@ def fallback_warnings() -> list[str]:
     """What :func:`record_fallback` recorded in this process (shown by ``unisleep doctor``)."""
     with _FALLBACK_LOCK:
         return list(_FALLBACKS)
+
+
+class Reservations:
+    """The address ranges a driver holds reserved (``va -> size``), so that a copy can tell
+    device memory of this driver from host memory by address alone (a backup store's
+    ``load_range`` into a device chunk or into a host tensor).  Thread-safe."""
+
+    def __init__(self):
+        self._ranges: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def add(self, va: int, size: int) -> None:
+        with self._lock:
+            self._ranges[va] = size
+
+    def remove(self, va: int) -> None:
+        with self._lock:
+            self._ranges.pop(va, None)
+
+    def covers(self, ptr: int, nbytes: int) -> bool:
+        """``[ptr, ptr + nbytes)`` lies inside one reserved range."""
+        with self._lock:
+            return any(va <= ptr and ptr + max(nbytes, 1) <= va + size for va, size in self._ranges.items())

@@ -2,8 +2,8 @@
 
 Proves the ctypes binding passes ACL's argument orders (granularity output last, unmap and
 release without a size, ``destMax`` as a byte capacity, ``{id, type}`` locations) to a library
-that checks them, and that a full MemoryLifecycle sleeps, wakes by tag, discards and restores
-byte-exactly through it.  The torch_npu ``pool(tag)`` route is not exercised (no torch_npu).
+that checks them; the full MemoryLifecycle scenarios run in the contract suite
+(tests/contract), over this backend and every other.  The torch_npu ``pool(tag)`` route is not exercised (no torch_npu).
 """
 
 from __future__ import annotations
@@ -46,39 +46,8 @@ def fill(lc, tag, nbytes, seed):
     return t, t.clone()
 
 
-def test_ascend_sim_level1_byte_exact_and_frees(simulated):
-    lib, drv, lc = simulated
-    w, w0 = fill(lc, "weights", 5 * MiB + 7, 1)
-    kv, _ = fill(lc, "kv_cache", 4 * MiB, 2)
-    addrs = (w.data_ptr(), kv.data_ptr())
-    awake = lib.dev.used_bytes
-    assert awake == 6 * MiB + 4 * MiB  # rounded up to the 2 MiB granularity
-    for _ in range(2):
-        lc.sleep(level=1)
-        free, total = drv.memory_info()
-        assert free == total and lib.dev.live_fds == 0
-        lc.wake_up()
-        assert torch.equal(w, w0) and int(kv.count_nonzero()) == 0
-        assert (w.data_ptr(), kv.data_ptr()) == addrs
-        assert lib.dev.used_bytes == awake
-
-
-def test_ascend_sim_level2_wake_by_tag_and_discard(simulated):
-    lib, drv, lc = simulated
-    w, _ = fill(lc, "weights", 4 * MiB, 3)
-    kv, _ = fill(lc, "kv_cache", 8 * MiB, 4)
-    lc.sleep(level=2)
-    assert lib.dev.used_bytes == 0 and lc.backup_bytes() == 0
-    lc.wake_up(["weights"])
-    assert lib.dev.used_bytes == 4 * MiB and lc.state()["kv_cache"] != "awake"
-    assert int(w.count_nonzero()) == 0  # stale device memory was zeroed
-    w.fill_(5)
-    lc.wake_up(["kv_cache"])
-    assert int(kv.count_nonzero()) == 0 and int((w == 5).sum()) == w.numel()
-    lc.discard(["kv_cache"])
-    assert lib.dev.used_bytes == 4 * MiB
-    lc.wake_up(["kv_cache"])
-    assert int(kv.count_nonzero()) == 0
+# Level 1/2, wake by tag, discard, read_backup, progressive wake and the undo of a failed sleep
+# run over every backend, this one included, in tests/contract/test_driver_contract.py.
 
 
 def test_ascend_sim_stale_memory_is_real_in_the_simulator():

@@ -84,6 +84,14 @@ class BackupStore(abc.ABC):
         """Copy the backup ``key`` into the device tensor ``dst`` (may be async)."""
 
     @abc.abstractmethod
+    def load_range(self, key: tuple[int, int], offset: int, dst) -> None:
+        """Copy ``dst.numel()`` bytes of backup ``key``, from byte ``offset`` on, into the uint8
+        tensor ``dst`` (may be async: :meth:`flush` waits).  ``dst`` is either device memory
+        (a chunk being restored: a wake, a progressive wake, the undo of a failed sleep) or host
+        memory (``MemoryLifecycle.read_backup``).  A range outside the backup raises
+        ``ValueError`` before anything is copied."""
+
+    @abc.abstractmethod
     def drop(self, key: tuple[int, int]) -> None: ...
 
     @abc.abstractmethod
@@ -319,6 +327,11 @@ class Driver(abc.ABC):
                 job.digest = d
 
         return finish
+
+    #: ``graph_pool(lifecycle, tag)``: a graph-capture pool id whose memory lives in ``tag``
+    #: (``torch.cuda.graph(..., pool=...)``), for backends that have one; None where the
+    #: backend cannot route graph captures (callers then refuse, naming the option to turn off)
+    graph_pool = None
 
     @property
     def torch_device(self):

@@ -28,6 +28,7 @@ from ctypes import byref, c_size_t, c_void_p
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
+from unisleep.backends._native import Reservations
 from unisleep.driver import BackupStore, Driver
 from unisleep.errors import UnisleepError
 from unisleep.platform import SPECS
@@ -68,6 +69,7 @@ class AscendDriver(Driver):
         self.simulated = bool(getattr(lib, "SIMULATED", False))
         self.api = acl.AclApi(lib if lib is not None else acl.load_library())
         self._tls = threading.local()
+        self.reservations = Reservations()  # this driver's address ranges (device memory)
         self._set_device()
         self._prop = acl.aclrtPhysicalMemProp()
         self._prop.handleType = acl.ACL_MEM_HANDLE_TYPE_NONE
@@ -107,10 +109,12 @@ class AscendDriver(Driver):
         p = c_void_p()
         # alignment must be 0; expectPtr NULL (a user address is experimental in CANN 9 only)
         self.api.call("aclrtReserveMemAddress", byref(p), size, 0, None, 0, hint=f"reserving {size} bytes")
+        self.reservations.add(int(p.value), size)
         return int(p.value)
 
     def free_address(self, va: int, size: int) -> None:
         self.api.call("aclrtReleaseMemAddress", va)
+        self.reservations.remove(va)
 
     def create(self, size: int) -> AclHandle:
         self._set_device()
@@ -169,7 +173,7 @@ class AscendDriver(Driver):
         return int(free.value), int(total.value)
 
     def new_backup_store(self, budget_bytes, spill_dir) -> BackupStore:
-        return AclHostStore(self.api, budget_bytes)
+        return AclHostStore(self.api, budget_bytes, is_device=self.reservations.covers)
 
     @contextlib.contextmanager
     def pool(self, lifecycle, tag: str) -> Iterator[None]:

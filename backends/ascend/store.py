@@ -13,8 +13,8 @@ from . import acl
 
 
 class AclHostStore(HostBufferStore):
-    def __init__(self, api: "acl.AclApi", budget_bytes: Optional[int]):
-        super().__init__(budget_bytes, "pinned host memory (aclrtMallocHost)")
+    def __init__(self, api: "acl.AclApi", budget_bytes: Optional[int], is_device=None):
+        super().__init__(budget_bytes, "pinned host memory (aclrtMallocHost)", is_device)
         self.api = api
 
     def _alloc_host(self, nbytes: int) -> int:

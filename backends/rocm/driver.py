@@ -39,7 +39,7 @@ from ctypes import byref, c_int, c_size_t, c_void_p
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
-from unisleep.backends._native import record_fallback
+from unisleep.backends._native import Reservations, record_fallback
 from unisleep.driver import BackupStore, Driver, SaveJob
 from unisleep.errors import UnisleepError
 from unisleep.platform import SPECS
@@ -106,6 +106,7 @@ class RocmDriver(Driver):
         self.simulated = bool(getattr(lib, "SIMULATED", False))
         self.api = hip.HipApi(lib if lib is not None else hip.load_library())
         self._tls = threading.local()
+        self.reservations = Reservations()  # this driver's address ranges (device memory)
         self._check_device()
         self._set_device()
         self._prop = self.api.Prop()
@@ -188,11 +189,13 @@ class RocmDriver(Driver):
                         f"hipMemAddressReserve(alignment=0) returned {va:#x}, which is not aligned to the "
                         f"granularity {self._gran}; cannot map chunks there"
                     )
+            self.reservations.add(va, size)
             return va
 
     def free_address(self, va: int, size: int) -> None:
         with VA_LOCK:
             self.api.call("hipMemAddressFree", va, size)
+            self.reservations.remove(va)
 
     def _ensure_fd_headroom(self) -> None:
         """One descriptor per handle: keep below the soft RLIMIT_NOFILE, raising it if allowed."""
@@ -300,7 +303,7 @@ class RocmDriver(Driver):
         return int(n.value)
 
     def new_backup_store(self, budget_bytes, spill_dir) -> BackupStore:
-        return HipHostStore(self.api, budget_bytes)
+        return HipHostStore(self.api, budget_bytes, is_device=self.reservations.covers)
 
     # ---- framework allocations ---------------------------------------------------------
     def _router(self):
@@ -372,6 +375,7 @@ class RocmDriver(Driver):
                 if rc == hip.hipSuccess and got:
                     self.api.hipMemAddressFree(got, region.size)  # never go on with a moved range
                 self._lost.append((region.va, region.size))
+                self.reservations.remove(region.va)
                 what = f"returned {got:#x}" if rc == hip.hipSuccess else f"failed with {hip.ERROR_NAMES.get(rc, rc)}"
                 self._keep_reservations(f"re-reserving {region.size} bytes at {region.va:#x} {what}")
                 raise AddressMovedError(

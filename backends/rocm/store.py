@@ -12,8 +12,8 @@ from . import hip
 
 
 class HipHostStore(HostBufferStore):
-    def __init__(self, api: "hip.HipApi", budget_bytes: Optional[int]):
-        super().__init__(budget_bytes, "pinned host memory (hipHostMalloc)")
+    def __init__(self, api: "hip.HipApi", budget_bytes: Optional[int], is_device=None):
+        super().__init__(budget_bytes, "pinned host memory (hipHostMalloc)", is_device)
         self.api = api
 
     def _alloc_host(self, nbytes: int) -> int:
