@@ -24,7 +24,7 @@ import torch
 from sim.fake_hip import FakeHip
 from sim.vmm import STALE_BYTE
 from unisleep import MemoryLifecycle
-from unisleep.errors import InvalidArgumentError, PlatformError, UnisleepError, UnsupportedError
+from unisleep.errors import PlatformError, UnisleepError, UnsupportedError
 from unisleep.backends.rocm import AddressMovedError, FileLimitError, RocmDriver
 from unisleep.backends.rocm import config as rocm_config
 from unisleep.backends.rocm.hip import HipError
@@ -105,16 +105,54 @@ def test_rocm_sim_chunking_one_handle_per_chunk_offset_zero():
     lib.close()
 
 
-@pytest.mark.parametrize("value", ["0", "3", "-4", "100", "abc", "1.5"])
-def test_rocm_sim_chunk_size_env_rejects(value):
-    with pytest.raises(InvalidArgumentError, match=rocm_config.CHUNK_ENV):
-        rocm_config.chunk_bytes_from_env({rocm_config.CHUNK_ENV: value})
+# VLLM_ROCM_SLEEP_MEM_CHUNK_SIZE as vLLM's C++ reads it (strtoull base 0, MiB; nothing parsed,
+# a range error, 0 or a byte overflow -> 256): value -> (MiB, vLLM falls back)
+VLLM_READS = {
+    None: (256, False),
+    "96": (96, False), "384": (384, False), "1000": (1000, False), "64": (64, False),
+    "0x400": (1024, False), "064": (52, False), "64MB": (64, False), "1_024": (1, False),
+    " 128": (128, False), "+32": (32, False), "1.5": (1, False),
+    "0": (256, True), "-1": (256, True), "abc": (256, True), "": (256, True), "0o100": (256, True),
+    "99999999999999999999999": (256, True), str(1 << 44): (256, True), str((1 << 44) - 1): ((1 << 44) - 1, False),
+}
 
 
-def test_rocm_sim_chunk_size_env_accepts():
-    assert rocm_config.chunk_bytes_from_env({}) == 256 * MiB
-    assert rocm_config.chunk_bytes_from_env({rocm_config.CHUNK_ENV: "64"}) == 64 * MiB
-    assert rocm_config.chunk_bytes_from_env({rocm_config.CHUNK_ENV: "0x400"}) == 1024 * MiB
+@pytest.mark.parametrize("value", list(VLLM_READS), ids=repr)
+def test_rocm_chunk_size_env_is_read_like_vllm(value, caplog):
+    mib, falls_back = VLLM_READS[value]
+    env = {} if value is None else {rocm_config.CHUNK_ENV: value}
+    with caplog.at_level("WARNING", logger="unisleep.rocm"):
+        assert rocm_config.chunk_bytes_from_env(env) == mib * MiB
+    warned = [r.getMessage() for r in caplog.records if rocm_config.CHUNK_ENV in r.getMessage()]
+    assert bool(warned) == falls_back, warned  # a warning exactly where vLLM silently falls back
+    problem = rocm_config.chunk_env_problem(env)
+    if falls_back:
+        assert "ignored by vLLM" in problem
+    elif value is not None and value.strip() != str(mib):
+        assert f"reads as {mib} MiB" in problem  # octal, trailing characters...: said by the doctor
+
+
+@pytest.mark.parametrize("size_mib,chunk_mib,gran", [(10, 3, 2 << 20), (1000, 96, 2 << 20), (7, 1000, 2 << 20),
+                                                    (384, 384, 2 << 20), (5, 1, 64 << 10), (9, 4, 4 << 20)])
+def test_rocm_chunks_are_vllms_chunks(size_mib, chunk_mib, gran):
+    """The same value gives the same chunks as vLLM's ``my_malloc``: the chunk is rounded up to
+    the granularity, ceil(size / chunk) chunks, the last one the remainder."""
+    from unisleep.region import chunk_sizes, round_up
+
+    aligned = round_up(size_mib * MiB, gran)
+    chunk = round_up(chunk_mib * MiB, gran)
+    n = (aligned + chunk - 1) // chunk
+    vllm = [min(aligned - i * chunk, chunk) for i in range(n)]
+    assert chunk_sizes(aligned, chunk_mib * MiB, gran) == vllm
+
+
+def test_rocm_sim_any_chunk_size_maps_like_vllm():
+    lib = FakeHip(granularity=2 * MiB, total_bytes=64 * MiB)
+    _, drv = make(lib, chunk_bytes=None, env={rocm_config.CHUNK_ENV: "3"})
+    with MemoryLifecycle(drv) as lc:
+        lc.empty(10 * MiB, torch.uint8, tag="weights")
+        assert [e[2] for e in lib.dev.log if e[0] == "hipMemCreate"] == [4 * MiB, 4 * MiB, 2 * MiB]
+    lib.close()
 
 
 @pytest.mark.parametrize("workaround", [False, True], ids=["simulated-bug-without-workaround", "simulated-with-workaround"])
@@ -414,8 +452,10 @@ def test_rocm_sim_doctor_warnings(monkeypatch):
     for v in ("HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", rocm_config.CHUNK_ENV):
         monkeypatch.delenv(v, raising=False)
     assert any(rocm_config.CHUNK_ENV in w for w in environment_warnings(rocm))
-    monkeypatch.setenv(rocm_config.CHUNK_ENV, "100")
-    assert any("power of two" in w for w in environment_warnings(rocm))
+    monkeypatch.setenv(rocm_config.CHUNK_ENV, "64MB")
+    assert any("reads as 64 MiB" in w for w in environment_warnings(rocm))
+    monkeypatch.setenv(rocm_config.CHUNK_ENV, "0")
+    assert any("ignored by vLLM" in w for w in environment_warnings(rocm))
     monkeypatch.setenv(rocm_config.CHUNK_ENV, "128")
     monkeypatch.setenv("ROCR_VISIBLE_DEVICES", "2,3")
     monkeypatch.setenv("HIP_VISIBLE_DEVICES", "0,1")

@@ -311,12 +311,11 @@ def environment_warnings(platform: Platform) -> list[str]:
 
         chunk = os.environ.get(rocm_config.CHUNK_ENV)
         if chunk is None:
-            warn.append(f"{rocm_config.CHUNK_ENV} is unset: 256 MB chunks are used; tune with `unisleep bench --chunk-sweep`.")
+            warn.append(f"{rocm_config.CHUNK_ENV} is unset: 256 MiB chunks are used; tune with `unisleep bench --chunk-sweep`.")
         else:
-            try:
-                rocm_config.chunk_bytes_from_env()
-            except ValueError as e:
-                warn.append(str(e))
+            problem = rocm_config.chunk_env_problem()
+            if problem:
+                warn.append(problem)
         problem = rocm_config.visible_device_problem()
         if problem:
             warn.append(problem)
