@@ -74,6 +74,27 @@ def test_rocm_sim_stale_memory_is_real_in_the_simulator():
     lib2.close()
 
 
+def test_rocm_sim_wake_zeroes_chunk_by_chunk():
+    """vLLM PR #52478: an allocation-wide hipMemset right after a wake faults MI300 now and then.
+    The simulator turns that into a certain error (the control below); the driver zeroes one
+    mapped chunk per hipMemset, on every path that zeroes (discard + wake, level 2, partial
+    restores), and the memory comes back zeroed."""
+    lib, drv = make()
+    with MemoryLifecycle(drv) as lc:
+        kv = lc.empty(5 * MiB + 1, torch.uint8, tag="kv_cache")
+        kv.fill_(3)
+        lc.discard(["kv_cache"])
+        lib.dev.log.clear()
+        lc.wake_up(["kv_cache"])
+        sets = [e for e in lib.dev.log if e[0] == "hipMemset"]
+        assert [e[3] for e in sets] == [MiB] * 5 + [GRAN]  # one per chunk: 5 x 1 MiB + 64 KiB
+        assert int(kv.count_nonzero()) == 0
+        # the control: one memset across the chunks is the simulated fault
+        assert drv.api.hipMemset(kv.data_ptr(), 0, 2 * MiB) == 700
+        assert ("error", "hipMemset", 700) == lib.dev.log[-1][:3]
+    lib.close()
+
+
 def test_rocm_sim_zero_is_an_explicit_synchronised_step():
     lib, drv = make()
     with MemoryLifecycle(drv) as lc:

@@ -15,7 +15,9 @@ sleep                  after releasing, ``hipMemAddressFree`` + re-reserve the *
                        a region's address: it keeps the reservation (memory not returned, shown in
                        ``last_sleep_kept``, the sleep's ``bytes_released`` and ``unisleep doctor``)
 wake                   discarded memory is zeroed explicitly (``hipMemset`` + ``hipDeviceSynchronize``):
-                       remapped VRAM may hold stale data (vLLM PR #44972) — fresh_memory_is_zero=False
+                       remapped VRAM may hold stale data (vLLM PR #44972) — fresh_memory_is_zero=False;
+                       one ``hipMemset`` per mapped chunk, never one across the allocation (an
+                       allocation-wide memset at wake faults MI300 intermittently, vLLM PR #52478)
 handles                each handle holds one file descriptor (dmabuf): the soft ``RLIMIT_NOFILE`` is
                        raised when needed, or the allocation is refused with the fix (rocm-systems#10604)
 devices                HIP/CUDA/ROCR visible-device variables that disagree are refused at start; no
@@ -107,6 +109,8 @@ class RocmDriver(Driver):
         self.api = hip.HipApi(lib if lib is not None else hip.load_library())
         self._tls = threading.local()
         self.reservations = Reservations()  # this driver's address ranges (device memory)
+        self._mapped: dict[int, int] = {}  # va -> size of every mapped chunk
+        self._maps_lock = threading.Lock()
         self._check_device()
         self._set_device()
         self._prop = self.api.Prop()
@@ -256,12 +260,16 @@ class RocmDriver(Driver):
         if size != handle.size:
             raise UnisleepError(f"HIP maps whole handles only (offset 0): chunk {size} != handle {handle.size}")
         self.api.call("hipMemMap", va, size, 0, handle.ptr, 0)
+        with self._maps_lock:
+            self._mapped[va] = size
 
     def set_access(self, va: int, size: int) -> None:
         self.api.call("hipMemSetAccess", va, size, byref(self._access), 1)
 
     def unmap(self, va: int, size: int) -> None:
         self.api.call("hipMemUnmap", va, size)
+        with self._maps_lock:
+            self._mapped.pop(va, None)
 
     def release(self, handle: HipHandle) -> None:
         if not handle.released:
@@ -282,10 +290,34 @@ class RocmDriver(Driver):
         storage = torch._C._construct_storage_from_data_pointer(va, self._tensor_device, nbytes)
         return torch.empty(0, dtype=torch.uint8, device=self._tensor_device).set_(storage)
 
+    def _mapping_pieces(self, va: int, nbytes: int) -> list[tuple[int, int]]:
+        """``[va, va + nbytes)`` cut at the boundaries of this driver's mappings (one piece per
+        mapped chunk it touches); a part outside every mapping is one piece of its own, so the
+        runtime reports it instead of this driver hiding it."""
+        with self._maps_lock:
+            maps = sorted(self._mapped.items())
+        out, pos, end = [], va, va + nbytes
+        for m_va, m_size in maps:
+            if m_va + m_size <= pos or m_va >= end:
+                continue
+            if m_va > pos:
+                out.append((pos, m_va - pos))
+                pos = m_va
+            hi = min(end, m_va + m_size)
+            out.append((pos, hi - pos))
+            pos = hi
+        if pos < end:
+            out.append((pos, end - pos))
+        return out
+
     def zero(self, va: int, nbytes: int) -> None:
+        """Zero ``[va, va + nbytes)`` with one ``hipMemset`` per mapped chunk it covers, never one
+        across chunks: an allocation-wide ``hipMemset`` right after a wake intermittently faults
+        MI300 (vLLM PR #52478, which removed it).  Synchronised: zeroing is an explicit step."""
         self._set_device()
-        self.api.call("hipMemset", va, 0, nbytes)
-        self.synchronize()  # zeroing is an explicit, synchronised step
+        for lo, n in self._mapping_pieces(va, nbytes):
+            self.api.call("hipMemset", lo, 0, n)
+        self.synchronize()
 
     def synchronize(self) -> None:
         self._set_device()

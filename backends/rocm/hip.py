@@ -33,6 +33,7 @@ hipErrorInsufficientDriver = 35
 hipErrorNoDevice = 100
 hipErrorInvalidDevice = 101
 hipErrorInvalidHandle = 400
+hipErrorIllegalAddress = 700
 hipErrorNotSupported = 801
 
 ERROR_NAMES = {
@@ -44,6 +45,7 @@ ERROR_NAMES = {
     hipErrorNoDevice: "hipErrorNoDevice",
     hipErrorInvalidDevice: "hipErrorInvalidDevice",
     hipErrorInvalidHandle: "hipErrorInvalidHandle",
+    hipErrorIllegalAddress: "hipErrorIllegalAddress",
     hipErrorNotSupported: "hipErrorNotSupported",
 }
 

@@ -15,7 +15,10 @@ Contracts enforced, with HIP's integer error codes:
   synchronous ``hipMemcpy``;
 * one file descriptor per handle (EMFILE is reported as ``hipErrorOutOfMemory``);
 * ``fail_aligned_reserve``: a reserve with non-zero alignment fails with
-  ``hipErrorOutOfMemory`` (vLLM PR #43022).
+  ``hipErrorOutOfMemory`` (vLLM PR #43022);
+* ``fault_on_cross_mapping_memset`` (default on): a ``hipMemset`` whose range spans more than
+  one mapping fails with ``hipErrorIllegalAddress`` — the signature of the intermittent MI300
+  fault at an allocation-wide ``hipMemset`` right after wake (vLLM PR #52478), made certain.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from .vmm import SimDevice, SimError, out_ptr, out_size_t
 # the codes come from the bindings too (tests/test_hip_real.py checks them against the header)
 hipSuccess, hipErrorInvalidValue, hipErrorOutOfMemory = hip.hipSuccess, hip.hipErrorInvalidValue, hip.hipErrorOutOfMemory
 hipErrorNoDevice, hipErrorInvalidDevice, hipErrorUnknown = hip.hipErrorNoDevice, hip.hipErrorInvalidDevice, 999
+hipErrorIllegalAddress = hip.hipErrorIllegalAddress
 
 #: ONE declaration: the simulated functions take the bindings' own prototypes (pointers arrive as
 #: raw addresses), so a prototype error in hip.py is not repeated here but caught against the real
@@ -45,7 +49,8 @@ class FakeHip:
     SIMULATED = True
 
     def __init__(self, *, fail_aligned_reserve: bool = False, unaligned_fallback: bool = False,
-                 ignore_address_hint: bool = False, runtime_version: int = 60200000, **device_kw):
+                 ignore_address_hint: bool = False, runtime_version: int = 60200000,
+                 fault_on_cross_mapping_memset: bool = True, **device_kw):
         device_kw.setdefault("keeps_memory_while_reserved", True)
         self.dev = SimDevice(**device_kw)
         self.fail_aligned_reserve = fail_aligned_reserve
@@ -53,6 +58,7 @@ class FakeHip:
         self.ignore_address_hint = ignore_address_hint  # a runtime that never re-reserves in place
         self.runtime_version = runtime_version  # HIP_VERSION; < 5.3 selects the 5.2 struct layout
         self.Prop = hip.alloc_prop_type(runtime_version)
+        self.fault_on_cross_mapping_memset = fault_on_cross_mapping_memset
         self._cbs = {}
         for name, (restype, args) in SIGNATURES.items():
             impl = getattr(self, "_" + name)
@@ -181,6 +187,11 @@ class FakeHip:
         self.dev.memcpy(dst or 0, src or 0, n, *sides[kind])
 
     def _hipMemset(self, va, value, n):
+        if self.fault_on_cross_mapping_memset:
+            spans = self.dev._covering(va or 0, n)
+            if spans is not None and len(spans) > 1:
+                raise SimError(hipErrorIllegalAddress, f"hipMemset over {len(spans)} mappings at {va:#x}+{n}: "
+                               "simulated MI300 memory fault (vLLM PR #52478)")
         self.dev.memset(va or 0, value & 0xFF, n)
 
     def _hipHostMalloc(self, out, n, flags):
