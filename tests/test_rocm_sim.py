@@ -577,3 +577,87 @@ def test_rocm_sim_pool_says_why_it_cannot_route(simulated):
         with lc.pool("kv_cache"):
             pass
     assert not lc.tags and lib.dev.used_bytes == 0
+
+
+# ---------------------------------------------------------------------------- amdsmi (simulated)
+class FakeAmdSmi:
+    """A SIMULATED amdsmi module (the real one needs libamd_smi.so and AMD GPUs): four GPUs whose
+    handle order (amdsmi's) differs from their HIP order (``hip_id``)."""
+
+    def __init__(self, fail_at=None, enumeration=True):
+        self.calls, self.fail_at, self.enumeration = [], fail_at, enumeration
+        # (handle, hip_id, uuid, market name)
+        self.gpus = [("h0", 2, "GPU-cc", "MI300X c"), ("h1", 0, "GPU-aa", "MI300X a"),
+                     ("h2", 3, "GPU-dd", "MI300X d"), ("h3", 1, "GPU-bb", "MI300X b")]
+
+    def _call(self, name):
+        self.calls.append(name)
+        if name == self.fail_at:
+            raise RuntimeError(f"simulated amdsmi failure in {name}")
+
+    def amdsmi_init(self):
+        self._call("amdsmi_init")
+
+    def amdsmi_shut_down(self):
+        self._call("amdsmi_shut_down")
+
+    def amdsmi_get_processor_handles(self):
+        self._call("amdsmi_get_processor_handles")
+        return [g[0] for g in self.gpus]
+
+    def _gpu(self, h):
+        return next(g for g in self.gpus if g[0] == h)
+
+    def __getattr__(self, name):
+        if name == "amdsmi_get_gpu_enumeration_info" and self.enumeration:
+            return lambda h: {"hip_id": self._gpu(h)[1], "hip_uuid": self._gpu(h)[2], "drm_card": 0}
+        raise AttributeError(name)
+
+    def amdsmi_get_gpu_asic_info(self, h):
+        return {"market_name": self._gpu(h)[3]}
+
+    def amdsmi_get_gpu_vram_usage(self, h):
+        return {"vram_total": 192 * 1024, "vram_used": 1024}
+
+
+@pytest.mark.parametrize("env,names", [
+    ({}, ["MI300X a", "MI300X b", "MI300X c", "MI300X d"]),
+    ({"HIP_VISIBLE_DEVICES": "2,0"}, ["MI300X c", "MI300X a"]),
+    ({"ROCR_VISIBLE_DEVICES": "3,1"}, ["MI300X d", "MI300X b"]),
+    ({"ROCR_VISIBLE_DEVICES": "3,1,2", "HIP_VISIBLE_DEVICES": "2"}, ["MI300X c"]),
+    ({"ROCR_VISIBLE_DEVICES": "GPU-dd,GPU-aa"}, ["MI300X d", "MI300X a"]),
+    ({"CUDA_VISIBLE_DEVICES": "1"}, ["MI300X b"]),
+])
+def test_rocm_amdsmi_devices_are_numbered_as_hip_numbers_them(monkeypatch, env, names):
+    from unisleep import platform as plat
+
+    fake = FakeAmdSmi()
+    monkeypatch.setitem(sys.modules, "amdsmi", fake)
+    for v in rocm_config.VISIBLE_VARS:
+        monkeypatch.delenv(v, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    devs = plat._amdsmi_devices()
+    assert [d.name for d in devs] == names and [d.index for d in devs] == list(range(len(names)))
+    assert fake.calls[-1] == "amdsmi_shut_down"
+
+
+@pytest.mark.parametrize("fail_at", ["amdsmi_get_processor_handles", None])
+def test_rocm_amdsmi_is_always_shut_down(monkeypatch, fail_at):
+    from unisleep import platform as plat
+
+    fake = FakeAmdSmi(fail_at=fail_at)
+    monkeypatch.setitem(sys.modules, "amdsmi", fake)
+    plat._amdsmi_devices()
+    assert fake.calls[0] == "amdsmi_init" and fake.calls[-1] == "amdsmi_shut_down"
+
+
+def test_rocm_amdsmi_without_enumeration_info_is_not_guessed(monkeypatch):
+    from unisleep import platform as plat
+
+    monkeypatch.setitem(sys.modules, "amdsmi", FakeAmdSmi(enumeration=False))
+    for v in rocm_config.VISIBLE_VARS:
+        monkeypatch.delenv(v, raising=False)
+    assert len(plat._amdsmi_devices()) == 4  # nothing hidden: amdsmi's order is all there is
+    monkeypatch.setenv("HIP_VISIBLE_DEVICES", "1")
+    assert plat._amdsmi_devices() == ()  # which one is visible cannot be told: none is claimed

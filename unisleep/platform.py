@@ -134,15 +134,33 @@ def _nvml_devices() -> Optional[tuple[DeviceInfo, ...]]:
 
 
 def _amdsmi_devices() -> Optional[tuple[DeviceInfo, ...]]:
-    """AMD devices through amdsmi; amdsmi raises KeyError (not ImportError) without its library."""
+    """The AMD GPUs this process sees, through amdsmi, numbered as HIP numbers them here.
+
+    amdsmi lists every GPU of the machine whatever ``HIP_VISIBLE_DEVICES`` /
+    ``ROCR_VISIBLE_DEVICES`` say; each GPU's enumeration info gives its ``hip_id`` (its HIP
+    index with all GPUs visible), to which the visible-device variables are applied
+    (``backends/rocm/config.visible_devices``).  An amdsmi without enumeration info cannot be
+    mapped: its GPUs are listed only when no visible-device variable is set.  ``amdsmi_shut_down``
+    runs whatever happens once ``amdsmi_init`` succeeded.  amdsmi raises KeyError (not
+    ImportError) without its library."""
     try:
         import amdsmi  # type: ignore
     except Exception:  # KeyError('libamd_smi.so') without the library, ImportError, OSError...
         return None
+    from .backends.rocm import config as rocm_config  # pure parsing, loads no vendor library
+
     try:
         amdsmi.amdsmi_init()
-        out = []
-        for i, h in enumerate(amdsmi.amdsmi_get_processor_handles()):
+    except Exception:
+        return None
+    try:
+        found = []
+        for pos, h in enumerate(amdsmi.amdsmi_get_processor_handles()):
+            try:
+                info = amdsmi.amdsmi_get_gpu_enumeration_info(h)
+                hip_id, uuid = int(info["hip_id"]), info.get("hip_uuid") or None
+            except Exception:  # older amdsmi, or "N/A"
+                hip_id, uuid = None, None
             try:
                 name = amdsmi.amdsmi_get_gpu_asic_info(h).get("market_name", "AMD GPU")
             except Exception:
@@ -153,11 +171,24 @@ def _amdsmi_devices() -> Optional[tuple[DeviceInfo, ...]]:
                 total, used = vram["vram_total"] * 2**20, vram["vram_used"] * 2**20
             except Exception:
                 pass
-            out.append(DeviceInfo(i, name, total, None if total is None else total - used))
-        amdsmi.amdsmi_shut_down()
+            found.append((hip_id, uuid, name, total, used, pos))
+        if any(f[0] is None for f in found):
+            if any(v in os.environ for v in rocm_config.VISIBLE_VARS):
+                return ()  # which GPUs are visible cannot be told without hip_id
+            found = [(pos, *rest) for (_, *rest), pos in zip(found, range(len(found)))]
+        visible = rocm_config.visible_devices([(f[0], f[1]) for f in found])
+        out = []
+        for i, k in enumerate(visible):
+            _, uuid, name, total, used, _ = found[k]
+            out.append(DeviceInfo(i, name, total, None if total is None else total - used, uuid))
         return tuple(out)
     except Exception:
         return None
+    finally:
+        try:
+            amdsmi.amdsmi_shut_down()
+        except Exception:
+            pass
 
 
 def _torch_version_attr(attr: str) -> Optional[str]:

@@ -125,6 +125,35 @@ def visible_device_problem(env: Optional[Mapping[str, str]] = None) -> Optional[
     return None
 
 
+def _select(devices: list, tokens: list[str], uuid_of) -> list:
+    out = []
+    for tok in tokens:
+        if tok.isdigit():
+            if int(tok) < len(devices):
+                out.append(devices[int(tok)])
+        else:
+            out += [d for d in devices if uuid_of(d) and uuid_of(d).lower() == tok.lower()]
+    return out
+
+
+def visible_devices(devices: list[tuple[int, Optional[str]]], env: Optional[Mapping[str, str]] = None) -> list[int]:
+    """Which of ``devices`` this process sees, in the order HIP numbers them: ``devices`` are
+    ``(hip_id, uuid)`` as amdsmi's enumeration info gives them (``hip_id``: the HIP index with
+    every GPU visible); the result lists positions into ``devices``, so ``result[i]`` is HIP
+    device ``i`` here.  ``ROCR_VISIBLE_DEVICES`` applies first (indices or ``GPU-<uuid>``), then
+    ``HIP_VISIBLE_DEVICES`` (or ``CUDA_VISIBLE_DEVICES``) as indices into what it left."""
+    env = os.environ if env is None else env
+    order = sorted(range(len(devices)), key=lambda i: devices[i][0])
+    uuid_of = lambda i: devices[i][1]  # noqa: E731
+    rocr = env.get("ROCR_VISIBLE_DEVICES")
+    if rocr is not None:
+        order = _select(order, _split(rocr), uuid_of)
+    sel = env.get("HIP_VISIBLE_DEVICES", env.get("CUDA_VISIBLE_DEVICES"))
+    if sel is not None:
+        order = _select(order, _split(sel), uuid_of)
+    return order
+
+
 def check_visible_devices(env: Optional[Mapping[str, str]] = None) -> None:
     problem = visible_device_problem(env)
     if problem:
