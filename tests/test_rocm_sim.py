@@ -661,3 +661,25 @@ def test_rocm_amdsmi_without_enumeration_info_is_not_guessed(monkeypatch):
     assert len(plat._amdsmi_devices()) == 4  # nothing hidden: amdsmi's order is all there is
     monkeypatch.setenv("HIP_VISIBLE_DEVICES", "1")
     assert plat._amdsmi_devices() == ()  # which one is visible cannot be told: none is claimed
+
+
+def test_rocm_vllm_allocator_fails_closed_when_the_pool_cannot_route():
+    """vLLM with unisleep's allocator on a ROCm driver that cannot route torch's allocations
+    (here: the simulated library; on a machine: a torch that is not a ROCm build) is refused when
+    vLLM asks for the allocator — never a sleep that frees 0 bytes."""
+    from unisleep import vllm_plugin
+    from unisleep.engines.vllm_allocator import UnisleepAllocator
+
+    lib, drv = make()
+    UnisleepAllocator.reset_instance()
+    UnisleepAllocator.instance = UnisleepAllocator(MemoryLifecycle(drv))
+    try:
+        with pytest.raises(UnsupportedError, match="cannot live in unisleep.*simulated HIP library.*"
+                           "free nothing.*UNISLEEP_VLLM_ALLOCATOR") as e:
+            vllm_plugin._allocator()
+        assert type(e.value).__name__ == "PoolRoutingError"
+        del e
+        assert UnisleepAllocator.instance.lifecycle.allocated_bytes() == 0  # nothing was placed
+    finally:
+        UnisleepAllocator.reset_instance()
+        lib.close()

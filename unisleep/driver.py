@@ -339,6 +339,13 @@ class Driver(abc.ABC):
 
         return torch.device("cpu")
 
+    def pool_problem(self) -> Optional[str]:
+        """Why :meth:`pool` cannot route the framework's allocations in this process, or None
+        when it can (:attr:`supports_pool`)."""
+        if self.supports_pool:
+            return None
+        return f"the {self.name} backend cannot route the framework's own allocations"
+
     @contextlib.contextmanager
     def pool(self, lifecycle, tag: str) -> Iterator[None]:
         raise UnsupportedError(

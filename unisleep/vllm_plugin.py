@@ -40,6 +40,8 @@ import sys
 import threading
 from typing import Optional
 
+from .errors import UnsupportedError
+
 log = logging.getLogger(__name__)
 
 NAME = "unisleep"
@@ -105,10 +107,27 @@ def select_allocator(enabled: Optional[bool]) -> None:
         _choice = enabled
 
 
+class PoolRoutingError(UnsupportedError):
+    """vLLM's sleep-mode memory was to live in unisleep, but this process's driver cannot route
+    torch's allocations into it (e.g. ROCm without a ROCm build of torch): every sleep would free
+    nothing.  Raised when vLLM first asks for the allocator, before any memory is placed."""
+
+
 def _allocator(**options):
+    """The process's :class:`~unisleep.engines.vllm_allocator.UnisleepAllocator`, refused (fail
+    closed) on an accelerator whose driver cannot route the framework's allocations: vLLM
+    would place its weights and KV cache outside every tag and its sleeps would free 0 bytes."""
     from .engines.vllm_allocator import UnisleepAllocator
 
-    return UnisleepAllocator.get_instance(**options)
+    alloc = UnisleepAllocator.get_instance(**options)
+    lc = alloc.lifecycle
+    if lc.platform_name != "host" and not lc.driver.supports_pool:
+        raise PoolRoutingError(
+            f"vLLM's sleep-mode memory cannot live in unisleep in this process: {lc.driver.pool_problem()}. "
+            f"vLLM's allocations would stay outside every tag and each sleep would free nothing. Fix the "
+            f"cause above, or run vLLM with its own sleep-mode allocator (unset {ALLOCATOR_ENV}, no "
+            f"--sleep-mode-backend {NAME}).")
+    return alloc
 
 
 def _patch_allocator_class(module) -> None:
@@ -325,5 +344,5 @@ def status() -> dict[str, str]:
         return dict(_status)
 
 
-__all__ = ["register", "status", "NAME", "decide", "select_allocator",
+__all__ = ["register", "status", "NAME", "decide", "select_allocator", "PoolRoutingError",
            "install_allocator_hooks", "graph_pool_wanted", "ALLOCATOR_ENV"]

@@ -338,6 +338,9 @@ class RocmDriver(Driver):
         return HipHostStore(self.api, budget_bytes, is_device=self.reservations.covers)
 
     # ---- framework allocations ---------------------------------------------------------
+    def pool_problem(self) -> Optional[str]:
+        return self._pool_problem
+
     def _router(self):
         if self._pool_problem is not None:
             from unisleep.errors import UnsupportedError
