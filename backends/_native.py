@@ -108,6 +108,21 @@ def bind_prototypes(target, lib, prototypes: dict) -> list[str]:
     return missing
 
 
+def bind_arguments(name: str, params: list[str], args: tuple, kwargs: dict) -> list:
+    """``args`` then ``kwargs`` (by the C parameter names ``params``) as one positional list;
+    a missing, repeated or unknown name is a TypeError naming the function."""
+    if len(args) > len(params):
+        raise TypeError(f"{name}() takes {len(params)} arguments ({', '.join(params)}), got {len(args)}")
+    out = list(args)
+    for p in params[len(args):]:
+        if p not in kwargs:
+            raise TypeError(f"{name}() is missing argument {p!r} (parameters: {', '.join(params)})")
+        out.append(kwargs.pop(p))
+    if kwargs:
+        raise TypeError(f"{name}() got unexpected or repeated arguments {sorted(kwargs)} (parameters: {', '.join(params)})")
+    return out
+
+
 def callback_argtypes(argtypes: list) -> list:
     """A prototype's argument types as a simulated library's ``CFUNCTYPE`` callback receives
     them: every pointer (``POINTER(x)``, ``c_void_p``, ``c_char_p``) arrives as a raw address."""

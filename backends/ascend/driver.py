@@ -80,9 +80,8 @@ class AscendDriver(Driver):
         self._prop.reserve = 0
         g = c_size_t()
         # (prop, option, &granularity): the output comes last, unlike CUDA/HIP
-        self.api.call(
-            "aclrtMemGetAllocationGranularity", byref(self._prop), acl.ACL_RT_MEM_ALLOC_GRANULARITY_MINIMUM, byref(g)
-        )
+        self.api.call("aclrtMemGetAllocationGranularity", prop=byref(self._prop),
+                      option=acl.ACL_RT_MEM_ALLOC_GRANULARITY_MINIMUM, granularity=byref(g))
         self._gran = int(g.value)
         if self._gran <= 0:
             raise UnisleepError(f"aclrtMemGetAllocationGranularity returned {self._gran}")
@@ -97,7 +96,7 @@ class AscendDriver(Driver):
     def _set_device(self) -> None:
         """aclrtSetDevice creates/binds the device's default context for the calling thread."""
         if getattr(self._tls, "device", None) != self.device:
-            self.api.call("aclrtSetDevice", self.device)
+            self.api.call("aclrtSetDevice", deviceId=self.device)
             self._tls.device = self.device
 
     # ---- primitives ------------------------------------------------------------------
@@ -108,31 +107,33 @@ class AscendDriver(Driver):
         self._set_device()
         p = c_void_p()
         # alignment must be 0; expectPtr NULL (a user address is experimental in CANN 9 only)
-        self.api.call("aclrtReserveMemAddress", byref(p), size, 0, None, 0, hint=f"reserving {size} bytes")
+        self.api.call("aclrtReserveMemAddress", virPtr=byref(p), size=size, alignment=0, expectPtr=None, flags=0,
+                      hint=f"reserving {size} bytes")
         self.reservations.add(int(p.value), size)
         return int(p.value)
 
     def free_address(self, va: int, size: int) -> None:
-        self.api.call("aclrtReleaseMemAddress", va)
+        self.api.call("aclrtReleaseMemAddress", virPtr=va)
         self.reservations.remove(va)
 
     def create(self, size: int) -> AclHandle:
         self._set_device()
         h = c_void_p()
-        self.api.call("aclrtMallocPhysical", byref(h), size, byref(self._prop), 0, hint=f"{size >> 20} MiB of device memory")
+        self.api.call("aclrtMallocPhysical", handle=byref(h), size=size, prop=byref(self._prop), flags=0,
+                      hint=f"{size >> 20} MiB of device memory")
         return AclHandle(int(h.value), size)
 
     def map(self, va: int, size: int, handle: AclHandle) -> None:
         if size != handle.size:
             raise UnisleepError(f"aclrtMapMem maps whole physical allocations: {size} != {handle.size}")
-        self.api.call("aclrtMapMem", va, size, 0, handle.ptr, 0)
+        self.api.call("aclrtMapMem", virPtr=va, size=size, offset=0, handle=handle.ptr, flags=0)
 
     def unmap(self, va: int, size: int) -> None:
-        self.api.call("aclrtUnmapMem", va)  # no size argument
+        self.api.call("aclrtUnmapMem", virPtr=va)  # no size argument
 
     def release(self, handle: AclHandle) -> None:
         if not handle.freed:
-            self.api.call("aclrtFreePhysical", handle.ptr)
+            self.api.call("aclrtFreePhysical", handle=handle.ptr)
             handle.freed = True
 
     def physical_bytes(self, handle: AclHandle) -> int:
@@ -159,7 +160,7 @@ class AscendDriver(Driver):
 
     def zero(self, va: int, nbytes: int) -> None:
         self._set_device()
-        self.api.call("aclrtMemset", va, nbytes, 0, nbytes)  # (devPtr, maxCount, value, count)
+        self.api.call("aclrtMemset", devPtr=va, maxCount=nbytes, value=0, count=nbytes)
         self.synchronize()
 
     def synchronize(self) -> None:
@@ -169,7 +170,7 @@ class AscendDriver(Driver):
     def memory_info(self) -> tuple[int, int]:
         self._set_device()
         free, total = c_size_t(), c_size_t()
-        self.api.call("aclrtGetMemInfo", acl.ACL_HBM_MEM, byref(free), byref(total))
+        self.api.call("aclrtGetMemInfo", attr=acl.ACL_HBM_MEM, free=byref(free), total=byref(total))
         return int(free.value), int(total.value)
 
     def new_backup_store(self, budget_bytes, spill_dir) -> BackupStore:

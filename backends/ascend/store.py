@@ -19,14 +19,14 @@ class AclHostStore(HostBufferStore):
 
     def _alloc_host(self, nbytes: int) -> int:
         p = c_void_p()
-        self.api.call("aclrtMallocHost", byref(p), nbytes, hint="pinned host memory for a backup")
+        self.api.call("aclrtMallocHost", hostPtr=byref(p), size=nbytes, hint="pinned host memory for a backup")
         return p.value
 
     def _free_host(self, ptr: int) -> None:
-        self.api.call("aclrtFreeHost", ptr)
+        self.api.call("aclrtFreeHost", hostPtr=ptr)
 
     def _to_host(self, dst: int, capacity: int, src: int, nbytes: int) -> None:
-        self.api.call("aclrtMemcpy", dst, capacity, src, nbytes, acl.ACL_MEMCPY_DEVICE_TO_HOST)
+        self.api.call("aclrtMemcpy", dst=dst, destMax=capacity, src=src, count=nbytes, kind=acl.ACL_MEMCPY_DEVICE_TO_HOST)
 
     def _to_device(self, dst: int, capacity: int, src: int, nbytes: int) -> None:
-        self.api.call("aclrtMemcpy", dst, capacity, src, nbytes, acl.ACL_MEMCPY_HOST_TO_DEVICE)
+        self.api.call("aclrtMemcpy", dst=dst, destMax=capacity, src=src, count=nbytes, kind=acl.ACL_MEMCPY_HOST_TO_DEVICE)

@@ -18,14 +18,15 @@ class HipHostStore(HostBufferStore):
 
     def _alloc_host(self, nbytes: int) -> int:
         p = c_void_p()
-        self.api.call("hipHostMalloc", byref(p), nbytes, hip.hipHostMallocDefault, hint="pinned host memory for a backup")
+        self.api.call("hipHostMalloc", ptr=byref(p), size=nbytes, flags=hip.hipHostMallocDefault,
+                      hint="pinned host memory for a backup")
         return p.value
 
     def _free_host(self, ptr: int) -> None:
-        self.api.call("hipHostFree", ptr)
+        self.api.call("hipHostFree", ptr=ptr)
 
     def _to_host(self, dst: int, capacity: int, src: int, nbytes: int) -> None:
-        self.api.call("hipMemcpy", dst, src, nbytes, hip.hipMemcpyDeviceToHost)
+        self.api.call("hipMemcpy", dst=dst, src=src, sizeBytes=nbytes, kind=hip.hipMemcpyDeviceToHost)
 
     def _to_device(self, dst: int, capacity: int, src: int, nbytes: int) -> None:
-        self.api.call("hipMemcpy", dst, src, nbytes, hip.hipMemcpyHostToDevice)
+        self.api.call("hipMemcpy", dst=dst, src=src, sizeBytes=nbytes, kind=hip.hipMemcpyHostToDevice)
