@@ -51,7 +51,17 @@ hip-runtime:
 	       "Install with: sudo apt-get install $(HIP_PKGS) gcc g++"; \
 	fi
 
-test: $(VENV)/.vllm hip-runtime
+# AMD's own HIP bindings for two ROCm releases with the >= 5.3 hipMemAllocationProp layout, beside
+# the environment (not imported by unisleep): tests/test_hip_real.py and tests/test_abi_mutations.py
+# read their compiled struct accessors and prototypes as the reference for backends/rocm/hip.py
+HIP_PYTHON := 6.2=6.2.0.499.16 7.2=7.2.2.562.43
+$(VENV)/.hip-python: $(BIN)/python
+	@for rv in $(HIP_PYTHON); do r=$${rv%%=*}; v=$${rv#*=}; \
+	  echo "hip-python $$v -> $(VENV)/hip-python/$$r"; \
+	  $(BIN)/pip install -q --no-deps --target $(VENV)/hip-python/$$r "hip-python==$$v" || exit 1; done
+	touch $@
+
+test: $(VENV)/.vllm $(VENV)/.hip-python hip-runtime
 	$(BIN)/python -m pytest
 
 bench: $(VENV)/.core

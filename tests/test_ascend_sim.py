@@ -173,27 +173,54 @@ def _cann_include():
     return None
 
 
-@pytest.mark.skipif(_cann_include() is None, reason="needs the CANN toolkit headers (acl/acl_rt.h): install CANN "
-                    "and source set_env.sh, or set UNISLEEP_ACL_INCLUDE to the folder holding acl/")
-def test_acl_bindings_match_the_cann_headers(tmp_path):
-    """The ACL bindings (structs, codes, prototypes) against the real CANN header, as
-    tests/test_hip_real.py does for HIP.  Run once against the public hicann/runtime headers
-    (docs/ascend.md); on a machine with CANN it runs against the installed ones."""
+def _needs_compilers():
     import shutil
-
-    from sim import abi_probe
-    from unisleep.backends.ascend import acl
 
     if shutil.which("cc") is None or shutil.which("c++") is None:
         pytest.skip("needs a C and a C++ compiler: apt-get install gcc g++")
-    flags = [f"-I{_cann_include()}"]
-    ours = abi_probe.binding_layout(acl.STRUCTS, acl.ENUMS)
-    theirs = abi_probe.c_layout_probe(tmp_path, "acl/acl_rt.h", flags, ours)
-    theirs.pop("VERSION")
-    problems = abi_probe.diff(ours, theirs)
-    protos = abi_probe.cxx_prototype_probe(tmp_path, "acl/acl_rt.h", flags, acl.PROTOTYPES)
-    problems += abi_probe.diff(abi_probe.binding_prototypes(acl.PROTOTYPES), protos)
+
+
+def test_acl_bindings_match_the_checked_in_cann_table(tmp_path):
+    """CPU CI's check of the ACL bindings: the probes compile against a header generated from
+    tests/sim/acl_rt_table.json (what the bindings use from CANN 9.1.0's acl_rt.h, with
+    parameter names) and compare struct sizes and offsets, every value, and each prototype by
+    parameter name and ABI class — a swapped aclrtMemLocation, aclrtMemcpy arguments in
+    another order or a narrowed ``reserve`` fail here (tests/test_abi_mutations.py)."""
+    from sim import abi_check
+    from unisleep.backends.ascend import acl
+
+    _needs_compilers()
+    table = abi_check.acl_table()
+    assert set(table["functions"]) == set(acl.SIGNATURES)  # every bound function is in the table
+    ref = abi_check.acl_reference_from_table(tmp_path, acl.STRUCTS, acl.ENUMS, table)
+    assert len(ref["layout"]) > 25
+    problems = abi_check.acl_problems(ref, acl.STRUCTS, acl.ENUMS, acl.SIGNATURES)
+    assert not problems, ("backends/ascend/acl.py differs from CANN " + table["cann"] + "'s acl_rt.h (the "
+                          "checked-in table):\n  " + "\n  ".join(problems))
+
+
+@pytest.mark.skipif(_cann_include() is None, reason="needs the CANN toolkit headers (acl/acl_rt.h): install CANN "
+                    "and source set_env.sh, or set UNISLEEP_ACL_INCLUDE to the folder holding acl/")
+def test_acl_bindings_and_the_table_match_the_cann_headers(tmp_path):
+    """Where CANN's headers are installed (the Ascend runner; or UNISLEEP_ACL_INCLUDE): the
+    bindings against the real header, and the checked-in table against it too, so the table
+    CPU CI relies on cannot drift from CANN unseen."""
+    from sim import abi_check
+    from unisleep.backends.ascend import acl
+
+    _needs_compilers()
+    real = abi_check.acl_reference_from_header(tmp_path, _cann_include(), acl.STRUCTS, acl.ENUMS, acl.PARAM_NAMES)
+    problems = abi_check.acl_problems(real, acl.STRUCTS, acl.ENUMS, acl.SIGNATURES)
     assert not problems, "backends/ascend/acl.py differs from the CANN headers:\n  " + "\n  ".join(problems)
+    table = abi_check.acl_reference_from_table(tmp_path, acl.STRUCTS, acl.ENUMS)
+    drift = _diff_refs(table, real)
+    assert not drift, "tests/sim/acl_rt_table.json differs from the installed CANN headers:\n  " + "\n  ".join(drift)
+
+
+def _diff_refs(a: dict, b: dict) -> list[str]:
+    from sim import abi_probe
+
+    return abi_probe.diff(a["layout"], b["layout"]) + abi_probe.diff(a["prototypes"], b["prototypes"])
 
 
 def _ascend_present() -> bool:
