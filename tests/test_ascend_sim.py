@@ -8,7 +8,12 @@ that checks them; the full MemoryLifecycle scenarios run in the contract suite
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -20,6 +25,8 @@ from unisleep.backends.ascend import AscendDriver
 from unisleep.errors import UnsupportedError
 
 GRAN = 2 << 20  # ACL_HBM_MEM_HUGE granularity
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)
 MiB = 1 << 20
 
 
@@ -114,15 +121,121 @@ def test_ascend_sim_oom_is_reported_with_acl_code():
     lib.close()
 
 
-def test_ascend_sim_pool_refuses_expandable_segments(monkeypatch):
+class SimTorchNpu:
+    """A SIMULATED torch_npu module (no NPU, no torch_npu here): just the calls ``pool(tag)``
+    makes — ``_C._npu_customAllocator``, ``npu.memory.MemPool`` / ``use_mem_pool`` /
+    ``_set_allocator_settings`` — recorded, with the allocator callbacks' addresses kept so the
+    test can call them as torch_npu's caching allocator would (through C)."""
+
+    __version__ = "simulated"
+
+    def __init__(self, settings=True):
+        import types
+
+        self.events = []
+        sim = self
+
+        class C:
+            @staticmethod
+            def _npu_customAllocator(alloc_ptr, free_ptr):
+                sim.alloc = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)(alloc_ptr)
+                sim.free = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)(free_ptr)
+                return "allocator"
+
+        class MemPool:
+            def __init__(self, allocator):
+                sim.events.append(("MemPool", allocator))
+
+        @contextlib.contextmanager
+        def use_mem_pool(pool):
+            sim.events.append(("enter pool",))
+            yield
+            sim.events.append(("exit pool",))
+
+        memory = types.SimpleNamespace(MemPool=MemPool, use_mem_pool=use_mem_pool)
+        if settings:
+            memory._set_allocator_settings = lambda conf: sim.events.append(("settings", conf))
+        self._C = C
+        self.npu = types.SimpleNamespace(memory=memory)
+
+
+def test_ascend_sim_pool_routes_allocations_into_the_tag_on_the_right_device(monkeypatch):
+    """The pool's callbacks, called through C as torch_npu would: a segment becomes a region of
+    the tag (it sleeps and wakes with it), the callback's device argument is honoured (another
+    device is refused with NULL, nothing placed), and torch's free gives the memory back."""
+    from unisleep.backends.ascend.pool import npu_mem_pool
+
+    monkeypatch.delenv("PYTORCH_NPU_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
     lib, drv = make()
+    npu = SimTorchNpu()
     with MemoryLifecycle(drv) as lc:
-        monkeypatch.setenv("PYTORCH_NPU_ALLOC_CONF", "expandable_segments:True")
-        with pytest.raises(UnsupportedError, match="expandable"):
-            with lc.pool("kv_cache"):
-                pass
-        assert not lc.tags and lib.dev.used_bytes == 0  # refused before anything was allocated
+        with npu_mem_pool(drv, lc, "kv_cache", npu=npu):
+            va = npu.alloc(3 * MiB, 0, None)
+            assert va and lc.tags == ["kv_cache"] and lc.allocated_bytes("kv_cache") == 4 * MiB
+            assert npu.alloc(1 * MiB, 1, None) is None  # device 1 asked of a device-0 pool: refused
+            assert lc.allocated_bytes() == 4 * MiB and lib.dev.used_bytes == 4 * MiB
+        assert [e[0] for e in npu.events] == ["MemPool", "enter pool", "exit pool"]  # no settings touched
+        lc.sleep(level=2)
+        assert lib.dev.used_bytes == 0
+        lc.wake_up()
+        assert lib.dev.used_bytes == 4 * MiB
+        npu.free(va, 3 * MiB, 0, None)
+        assert lc.allocated_bytes() == 0 and lib.dev.used_bytes == 0
+    assert not lib.dev.reservations and not lib.dev.internal_errors
     lib.close()
+
+
+def test_ascend_sim_pool_turns_expandable_segments_off_inside_only(monkeypatch):
+    """vllm-ascend sets PYTORCH_NPU_ALLOC_CONF=expandable_segments:True unless vLLM runs with sleep
+    mode (and its FAQ recommends it): the pool switches them off through torch_npu's allocator
+    settings while it is active and puts the user's whole setting back afterwards."""
+    from unisleep.backends.ascend.pool import npu_mem_pool
+
+    monkeypatch.setenv("PYTORCH_NPU_ALLOC_CONF", "page_size:1g,expandable_segments:True")
+    lib, drv = make()
+    npu = SimTorchNpu()
+    with MemoryLifecycle(drv) as lc:
+        with npu_mem_pool(drv, lc, "weights", npu=npu):
+            assert npu.alloc(2 * MiB, 0, None)
+        assert npu.events[1:] == [("settings", "page_size:1g,expandable_segments:False"), ("enter pool",),
+                                  ("exit pool",), ("settings", "page_size:1g,expandable_segments:True")]
+        # a torch_npu that cannot switch them off at run time: refused before anything is placed
+        with pytest.raises(UnsupportedError, match="expandable.*remove expandable_segments:True"):
+            with npu_mem_pool(drv, lc, "kv_cache", npu=SimTorchNpu(settings=False)):
+                pass
+        assert lc.tags == ["weights"]
+    lib.close()
+
+
+def test_ascend_npu_views_use_torch_npus_storage_constructor():
+    """On an NPU device the view's storage must come from torch_npu's own constructor (an
+    NPUStorageImpl). Run in a child process: a SIMULATED torch_npu whose constructor stops the
+    call once reached, with torch's PrivateUse1 device named "npu" as torch_npu names it."""
+    code = textwrap.dedent(f"""
+        import sys, types, torch
+        sys.path.insert(0, {TESTS!r})
+        torch.utils.rename_privateuse1_backend("npu")
+        class Reached(Exception):
+            pass
+        def construct(va, device, nbytes):
+            raise Reached(f"{{va:#x}} {{device}} {{nbytes}}")
+        sys.modules["torch_npu"] = types.SimpleNamespace(
+            _C=types.SimpleNamespace(_construct_storage_from_data_pointer=construct), __version__="simulated")
+        from sim.fake_acl import FakeAcl
+        from unisleep.backends.ascend import AscendDriver
+        drv = AscendDriver(lib=FakeAcl(granularity=2 << 20), tensor_device="npu:0")
+        try:
+            drv.view(0x7f0000200000, 4096)
+            print("view made without torch_npu's constructor")
+        except Reached as e:
+            print("torch_npu constructor:", e)
+        except Exception as e:
+            print("other:", type(e).__name__, e)
+        """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "torch_npu constructor: 0x7f0000200000 npu:0 4096", out.stdout
 
 
 def _torch_npu_importable() -> bool:

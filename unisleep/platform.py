@@ -323,7 +323,10 @@ def environment_warnings(platform: Platform) -> list[str]:
         val = os.environ.get(var, "")
         if "expandable_segments:true" in val.replace(" ", "").lower():
             if platform.name == "ascend":
-                warn.append(f"{var}={val}: expandable segments break NPU sleep mode; remove it.")
+                warn.append(
+                    f"{var}={val}: unisleep turns expandable segments off inside its pools, but vllm-ascend's own "
+                    "CaMemAllocator refuses to start with them (vllm-ascend sets them unless --enable-sleep-mode); "
+                    "remove expandable_segments:True when vllm-ascend's sleep mode is used.")
             else:
                 warn.append(
                     f"{var}={val}: unisleep turns expandable segments off inside its pools (as vLLM does); "

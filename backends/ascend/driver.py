@@ -11,7 +11,9 @@ release                ``aclrtFreePhysical(h)`` (after unmapping)
 free address           ``aclrtReleaseMemAddress(va)``
 copies                 ``aclrtMemcpy(dst, destMax, src, count, kind)`` into ``aclrtMallocHost`` buffers
 zero                   ``aclrtMemset`` + ``aclrtSynchronizeDevice`` (fresh memory is not assumed zero)
-pool(tag)              torch_npu pluggable allocator + ``torch.npu.memory.MemPool`` (backends/ascend/pool.py)
+pool(tag)              torch_npu pluggable allocator + ``MemPool`` (backends/ascend/pool.py); expandable
+                       segments switched off inside the pool
+view                   ``torch_npu._C._construct_storage_from_data_pointer`` (an ``NPUStorageImpl``)
 =====================  ============================================================================
 
 The C function table is injectable (``lib=``); tests use the simulated ACL library in
@@ -30,7 +32,7 @@ from typing import Any, Iterator, Optional
 
 from unisleep.backends._native import Reservations
 from unisleep.driver import BackupStore, Driver
-from unisleep.errors import UnisleepError
+from unisleep.errors import PlatformError, UnisleepError
 from unisleep.platform import SPECS
 
 from . import acl
@@ -150,12 +152,27 @@ class AscendDriver(Driver):
         return self._tensor_device
 
     def view(self, va: int, nbytes: int, owner=None):
-        # ``owner`` cannot be attached to a storage made from a raw pointer: the lifecycle
-        # keeps it on the returned tensor instead (weaker: views of it do not hold it)
+        """A uint8 tensor over ``[va, va + nbytes)``.  On an NPU its storage is made by torch_npu's
+        own ``torch_npu._C._construct_storage_from_data_pointer`` (an ``NPUStorageImpl``, whose
+        ``npu_desc_`` torch_npu's ``set_`` reads and writes): torch's constructor would make a
+        plain ``StorageImpl``, which torch_npu casts to ``NPUStorageImpl`` out of bounds or
+        refuses.  ``owner`` cannot be attached to a storage made from a raw pointer: the
+        lifecycle keeps it on the returned tensor instead (weaker: views of it do not hold it)."""
         import torch
 
         dev = self.torch_device
-        storage = torch._C._construct_storage_from_data_pointer(va, dev, nbytes)
+        if dev.type == "cpu":  # the simulated library's host memory
+            storage = torch._C._construct_storage_from_data_pointer(va, dev, nbytes)
+        else:
+            import torch_npu
+
+            construct = getattr(torch_npu._C, "_construct_storage_from_data_pointer", None)
+            if construct is None:
+                raise PlatformError(
+                    f"torch_npu {getattr(torch_npu, '__version__', '?')} has no "
+                    "torch_npu._C._construct_storage_from_data_pointer, so no NPU tensor can be made over "
+                    "lifecycle memory; use torch_npu 2.10 or later (the version vllm-ascend pins)")
+            storage = construct(va, dev, nbytes)
         return torch.empty(0, dtype=torch.uint8, device=dev).set_(storage)
 
     def zero(self, va: int, nbytes: int) -> None:
@@ -184,12 +201,3 @@ class AscendDriver(Driver):
 
         with npu_mem_pool(self, lifecycle, tag):
             yield
-
-
-def expandable_segments_problem(env: Optional[dict] = None) -> Optional[str]:
-    env = os.environ if env is None else env
-    for var in ("PYTORCH_NPU_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
-        val = env.get(var, "")
-        if "expandable_segments:true" in val.replace(" ", "").lower():
-            return f"{var}={val}: expandable segments break NPU sleep mode; remove expandable_segments:True."
-    return None
