@@ -61,7 +61,20 @@ $(VENV)/.hip-python: $(BIN)/python
 	  $(BIN)/pip install -q --no-deps --target $(VENV)/hip-python/$$r "hip-python==$$v" || exit 1; done
 	touch $@
 
-test: $(VENV)/.vllm $(VENV)/.hip-python hip-runtime
+# vllm-ascend's released source, unpacked beside the environment and never installed (its sdist
+# builds only with CANN): tests/test_vllm_ascend_source.py runs unisleep against its CaMemAllocator
+# and SleepWakeupManager.  Downloading an sdist makes pip read its metadata, which vllm-ascend's
+# setup.py computes from setuptools_scm and a chip type (given here: no NPU on CI)
+VLLM_ASCEND ?= 0.23.0.post1
+$(VENV)/.vllm-ascend-src: $(BIN)/python
+	$(BIN)/pip install -q setuptools setuptools_scm wheel
+	rm -rf $(VENV)/vllm-ascend-src && mkdir -p $(VENV)/vllm-ascend-src
+	SOC_VERSION=ascend910b1 COMPILE_CUSTOM_KERNELS=0 $(BIN)/pip download -q --no-deps --no-build-isolation \
+	  --no-binary vllm-ascend -d $(VENV)/vllm-ascend-src "vllm-ascend==$(VLLM_ASCEND)"
+	tar xzf $(VENV)/vllm-ascend-src/vllm_ascend-$(VLLM_ASCEND).tar.gz -C $(VENV)/vllm-ascend-src --strip-components=1
+	touch $@
+
+test: $(VENV)/.vllm $(VENV)/.hip-python $(VENV)/.vllm-ascend-src hip-runtime
 	$(BIN)/python -m pytest
 
 bench: $(VENV)/.core

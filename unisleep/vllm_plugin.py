@@ -273,15 +273,47 @@ def _platform_plugin_package() -> Optional[str]:
     return None if pkg == "vllm" else pkg
 
 
+def extra_cleanup_wanted(worker) -> bool:
+    """``UNISLEEP_EXTRA_CLEANUP=1`` and unisleep's allocator chosen for this worker's process."""
+    from .engines.vllm_allocator import EXTRA_CLEANUP_ENV
+    from .platform import env_flag
+
+    return bool(env_flag(EXTRA_CLEANUP_ENV)) and bool(decide(getattr(worker, "vllm_config", None)))
+
+
+def _platform_worker_patchers(pkg: str) -> dict:
+    """module -> patcher for a platform plugin's worker, from the backend that knows it (a
+    backend's ``vllm_worker`` module naming ``PLATFORM_PLUGIN``): e.g. the extra cleanup inside
+    vllm-ascend's worker drives vllm-ascend's own (backends/ascend/vllm_worker.py)."""
+    import importlib
+
+    from .platform import SPECS
+
+    out = {}
+    for spec in SPECS.values():
+        name = spec.driver.split(":")[0] + ".vllm_worker"
+        try:
+            if importlib.util.find_spec(name) is None:
+                continue
+        except (ImportError, ValueError):
+            continue
+        m = importlib.import_module(name)
+        if getattr(m, "PLATFORM_PLUGIN", None) == pkg:
+            out[f"{pkg}.{m.WORKER_MODULE}"] = lambda module, m=m: m.patch_worker(module, extra_cleanup_wanted)
+    return out
+
+
 def install_allocator_hooks(plugin_package: Optional[str] = None) -> str:
     """Patch what is imported already and hook what is not.  Idempotent.  ``plugin_package``
-    (default: the current platform's, when out of tree) adds that plugin's allocator class."""
+    (default: the current platform's, when out of tree) adds that plugin's allocator class and,
+    where a backend knows the plugin's worker, its worker patch."""
     with _lock:
         pkg = plugin_package or _platform_plugin_package()
         if pkg:
             mod = f"{pkg}.{PLUGIN_ALLOCATOR[0]}"
             _ALLOCATOR_CLASSES[mod] = PLUGIN_ALLOCATOR[1]
             _PATCHERS[mod] = _patch_allocator_class
+            _PATCHERS.update(_platform_worker_patchers(pkg))
         for name, patch in _PATCHERS.items():
             mod = sys.modules.get(name)
             if mod is not None:
@@ -344,5 +376,5 @@ def status() -> dict[str, str]:
         return dict(_status)
 
 
-__all__ = ["register", "status", "NAME", "decide", "select_allocator", "PoolRoutingError",
+__all__ = ["register", "status", "NAME", "decide", "select_allocator", "PoolRoutingError", "extra_cleanup_wanted",
            "install_allocator_hooks", "graph_pool_wanted", "ALLOCATOR_ENV"]
