@@ -34,7 +34,7 @@ class PlatformSpec:
 
 
 SPECS: dict[str, PlatformSpec] = {
-    "cuda": PlatformSpec("cuda", "unisleep.backends.cuda:CudaDriver", "nccl", "cuda", "cuda"),
+    "cuda": PlatformSpec("cuda", "unisleep.backends.cuda:CudaDriver", "nccl", "cuda", "cuda12"),
     "rocm": PlatformSpec("rocm", "unisleep.backends.rocm:RocmDriver", "nccl", "cuda", "rocm"),
     "ascend": PlatformSpec("ascend", "unisleep.backends.ascend:AscendDriver", "hccl", "npu", "ascend"),
     "host": PlatformSpec("host", "unisleep.backends.host:HostDriver", "gloo", "cpu", "test"),
@@ -296,6 +296,16 @@ def accelerated_module(device_type: str, name: str) -> Optional[str]:
     return None
 
 
+def install_extra(name: str) -> str:
+    """The pip extra that installs platform ``name``'s packages here: for CUDA the one of the
+    CUDA major torch was built for (``cuda12``/``cuda13``), read from ``torch.version.cuda``."""
+    if name == "cuda":
+        v = _torch_version_attr("cuda")
+        if v:
+            return f"cuda{str(v).split('.')[0]}"
+    return SPECS[name].extra if name in SPECS else ""
+
+
 def optional_packages() -> dict[str, bool]:
     """Which optional packages are importable (checked without importing them)."""
     names = {
@@ -365,6 +375,7 @@ __all__ = [
     "ENV_OVERRIDE",
     "detect_platform",
     "accelerated_module",
+    "install_extra",
     "optional_packages",
     "environment_warnings",
 ]
