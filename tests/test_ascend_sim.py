@@ -346,7 +346,7 @@ def _ascend_present() -> bool:
 
 
 @pytest.mark.ascend
-@pytest.mark.skipif(not _ascend_present(), reason="needs an Ascend NPU with torch_npu (ci/ascend.yml runs it on a self-hosted runner)")
+@pytest.mark.skipif(not _ascend_present(), reason="needs an Ascend NPU with torch_npu (.github/workflows/ascend.yml runs it on an Atlas A2 runner)")
 def test_ascend_hardware_lifecycle():
     """NOT RUN in this project so far: the same scenario on a real Ascend NPU."""
     lc = MemoryLifecycle("ascend")

@@ -519,7 +519,7 @@ def _rocm_present() -> bool:
 
 
 @pytest.mark.rocm
-@pytest.mark.skipif(not _rocm_present(), reason="needs an AMD GPU with ROCm (ci/rocm.yml runs it on a self-hosted runner)")
+@pytest.mark.skipif(not _rocm_present(), reason="needs an AMD GPU with ROCm (.github/workflows/rocm.yml runs it on an MI325X runner)")
 def test_rocm_hardware_lifecycle():
     """NOT RUN in this project so far: the same scenario on a real AMD GPU, with the ROCm
     trap checked where it matters — hipMemGetInfo must show the memory returned."""
