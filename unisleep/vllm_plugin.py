@@ -286,18 +286,20 @@ def _platform_worker_patchers(pkg: str) -> dict:
     backend's ``vllm_worker`` module naming ``PLATFORM_PLUGIN``): e.g. the extra cleanup inside
     vllm-ascend's worker drives vllm-ascend's own (backends/ascend/vllm_worker.py)."""
     import importlib
+    import os
 
     from .platform import SPECS
 
     out = {}
     for spec in SPECS.values():
-        name = spec.driver.split(":")[0] + ".vllm_worker"
-        try:
-            if importlib.util.find_spec(name) is None:
-                continue
-        except (ImportError, ValueError):
+        package = spec.driver.split(":")[0]
+        try:  # look for the file without importing the backend's package
+            root = importlib.util.find_spec(package.rsplit(".", 1)[0]).submodule_search_locations[0]
+        except Exception:
             continue
-        m = importlib.import_module(name)
+        if not os.path.exists(os.path.join(root, package.rsplit(".", 1)[1], "vllm_worker.py")):
+            continue
+        m = importlib.import_module(package + ".vllm_worker")
         if getattr(m, "PLATFORM_PLUGIN", None) == pkg:
             out[f"{pkg}.{m.WORKER_MODULE}"] = lambda module, m=m: m.patch_worker(module, extra_cleanup_wanted)
     return out
