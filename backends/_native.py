@@ -108,6 +108,21 @@ def bind_prototypes(target, lib, prototypes: dict) -> list[str]:
     return missing
 
 
+def bind_arguments(name: str, params: list[str], args: tuple, kwargs: dict) -> list:
+    """``args`` then ``kwargs`` (by the C parameter names ``params``) as one positional list;
+    a missing, repeated or unknown name is a TypeError naming the function."""
+    if len(args) > len(params):
+        raise TypeError(f"{name}() takes {len(params)} arguments ({', '.join(params)}), got {len(args)}")
+    out = list(args)
+    for p in params[len(args):]:
+        if p not in kwargs:
+            raise TypeError(f"{name}() is missing argument {p!r} (parameters: {', '.join(params)})")
+        out.append(kwargs.pop(p))
+    if kwargs:
+        raise TypeError(f"{name}() got unexpected or repeated arguments {sorted(kwargs)} (parameters: {', '.join(params)})")
+    return out
+
+
 def callback_argtypes(argtypes: list) -> list:
     """A prototype's argument types as a simulated library's ``CFUNCTYPE`` callback receives
     them: every pointer (``POINTER(x)``, ``c_void_p``, ``c_char_p``) arrives as a raw address."""
@@ -133,3 +148,26 @@ def fallback_warnings() -> list[str]:
     """What :func:`record_fallback` recorded in this process (shown by ``unisleep doctor``)."""
     with _FALLBACK_LOCK:
         return list(_FALLBACKS)
+
+
+class Reservations:
+    """The address ranges a driver holds reserved (``va -> size``), so that a copy can tell
+    device memory of this driver from host memory by address alone (a backup store's
+    ``load_range`` into a device chunk or into a host tensor).  Thread-safe."""
+
+    def __init__(self):
+        self._ranges: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def add(self, va: int, size: int) -> None:
+        with self._lock:
+            self._ranges[va] = size
+
+    def remove(self, va: int) -> None:
+        with self._lock:
+            self._ranges.pop(va, None)
+
+    def covers(self, ptr: int, nbytes: int) -> bool:
+        """``[ptr, ptr + nbytes)`` lies inside one reserved range."""
+        with self._lock:
+            return any(va <= ptr and ptr + max(nbytes, 1) <= va + size for va, size in self._ranges.items())

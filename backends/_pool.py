@@ -10,7 +10,7 @@ it in torch's allocator and pool.
 
 Rules learnt from vLLM and torch_memory_saver: the callbacks first bind the calling thread to
 the device (``bind``: the primary context on CUDA, ``hipSetDevice`` on ROCm — they run on
-arbitrary threads); the free callback synchronises before unmapping (in-flight kernels); a
+arbitrary threads) and refuse a segment for another device than the driver's; the free callback synchronises before unmapping (in-flight kernels); a
 region that is asleep is only un-reserved (no double release); pools are released before their
 allocators at exit; ``expandable_segments`` is switched off while a pool is active (torch refuses
 it in a pluggable pool) by rewriting the whole allocator config string, and the user's setting is
@@ -51,19 +51,29 @@ def without_expandable(conf: str) -> str:
     return ",".join(parts + ["expandable_segments:False"])
 
 
-@contextlib.contextmanager
-def no_expandable_segments(conf_vars: Sequence[str]):
-    import torch
+def expandable_on(conf: str) -> bool:
+    return "expandable_segments:true" in conf.replace(" ", "").lower()
 
+
+@contextlib.contextmanager
+def no_expandable_segments(conf_vars: Sequence[str], set_settings: Optional[Callable[[str], None]] = None):
+    """Expandable segments off while the block runs, when the allocator settings (the first of
+    ``conf_vars`` set) turn them on: torch refuses them in a pluggable pool.  ``set_settings``
+    applies a settings string to the running allocator (default: torch's CUDA/HIP one); the
+    user's whole string is applied again afterwards."""
     conf = alloc_conf(conf_vars)
-    if "expandable_segments:true" not in conf.replace(" ", "").lower():
+    if not expandable_on(conf):
         yield
         return
-    torch.cuda.memory._set_allocator_settings(without_expandable(conf))
+    if set_settings is None:
+        import torch
+
+        set_settings = torch.cuda.memory._set_allocator_settings
+    set_settings(without_expandable(conf))
     try:
         yield
     finally:
-        torch.cuda.memory._set_allocator_settings(conf)
+        set_settings(conf)
 
 
 class TagAllocator:
@@ -76,11 +86,18 @@ class TagAllocator:
         self.driver, self.tag, self.bind = driver, tag, bind
         self.lifecycle = weakref.ref(lifecycle)
 
-    def malloc(self, size: int) -> int:
+    def malloc(self, size: int, device: Optional[int] = None) -> int:
+        """A region of ``size`` bytes in the tag; ``device`` (the callback's argument) must be
+        the driver's device: a segment asked for another device is refused (NULL), never
+        placed on the wrong one."""
         if sys.is_finalizing():
             return 0
         lc = self.lifecycle()
         try:
+            if device is not None and int(device) != self.driver.device:
+                raise RuntimeError(f"the allocator asked for memory on device {device}, but this pool belongs to "
+                                   f"the lifecycle of device {self.driver.device}; use one lifecycle per device and "
+                                   "enter its pool with that device current")
             self.bind()
             if lc is None:
                 raise RuntimeError("the lifecycle owning this pool is gone")
@@ -118,7 +135,7 @@ class _TorchPool:
         import torch
 
         self.hooks = hooks
-        self._malloc = MALLOC(lambda size, device, stream: hooks.malloc(size))
+        self._malloc = MALLOC(lambda size, device, stream: hooks.malloc(size, device))
         self._free = FREE(lambda ptr, size, device, stream: hooks.free(ptr))
         mptr = ctypes.cast(self._malloc, ctypes.c_void_p).value
         fptr = ctypes.cast(self._free, ctypes.c_void_p).value

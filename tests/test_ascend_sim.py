@@ -2,13 +2,18 @@
 
 Proves the ctypes binding passes ACL's argument orders (granularity output last, unmap and
 release without a size, ``destMax`` as a byte capacity, ``{id, type}`` locations) to a library
-that checks them, and that a full MemoryLifecycle sleeps, wakes by tag, discards and restores
-byte-exactly through it.  The torch_npu ``pool(tag)`` route is not exercised (no torch_npu).
+that checks them; the full MemoryLifecycle scenarios run in the contract suite
+(tests/contract), over this backend and every other.  The torch_npu ``pool(tag)`` route is not exercised (no torch_npu).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import os
+import subprocess
+import sys
+import textwrap
 from dataclasses import replace
 
 import pytest
@@ -21,6 +26,8 @@ from unisleep.backends.ascend import AscendDriver
 from unisleep.errors import UnsupportedError
 
 GRAN = 2 << 20  # ACL_HBM_MEM_HUGE granularity
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)
 MiB = 1 << 20
 
 
@@ -47,39 +54,8 @@ def fill(lc, tag, nbytes, seed):
     return t, t.clone()
 
 
-def test_ascend_sim_level1_byte_exact_and_frees(simulated):
-    lib, drv, lc = simulated
-    w, w0 = fill(lc, "weights", 5 * MiB + 7, 1)
-    kv, _ = fill(lc, "kv_cache", 4 * MiB, 2)
-    addrs = (w.data_ptr(), kv.data_ptr())
-    awake = lib.dev.used_bytes
-    assert awake == 6 * MiB + 4 * MiB  # rounded up to the 2 MiB granularity
-    for _ in range(2):
-        lc.sleep(level=1)
-        free, total = drv.memory_info()
-        assert free == total and lib.dev.live_fds == 0
-        lc.wake_up()
-        assert torch.equal(w, w0) and int(kv.count_nonzero()) == 0
-        assert (w.data_ptr(), kv.data_ptr()) == addrs
-        assert lib.dev.used_bytes == awake
-
-
-def test_ascend_sim_level2_wake_by_tag_and_discard(simulated):
-    lib, drv, lc = simulated
-    w, _ = fill(lc, "weights", 4 * MiB, 3)
-    kv, _ = fill(lc, "kv_cache", 8 * MiB, 4)
-    lc.sleep(level=2)
-    assert lib.dev.used_bytes == 0 and lc.backup_bytes() == 0
-    lc.wake_up(["weights"])
-    assert lib.dev.used_bytes == 4 * MiB and lc.state()["kv_cache"] != "awake"
-    assert int(w.count_nonzero()) == 0  # stale device memory was zeroed
-    w.fill_(5)
-    lc.wake_up(["kv_cache"])
-    assert int(kv.count_nonzero()) == 0 and int((w == 5).sum()) == w.numel()
-    lc.discard(["kv_cache"])
-    assert lib.dev.used_bytes == 4 * MiB
-    lc.wake_up(["kv_cache"])
-    assert int(kv.count_nonzero()) == 0
+# Level 1/2, wake by tag, discard, read_backup, progressive wake and the undo of a failed sleep
+# run over every backend, this one included, in tests/contract/test_driver_contract.py.
 
 
 def test_ascend_sim_stale_memory_is_real_in_the_simulator():
@@ -146,15 +122,121 @@ def test_ascend_sim_oom_is_reported_with_acl_code():
     lib.close()
 
 
-def test_ascend_sim_pool_refuses_expandable_segments(monkeypatch):
+class SimTorchNpu:
+    """A SIMULATED torch_npu module (no NPU, no torch_npu here): just the calls ``pool(tag)``
+    makes — ``_C._npu_customAllocator``, ``npu.memory.MemPool`` / ``use_mem_pool`` /
+    ``_set_allocator_settings`` — recorded, with the allocator callbacks' addresses kept so the
+    test can call them as torch_npu's caching allocator would (through C)."""
+
+    __version__ = "simulated"
+
+    def __init__(self, settings=True):
+        import types
+
+        self.events = []
+        sim = self
+
+        class C:
+            @staticmethod
+            def _npu_customAllocator(alloc_ptr, free_ptr):
+                sim.alloc = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)(alloc_ptr)
+                sim.free = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)(free_ptr)
+                return "allocator"
+
+        class MemPool:
+            def __init__(self, allocator):
+                sim.events.append(("MemPool", allocator))
+
+        @contextlib.contextmanager
+        def use_mem_pool(pool):
+            sim.events.append(("enter pool",))
+            yield
+            sim.events.append(("exit pool",))
+
+        memory = types.SimpleNamespace(MemPool=MemPool, use_mem_pool=use_mem_pool)
+        if settings:
+            memory._set_allocator_settings = lambda conf: sim.events.append(("settings", conf))
+        self._C = C
+        self.npu = types.SimpleNamespace(memory=memory)
+
+
+def test_ascend_sim_pool_routes_allocations_into_the_tag_on_the_right_device(monkeypatch):
+    """The pool's callbacks, called through C as torch_npu would: a segment becomes a region of
+    the tag (it sleeps and wakes with it), the callback's device argument is honoured (another
+    device is refused with NULL, nothing placed), and torch's free gives the memory back."""
+    from unisleep.backends.ascend.pool import npu_mem_pool
+
+    monkeypatch.delenv("PYTORCH_NPU_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
     lib, drv = make()
+    npu = SimTorchNpu()
     with MemoryLifecycle(drv) as lc:
-        monkeypatch.setenv("PYTORCH_NPU_ALLOC_CONF", "expandable_segments:True")
-        with pytest.raises(UnsupportedError, match="expandable"):
-            with lc.pool("kv_cache"):
-                pass
-        assert not lc.tags and lib.dev.used_bytes == 0  # refused before anything was allocated
+        with npu_mem_pool(drv, lc, "kv_cache", npu=npu):
+            va = npu.alloc(3 * MiB, 0, None)
+            assert va and lc.tags == ["kv_cache"] and lc.allocated_bytes("kv_cache") == 4 * MiB
+            assert npu.alloc(1 * MiB, 1, None) is None  # device 1 asked of a device-0 pool: refused
+            assert lc.allocated_bytes() == 4 * MiB and lib.dev.used_bytes == 4 * MiB
+        assert [e[0] for e in npu.events] == ["MemPool", "enter pool", "exit pool"]  # no settings touched
+        lc.sleep(level=2)
+        assert lib.dev.used_bytes == 0
+        lc.wake_up()
+        assert lib.dev.used_bytes == 4 * MiB
+        npu.free(va, 3 * MiB, 0, None)
+        assert lc.allocated_bytes() == 0 and lib.dev.used_bytes == 0
+    assert not lib.dev.reservations and not lib.dev.internal_errors
     lib.close()
+
+
+def test_ascend_sim_pool_turns_expandable_segments_off_inside_only(monkeypatch):
+    """vllm-ascend sets PYTORCH_NPU_ALLOC_CONF=expandable_segments:True unless vLLM runs with sleep
+    mode (and its FAQ recommends it): the pool switches them off through torch_npu's allocator
+    settings while it is active and puts the user's whole setting back afterwards."""
+    from unisleep.backends.ascend.pool import npu_mem_pool
+
+    monkeypatch.setenv("PYTORCH_NPU_ALLOC_CONF", "page_size:1g,expandable_segments:True")
+    lib, drv = make()
+    npu = SimTorchNpu()
+    with MemoryLifecycle(drv) as lc:
+        with npu_mem_pool(drv, lc, "weights", npu=npu):
+            assert npu.alloc(2 * MiB, 0, None)
+        assert npu.events[1:] == [("settings", "page_size:1g,expandable_segments:False"), ("enter pool",),
+                                  ("exit pool",), ("settings", "page_size:1g,expandable_segments:True")]
+        # a torch_npu that cannot switch them off at run time: refused before anything is placed
+        with pytest.raises(UnsupportedError, match="expandable.*remove expandable_segments:True"):
+            with npu_mem_pool(drv, lc, "kv_cache", npu=SimTorchNpu(settings=False)):
+                pass
+        assert lc.tags == ["weights"]
+    lib.close()
+
+
+def test_ascend_npu_views_use_torch_npus_storage_constructor():
+    """On an NPU device the view's storage must come from torch_npu's own constructor (an
+    NPUStorageImpl). Run in a child process: a SIMULATED torch_npu whose constructor stops the
+    call once reached, with torch's PrivateUse1 device named "npu" as torch_npu names it."""
+    code = textwrap.dedent(f"""
+        import sys, types, torch
+        sys.path.insert(0, {TESTS!r})
+        torch.utils.rename_privateuse1_backend("npu")
+        class Reached(Exception):
+            pass
+        def construct(va, device, nbytes):
+            raise Reached(f"{{va:#x}} {{device}} {{nbytes}}")
+        sys.modules["torch_npu"] = types.SimpleNamespace(
+            _C=types.SimpleNamespace(_construct_storage_from_data_pointer=construct), __version__="simulated")
+        from sim.fake_acl import FakeAcl
+        from unisleep.backends.ascend import AscendDriver
+        drv = AscendDriver(lib=FakeAcl(granularity=2 << 20), tensor_device="npu:0")
+        try:
+            drv.view(0x7f0000200000, 4096)
+            print("view made without torch_npu's constructor")
+        except Reached as e:
+            print("torch_npu constructor:", e)
+        except Exception as e:
+            print("other:", type(e).__name__, e)
+        """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "torch_npu constructor: 0x7f0000200000 npu:0 4096", out.stdout
 
 
 def _torch_npu_importable() -> bool:
@@ -205,27 +287,54 @@ def _cann_include():
     return None
 
 
-@pytest.mark.skipif(_cann_include() is None, reason="needs the CANN toolkit headers (acl/acl_rt.h): install CANN "
-                    "and source set_env.sh, or set UNISLEEP_ACL_INCLUDE to the folder holding acl/")
-def test_acl_bindings_match_the_cann_headers(tmp_path):
-    """The ACL bindings (structs, codes, prototypes) against the real CANN header, as
-    tests/test_hip_real.py does for HIP.  Run once against the public hicann/runtime headers
-    (docs/ascend.md); on a machine with CANN it runs against the installed ones."""
+def _needs_compilers():
     import shutil
-
-    from sim import abi_probe
-    from unisleep.backends.ascend import acl
 
     if shutil.which("cc") is None or shutil.which("c++") is None:
         pytest.skip("needs a C and a C++ compiler: apt-get install gcc g++")
-    flags = [f"-I{_cann_include()}"]
-    ours = abi_probe.binding_layout(acl.STRUCTS, acl.ENUMS)
-    theirs = abi_probe.c_layout_probe(tmp_path, "acl/acl_rt.h", flags, ours)
-    theirs.pop("VERSION")
-    problems = abi_probe.diff(ours, theirs)
-    protos = abi_probe.cxx_prototype_probe(tmp_path, "acl/acl_rt.h", flags, acl.PROTOTYPES)
-    problems += abi_probe.diff(abi_probe.binding_prototypes(acl.PROTOTYPES), protos)
+
+
+def test_acl_bindings_match_the_checked_in_cann_table(tmp_path):
+    """CPU CI's check of the ACL bindings: the probes compile against a header generated from
+    tests/sim/acl_rt_table.json (what the bindings use from CANN 9.1.0's acl_rt.h, with
+    parameter names) and compare struct sizes and offsets, every value, and each prototype by
+    parameter name and ABI class — a swapped aclrtMemLocation, aclrtMemcpy arguments in
+    another order or a narrowed ``reserve`` fail here (tests/test_abi_mutations.py)."""
+    from sim import abi_check
+    from unisleep.backends.ascend import acl
+
+    _needs_compilers()
+    table = abi_check.acl_table()
+    assert set(table["functions"]) == set(acl.SIGNATURES)  # every bound function is in the table
+    ref = abi_check.acl_reference_from_table(tmp_path, acl.STRUCTS, acl.ENUMS, table)
+    assert len(ref["layout"]) > 25
+    problems = abi_check.acl_problems(ref, acl.STRUCTS, acl.ENUMS, acl.SIGNATURES)
+    assert not problems, ("backends/ascend/acl.py differs from CANN " + table["cann"] + "'s acl_rt.h (the "
+                          "checked-in table):\n  " + "\n  ".join(problems))
+
+
+@pytest.mark.skipif(_cann_include() is None, reason="needs the CANN toolkit headers (acl/acl_rt.h): install CANN "
+                    "and source set_env.sh, or set UNISLEEP_ACL_INCLUDE to the folder holding acl/")
+def test_acl_bindings_and_the_table_match_the_cann_headers(tmp_path):
+    """Where CANN's headers are installed (the Ascend runner; or UNISLEEP_ACL_INCLUDE): the
+    bindings against the real header, and the checked-in table against it too, so the table
+    CPU CI relies on cannot drift from CANN unseen."""
+    from sim import abi_check
+    from unisleep.backends.ascend import acl
+
+    _needs_compilers()
+    real = abi_check.acl_reference_from_header(tmp_path, _cann_include(), acl.STRUCTS, acl.ENUMS, acl.PARAM_NAMES)
+    problems = abi_check.acl_problems(real, acl.STRUCTS, acl.ENUMS, acl.SIGNATURES)
     assert not problems, "backends/ascend/acl.py differs from the CANN headers:\n  " + "\n  ".join(problems)
+    table = abi_check.acl_reference_from_table(tmp_path, acl.STRUCTS, acl.ENUMS)
+    drift = _diff_refs(table, real)
+    assert not drift, "tests/sim/acl_rt_table.json differs from the installed CANN headers:\n  " + "\n  ".join(drift)
+
+
+def _diff_refs(a: dict, b: dict) -> list[str]:
+    from sim import abi_probe
+
+    return abi_probe.diff(a["layout"], b["layout"]) + abi_probe.diff(a["prototypes"], b["prototypes"])
 
 
 def _ascend_present() -> bool:
@@ -238,7 +347,7 @@ def _ascend_present() -> bool:
 
 
 @pytest.mark.ascend
-@pytest.mark.skipif(not _ascend_present(), reason="needs an Ascend NPU with torch_npu (ci/ascend.yml runs it on a self-hosted runner)")
+@pytest.mark.skipif(not _ascend_present(), reason="needs an Ascend NPU with torch_npu (.github/workflows/ascend.yml runs it on an Atlas A2 runner)")
 def test_ascend_hardware_lifecycle():
     """NOT RUN in this project so far: the same scenario on a real Ascend NPU."""
     lc = MemoryLifecycle("ascend")

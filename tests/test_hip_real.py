@@ -16,8 +16,12 @@ These tests:
   named unisleep errors that say what is missing;
 * check which runtime is chosen when one is already loaded, and that a second one is refused.
 
+* read AMD's own bindings, hip-python 6.2 and 7.2 (compiled against those ROCm releases'
+  headers), and compare the HIP >= 5.3 struct layout, values and prototypes — parameter names
+  included — with the bindings (``make test`` installs both releases beside the environment).
+
 What they cannot show: anything that needs a GPU (every memory call returns hipErrorInvalidDevice
-here), and the struct layout of HIP >= 5.3 (the header here is 5.2's; see docs/rocm.md).
+here).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import textwrap
 
 import pytest
 
-from sim import abi_probe
+from sim import abi_check, abi_probe
 from unisleep.backends.rocm import hip
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -66,7 +70,8 @@ def _gpu_present() -> bool:
 
 
 # ---------------------------------------------------------------------------- bindings vs header
-HIP_FLAGS = ["-D__HIP_PLATFORM_AMD__"]
+# ROCm 6.x headers mark hipHostMalloc/hipHostFree deprecated: the probes name them on purpose
+HIP_FLAGS = ["-D__HIP_PLATFORM_AMD__", "-Wno-deprecated-declarations"]
 
 
 def bindings_layout(runtime_version: int) -> dict:
@@ -138,11 +143,32 @@ def test_structs_enums_and_codes_match_the_real_header(tmp_path):
 @needs_header
 @needs_cxx
 def test_prototypes_match_the_real_header(tmp_path):
-    theirs = header_prototypes(tmp_path)
-    ours = bindings_prototypes(hip.PROP_LAYOUT_CHANGED)
+    """Each function's parameters as the ABI sees them and by the header's names, in order:
+    two same-class parameters swapped (hipMemMap size/offset, hipMemcpy dst/src) differ."""
+    with open(os.path.join(INCLUDE, "hip", "hip_runtime_api.h")) as f:
+        names = abi_probe.header_parameter_names(f.read(), hip.PARAM_NAMES)
+    theirs = abi_probe.with_names(header_prototypes(tmp_path), names)
     # pointers to hipMemAllocationProp: same size in both layouts (the layout is checked above)
+    ours = abi_probe.binding_signatures(hip.signatures())
     problems = _diff(ours, theirs)
     assert not problems, "the ctypes prototypes in backends/rocm/hip.py differ from the header:\n  " + "\n  ".join(problems)
+
+
+@pytest.mark.parametrize("release", sorted(abi_check.HIP_PYTHON_RELEASES))
+def test_bindings_match_hip_python(release):
+    """The HIP >= 5.3 layout every ROCm 6.x/7.x user gets, checked against AMD's own bindings
+    of that release: struct sizes and field offsets, every value, every prototype by name."""
+    ref = abi_check.hip_python_reference(release)
+    if ref is None:
+        pytest.skip(f"needs hip-python {abi_check.HIP_PYTHON_RELEASES[release]} in {abi_check.hip_python_dir(release)}: "
+                    + abi_check.HIP_PYTHON_INSTALL.format(release=release, version=abi_check.HIP_PYTHON_RELEASES[release]))
+    assert ref["HIP_VERSION"] >= hip.PROP_LAYOUT_CHANGED
+    structs, enums, signatures = abi_check.hip_declarations(ref["HIP_VERSION"])
+    assert structs["hipMemAllocationProp"] is hip.hipMemAllocationProp  # the >= 5.3 layout is the one compared
+    assert len(ref["layout"]) >= 30 and len(ref["values"]) == len(enums) and set(ref["prototypes"]) == set(signatures)
+    problems = abi_check.hip_problems(ref, structs, enums, signatures)
+    assert not problems, (f"backends/rocm/hip.py differs from hip-python {ref['hip_python']} (HIP_VERSION "
+                          f"{ref['HIP_VERSION']}):\n  " + "\n  ".join(problems))
 
 
 @needs_lib

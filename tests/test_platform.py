@@ -219,4 +219,4 @@ def test_environment_warnings_expandable_segments(monkeypatch):
     assert environment_warnings(host) == []
     monkeypatch.setenv("PYTORCH_NPU_ALLOC_CONF", "expandable_segments:True")
     asc = environment_warnings(Platform("ascend", "test"))
-    assert any("remove it" in w for w in asc)
+    assert any("turns expandable segments off inside its pools" in w and "CaMemAllocator" in w for w in asc)

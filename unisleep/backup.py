@@ -5,7 +5,8 @@ copy device→host, copy host→device)."""
 from __future__ import annotations
 
 import abc
-from typing import Optional
+import ctypes
+from typing import Callable, Optional
 
 from .driver import BackupStore
 from .errors import HostBudgetError
@@ -29,9 +30,14 @@ class HostBufferStore(BackupStore):
     #: host memory left free after a backup
     headroom = 256 << 20
 
-    def __init__(self, budget_bytes: Optional[int], where: str):
+    def __init__(self, budget_bytes: Optional[int], where: str,
+                 is_device: Optional[Callable[[int, int], bool]] = None):
+        """``is_device(ptr, nbytes)``: whether a destination lies in the driver's device memory
+        (a copy there goes through the vendor's host-to-device copy; anywhere else is host
+        memory, copied directly); None: every destination is device memory."""
         self.budget = budget_bytes
         self.where = where
+        self._is_device = is_device
         self._bufs: dict[tuple[int, int], tuple[int, int]] = {}  # key -> (host pointer, capacity)
 
     # the vendor part ------------------------------------------------------------------
@@ -80,6 +86,22 @@ class HostBufferStore(BackupStore):
         if dst.numel() != n:
             raise ValueError(f"backup {key} holds {n} bytes, destination has {dst.numel()}")
         self._to_device(dst.data_ptr(), dst.numel(), ptr, n)
+
+    def load_range(self, key, offset: int, dst) -> None:
+        try:
+            ptr, n = self._bufs[key]
+        except KeyError:
+            raise KeyError(f"no backup is held under {key}") from None
+        m = dst.numel()
+        if offset < 0 or offset + m > n:
+            raise ValueError(f"backup {key} holds {n} bytes; cannot read {m} at {offset}")
+        if m == 0:
+            return
+        out = dst.data_ptr()
+        if self._is_device is None or self._is_device(out, m):
+            self._to_device(out, m, ptr + offset, m)
+        else:  # a host destination (read_backup): the backup is host memory, read it directly
+            ctypes.memmove(out, ptr + offset, m)
 
     def has(self, key) -> bool:
         return key in self._bufs

@@ -89,7 +89,7 @@ def platform_problems(plat) -> tuple[list[str], list[str]]:
     """``(problems, warnings)`` about the chosen platform: a problem means ``MemoryLifecycle()``
     cannot work here (no device of that platform, its backend cannot be imported); a warning
     names packages of its pip extra that are missing.  Nothing is initialised on a device."""
-    from .platform import ENV_OVERRIDE, SPECS
+    from .platform import ENV_OVERRIDE, SPECS, install_extra
     from .registry import driver_class
 
     problems: list[str] = []
@@ -97,8 +97,9 @@ def platform_problems(plat) -> tuple[list[str], list[str]]:
     forced = bool(os.environ.get(ENV_OVERRIDE, "").strip())
     how = f"{ENV_OVERRIDE}={plat.name} is set, but" if forced else "the detected platform"
     spec = SPECS.get(plat.name)
-    missing = [d for d, ok in _extra_packages(spec.extra).items() if not ok] if spec and plat.is_accelerator else []
-    install = f" (pip install 'unisleep[{spec.extra}]')" if spec else ""
+    extra = install_extra(plat.name) if spec else ""
+    missing = [d for d, ok in _extra_packages(extra).items() if not ok] if spec and plat.is_accelerator else []
+    install = f" (pip install 'unisleep[{extra}]')" if spec else ""
     if spec is not None and plat.is_accelerator and not plat.devices:
         why = f"no {plat.name} device was found on this machine"
         if missing:

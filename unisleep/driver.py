@@ -154,6 +154,14 @@ class BackupStore(abc.ABC):
         """Copy the backup ``key`` into the device tensor ``dst`` (may be async)."""
 
     @abc.abstractmethod
+    def load_range(self, key: tuple[int, int], offset: int, dst) -> None:
+        """Copy ``dst.numel()`` bytes of backup ``key``, from byte ``offset`` on, into the uint8
+        tensor ``dst`` (may be async: :meth:`flush` waits).  ``dst`` is either device memory
+        (a chunk being restored: a wake, a progressive wake, the undo of a failed sleep) or host
+        memory (``MemoryLifecycle.read_backup``).  A range outside the backup raises
+        ``ValueError`` before anything is copied."""
+
+    @abc.abstractmethod
     def drop(self, key: tuple[int, int]) -> None: ...
 
     @abc.abstractmethod
@@ -180,7 +188,11 @@ class Driver(abc.ABC):
 
     #: platform name this driver serves
     name: str = "?"
-    capabilities: ClassVar[Capabilities] = Capabilities()
+    #: the device index (set by ``__init__``), the knobs in use and the hooks
+    device: int
+    config: DriverConfig
+    hooks: DriverHooks
+    capabilities: Capabilities = Capabilities()
     #: the knobs a driver of this class starts with
     default_config: ClassVar[DriverConfig] = DriverConfig()
     #: whole-process capture (``unisleep.backends._capture``): which functions of torch's
@@ -378,11 +390,23 @@ class Driver(abc.ABC):
 
         return finish
 
+    #: ``graph_pool(lifecycle, tag)``: a graph-capture pool id whose memory lives in ``tag``
+    #: (``torch.cuda.graph(..., pool=...)``), for backends that have one; None where the
+    #: backend cannot route graph captures (callers then refuse, naming the option to turn off)
+    graph_pool = None
+
     @property
     def torch_device(self):
         import torch
 
         return torch.device("cpu")
+
+    def pool_problem(self) -> Optional[str]:
+        """Why :meth:`pool` cannot route the framework's allocations in this process, or None
+        when it can (``capabilities.supports_pool``)."""
+        if self.capabilities.supports_pool:
+            return None
+        return f"the {self.name} backend cannot route the framework's own allocations"
 
     @contextlib.contextmanager
     def pool(self, lifecycle, tag: str) -> Iterator[None]:

@@ -34,7 +34,7 @@ class PlatformSpec:
 
 
 SPECS: dict[str, PlatformSpec] = {
-    "cuda": PlatformSpec("cuda", "unisleep.backends.cuda:CudaDriver", "nccl", "cuda", "cuda"),
+    "cuda": PlatformSpec("cuda", "unisleep.backends.cuda:CudaDriver", "nccl", "cuda", "cuda12"),
     "rocm": PlatformSpec("rocm", "unisleep.backends.rocm:RocmDriver", "nccl", "cuda", "rocm"),
     "ascend": PlatformSpec("ascend", "unisleep.backends.ascend:AscendDriver", "hccl", "npu", "ascend"),
     "host": PlatformSpec("host", "unisleep.backends.host:HostDriver", "gloo", "cpu", "test"),
@@ -134,15 +134,33 @@ def _nvml_devices() -> Optional[tuple[DeviceInfo, ...]]:
 
 
 def _amdsmi_devices() -> Optional[tuple[DeviceInfo, ...]]:
-    """AMD devices through amdsmi; amdsmi raises KeyError (not ImportError) without its library."""
+    """The AMD GPUs this process sees, through amdsmi, numbered as HIP numbers them here.
+
+    amdsmi lists every GPU of the machine whatever ``HIP_VISIBLE_DEVICES`` /
+    ``ROCR_VISIBLE_DEVICES`` say; each GPU's enumeration info gives its ``hip_id`` (its HIP
+    index with all GPUs visible), to which the visible-device variables are applied
+    (``backends/rocm/config.visible_devices``).  An amdsmi without enumeration info cannot be
+    mapped: its GPUs are listed only when no visible-device variable is set.  ``amdsmi_shut_down``
+    runs whatever happens once ``amdsmi_init`` succeeded.  amdsmi raises KeyError (not
+    ImportError) without its library."""
     try:
         import amdsmi  # type: ignore
     except Exception:  # KeyError('libamd_smi.so') without the library, ImportError, OSError...
         return None
+    from .backends.rocm import config as rocm_config  # pure parsing, loads no vendor library
+
     try:
         amdsmi.amdsmi_init()
-        out = []
-        for i, h in enumerate(amdsmi.amdsmi_get_processor_handles()):
+    except Exception:
+        return None
+    try:
+        found = []
+        for pos, h in enumerate(amdsmi.amdsmi_get_processor_handles()):
+            try:
+                info = amdsmi.amdsmi_get_gpu_enumeration_info(h)
+                hip_id, uuid = int(info["hip_id"]), info.get("hip_uuid") or None
+            except Exception:  # older amdsmi, or "N/A"
+                hip_id, uuid = None, None
             try:
                 name = amdsmi.amdsmi_get_gpu_asic_info(h).get("market_name", "AMD GPU")
             except Exception:
@@ -153,11 +171,24 @@ def _amdsmi_devices() -> Optional[tuple[DeviceInfo, ...]]:
                 total, used = vram["vram_total"] * 2**20, vram["vram_used"] * 2**20
             except Exception:
                 pass
-            out.append(DeviceInfo(i, name, total, None if total is None else total - used))
-        amdsmi.amdsmi_shut_down()
+            found.append((hip_id, uuid, name, total, used, pos))
+        if any(f[0] is None for f in found):
+            if any(v in os.environ for v in rocm_config.VISIBLE_VARS):
+                return ()  # which GPUs are visible cannot be told without hip_id
+            found = [(pos, *rest) for (_, *rest), pos in zip(found, range(len(found)))]
+        visible = rocm_config.visible_devices([(f[0], f[1]) for f in found])
+        out = []
+        for i, k in enumerate(visible):
+            _, uuid, name, total, used, _ = found[k]
+            out.append(DeviceInfo(i, name, total, None if total is None else total - used, uuid))
         return tuple(out)
     except Exception:
         return None
+    finally:
+        try:
+            amdsmi.amdsmi_shut_down()
+        except Exception:
+            pass
 
 
 def _torch_version_attr(attr: str) -> Optional[str]:
@@ -265,6 +296,16 @@ def accelerated_module(device_type: str, name: str) -> Optional[str]:
     return None
 
 
+def install_extra(name: str) -> str:
+    """The pip extra that installs platform ``name``'s packages here: for CUDA the one of the
+    CUDA major torch was built for (``cuda12``/``cuda13``), read from ``torch.version.cuda``."""
+    if name == "cuda":
+        v = _torch_version_attr("cuda")
+        if v:
+            return f"cuda{str(v).split('.')[0]}"
+    return SPECS[name].extra if name in SPECS else ""
+
+
 def optional_packages() -> dict[str, bool]:
     """Which optional packages are importable (checked without importing them)."""
     names = {
@@ -292,7 +333,10 @@ def environment_warnings(platform: Platform) -> list[str]:
         val = os.environ.get(var, "")
         if "expandable_segments:true" in val.replace(" ", "").lower():
             if platform.name == "ascend":
-                warn.append(f"{var}={val}: expandable segments break NPU sleep mode; remove it.")
+                warn.append(
+                    f"{var}={val}: unisleep turns expandable segments off inside its pools, but vllm-ascend's own "
+                    "CaMemAllocator refuses to start with them (vllm-ascend sets them unless --enable-sleep-mode); "
+                    "remove expandable_segments:True when vllm-ascend's sleep mode is used.")
             else:
                 warn.append(
                     f"{var}={val}: unisleep turns expandable segments off inside its pools (as vLLM does); "
@@ -311,12 +355,11 @@ def environment_warnings(platform: Platform) -> list[str]:
 
         chunk = os.environ.get(rocm_config.CHUNK_ENV)
         if chunk is None:
-            warn.append(f"{rocm_config.CHUNK_ENV} is unset: 256 MB chunks are used; tune with `unisleep bench --chunk-sweep`.")
+            warn.append(f"{rocm_config.CHUNK_ENV} is unset: 256 MiB chunks are used; tune with `unisleep bench --chunk-sweep`.")
         else:
-            try:
-                rocm_config.chunk_bytes_from_env()
-            except ValueError as e:
-                warn.append(str(e))
+            problem = rocm_config.chunk_env_problem()
+            if problem:
+                warn.append(problem)
         problem = rocm_config.visible_device_problem()
         if problem:
             warn.append(problem)
@@ -332,6 +375,7 @@ __all__ = [
     "ENV_OVERRIDE",
     "detect_platform",
     "accelerated_module",
+    "install_extra",
     "optional_packages",
     "environment_warnings",
 ]

@@ -54,9 +54,9 @@ def driver_class(name: str):
     try:
         mod = importlib.import_module(module)
     except ImportError as e:
-        from .platform import SPECS
+        from .platform import SPECS, install_extra
 
-        extra = SPECS[name].extra if name in SPECS else None
+        extra = install_extra(name) if name in SPECS else None
         hint = f" Install it with: pip install 'unisleep[{extra}]'" if extra else ""
         raise PlatformError(f"the {name} backend could not be imported ({e}).{hint}") from e
     return getattr(mod, attr)

@@ -40,6 +40,8 @@ import sys
 import threading
 from typing import Optional
 
+from .errors import UnsupportedError
+
 log = logging.getLogger(__name__)
 
 NAME = "unisleep"
@@ -105,10 +107,27 @@ def select_allocator(enabled: Optional[bool]) -> None:
         _choice = enabled
 
 
+class PoolRoutingError(UnsupportedError):
+    """vLLM's sleep-mode memory was to live in unisleep, but this process's driver cannot route
+    torch's allocations into it (e.g. ROCm without a ROCm build of torch): every sleep would free
+    nothing.  Raised when vLLM first asks for the allocator, before any memory is placed."""
+
+
 def _allocator(**options):
+    """The process's :class:`~unisleep.engines.vllm_allocator.UnisleepAllocator`, refused (fail
+    closed) on an accelerator whose driver cannot route the framework's allocations: vLLM
+    would place its weights and KV cache outside every tag and its sleeps would free 0 bytes."""
     from .engines.vllm_allocator import UnisleepAllocator
 
-    return UnisleepAllocator.get_instance(**options)
+    alloc = UnisleepAllocator.get_instance(**options)
+    lc = alloc.lifecycle
+    if lc.platform_name != "host" and not lc.driver.capabilities.supports_pool:
+        raise PoolRoutingError(
+            f"vLLM's sleep-mode memory cannot live in unisleep in this process: {lc.driver.pool_problem()}. "
+            f"vLLM's allocations would stay outside every tag and each sleep would free nothing. Fix the "
+            f"cause above, or run vLLM with its own sleep-mode allocator (unset {ALLOCATOR_ENV}, no "
+            f"--sleep-mode-backend {NAME}).")
+    return alloc
 
 
 def _patch_allocator_class(module) -> None:
@@ -254,15 +273,49 @@ def _platform_plugin_package() -> Optional[str]:
     return None if pkg == "vllm" else pkg
 
 
+def extra_cleanup_wanted(worker) -> bool:
+    """``UNISLEEP_EXTRA_CLEANUP=1`` and unisleep's allocator chosen for this worker's process."""
+    from .engines.vllm_allocator import EXTRA_CLEANUP_ENV
+    from .platform import env_flag
+
+    return bool(env_flag(EXTRA_CLEANUP_ENV)) and bool(decide(getattr(worker, "vllm_config", None)))
+
+
+def _platform_worker_patchers(pkg: str) -> dict:
+    """module -> patcher for a platform plugin's worker, from the backend that knows it (a
+    backend's ``vllm_worker`` module naming ``PLATFORM_PLUGIN``): e.g. the extra cleanup inside
+    vllm-ascend's worker drives vllm-ascend's own (backends/ascend/vllm_worker.py)."""
+    import importlib
+    import os
+
+    from .platform import SPECS
+
+    out = {}
+    for spec in SPECS.values():
+        package = spec.driver.split(":")[0]
+        try:  # look for the file without importing the backend's package
+            root = importlib.util.find_spec(package.rsplit(".", 1)[0]).submodule_search_locations[0]
+        except Exception:
+            continue
+        if not os.path.exists(os.path.join(root, package.rsplit(".", 1)[1], "vllm_worker.py")):
+            continue
+        m = importlib.import_module(package + ".vllm_worker")
+        if getattr(m, "PLATFORM_PLUGIN", None) == pkg:
+            out[f"{pkg}.{m.WORKER_MODULE}"] = lambda module, m=m: m.patch_worker(module, extra_cleanup_wanted)
+    return out
+
+
 def install_allocator_hooks(plugin_package: Optional[str] = None) -> str:
     """Patch what is imported already and hook what is not.  Idempotent.  ``plugin_package``
-    (default: the current platform's, when out of tree) adds that plugin's allocator class."""
+    (default: the current platform's, when out of tree) adds that plugin's allocator class and,
+    where a backend knows the plugin's worker, its worker patch."""
     with _lock:
         pkg = plugin_package or _platform_plugin_package()
         if pkg:
             mod = f"{pkg}.{PLUGIN_ALLOCATOR[0]}"
             _ALLOCATOR_CLASSES[mod] = PLUGIN_ALLOCATOR[1]
             _PATCHERS[mod] = _patch_allocator_class
+            _PATCHERS.update(_platform_worker_patchers(pkg))
         for name, patch in _PATCHERS.items():
             mod = sys.modules.get(name)
             if mod is not None:
@@ -325,5 +378,5 @@ def status() -> dict[str, str]:
         return dict(_status)
 
 
-__all__ = ["register", "status", "NAME", "decide", "select_allocator",
+__all__ = ["register", "status", "NAME", "decide", "select_allocator", "PoolRoutingError", "extra_cleanup_wanted",
            "install_allocator_hooks", "graph_pool_wanted", "ALLOCATOR_ENV"]

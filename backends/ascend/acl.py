@@ -22,7 +22,7 @@ import os
 from ctypes import POINTER, c_int, c_int32, c_size_t, c_uint32, c_uint64, c_void_p
 from typing import Any
 
-from unisleep.backends._native import bind_prototypes, load_runtime
+from unisleep.backends._native import bind_arguments, bind_prototypes, load_runtime
 from unisleep.errors import PlatformError, UnisleepError
 
 ACL_SUCCESS = 0
@@ -83,22 +83,33 @@ class aclrtPhysicalMemProp(ctypes.Structure):
 #: C name -> ctypes declaration of every struct the bindings pass
 STRUCTS = {"aclrtMemLocation": aclrtMemLocation, "aclrtPhysicalMemProp": aclrtPhysicalMemProp}
 
-PROTOTYPES: dict[str, tuple[Any, list]] = {
-    "aclrtSetDevice": (c_int, [c_int32]),
+#: every function the bindings call: name -> (restype, [(parameter name, ctype), ...]), with the
+#: header's names in the header's order.  The one declaration: :data:`PROTOTYPES` and
+#: :data:`PARAM_NAMES` derive from it, :meth:`AclApi.call` passes keyword arguments by these
+#: names, and the simulated library's functions must take the same names.
+SIGNATURES: dict[str, tuple[Any, list[tuple[str, Any]]]] = {
+    "aclrtSetDevice": (c_int, [("deviceId", c_int32)]),
     "aclrtSynchronizeDevice": (c_int, []),
-    "aclrtGetMemInfo": (c_int, [c_int, POINTER(c_size_t), POINTER(c_size_t)]),
-    "aclrtMemGetAllocationGranularity": (c_int, [POINTER(aclrtPhysicalMemProp), c_int, POINTER(c_size_t)]),
-    "aclrtReserveMemAddress": (c_int, [POINTER(c_void_p), c_size_t, c_size_t, c_void_p, c_uint64]),
-    "aclrtReleaseMemAddress": (c_int, [c_void_p]),
-    "aclrtMallocPhysical": (c_int, [POINTER(c_void_p), c_size_t, POINTER(aclrtPhysicalMemProp), c_uint64]),
-    "aclrtFreePhysical": (c_int, [c_void_p]),
-    "aclrtMapMem": (c_int, [c_void_p, c_size_t, c_size_t, c_void_p, c_uint64]),
-    "aclrtUnmapMem": (c_int, [c_void_p]),
-    "aclrtMemcpy": (c_int, [c_void_p, c_size_t, c_void_p, c_size_t, c_int]),
-    "aclrtMemset": (c_int, [c_void_p, c_size_t, c_int32, c_size_t]),
-    "aclrtMallocHost": (c_int, [POINTER(c_void_p), c_size_t]),
-    "aclrtFreeHost": (c_int, [c_void_p]),
+    "aclrtGetMemInfo": (c_int, [("attr", c_int), ("free", POINTER(c_size_t)), ("total", POINTER(c_size_t))]),
+    "aclrtMemGetAllocationGranularity": (c_int, [("prop", POINTER(aclrtPhysicalMemProp)), ("option", c_int),
+                                                 ("granularity", POINTER(c_size_t))]),
+    "aclrtReserveMemAddress": (c_int, [("virPtr", POINTER(c_void_p)), ("size", c_size_t), ("alignment", c_size_t),
+                                       ("expectPtr", c_void_p), ("flags", c_uint64)]),
+    "aclrtReleaseMemAddress": (c_int, [("virPtr", c_void_p)]),
+    "aclrtMallocPhysical": (c_int, [("handle", POINTER(c_void_p)), ("size", c_size_t),
+                                    ("prop", POINTER(aclrtPhysicalMemProp)), ("flags", c_uint64)]),
+    "aclrtFreePhysical": (c_int, [("handle", c_void_p)]),
+    "aclrtMapMem": (c_int, [("virPtr", c_void_p), ("size", c_size_t), ("offset", c_size_t), ("handle", c_void_p),
+                            ("flags", c_uint64)]),
+    "aclrtUnmapMem": (c_int, [("virPtr", c_void_p)]),
+    "aclrtMemcpy": (c_int, [("dst", c_void_p), ("destMax", c_size_t), ("src", c_void_p), ("count", c_size_t),
+                            ("kind", c_int)]),
+    "aclrtMemset": (c_int, [("devPtr", c_void_p), ("maxCount", c_size_t), ("value", c_int32), ("count", c_size_t)]),
+    "aclrtMallocHost": (c_int, [("hostPtr", POINTER(c_void_p)), ("size", c_size_t)]),
+    "aclrtFreeHost": (c_int, [("hostPtr", c_void_p)]),
 }
+PROTOTYPES: dict[str, tuple[Any, list]] = {n: (r, [t for _, t in a]) for n, (r, a) in SIGNATURES.items()}
+PARAM_NAMES: dict[str, list[str]] = {n: [p for p, _ in a] for n, (_, a) in SIGNATURES.items()}
 
 
 class AclError(UnisleepError):
@@ -139,7 +150,9 @@ class AclApi:
         if missing:
             raise PlatformError(f"libascendcl lacks {', '.join(missing)} (virtual memory needs CANN >= 8)")
 
-    def call(self, name: str, *args, hint: str = "") -> None:
-        rc = getattr(self, name)(*args)
+    def call(self, name: str, *args, hint: str = "", **kwargs) -> None:
+        """Call ``name`` with its arguments by position or by the header's parameter names
+        (:data:`PARAM_NAMES`); raise :class:`AclError` on an error code."""
+        rc = getattr(self, name)(*bind_arguments(name, PARAM_NAMES[name], args, kwargs))
         if rc != ACL_SUCCESS:
             raise AclError(name, rc, hint)

@@ -11,7 +11,9 @@ release                ``aclrtFreePhysical(h)`` (after unmapping)
 free address           ``aclrtReleaseMemAddress(va)``
 copies                 ``aclrtMemcpy(dst, destMax, src, count, kind)`` into ``aclrtMallocHost`` buffers
 zero                   ``aclrtMemset`` + ``aclrtSynchronizeDevice`` (fresh memory is not assumed zero)
-pool(tag)              torch_npu pluggable allocator + ``torch.npu.memory.MemPool`` (backends/ascend/pool.py)
+pool(tag)              torch_npu pluggable allocator + ``MemPool`` (backends/ascend/pool.py); expandable
+                       segments switched off inside the pool
+view                   ``torch_npu._C._construct_storage_from_data_pointer`` (an ``NPUStorageImpl``)
 =====================  ============================================================================
 
 The C function table is injectable (``lib=``); tests use the simulated ACL library in
@@ -28,8 +30,9 @@ from ctypes import byref, c_size_t, c_void_p
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
+from unisleep.backends._native import Reservations
 from unisleep.driver import BackupStore, Capabilities, Driver
-from unisleep.errors import UnisleepError
+from unisleep.errors import PlatformError, UnisleepError
 from unisleep.platform import SPECS
 
 from . import acl
@@ -67,6 +70,7 @@ class AscendDriver(Driver):
         self.simulated = bool(getattr(lib, "SIMULATED", False))
         self.api = acl.AclApi(lib if lib is not None else acl.load_library())
         self._tls = threading.local()
+        self.reservations = Reservations()  # this driver's address ranges (device memory)
         self._set_device()
         self._prop = acl.aclrtPhysicalMemProp()
         self._prop.handleType = acl.ACL_MEM_HANDLE_TYPE_NONE
@@ -77,9 +81,8 @@ class AscendDriver(Driver):
         self._prop.reserve = 0
         g = c_size_t()
         # (prop, option, &granularity): the output comes last, unlike CUDA/HIP
-        self.api.call(
-            "aclrtMemGetAllocationGranularity", byref(self._prop), acl.ACL_RT_MEM_ALLOC_GRANULARITY_MINIMUM, byref(g)
-        )
+        self.api.call("aclrtMemGetAllocationGranularity", prop=byref(self._prop),
+                      option=acl.ACL_RT_MEM_ALLOC_GRANULARITY_MINIMUM, granularity=byref(g))
         self._gran = int(g.value)
         if self._gran <= 0:
             raise UnisleepError(f"aclrtMemGetAllocationGranularity returned {self._gran}")
@@ -94,7 +97,7 @@ class AscendDriver(Driver):
     def _set_device(self) -> None:
         """aclrtSetDevice creates/binds the device's default context for the calling thread."""
         if getattr(self._tls, "device", None) != self.device:
-            self.api.call("aclrtSetDevice", self.device)
+            self.api.call("aclrtSetDevice", deviceId=self.device)
             self._tls.device = self.device
 
     # ---- primitives ------------------------------------------------------------------
@@ -105,29 +108,33 @@ class AscendDriver(Driver):
         self._set_device()
         p = c_void_p()
         # alignment must be 0; expectPtr NULL (a user address is experimental in CANN 9 only)
-        self.api.call("aclrtReserveMemAddress", byref(p), size, 0, None, 0, hint=f"reserving {size} bytes")
+        self.api.call("aclrtReserveMemAddress", virPtr=byref(p), size=size, alignment=0, expectPtr=None, flags=0,
+                      hint=f"reserving {size} bytes")
+        self.reservations.add(int(p.value), size)
         return int(p.value)
 
     def free_address(self, va: int, size: int) -> None:
-        self.api.call("aclrtReleaseMemAddress", va)
+        self.api.call("aclrtReleaseMemAddress", virPtr=va)
+        self.reservations.remove(va)
 
     def create(self, size: int) -> AclHandle:
         self._set_device()
         h = c_void_p()
-        self.api.call("aclrtMallocPhysical", byref(h), size, byref(self._prop), 0, hint=f"{size >> 20} MiB of device memory")
+        self.api.call("aclrtMallocPhysical", handle=byref(h), size=size, prop=byref(self._prop), flags=0,
+                      hint=f"{size >> 20} MiB of device memory")
         return AclHandle(int(h.value), size)
 
     def map(self, va: int, size: int, handle: AclHandle) -> None:
         if size != handle.size:
             raise UnisleepError(f"aclrtMapMem maps whole physical allocations: {size} != {handle.size}")
-        self.api.call("aclrtMapMem", va, size, 0, handle.ptr, 0)
+        self.api.call("aclrtMapMem", virPtr=va, size=size, offset=0, handle=handle.ptr, flags=0)
 
     def unmap(self, va: int, size: int) -> None:
-        self.api.call("aclrtUnmapMem", va)  # no size argument
+        self.api.call("aclrtUnmapMem", virPtr=va)  # no size argument
 
     def release(self, handle: AclHandle) -> None:
         if not handle.freed:
-            self.api.call("aclrtFreePhysical", handle.ptr)
+            self.api.call("aclrtFreePhysical", handle=handle.ptr)
             handle.freed = True
 
     def physical_bytes(self, handle: AclHandle) -> int:
@@ -144,17 +151,32 @@ class AscendDriver(Driver):
         return self._tensor_device
 
     def view(self, va: int, nbytes: int, owner=None):
-        # ``owner`` cannot be attached to a storage made from a raw pointer: the lifecycle
-        # keeps it on the returned tensor instead (weaker: views of it do not hold it)
+        """A uint8 tensor over ``[va, va + nbytes)``.  On an NPU its storage is made by torch_npu's
+        own ``torch_npu._C._construct_storage_from_data_pointer`` (an ``NPUStorageImpl``, whose
+        ``npu_desc_`` torch_npu's ``set_`` reads and writes): torch's constructor would make a
+        plain ``StorageImpl``, which torch_npu casts to ``NPUStorageImpl`` out of bounds or
+        refuses.  ``owner`` cannot be attached to a storage made from a raw pointer: the
+        lifecycle keeps it on the returned tensor instead (weaker: views of it do not hold it)."""
         import torch
 
         dev = self.torch_device
-        storage = torch._C._construct_storage_from_data_pointer(va, dev, nbytes)
+        if dev.type == "cpu":  # the simulated library's host memory
+            storage = torch._C._construct_storage_from_data_pointer(va, dev, nbytes)
+        else:
+            import torch_npu
+
+            construct = getattr(torch_npu._C, "_construct_storage_from_data_pointer", None)
+            if construct is None:
+                raise PlatformError(
+                    f"torch_npu {getattr(torch_npu, '__version__', '?')} has no "
+                    "torch_npu._C._construct_storage_from_data_pointer, so no NPU tensor can be made over "
+                    "lifecycle memory; use torch_npu 2.10 or later (the version vllm-ascend pins)")
+            storage = construct(va, dev, nbytes)
         return torch.empty(0, dtype=torch.uint8, device=dev).set_(storage)
 
     def zero(self, va: int, nbytes: int) -> None:
         self._set_device()
-        self.api.call("aclrtMemset", va, nbytes, 0, nbytes)  # (devPtr, maxCount, value, count)
+        self.api.call("aclrtMemset", devPtr=va, maxCount=nbytes, value=0, count=nbytes)
         self.synchronize()
 
     def synchronize(self) -> None:
@@ -164,11 +186,11 @@ class AscendDriver(Driver):
     def memory_info(self) -> tuple[int, int]:
         self._set_device()
         free, total = c_size_t(), c_size_t()
-        self.api.call("aclrtGetMemInfo", acl.ACL_HBM_MEM, byref(free), byref(total))
+        self.api.call("aclrtGetMemInfo", attr=acl.ACL_HBM_MEM, free=byref(free), total=byref(total))
         return int(free.value), int(total.value)
 
     def new_backup_store(self, budget_bytes, spill_dir) -> BackupStore:
-        return AclHostStore(self.api, budget_bytes)
+        return AclHostStore(self.api, budget_bytes, is_device=self.reservations.covers)
 
     @contextlib.contextmanager
     def pool(self, lifecycle, tag: str) -> Iterator[None]:
@@ -178,12 +200,3 @@ class AscendDriver(Driver):
 
         with npu_mem_pool(self, lifecycle, tag):
             yield
-
-
-def expandable_segments_problem(env: Optional[dict] = None) -> Optional[str]:
-    env = os.environ if env is None else env
-    for var in ("PYTORCH_NPU_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
-        val = env.get(var, "")
-        if "expandable_segments:true" in val.replace(" ", "").lower():
-            return f"{var}={val}: expandable segments break NPU sleep mode; remove expandable_segments:True."
-    return None

@@ -13,20 +13,20 @@ from . import acl
 
 
 class AclHostStore(HostBufferStore):
-    def __init__(self, api: "acl.AclApi", budget_bytes: Optional[int]):
-        super().__init__(budget_bytes, "pinned host memory (aclrtMallocHost)")
+    def __init__(self, api: "acl.AclApi", budget_bytes: Optional[int], is_device=None):
+        super().__init__(budget_bytes, "pinned host memory (aclrtMallocHost)", is_device)
         self.api = api
 
     def _alloc_host(self, nbytes: int) -> int:
         p = c_void_p()
-        self.api.call("aclrtMallocHost", byref(p), nbytes, hint="pinned host memory for a backup")
+        self.api.call("aclrtMallocHost", hostPtr=byref(p), size=nbytes, hint="pinned host memory for a backup")
         return p.value
 
     def _free_host(self, ptr: int) -> None:
-        self.api.call("aclrtFreeHost", ptr)
+        self.api.call("aclrtFreeHost", hostPtr=ptr)
 
     def _to_host(self, dst: int, capacity: int, src: int, nbytes: int) -> None:
-        self.api.call("aclrtMemcpy", dst, capacity, src, nbytes, acl.ACL_MEMCPY_DEVICE_TO_HOST)
+        self.api.call("aclrtMemcpy", dst=dst, destMax=capacity, src=src, count=nbytes, kind=acl.ACL_MEMCPY_DEVICE_TO_HOST)
 
     def _to_device(self, dst: int, capacity: int, src: int, nbytes: int) -> None:
-        self.api.call("aclrtMemcpy", dst, capacity, src, nbytes, acl.ACL_MEMCPY_HOST_TO_DEVICE)
+        self.api.call("aclrtMemcpy", dst=dst, destMax=capacity, src=src, count=nbytes, kind=acl.ACL_MEMCPY_HOST_TO_DEVICE)

@@ -9,6 +9,7 @@ kernels use).
 
 from __future__ import annotations
 
+import logging
 import threading
 
 from unisleep.errors import PlatformError, UnisleepError
@@ -36,6 +37,8 @@ def driver():
     if _cu is None:
         with _lock:
             if _cu is None:
+                from unisleep.platform import install_extra
+
                 try:
                     from cuda.bindings import driver as cu  # cuda-bindings >= 12.6
                 except ImportError:
@@ -43,16 +46,70 @@ def driver():
                         from cuda import cuda as cu  # older cuda-python layout
                     except ImportError as e:
                         raise PlatformError(
-                            "the CUDA backend needs cuda-bindings: pip install 'unisleep[cuda]'"
+                            f"the CUDA backend needs cuda-bindings: pip install 'unisleep[{install_extra('cuda')}]'"
                         ) from e
+                warning = bindings_vs_torch(_bindings_version(), _torch_cuda())
+                if warning:
+                    logging.getLogger("unisleep.cuda").warning("%s", warning)
                 try:
                     (err,) = cu.cuInit(0)
                 except Exception as e:  # cuda.pathfinder raises when libcuda is missing
                     raise PlatformError(f"the CUDA driver library could not be loaded ({e})") from e
                 if int(err) != 0:
                     raise CudaError("cuInit", err)
+                try:
+                    err, drv = cu.cuDriverGetVersion()
+                except Exception:
+                    err, drv = 1, 0
+                problem = bindings_vs_driver(_bindings_version(), int(drv) if int(err) == 0 else None)
+                if problem:
+                    raise PlatformError(problem)
                 _cu = cu
     return _cu
+
+
+def _bindings_version():
+    try:
+        from importlib import metadata
+
+        return metadata.version("cuda-bindings")
+    except Exception:
+        return None
+
+
+def _torch_cuda():
+    try:
+        import torch
+
+        return torch.version.cuda
+    except Exception:
+        return None
+
+
+def bindings_vs_torch(bindings: "str | None", torch_cuda: "str | None"):
+    """A warning when cuda-bindings are for another CUDA major than torch's build
+    (``torch.version.cuda``): the extra to install is the one of torch's major.  Not fatal —
+    both reach the same driver — but a mismatched pair is not what the extras install."""
+    if not bindings or not torch_cuda:
+        return None
+    major, want = int(str(bindings).split(".")[0]), int(str(torch_cuda).split(".")[0])
+    if want == major:
+        return None
+    return (f"cuda-bindings {bindings} are for CUDA {major}, but torch was built for CUDA {torch_cuda}: "
+            f"pip install 'unisleep[cuda{want}]' installs the matching cuda-bindings {want}.x")
+
+
+def bindings_vs_driver(bindings: "str | None", driver: "int | None"):
+    """Why cuda-bindings cannot run on this driver (``cuDriverGetVersion``, e.g. 12080 for 12.8),
+    or None: the driver must support the bindings' CUDA major.  Names the fix."""
+    if not bindings or driver is None:
+        return None
+    major = int(str(bindings).split(".")[0])
+    if driver // 1000 >= major:
+        return None
+    return (f"cuda-bindings {bindings} need a driver for CUDA {major}, but this NVIDIA driver supports CUDA "
+            f"{driver // 1000}.{driver % 1000 // 10}: update the driver, or use torch built for CUDA {driver // 1000} "
+            f"with pip install 'unisleep[cuda{driver // 1000}]'")
 
 
 def call(name: str, *args):

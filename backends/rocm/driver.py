@@ -15,7 +15,9 @@ sleep                  after releasing, ``hipMemAddressFree`` + re-reserve the *
                        a region's address: it keeps the reservation (memory not returned, shown in
                        ``last_sleep_kept``, the sleep's ``bytes_released`` and ``unisleep doctor``)
 wake                   discarded memory is zeroed explicitly (``hipMemset`` + ``hipDeviceSynchronize``):
-                       remapped VRAM may hold stale data (vLLM PR #44972) — fresh_memory_is_zero=False
+                       remapped VRAM may hold stale data (vLLM PR #44972) — fresh_memory_is_zero=False;
+                       one ``hipMemset`` per mapped chunk, never one across the allocation (an
+                       allocation-wide memset at wake faults MI300 intermittently, vLLM PR #52478)
 handles                each handle holds one file descriptor (dmabuf): the soft ``RLIMIT_NOFILE`` is
                        raised when needed, or the allocation is refused with the fix (rocm-systems#10604)
 devices                HIP/CUDA/ROCR visible-device variables that disagree are refused at start; no
@@ -39,7 +41,7 @@ from ctypes import byref, c_int, c_size_t, c_void_p
 from dataclasses import dataclass, replace
 from typing import Any, Iterator, Optional
 
-from unisleep.backends._native import record_fallback
+from unisleep.backends._native import Reservations, record_fallback
 from unisleep.backends._capture import CaptureSpec
 from unisleep.driver import BackupStore, Capabilities, Driver, SaveJob
 from unisleep.errors import UnisleepError
@@ -108,6 +110,9 @@ class RocmDriver(Driver):
         self.simulated = bool(getattr(lib, "SIMULATED", False))
         self.api = hip.HipApi(lib if lib is not None else hip.load_library())
         self._tls = threading.local()
+        self.reservations = Reservations()  # this driver's address ranges (device memory)
+        self._mapped: dict[int, int] = {}  # va -> size of every mapped chunk
+        self._maps_lock = threading.Lock()
         self._check_device()
         self._set_device()
         self._prop = self.api.Prop()
@@ -120,9 +125,8 @@ class RocmDriver(Driver):
         self._access.location.id = device
         self._access.flags = hip.hipMemAccessFlagsProtReadWrite
         g = c_size_t()
-        self.api.call(
-            "hipMemGetAllocationGranularity", byref(g), byref(self._prop), hip.hipMemAllocationGranularityMinimum
-        )
+        self.api.call("hipMemGetAllocationGranularity", granularity=byref(g), prop=byref(self._prop),
+                      option=hip.hipMemAllocationGranularityMinimum)
         self._gran = int(g.value)
         if self._gran <= 0:
             raise UnisleepError(f"hipMemGetAllocationGranularity returned {self._gran}")
@@ -143,7 +147,7 @@ class RocmDriver(Driver):
     def _check_device(self) -> None:
         """A missing GPU is a named error that says what is missing, not a bare HIP code."""
         n = c_int(0)
-        rc = self.api.hipGetDeviceCount(byref(n))
+        rc = self.api.rc("hipGetDeviceCount", count=byref(n))
         where = f"the HIP runtime {self.api.path} (HIP {hip.version_text(self.api.runtime_version)})"
         if rc == hip.hipErrorNoDevice or (rc == hip.hipSuccess and n.value == 0):
             kfd = "present" if os.path.exists("/dev/kfd") else "missing"
@@ -162,7 +166,7 @@ class RocmDriver(Driver):
     def _set_device(self) -> None:
         """HIP's current device is per thread: set it once in every thread that calls in."""
         if getattr(self._tls, "device", None) != self.device:
-            self.api.call("hipSetDevice", self.device)
+            self.api.call("hipSetDevice", deviceId=self.device)
             self._tls.device = self.device
 
     # ---- primitives ------------------------------------------------------------------
@@ -171,7 +175,7 @@ class RocmDriver(Driver):
 
     def _reserve_raw(self, size: int, alignment: int, hint: int) -> tuple[int, int]:
         p = c_void_p()
-        rc = self.api.hipMemAddressReserve(byref(p), size, alignment, hint or None, 0)
+        rc = self.api.rc("hipMemAddressReserve", ptr=byref(p), size=size, alignment=alignment, addr=hint or None, flags=0)
         return rc, int(p.value or 0)
 
     def reserve(self, size: int) -> int:
@@ -185,16 +189,18 @@ class RocmDriver(Driver):
                 if rc != hip.hipSuccess:
                     raise hip.HipError("hipMemAddressReserve", rc, f"reserving {size} bytes of address space")
                 if va % self._gran:
-                    self.api.call("hipMemAddressFree", va, size)
+                    self.api.call("hipMemAddressFree", devPtr=va, size=size)
                     raise UnisleepError(
                         f"hipMemAddressReserve(alignment=0) returned {va:#x}, which is not aligned to the "
                         f"granularity {self._gran}; cannot map chunks there"
                     )
+            self.reservations.add(va, size)
             return va
 
     def free_address(self, va: int, size: int) -> None:
         with VA_LOCK:
-            self.api.call("hipMemAddressFree", va, size)
+            self.api.call("hipMemAddressFree", devPtr=va, size=size)
+            self.reservations.remove(va)
 
     def _ensure_fd_headroom(self) -> None:
         """One descriptor per handle: keep below the soft RLIMIT_NOFILE, raising it if allowed."""
@@ -233,7 +239,7 @@ class RocmDriver(Driver):
         self._set_device()
         self._ensure_fd_headroom()
         h = c_void_p()
-        rc = self.api.hipMemCreate(byref(h), size, byref(self._prop), 0)
+        rc = self.api.rc("hipMemCreate", handle=byref(h), size=size, prop=byref(self._prop), flags=0)
         if rc != hip.hipSuccess:
             hint = f"creating a {size >> 20} MiB chunk"
             if rc == hip.hipErrorOutOfMemory:
@@ -254,17 +260,21 @@ class RocmDriver(Driver):
                 )
         if size != handle.size:
             raise UnisleepError(f"HIP maps whole handles only (offset 0): chunk {size} != handle {handle.size}")
-        self.api.call("hipMemMap", va, size, 0, handle.ptr, 0)
+        self.api.call("hipMemMap", ptr=va, size=size, offset=0, handle=handle.ptr, flags=0)
+        with self._maps_lock:
+            self._mapped[va] = size
 
     def set_access(self, va: int, size: int) -> None:
-        self.api.call("hipMemSetAccess", va, size, byref(self._access), 1)
+        self.api.call("hipMemSetAccess", ptr=va, size=size, desc=byref(self._access), count=1)
 
     def unmap(self, va: int, size: int) -> None:
-        self.api.call("hipMemUnmap", va, size)
+        self.api.call("hipMemUnmap", ptr=va, size=size)
+        with self._maps_lock:
+            self._mapped.pop(va, None)
 
     def release(self, handle: HipHandle) -> None:
         if not handle.released:
-            self.api.call("hipMemRelease", handle.ptr)
+            self.api.call("hipMemRelease", handle=handle.ptr)
             handle.released = True
             self._live_handles -= 1
 
@@ -281,10 +291,34 @@ class RocmDriver(Driver):
         storage = torch._C._construct_storage_from_data_pointer(va, self._tensor_device, nbytes)
         return torch.empty(0, dtype=torch.uint8, device=self._tensor_device).set_(storage)
 
+    def _mapping_pieces(self, va: int, nbytes: int) -> list[tuple[int, int]]:
+        """``[va, va + nbytes)`` cut at the boundaries of this driver's mappings (one piece per
+        mapped chunk it touches); a part outside every mapping is one piece of its own, so the
+        runtime reports it instead of this driver hiding it."""
+        with self._maps_lock:
+            maps = sorted(self._mapped.items())
+        out, pos, end = [], va, va + nbytes
+        for m_va, m_size in maps:
+            if m_va + m_size <= pos or m_va >= end:
+                continue
+            if m_va > pos:
+                out.append((pos, m_va - pos))
+                pos = m_va
+            hi = min(end, m_va + m_size)
+            out.append((pos, hi - pos))
+            pos = hi
+        if pos < end:
+            out.append((pos, end - pos))
+        return out
+
     def zero(self, va: int, nbytes: int) -> None:
+        """Zero ``[va, va + nbytes)`` with one ``hipMemset`` per mapped chunk it covers, never one
+        across chunks: an allocation-wide ``hipMemset`` right after a wake intermittently faults
+        MI300 (vLLM PR #52478, which removed it).  Synchronised: zeroing is an explicit step."""
         self._set_device()
-        self.api.call("hipMemset", va, 0, nbytes)
-        self.synchronize()  # zeroing is an explicit, synchronised step
+        for lo, n in self._mapping_pieces(va, nbytes):
+            self.api.call("hipMemset", dst=lo, value=0, sizeBytes=n)
+        self.synchronize()
 
     def synchronize(self) -> None:
         self._set_device()
@@ -293,18 +327,21 @@ class RocmDriver(Driver):
     def memory_info(self) -> tuple[int, int]:
         self._set_device()
         free, total = c_size_t(), c_size_t()
-        self.api.call("hipMemGetInfo", byref(free), byref(total))
+        self.api.call("hipMemGetInfo", free=byref(free), total=byref(total))
         return int(free.value), int(total.value)
 
     def device_count(self) -> int:
         n = c_int()
-        self.api.call("hipGetDeviceCount", byref(n))
+        self.api.call("hipGetDeviceCount", count=byref(n))
         return int(n.value)
 
     def new_backup_store(self, budget_bytes, spill_dir) -> BackupStore:
-        return HipHostStore(self.api, budget_bytes)
+        return HipHostStore(self.api, budget_bytes, is_device=self.reservations.covers)
 
     # ---- framework allocations ---------------------------------------------------------
+    def pool_problem(self) -> Optional[str]:
+        return self._pool_problem
+
     def _router(self):
         if self._pool_problem is not None:
             from unisleep.errors import UnsupportedError
@@ -356,10 +393,10 @@ class RocmDriver(Driver):
                 self._keep_reservations(f"the re-reserve probe could not reserve {self._gran} bytes "
                                         f"({hip.ERROR_NAMES.get(rc, rc)})")
                 return
-            self.api.call("hipMemAddressFree", va, self._gran)
+            self.api.call("hipMemAddressFree", devPtr=va, size=self._gran)
             rc, got = self._reserve_raw(self._gran, 0, va)
             if rc == hip.hipSuccess and got:
-                self.api.call("hipMemAddressFree", got, self._gran)
+                self.api.call("hipMemAddressFree", devPtr=got, size=self._gran)
             if rc != hip.hipSuccess or got != va:
                 self._keep_reservations(
                     f"hipMemAddressReserve with the freed address {va:#x} as hint "
@@ -368,12 +405,13 @@ class RocmDriver(Driver):
 
     def _rereserve(self, region: Region) -> None:
         with VA_LOCK:
-            self.api.call("hipMemAddressFree", region.va, region.size, hint="freeing a sleeping region's address")
+            self.api.call("hipMemAddressFree", devPtr=region.va, size=region.size, hint="freeing a sleeping region's address")
             rc, got = self._reserve_raw(region.size, 0, region.va)
             if rc != hip.hipSuccess or got != region.va:
                 if rc == hip.hipSuccess and got:
-                    self.api.hipMemAddressFree(got, region.size)  # never go on with a moved range
+                    self.api.rc("hipMemAddressFree", devPtr=got, size=region.size)  # never go on with a moved range
                 self._lost.append((region.va, region.size))
+                self.reservations.remove(region.va)
                 what = f"returned {got:#x}" if rc == hip.hipSuccess else f"failed with {hip.ERROR_NAMES.get(rc, rc)}"
                 self._keep_reservations(f"re-reserving {region.size} bytes at {region.va:#x} {what}")
                 raise AddressMovedError(

@@ -20,7 +20,7 @@ import os
 from ctypes import POINTER, c_int, c_size_t, c_uint, c_ulonglong, c_void_p
 from typing import Any
 
-from unisleep.backends._native import bind_prototypes, load_runtime
+from unisleep.backends._native import bind_arguments, bind_prototypes, load_runtime
 from unisleep.errors import PlatformError, UnisleepError
 
 # ---- enums and error codes (hip_runtime_api.h, driver_types.h) -------------------------------
@@ -33,6 +33,7 @@ hipErrorInsufficientDriver = 35
 hipErrorNoDevice = 100
 hipErrorInvalidDevice = 101
 hipErrorInvalidHandle = 400
+hipErrorIllegalAddress = 700
 hipErrorNotSupported = 801
 
 ERROR_NAMES = {
@@ -44,6 +45,7 @@ ERROR_NAMES = {
     hipErrorNoDevice: "hipErrorNoDevice",
     hipErrorInvalidDevice: "hipErrorInvalidDevice",
     hipErrorInvalidHandle: "hipErrorInvalidHandle",
+    hipErrorIllegalAddress: "hipErrorIllegalAddress",
     hipErrorNotSupported: "hipErrorNotSupported",
 }
 
@@ -139,29 +141,45 @@ def structs(runtime_version: int) -> dict[str, type]:
     }
 
 
-# ---- prototypes: name -> (restype, argtypes) -------------------------------------------------
-def prototypes(prop: type = hipMemAllocationProp) -> dict[str, tuple[Any, list]]:
-    """The C prototypes of every function the bindings call (``prop``: the layout in use)."""
+# ---- prototypes: name -> (restype, [(parameter name, ctype), ...]) ------------------------------
+def signatures(prop: type = hipMemAllocationProp) -> dict[str, tuple[Any, list[tuple[str, Any]]]]:
+    """Every function the bindings call, with the header's parameter names and types in the
+    header's order (``prop``: the ``hipMemAllocationProp`` layout in use).  The one declaration:
+    :func:`prototypes` and :data:`PARAM_NAMES` derive from it, :meth:`HipApi.call` passes keyword
+    arguments by these names, and the simulated library's functions must take the same names."""
     return {
-        "hipRuntimeGetVersion": (c_int, [POINTER(c_int)]),
-        "hipSetDevice": (c_int, [c_int]),
-        "hipGetDeviceCount": (c_int, [POINTER(c_int)]),
+        "hipRuntimeGetVersion": (c_int, [("runtimeVersion", POINTER(c_int))]),
+        "hipSetDevice": (c_int, [("deviceId", c_int)]),
+        "hipGetDeviceCount": (c_int, [("count", POINTER(c_int))]),
         "hipDeviceSynchronize": (c_int, []),
-        "hipMemGetInfo": (c_int, [POINTER(c_size_t), POINTER(c_size_t)]),
-        "hipMemGetAllocationGranularity": (c_int, [POINTER(c_size_t), POINTER(prop), c_int]),
-        "hipMemAddressReserve": (c_int, [POINTER(c_void_p), c_size_t, c_size_t, c_void_p, c_ulonglong]),
-        "hipMemAddressFree": (c_int, [c_void_p, c_size_t]),
-        "hipMemCreate": (c_int, [POINTER(c_void_p), c_size_t, POINTER(prop), c_ulonglong]),
-        "hipMemMap": (c_int, [c_void_p, c_size_t, c_size_t, c_void_p, c_ulonglong]),
-        "hipMemSetAccess": (c_int, [c_void_p, c_size_t, POINTER(hipMemAccessDesc), c_size_t]),
-        "hipMemUnmap": (c_int, [c_void_p, c_size_t]),
-        "hipMemRelease": (c_int, [c_void_p]),
-        "hipMemcpy": (c_int, [c_void_p, c_void_p, c_size_t, c_int]),
-        "hipMemset": (c_int, [c_void_p, c_int, c_size_t]),
-        "hipHostMalloc": (c_int, [POINTER(c_void_p), c_size_t, c_uint]),
-        "hipHostFree": (c_int, [c_void_p]),
+        "hipMemGetInfo": (c_int, [("free", POINTER(c_size_t)), ("total", POINTER(c_size_t))]),
+        "hipMemGetAllocationGranularity": (c_int, [("granularity", POINTER(c_size_t)), ("prop", POINTER(prop)),
+                                                   ("option", c_int)]),
+        "hipMemAddressReserve": (c_int, [("ptr", POINTER(c_void_p)), ("size", c_size_t), ("alignment", c_size_t),
+                                         ("addr", c_void_p), ("flags", c_ulonglong)]),
+        "hipMemAddressFree": (c_int, [("devPtr", c_void_p), ("size", c_size_t)]),
+        "hipMemCreate": (c_int, [("handle", POINTER(c_void_p)), ("size", c_size_t), ("prop", POINTER(prop)),
+                                 ("flags", c_ulonglong)]),
+        "hipMemMap": (c_int, [("ptr", c_void_p), ("size", c_size_t), ("offset", c_size_t), ("handle", c_void_p),
+                              ("flags", c_ulonglong)]),
+        "hipMemSetAccess": (c_int, [("ptr", c_void_p), ("size", c_size_t), ("desc", POINTER(hipMemAccessDesc)),
+                                    ("count", c_size_t)]),
+        "hipMemUnmap": (c_int, [("ptr", c_void_p), ("size", c_size_t)]),
+        "hipMemRelease": (c_int, [("handle", c_void_p)]),
+        "hipMemcpy": (c_int, [("dst", c_void_p), ("src", c_void_p), ("sizeBytes", c_size_t), ("kind", c_int)]),
+        "hipMemset": (c_int, [("dst", c_void_p), ("value", c_int), ("sizeBytes", c_size_t)]),
+        "hipHostMalloc": (c_int, [("ptr", POINTER(c_void_p)), ("size", c_size_t), ("flags", c_uint)]),
+        "hipHostFree": (c_int, [("ptr", c_void_p)]),
     }
 
+
+def prototypes(prop: type = hipMemAllocationProp) -> dict[str, tuple[Any, list]]:
+    """The C prototypes of every function the bindings call: name -> (restype, argtypes)."""
+    return {name: (res, [t for _, t in params]) for name, (res, params) in signatures(prop).items()}
+
+
+#: name -> the header's parameter names, in order
+PARAM_NAMES: dict[str, list[str]] = {name: [n for n, _ in params] for name, (_, params) in signatures().items()}
 
 #: the table for the current layout (the simulated library builds its callbacks from it)
 PROTOTYPES = prototypes()
@@ -253,8 +271,14 @@ class HipApi:
             raise PlatformError(f"the HIP library {self.path} (HIP {version_text(self.runtime_version)}) lacks "
                                 f"{', '.join(missing)}: HIP virtual memory needs ROCm >= 5.2")
 
-    def call(self, name: str, *args, hint: str = "") -> None:
-        rc = getattr(self, name)(*args)
+    def rc(self, name: str, *args, **kwargs) -> int:
+        """Call ``name`` (arguments as for :meth:`call`) and return its error code."""
+        return getattr(self, name)(*bind_arguments(name, PARAM_NAMES[name], args, kwargs))
+
+    def call(self, name: str, *args, hint: str = "", **kwargs) -> None:
+        """Call ``name`` with its arguments by position or by the header's parameter names
+        (:data:`PARAM_NAMES`); raise :class:`HipError` on an error code."""
+        rc = getattr(self, name)(*bind_arguments(name, PARAM_NAMES[name], args, kwargs))
         if rc != hipSuccess:
             raise HipError(name, rc, hint)
 

@@ -12,20 +12,21 @@ from . import hip
 
 
 class HipHostStore(HostBufferStore):
-    def __init__(self, api: "hip.HipApi", budget_bytes: Optional[int]):
-        super().__init__(budget_bytes, "pinned host memory (hipHostMalloc)")
+    def __init__(self, api: "hip.HipApi", budget_bytes: Optional[int], is_device=None):
+        super().__init__(budget_bytes, "pinned host memory (hipHostMalloc)", is_device)
         self.api = api
 
     def _alloc_host(self, nbytes: int) -> int:
         p = c_void_p()
-        self.api.call("hipHostMalloc", byref(p), nbytes, hip.hipHostMallocDefault, hint="pinned host memory for a backup")
+        self.api.call("hipHostMalloc", ptr=byref(p), size=nbytes, flags=hip.hipHostMallocDefault,
+                      hint="pinned host memory for a backup")
         return p.value
 
     def _free_host(self, ptr: int) -> None:
-        self.api.call("hipHostFree", ptr)
+        self.api.call("hipHostFree", ptr=ptr)
 
     def _to_host(self, dst: int, capacity: int, src: int, nbytes: int) -> None:
-        self.api.call("hipMemcpy", dst, src, nbytes, hip.hipMemcpyDeviceToHost)
+        self.api.call("hipMemcpy", dst=dst, src=src, sizeBytes=nbytes, kind=hip.hipMemcpyDeviceToHost)
 
     def _to_device(self, dst: int, capacity: int, src: int, nbytes: int) -> None:
-        self.api.call("hipMemcpy", dst, src, nbytes, hip.hipMemcpyHostToDevice)
+        self.api.call("hipMemcpy", dst=dst, src=src, sizeBytes=nbytes, kind=hip.hipMemcpyHostToDevice)

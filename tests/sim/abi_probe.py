@@ -145,3 +145,70 @@ def cxx_prototype_probe(tmp_path, include: str, flags: list, names) -> dict:
 def diff(ours: dict, theirs: dict) -> list[str]:
     return [f"{k}: bindings {ours.get(k)!r}, header {theirs.get(k)!r}"
             for k in sorted(set(ours) | set(theirs)) if ours.get(k) != theirs.get(k)]
+
+
+def binding_signatures(signatures: dict) -> dict:
+    """name -> [return ABI, [[parameter name, "int"/"ptr", width], ...]] of a named signature
+    table (``hip.signatures()``, ``acl.SIGNATURES``): the ABI of each parameter and its name,
+    so two parameters of the same class swapped (``size``/``offset``, ``dst``/``src``) differ."""
+    return {name: [ctype_abi(res), [[p] + ctype_abi(t) for p, t in params]]
+            for name, (res, params) in signatures.items()}
+
+
+def with_names(prototypes: dict, names: dict) -> dict:
+    """A probe's ``name -> [return, [[kind, width], ...]]`` with each parameter's name (from the
+    header's text) put in front, as :func:`binding_signatures` gives them."""
+    return {n: [r, [[names.get(n, [None] * len(ps))[i] if i < len(names.get(n, [])) else None] + list(p)
+                    for i, p in enumerate(ps)]] for n, (r, ps) in prototypes.items()}
+
+
+def header_parameter_names(text: str, functions) -> dict:
+    """The parameter names of each function's first declaration in a C header's text (comments,
+    default arguments and HIP's ``__dparm(...)`` removed); a function the text does not declare
+    (only calls or mentions) is left out."""
+    import re
+
+    text = re.sub(r"/\*.*?\*/", " ", text, flags=re.S)
+    text = re.sub(r"//[^\n]*", " ", text)
+    out = {}
+    for name in functions:
+        for m in re.finditer(r"\b" + name + r"\s*\(", text):
+            before = text[max(0, m.start() - 80):m.start()].rstrip()
+            if not re.search(r"(\w|\*)$", before) or re.search(r"(return|=|\(|,)$", before):
+                continue  # a call or a mention, not a declaration (which follows a return type)
+            depth, i = 1, m.end()
+            while i < len(text) and depth:
+                depth += {"(": 1, ")": -1}.get(text[i], 0)
+                i += 1
+            params = re.sub(r"__dparm\s*\([^)]*\)", "", text[m.end():i - 1])
+            params = re.sub(r"=[^,]*", "", params)
+            names = []
+            for p in [p.strip() for p in params.split(",") if p.strip() and p.strip() != "void"]:
+                ident = re.findall(r"[A-Za-z_]\w*", p)
+                names.append(ident[-1] if ident else None)
+            out[name] = names
+            break
+    return out
+
+
+def header_from_table(table: dict) -> str:
+    """A C header that declares exactly what a checked-in table (``acl_rt_table.json``) took
+    from a vendor header: its typedefs, enums with their values, structs with their fields'
+    C types, macros and function prototypes with parameter names.  The probes then compile
+    against it like against the vendor's header: the compiler, not the table, lays out structs."""
+    lines = ["#ifndef UNISLEEP_TABLE_H", "#define UNISLEEP_TABLE_H", "#include <stddef.h>", "#include <stdint.h>"]
+    for name, ctype in table["typedefs"].items():
+        lines.append(f"typedef {ctype} {name};")
+    for name, members in table["enums"].items():
+        body = ", ".join(f"{m} = {v}" for m, v in members)
+        lines.append(f"typedef enum {name} {{ {body} }} {name};")
+    for name, fields in table["structs"].items():
+        body = " ".join(f"{t} {f};" for f, t in fields)
+        lines.append(f"typedef struct {name} {{ {body} }} {name};")
+    for name, value in table["macros"].items():
+        lines.append(f"#define {name} {value}")
+    for name, (ret, params) in table["functions"].items():
+        args = ", ".join(f"{t} {p}" for p, t in params) or "void"
+        lines.append(f"{ret} {name}({args});")
+    lines.append("#endif")
+    return "\n".join(lines) + "\n"

@@ -23,7 +23,7 @@ from ctypes import CFUNCTYPE
 from unisleep.backends._native import callback_argtypes
 from unisleep.backends.ascend import acl
 
-from .vmm import SimDevice, SimError, out_ptr, out_size_t
+from .vmm import SimDevice, SimError, check_parameter_names, out_ptr, out_size_t
 
 # the codes the bindings use come from the bindings; the rest are the simulator's own
 ACL_SUCCESS = acl.ACL_SUCCESS
@@ -55,6 +55,7 @@ class FakeAcl:
         self.set_device_called = False
         self._cbs = {}
         for name, (restype, args) in SIGNATURES.items():
+            check_parameter_names(name, getattr(self, "_" + name), acl.PARAM_NAMES[name])
             cb = CFUNCTYPE(restype, *args)(self._guard(name, getattr(self, "_" + name)))
             self._cbs[name] = cb
             setattr(self, name, cb)
@@ -80,9 +81,9 @@ class FakeAcl:
         if not self.set_device_called:
             raise SimError(ACL_ERROR_RT_INVALID_DEVICEID, "no device set in this process (aclrtSetDevice)")
 
-    def _aclrtSetDevice(self, d):
-        if not 0 <= d < self.dev.device_count:
-            raise SimError(ACL_ERROR_RT_INVALID_DEVICEID, f"no device {d}")
+    def _aclrtSetDevice(self, deviceId):
+        if not 0 <= deviceId < self.dev.device_count:
+            raise SimError(ACL_ERROR_RT_INVALID_DEVICEID, f"no device {deviceId}")
         self.set_device_called = True
 
     def _aclrtSynchronizeDevice(self):
@@ -101,32 +102,32 @@ class FakeAcl:
         if prop.memAttr not in (1, 4, 5, 10):
             raise SimError(ACL_ERROR_INVALID_PARAM, f"memAttr {prop.memAttr}")
 
-    def _aclrtMemGetAllocationGranularity(self, prop, option, out):
+    def _aclrtMemGetAllocationGranularity(self, prop, option, granularity):
         self._check_prop(prop)
         if option not in (0, 1):
             raise SimError(ACL_ERROR_INVALID_PARAM, "option")
-        out_size_t(out, self.dev.granularity)
+        out_size_t(granularity, self.dev.granularity)
 
-    def _aclrtReserveMemAddress(self, out, size, alignment, expect, flags):
+    def _aclrtReserveMemAddress(self, virPtr, size, alignment, expectPtr, flags):
         self._need_device()
         if alignment != 0:
             raise SimError(ACL_ERROR_RT_PARAM_INVALID, "alignment must be 0")
-        if expect:
+        if expectPtr:
             raise SimError(ACL_ERROR_RT_PARAM_INVALID, "expectPtr must be NULL (CANN 8)")
-        out_ptr(out, self.dev.reserve(size, 0, 0))
+        out_ptr(virPtr, self.dev.reserve(size, 0, 0))
 
-    def _aclrtReleaseMemAddress(self, va):
-        r = self.dev.reservations.get(va or 0)
+    def _aclrtReleaseMemAddress(self, virPtr):
+        r = self.dev.reservations.get(virPtr or 0)
         if r is None:
             raise SimError(ACL_ERROR_RT_PARAM_INVALID, "not a reservation")
         self.dev.free_address(r.va, None)
 
-    def _aclrtMallocPhysical(self, out, size, prop, flags):
+    def _aclrtMallocPhysical(self, handle, size, prop, flags):
         self._need_device()
         if flags:
             raise SimError(ACL_ERROR_INVALID_PARAM, "flags must be 0")
         self._check_prop(prop)
-        out_ptr(out, self.dev.create(size).id)
+        out_ptr(handle, self.dev.create(size).id)
 
     def _aclrtFreePhysical(self, handle):
         p = self.dev.handle(handle or 0)
@@ -134,35 +135,35 @@ class FakeAcl:
             raise SimError(ACL_ERROR_RT_MEMORY_FREE, "aclrtFreePhysical on a mapped handle: unmap first")
         self.dev.release(p)
 
-    def _aclrtMapMem(self, va, size, offset, handle, flags):
+    def _aclrtMapMem(self, virPtr, size, offset, handle, flags):
         if offset or flags:
             raise SimError(ACL_ERROR_INVALID_PARAM, "offset and flags must be 0")
         p = self.dev.handle(handle or 0)
         if size != p.size:
             raise SimError(ACL_ERROR_INVALID_PARAM, f"map size {size} != physical size {p.size}")
-        self.dev.map(va or 0, size, p)
+        self.dev.map(virPtr or 0, size, p)
 
-    def _aclrtUnmapMem(self, va):
-        self.dev.unmap(va or 0, None)
+    def _aclrtUnmapMem(self, virPtr):
+        self.dev.unmap(virPtr or 0, None)
 
-    def _aclrtMemcpy(self, dst, dest_max, src, count, kind):
-        if count > dest_max:
-            raise SimError(ACL_ERROR_INVALID_PARAM, f"count {count} > destMax {dest_max}")
+    def _aclrtMemcpy(self, dst, destMax, src, count, kind):
+        if count > destMax:
+            raise SimError(ACL_ERROR_INVALID_PARAM, f"count {count} > destMax {destMax}")
         sides = {0: (False, False), 1: (True, False), 2: (False, True), 3: (True, True), 4: (None, None)}
         if kind not in sides:
             raise SimError(ACL_ERROR_INVALID_PARAM, f"kind {kind}")
         self.dev.memcpy(dst or 0, src or 0, count, *sides[kind])
 
-    def _aclrtMemset(self, va, max_count, value, count):
-        if count > max_count:
-            raise SimError(ACL_ERROR_INVALID_PARAM, f"count {count} > maxCount {max_count}")
-        self.dev.memset(va or 0, value & 0xFF, count)
+    def _aclrtMemset(self, devPtr, maxCount, value, count):
+        if count > maxCount:
+            raise SimError(ACL_ERROR_INVALID_PARAM, f"count {count} > maxCount {maxCount}")
+        self.dev.memset(devPtr or 0, value & 0xFF, count)
 
-    def _aclrtMallocHost(self, out, n):
-        out_ptr(out, self.dev.host_malloc(n))
+    def _aclrtMallocHost(self, hostPtr, size):
+        out_ptr(hostPtr, self.dev.host_malloc(size))
 
-    def _aclrtFreeHost(self, va):
-        self.dev.host_free(va or 0)
+    def _aclrtFreeHost(self, hostPtr):
+        self.dev.host_free(hostPtr or 0)
 
     def close(self):
         self.dev.close()

@@ -15,7 +15,10 @@ Contracts enforced, with HIP's integer error codes:
   synchronous ``hipMemcpy``;
 * one file descriptor per handle (EMFILE is reported as ``hipErrorOutOfMemory``);
 * ``fail_aligned_reserve``: a reserve with non-zero alignment fails with
-  ``hipErrorOutOfMemory`` (vLLM PR #43022).
+  ``hipErrorOutOfMemory`` (vLLM PR #43022);
+* ``fault_on_cross_mapping_memset`` (default on): a ``hipMemset`` whose range spans more than
+  one mapping fails with ``hipErrorIllegalAddress`` — the signature of the intermittent MI300
+  fault at an allocation-wide ``hipMemset`` right after wake (vLLM PR #52478), made certain.
 """
 
 from __future__ import annotations
@@ -27,11 +30,12 @@ from ctypes import CFUNCTYPE
 from unisleep.backends._native import callback_argtypes
 from unisleep.backends.rocm import hip
 
-from .vmm import SimDevice, SimError, out_ptr, out_size_t
+from .vmm import SimDevice, SimError, check_parameter_names, out_ptr, out_size_t
 
 # the codes come from the bindings too (tests/test_hip_real.py checks them against the header)
 hipSuccess, hipErrorInvalidValue, hipErrorOutOfMemory = hip.hipSuccess, hip.hipErrorInvalidValue, hip.hipErrorOutOfMemory
 hipErrorNoDevice, hipErrorInvalidDevice, hipErrorUnknown = hip.hipErrorNoDevice, hip.hipErrorInvalidDevice, 999
+hipErrorIllegalAddress = hip.hipErrorIllegalAddress
 
 #: ONE declaration: the simulated functions take the bindings' own prototypes (pointers arrive as
 #: raw addresses), so a prototype error in hip.py is not repeated here but caught against the real
@@ -45,7 +49,8 @@ class FakeHip:
     SIMULATED = True
 
     def __init__(self, *, fail_aligned_reserve: bool = False, unaligned_fallback: bool = False,
-                 ignore_address_hint: bool = False, runtime_version: int = 60200000, **device_kw):
+                 ignore_address_hint: bool = False, runtime_version: int = 60200000,
+                 fault_on_cross_mapping_memset: bool = True, **device_kw):
         device_kw.setdefault("keeps_memory_while_reserved", True)
         self.dev = SimDevice(**device_kw)
         self.fail_aligned_reserve = fail_aligned_reserve
@@ -53,9 +58,11 @@ class FakeHip:
         self.ignore_address_hint = ignore_address_hint  # a runtime that never re-reserves in place
         self.runtime_version = runtime_version  # HIP_VERSION; < 5.3 selects the 5.2 struct layout
         self.Prop = hip.alloc_prop_type(runtime_version)
+        self.fault_on_cross_mapping_memset = fault_on_cross_mapping_memset
         self._cbs = {}
         for name, (restype, args) in SIGNATURES.items():
             impl = getattr(self, "_" + name)
+            check_parameter_names(name, impl, hip.PARAM_NAMES[name])
             cb = CFUNCTYPE(restype, *args)(self._guard(name, impl))
             self._cbs[name] = cb
             setattr(self, name, cb)
@@ -77,16 +84,16 @@ class FakeHip:
         return call
 
     # ---- device ------------------------------------------------------------------------
-    def _hipRuntimeGetVersion(self, out):
-        ctypes.c_int.from_address(out).value = self.runtime_version
+    def _hipRuntimeGetVersion(self, runtimeVersion):
+        ctypes.c_int.from_address(runtimeVersion).value = self.runtime_version
 
-    def _hipSetDevice(self, d):
-        if not 0 <= d < self.dev.device_count:
-            raise SimError(hipErrorInvalidDevice, f"no device {d}")
-        self.dev.current_device[threading.get_ident()] = d
+    def _hipSetDevice(self, deviceId):
+        if not 0 <= deviceId < self.dev.device_count:
+            raise SimError(hipErrorInvalidDevice, f"no device {deviceId}")
+        self.dev.current_device[threading.get_ident()] = deviceId
 
-    def _hipGetDeviceCount(self, out):
-        ctypes.c_int.from_address(out).value = self.dev.device_count
+    def _hipGetDeviceCount(self, count):
+        ctypes.c_int.from_address(count).value = self.dev.device_count
         if not self.dev.device_count:  # what libamdhip64 5.2.3 returns on a machine without a GPU
             raise SimError(hipErrorNoDevice, "no device")
 
@@ -104,14 +111,14 @@ class FakeHip:
         if not 0 <= prop.location.id < self.dev.device_count:
             raise SimError(hipErrorInvalidDevice, f"prop device {prop.location.id}")
 
-    def _hipMemGetAllocationGranularity(self, out, prop, option):
+    def _hipMemGetAllocationGranularity(self, granularity, prop, option):
         self._check_prop(prop)
         if option not in (0, 1):
             raise SimError(hipErrorInvalidValue, "granularity option")
-        out_size_t(out, self.dev.granularity)
+        out_size_t(granularity, self.dev.granularity)
 
     # ---- address space -------------------------------------------------------------------
-    def _hipMemAddressReserve(self, out, size, alignment, addr, flags):
+    def _hipMemAddressReserve(self, ptr, size, alignment, addr, flags):
         if flags:
             raise SimError(hipErrorInvalidValue, "flags must be 0")
         if alignment and self.fail_aligned_reserve:
@@ -137,19 +144,19 @@ class FakeHip:
             va = libc.mmap(va + 4096, r.size, libc.PROT_NONE, libc.MAP_PRIVATE | libc.MAP_ANONYMOUS | libc.MAP_NORESERVE | libc.MAP_FIXED)
             r.va = va
             self.dev.reservations[va] = r
-        out_ptr(out, va)
+        out_ptr(ptr, va)
 
-    def _hipMemAddressFree(self, va, size):
-        self.dev.free_address(va or 0, size)
+    def _hipMemAddressFree(self, devPtr, size):
+        self.dev.free_address(devPtr or 0, size)
 
     # ---- physical memory -----------------------------------------------------------------
-    def _hipMemCreate(self, out, size, prop, flags):
+    def _hipMemCreate(self, handle, size, prop, flags):
         if flags:
             raise SimError(hipErrorInvalidValue, "flags must be 0")
         self._check_prop(prop)
-        out_ptr(out, self.dev.create(size).id)
+        out_ptr(handle, self.dev.create(size).id)
 
-    def _hipMemMap(self, va, size, offset, handle, flags):
+    def _hipMemMap(self, ptr, size, offset, handle, flags):
         if offset != 0:
             raise SimError(hipErrorInvalidValue, "hipMemMap: offset must be 0")
         if flags:
@@ -157,37 +164,42 @@ class FakeHip:
         p = self.dev.handle(handle or 0)
         if size != p.size:
             raise SimError(hipErrorInvalidValue, f"hipMemMap maps whole handles: size {size} != {p.size}")
-        self.dev.map(va or 0, size, p)
+        self.dev.map(ptr or 0, size, p)
 
-    def _hipMemSetAccess(self, va, size, desc, count):
+    def _hipMemSetAccess(self, ptr, size, desc, count):
         if count < 1:
             raise SimError(hipErrorInvalidValue, "no access descriptor")
         d = hip.hipMemAccessDesc.from_address(desc)
         if d.flags != 3 or d.location.type != 1:
             raise SimError(hipErrorInvalidValue, f"access flags {d.flags}")
-        self.dev.set_access(va or 0, size)
+        self.dev.set_access(ptr or 0, size)
 
-    def _hipMemUnmap(self, va, size):
-        self.dev.unmap(va or 0, size)
+    def _hipMemUnmap(self, ptr, size):
+        self.dev.unmap(ptr or 0, size)
 
     def _hipMemRelease(self, handle):
         self.dev.release(self.dev.handle(handle or 0))
 
     # ---- data ----------------------------------------------------------------------------
-    def _hipMemcpy(self, dst, src, n, kind):
+    def _hipMemcpy(self, dst, src, sizeBytes, kind):
         sides = {0: (False, False), 1: (True, False), 2: (False, True), 3: (True, True), 4: (None, None)}
         if kind not in sides:
             raise SimError(hipErrorInvalidValue, f"memcpy kind {kind}")
-        self.dev.memcpy(dst or 0, src or 0, n, *sides[kind])
+        self.dev.memcpy(dst or 0, src or 0, sizeBytes, *sides[kind])
 
-    def _hipMemset(self, va, value, n):
-        self.dev.memset(va or 0, value & 0xFF, n)
+    def _hipMemset(self, dst, value, sizeBytes):
+        if self.fault_on_cross_mapping_memset:
+            spans = self.dev._covering(dst or 0, sizeBytes)
+            if spans is not None and len(spans) > 1:
+                raise SimError(hipErrorIllegalAddress, f"hipMemset over {len(spans)} mappings at {dst:#x}+{sizeBytes}: "
+                               "simulated MI300 memory fault (vLLM PR #52478)")
+        self.dev.memset(dst or 0, value & 0xFF, sizeBytes)
 
-    def _hipHostMalloc(self, out, n, flags):
-        out_ptr(out, self.dev.host_malloc(n))
+    def _hipHostMalloc(self, ptr, size, flags):
+        out_ptr(ptr, self.dev.host_malloc(size))
 
-    def _hipHostFree(self, va):
-        self.dev.host_free(va or 0)
+    def _hipHostFree(self, ptr):
+        self.dev.host_free(ptr or 0)
 
     def close(self):
         self.dev.close()

@@ -324,3 +324,14 @@ def out_size_t(addr: int, value: int) -> None:
 
 def out_ptr(addr: int, value: int) -> None:
     ctypes.c_void_p.from_address(addr).value = value
+
+
+def check_parameter_names(name: str, impl, names: list[str]) -> None:
+    """A simulated function reads its arguments by position: its parameters must be the
+    bindings' (the header's) names in the header's order, or the simulator would test against
+    its own idea of the argument order.  Checked when a simulated library is built."""
+    import inspect
+
+    got = [p.name for p in inspect.signature(impl).parameters.values()]
+    if got != list(names):
+        raise TypeError(f"simulated {name}{tuple(got)} does not take the bindings' parameters {tuple(names)}")

@@ -293,7 +293,15 @@ __all__ = ["UnisleepAllocator", "DEFERRABLE_TAGS", "EXTRA_CLEANUP_ENV", "vllm_we
 def vllm_weights_asleep() -> tuple[Optional[bool], str]:
     """Whether the weights of this vLLM worker process are asleep, read from the sleep-mode
     allocator that holds them: ``(True|False, where it was read)``, or ``(None, why not)`` when
-    no allocator can tell (the caller then refuses — it fails closed)."""
+    no allocator can tell (the caller then refuses — it fails closed).
+
+    What each allocator records: unisleep's lifecycle keeps every tag's state; vLLM's
+    ``CuMemAllocator`` marks each allocation ``is_asleep``; vllm-ascend's ``CaMemAllocator``
+    keeps no sleep state — its ``sleep`` sets an allocation's ``cpu_backup_tensor`` only when it
+    offloads it (level 1: the weights) and ``wake_up`` clears it, while an allocation it discards
+    (level 2) looks exactly like an awake one.  So with CaMem: a weights backup means asleep;
+    no backup cannot be told from a level-2 sleep, and is refused (run the engine with
+    ``UNISLEEP_VLLM_ALLOCATOR=1`` so the weights live in a unisleep lifecycle)."""
     inst = UnisleepAllocator.instance
     if inst is not None:
         st = inst.lifecycle.state().get("weights")
@@ -317,13 +325,25 @@ def vllm_weights_asleep() -> tuple[Optional[bool], str]:
         if cls is not None and getattr(cls, "instance", None) is not None:
             allocs.append(cls.instance)
     for alloc in allocs:
+        name = type(alloc).__name__
         data = getattr(alloc, "pointer_to_data", None)
         if data is None:
-            problems.append(f"{type(alloc).__name__} has no pointer_to_data")
+            problems.append(f"{name} has no pointer_to_data")
             continue
         weights = [d for d in list(data.values()) if getattr(d, "tag", None) == "weights"]
-        if weights:
-            return any(getattr(d, "is_asleep", False) for d in weights), \
-                f"{type(alloc).__name__}: {len(weights)} weights allocation(s)"
-        problems.append(f"{type(alloc).__name__} holds no 'weights' allocation")
+        if not weights:
+            problems.append(f"{name} holds no 'weights' allocation")
+            continue
+        if all(hasattr(d, "is_asleep") for d in weights):  # vLLM's CuMemAllocator
+            return any(bool(d.is_asleep) for d in weights), f"{name}: {len(weights)} weights allocation(s)"
+        if all(hasattr(d, "cpu_backup_tensor") for d in weights):  # vllm-ascend's CaMemAllocator
+            backed = sum(1 for d in weights if d.cpu_backup_tensor is not None)
+            if backed:
+                return True, f"{name}: {backed} of {len(weights)} weights allocation(s) offloaded to host memory"
+            problems.append(f"{name} records no sleep state: its {len(weights)} weights allocation(s) have no host "
+                            "backup, which is both what awake weights and weights discarded by a level-2 sleep look "
+                            "like; run the engine with UNISLEEP_VLLM_ALLOCATOR=1 so that unisleep's lifecycle holds "
+                            "the weights and knows their state")
+            continue
+        problems.append(f"{name}'s allocation records ({type(weights[0]).__name__}) say nothing about sleep")
     return None, "; ".join(problems) or "no sleep-mode allocator in this process"
