@@ -1,6 +1,8 @@
 """Route PyTorch's own allocations into tagged lifecycle memory, for every driver whose torch
-build has the pluggable allocator (``torch._C._cuda_customAllocator`` + ``torch.cuda.MemPool``):
-CUDA, and ROCm, whose torch build exposes the same ``torch.cuda`` API over HIP.
+device module has the pluggable allocator and memory pools (``MemPool``, ``use_mem_pool``): the
+backend passes its torch device module (its descriptor's, e.g. ``torch.cuda`` on CUDA and on
+ROCm, whose torch build exposes the same API over HIP) and the function that makes a pluggable
+allocator from two callback addresses.
 
 Each segment torch asks for inside ``route(lifecycle, tag)`` becomes a
 :class:`~unisleep.region.Region` of the driver, registered with the lifecycle under the tag, so it
@@ -56,19 +58,15 @@ def expandable_on(conf: str) -> bool:
 
 
 @contextlib.contextmanager
-def no_expandable_segments(conf_vars: Sequence[str], set_settings: Optional[Callable[[str], None]] = None):
+def no_expandable_segments(conf_vars: Sequence[str], set_settings: Callable[[str], None]):
     """Expandable segments off while the block runs, when the allocator settings (the first of
     ``conf_vars`` set) turn them on: torch refuses them in a pluggable pool.  ``set_settings``
-    applies a settings string to the running allocator (default: torch's CUDA/HIP one); the
-    user's whole string is applied again afterwards."""
+    applies a settings string to the running allocator (the device module's
+    ``memory._set_allocator_settings``); the user's whole string is applied again afterwards."""
     conf = alloc_conf(conf_vars)
     if not expandable_on(conf):
         yield
         return
-    if set_settings is None:
-        import torch
-
-        set_settings = torch.cuda.memory._set_allocator_settings
     set_settings(without_expandable(conf))
     try:
         yield
@@ -131,16 +129,14 @@ class TagAllocator:
 class _TorchPool:
     """A :class:`TagAllocator` as torch's pluggable allocator, and the ``MemPool`` over it."""
 
-    def __init__(self, hooks: TagAllocator):
-        import torch
-
+    def __init__(self, hooks: TagAllocator, devmod, custom_allocator: Callable[[int, int], object]):
         self.hooks = hooks
         self._malloc = MALLOC(lambda size, device, stream: hooks.malloc(size, device))
         self._free = FREE(lambda ptr, size, device, stream: hooks.free(ptr))
         mptr = ctypes.cast(self._malloc, ctypes.c_void_p).value
         fptr = ctypes.cast(self._free, ctypes.c_void_p).value
-        self.allocator = torch._C._cuda_customAllocator(mptr, fptr)
-        self.pool = torch.cuda.MemPool(self.allocator)
+        self.allocator = custom_allocator(mptr, fptr)
+        self.pool = devmod.MemPool(self.allocator)
 
     @property
     def id(self):
@@ -148,10 +144,14 @@ class _TorchPool:
 
 
 class PoolRouter:
-    """One torch pool per (lifecycle, tag) of a driver."""
+    """One torch pool per (lifecycle, tag) of a driver: ``bind`` binds a callback's thread to the
+    device, ``conf_vars`` are where torch reads its allocator settings, ``devmod`` is the torch
+    device module and ``custom_allocator(malloc_ptr, free_ptr)`` makes its pluggable allocator."""
 
-    def __init__(self, driver, bind: Callable[[], None], conf_vars: Sequence[str]):
+    def __init__(self, driver, bind: Callable[[], None], conf_vars: Sequence[str], devmod,
+                 custom_allocator: Callable[[int, int], object]):
         self.driver, self.bind, self.conf_vars = driver, bind, tuple(conf_vars)
+        self.devmod, self.custom_allocator = devmod, custom_allocator
         self._pools: dict[tuple[int, str], _TorchPool] = {}
         self._lock = threading.Lock()
         atexit.register(self.close)
@@ -161,16 +161,16 @@ class PoolRouter:
         with self._lock:
             p = self._pools.get(key)
             if p is None or p.hooks.lifecycle() is not lifecycle:
-                p = self._pools[key] = _TorchPool(TagAllocator(self.driver, lifecycle, tag, self.bind))
+                p = self._pools[key] = _TorchPool(TagAllocator(self.driver, lifecycle, tag, self.bind), self.devmod,
+                                                  self.custom_allocator)
             return p
 
     @contextlib.contextmanager
     def route(self, lifecycle, tag: str):
-        import torch
-
         p = self.mempool(lifecycle, tag)
-        with no_expandable_segments(self.conf_vars), torch.cuda.device(self.driver.device), \
-                torch.cuda.use_mem_pool(p.pool):
+        dm = self.devmod
+        with no_expandable_segments(self.conf_vars, dm.memory._set_allocator_settings), dm.device(self.driver.device), \
+                dm.use_mem_pool(p.pool):
             _ROUTING.depth = getattr(_ROUTING, "depth", 0) + 1
             try:
                 yield
@@ -200,36 +200,31 @@ class DigestScratch:
     """The device temporaries of a sleep's digests in a private torch ``MemPool``, given back
     to the device by :meth:`close` (torch frees a pool's cached segments when the pool goes):
     without it the caching allocator keeps them (~1/64 of the bytes hashed: 128 MiB for 8 GiB)
-    and a sleep frees that much less than it put to sleep.  Routes only the calling thread."""
+    and a sleep frees that much less than it put to sleep.  Routes only the calling thread;
+    ``devmod`` is the torch device module."""
 
-    def __init__(self, device: int):
-        import torch
-
-        self.device = device
-        self._pool = torch.cuda.MemPool()
+    def __init__(self, device: int, devmod):
+        self.device, self.devmod = device, devmod
+        self._pool = devmod.MemPool()
         self._ctx = None
 
     @classmethod
-    def for_device(cls, device: int) -> Optional["DigestScratch"]:
+    def for_device(cls, device: int, devmod) -> Optional["DigestScratch"]:
         """None where a private pool cannot be used: this thread already routes into a tag
         (pools are never nested), a graph is being captured, or this torch has no private
         pools (the caching allocator then keeps the temporaries)."""
-        import torch
-
-        if routing_active() or not hasattr(torch.cuda, "use_mem_pool"):
+        if routing_active() or not hasattr(devmod, "use_mem_pool"):
             return None
         try:
-            if torch.cuda.is_current_stream_capturing():
+            if devmod.is_current_stream_capturing():
                 return None
-            return cls(device)
+            return cls(device, devmod)
         except Exception as e:
             log.debug("no private pool for the digests' temporaries: %s", e)
             return None
 
     def __enter__(self):
-        import torch
-
-        self._ctx = torch.cuda.use_mem_pool(self._pool, device=self.device)
+        self._ctx = self.devmod.use_mem_pool(self._pool, device=self.device)
         self._ctx.__enter__()
         return self
 

@@ -103,10 +103,13 @@ def test_cuda_bindings_checks_name_the_extra():
 
 def test_install_extra_follows_torchs_cuda_build(monkeypatch):
     from unisleep import platform as plat
+    from unisleep.backends.cuda import detect as cuda_detect
 
-    monkeypatch.setattr(plat, "_torch_version_attr", lambda attr: "13.0" if attr == "cuda" else None)
+    monkeypatch.setattr(cuda_detect, "torch_version", lambda attr: "13.0" if attr == "cuda" else None)
     assert plat.install_extra("cuda") == "cuda13"
-    monkeypatch.setattr(plat, "_torch_version_attr", lambda attr: "12.8" if attr == "cuda" else None)
+    monkeypatch.setattr(cuda_detect, "torch_version", lambda attr: "12.8" if attr == "cuda" else None)
     assert plat.install_extra("cuda") == "cuda12"
+    monkeypatch.setattr(cuda_detect, "torch_version", lambda attr: None)
+    assert plat.install_extra("cuda") == "cuda12"  # no CUDA build of torch: the descriptor's default
     assert plat.install_extra("rocm") == "rocm" and plat.install_extra("ascend") == "ascend"
-    assert all(plat.install_extra(n) in extras() for n in plat.SPECS if n != "host")
+    assert all(plat.install_extra(n) in extras() for n in plat.platform_names() if n != "host")

@@ -9,6 +9,7 @@ the real one in tests/cuda/test_graph_capture_cuda.py."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -142,6 +143,53 @@ def test_torchs_graph_class_is_watched_in_a_fresh_process():
     """)
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and "OK" in p.stdout, p.stderr
+
+
+FAKE_NPU_GRAPHS = """
+class NPUGraph:  # torch_npu's graph class as the gate sees it (simulated: no NPU here)
+    def capture_begin(self, pool=None, capture_error_mode="global"):
+        pass
+
+    def capture_end(self):
+        pass
+"""
+
+
+@pytest.mark.slow
+def test_each_accelerator_backends_graph_class_is_watched_when_a_lifecycle_starts(tmp_path):
+    """The core watches the graph class each backend's descriptor names (CUDA and ROCm: torch's
+    CUDAGraph; Ascend: torch_npu's NPUGraph), so every platform's captures wait for unisleep's
+    background work — here a lifecycle on the simulated HIP and on the simulated ACL library,
+    with a stand-in torch_npu graphs module, in a child process (torch stays as it was here)."""
+    graphs = tmp_path / "torch_npu" / "npu"
+    graphs.mkdir(parents=True)
+    (tmp_path / "torch_npu" / "__init__.py").write_text("")
+    (graphs / "__init__.py").write_text("")
+    (graphs / "graphs.py").write_text(FAKE_NPU_GRAPHS)
+    code = textwrap.dedent("""
+        import sys, torch
+        sys.path.insert(0, sys.argv[1])
+        sys.path.insert(0, sys.argv[2])
+        from sim.fake_acl import FakeAcl
+        from sim.fake_hip import FakeHip
+        from unisleep import MemoryLifecycle, graph_capture
+        from unisleep.backends.ascend import AscendDriver
+        from unisleep.backends.rocm import RocmDriver
+        from torch_npu.npu.graphs import NPUGraph
+
+        watched = lambda cls: bool(getattr(cls, graph_capture._WATCHED, False))
+        before = [watched(torch.cuda.CUDAGraph), watched(NPUGraph)]
+        MemoryLifecycle(RocmDriver(lib=FakeHip(), tensor_device="cpu", env={})).close()
+        middle = [watched(torch.cuda.CUDAGraph), watched(NPUGraph)]
+        MemoryLifecycle(AscendDriver(lib=FakeAcl(), tensor_device="cpu")).close()
+        after = [watched(torch.cuda.CUDAGraph), watched(NPUGraph)]
+        print(before, middle, after)
+    """)
+    tests = os.path.dirname(os.path.abspath(__file__))
+    p = subprocess.run([sys.executable, "-c", code, str(tmp_path), tests], capture_output=True, text=True,
+                       timeout=120, cwd=os.path.dirname(tests))
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split("\n")[0] == "[False, False] [True, False] [True, True]"
 
 
 def test_lifecycle_verbs_are_refused_on_a_capturing_thread_before_anything_changes(tmp_path):

@@ -1,5 +1,6 @@
-"""The backend registry: built-ins, register_backend, and the ``unisleep.backends`` entry-point
-group that lets a third party add a backend without touching unisleep."""
+"""The backend registry: the built-in descriptors, register_backend, and the ``unisleep.backends``
+entry-point group that lets a third party add a backend without touching unisleep (a whole
+out-of-tree backend, installed by pip: tests/test_out_of_tree_backend.py)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ import textwrap
 import pytest
 
 from unisleep import MemoryLifecycle, available_backends, register_backend
+from unisleep.backend import Backend
 from unisleep.backends.host import HostDriver
 from unisleep.errors import PlatformError
-from unisleep.platform import Platform
-from unisleep.registry import ENTRY_POINT_GROUP, _extra, driver_class, load_driver
+from unisleep.platform import Platform, load_driver
+from unisleep.registry import ENTRY_POINT_GROUP, _extra, backend, driver_class
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -24,8 +26,11 @@ def test_builtins_listed():
     table = available_backends()
     for name in ("host", "cuda", "rocm", "ascend"):
         assert name in table and ":" in table[name]
-    assert table["host"] == "unisleep.backends.host:HostDriver"
+    assert table["host"] == "unisleep.backends.host:BACKEND"
     assert ENTRY_POINT_GROUP == "unisleep.backends"
+    for name in ("host", "cuda", "rocm", "ascend"):
+        b = backend(name)
+        assert isinstance(b, Backend) and b.name == name and b.package == f"unisleep.backends.{name}"
 
 
 def test_driver_class_and_load_driver():
@@ -41,7 +46,7 @@ def test_driver_class_and_load_driver():
 
 
 def test_unimportable_backend_says_what_is_wrong(tmp_path):
-    register_backend("broken-test", "no_such_module_for_unisleep:Driver")
+    register_backend("broken-test", "no_such_module_for_unisleep:BACKEND")
     try:
         with pytest.raises(PlatformError, match="could not be imported"):
             driver_class("broken-test")
@@ -63,10 +68,24 @@ class CountingDriver(HostDriver):
         return super().create(size)
 
 
-def test_register_backend_in_process(tmp_path):
-    register_backend("counting", f"{__name__}:CountingDriver")
+COUNTING = Backend(name="counting", package=__name__, torch_device="cpu", driver=f"{__name__}:CountingDriver",
+                   collective="unisleep.backends.host.collective")
+
+
+def test_an_entry_point_naming_a_driver_class_is_refused_with_the_fix():
+    """The form before descriptors (``name = "module:DriverClass"``) names what to do instead."""
+    register_backend("old-form", f"{__name__}:CountingDriver")
     try:
-        assert available_backends()["counting"] == f"{__name__}:CountingDriver"
+        with pytest.raises(PlatformError, match="not a unisleep.backend.Backend descriptor"):
+            driver_class("old-form")
+    finally:
+        _extra.pop("old-form", None)
+
+
+def test_register_backend_in_process(tmp_path):
+    register_backend(COUNTING)
+    try:
+        assert "counting" in available_backends() and backend("counting") is COUNTING
         with MemoryLifecycle("counting", spill_dir=str(tmp_path)) as lc:
             assert isinstance(lc.driver, CountingDriver)
             import torch
@@ -83,7 +102,12 @@ def test_register_backend_in_process(tmp_path):
 
 PLUGIN = '''
 """A third-party unisleep backend, installed only through its entry point."""
-from unisleep.backends.host import HostDriver
+from unisleep.backend import Backend
+from unisleep.backends.host.driver import HostDriver
+
+BACKEND = Backend(name="tinyhost", package=__name__, torch_device="cpu", driver=__name__ + ":TinyDriver",
+                  collective="unisleep.backends.host.collective")
+
 
 class TinyDriver(HostDriver):
     name = "tinyhost"
@@ -104,7 +128,7 @@ def plugin_dist(tmp_path):
     dist = tmp_path / "unisleep_tinyhost-0.1.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: unisleep-tinyhost\nVersion: 0.1\n")
-    (dist / "entry_points.txt").write_text(f"[{ENTRY_POINT_GROUP}]\ntinyhost = unisleep_tinyhost:TinyDriver\n")
+    (dist / "entry_points.txt").write_text(f"[{ENTRY_POINT_GROUP}]\ntinyhost = unisleep_tinyhost:BACKEND\n")
     return str(tmp_path)
 
 
@@ -137,7 +161,7 @@ def test_entry_point_backend_loads_by_name(plugin_dist):
     r = _run(SCRIPT.replace("PLATFORM", "'tinyhost'"), plugin_dist)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
-    assert out == {"target": "unisleep_tinyhost:TinyDriver", "cls": "TinyDriver", "made": 2, "asleep": 0,
+    assert out == {"target": "unisleep_tinyhost:BACKEND", "cls": "TinyDriver", "made": 2, "asleep": 0,
                    "ok": True, "same_ptr": True, "name": "tinyhost"}
 
 

@@ -459,10 +459,13 @@ def test_rocm_sim_detection_survives_amdsmi_keyerror(monkeypatch):
     monkeypatch.setattr(sys, "meta_path", [Finder()] + sys.meta_path)
     monkeypatch.delitem(sys.modules, "amdsmi", raising=False)
     monkeypatch.delenv(plat.ENV_OVERRIDE, raising=False)
-    monkeypatch.setattr(plat, "_torch_version_attr", lambda attr: "6.2.41133" if attr == "hip" else None)
-    monkeypatch.setattr(plat, "_probe_ascend", lambda: None)
+    from unisleep.backends.ascend import detect as ascend_detect
+    from unisleep.backends.rocm import detect as rocm_detect
+
+    monkeypatch.setattr(rocm_detect, "torch_version", lambda attr: "6.2.41133" if attr == "hip" else None)
+    monkeypatch.setattr(ascend_detect, "detect", lambda: None)
     real_exists = os.path.exists
-    monkeypatch.setattr(plat.os.path, "exists", lambda p: True if p == "/dev/kfd" else real_exists(p))
+    monkeypatch.setattr(rocm_detect.os.path, "exists", lambda p: True if p == "/dev/kfd" else real_exists(p))
     p = plat.detect_platform()  # a probe that raised would make this "host"
     assert p.name == "rocm" and "HIP 6.2" in p.reason and "/dev/kfd" in p.reason
 
@@ -630,7 +633,7 @@ class FakeAmdSmi:
     ({"CUDA_VISIBLE_DEVICES": "1"}, ["MI300X b"]),
 ])
 def test_rocm_amdsmi_devices_are_numbered_as_hip_numbers_them(monkeypatch, env, names):
-    from unisleep import platform as plat
+    from unisleep.backends.rocm import detect as plat
 
     fake = FakeAmdSmi()
     monkeypatch.setitem(sys.modules, "amdsmi", fake)
@@ -638,30 +641,30 @@ def test_rocm_amdsmi_devices_are_numbered_as_hip_numbers_them(monkeypatch, env, 
         monkeypatch.delenv(v, raising=False)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    devs = plat._amdsmi_devices()
+    devs = plat.amdsmi_devices()
     assert [d.name for d in devs] == names and [d.index for d in devs] == list(range(len(names)))
     assert fake.calls[-1] == "amdsmi_shut_down"
 
 
 @pytest.mark.parametrize("fail_at", ["amdsmi_get_processor_handles", None])
 def test_rocm_amdsmi_is_always_shut_down(monkeypatch, fail_at):
-    from unisleep import platform as plat
+    from unisleep.backends.rocm import detect as plat
 
     fake = FakeAmdSmi(fail_at=fail_at)
     monkeypatch.setitem(sys.modules, "amdsmi", fake)
-    plat._amdsmi_devices()
+    plat.amdsmi_devices()
     assert fake.calls[0] == "amdsmi_init" and fake.calls[-1] == "amdsmi_shut_down"
 
 
 def test_rocm_amdsmi_without_enumeration_info_is_not_guessed(monkeypatch):
-    from unisleep import platform as plat
+    from unisleep.backends.rocm import detect as plat
 
     monkeypatch.setitem(sys.modules, "amdsmi", FakeAmdSmi(enumeration=False))
     for v in rocm_config.VISIBLE_VARS:
         monkeypatch.delenv(v, raising=False)
-    assert len(plat._amdsmi_devices()) == 4  # nothing hidden: amdsmi's order is all there is
+    assert len(plat.amdsmi_devices()) == 4  # nothing hidden: amdsmi's order is all there is
     monkeypatch.setenv("HIP_VISIBLE_DEVICES", "1")
-    assert plat._amdsmi_devices() == ()  # which one is visible cannot be told: none is claimed
+    assert plat.amdsmi_devices() == ()  # which one is visible cannot be told: none is claimed
 
 
 def test_rocm_vllm_allocator_fails_closed_when_the_pool_cannot_route():

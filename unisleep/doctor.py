@@ -89,18 +89,17 @@ def platform_problems(plat) -> tuple[list[str], list[str]]:
     """``(problems, warnings)`` about the chosen platform: a problem means ``MemoryLifecycle()``
     cannot work here (no device of that platform, its backend cannot be imported); a warning
     names packages of its pip extra that are missing.  Nothing is initialised on a device."""
-    from .platform import ENV_OVERRIDE, SPECS, install_extra
-    from .registry import driver_class
+    from .platform import ENV_OVERRIDE
 
     problems: list[str] = []
     warnings: list[str] = []
     forced = bool(os.environ.get(ENV_OVERRIDE, "").strip())
     how = f"{ENV_OVERRIDE}={plat.name} is set, but" if forced else "the detected platform"
-    spec = SPECS.get(plat.name)
-    extra = install_extra(plat.name) if spec else ""
-    missing = [d for d, ok in _extra_packages(extra).items() if not ok] if spec and plat.is_accelerator else []
-    install = f" (pip install 'unisleep[{extra}]')" if spec else ""
-    if spec is not None and plat.is_accelerator and not plat.devices:
+    backend = plat.backend
+    extra = backend.install_extra()
+    missing = [d for d, ok in _extra_packages(extra).items() if not ok] if extra and plat.is_accelerator else []
+    install = f" (pip install 'unisleep[{extra}]')" if extra else ""
+    if plat.is_accelerator and not plat.devices:
         why = f"no {plat.name} device was found on this machine"
         if missing:
             why += f" and {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed{install}"
@@ -111,7 +110,7 @@ def platform_problems(plat) -> tuple[list[str], list[str]]:
         warnings.append(f"the {plat.name} platform's packages {', '.join(missing)} are not installed{install}; "
                         "its backend may fail to load.")
     try:
-        driver_class(plat.name)  # imports the backend's module only: no library call, no device context
+        backend.driver_class()  # imports the backend's module only: no library call, no device context
     except Exception as e:
         problems.append(f"{how} the {plat.name} backend cannot be loaded: {e}")
     return problems, warnings

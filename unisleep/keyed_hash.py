@@ -632,19 +632,21 @@ def device_key_words32(device_type: str):
 
 
 def _backend_checksum_attr(device_type: str, name: str):
-    """``name`` from the ``checksum`` module of the backend of ``device_type`` (looked up once),
-    or None."""
+    """``name`` from the ``checksum`` module of the backend of ``device_type`` (the first
+    backend with that torch device that ships one; looked up once), or None."""
     k = (device_type, name)
     if k not in _BACKEND_ATTRS:
-        import importlib
+        from .registry import backends
 
-        from .platform import accelerated_module
-
-        mod = accelerated_module(device_type, "checksum")
-        try:
-            _BACKEND_ATTRS[k] = getattr(importlib.import_module(mod), name, None) if mod else None
-        except ImportError:
-            _BACKEND_ATTRS[k] = None
+        found = None
+        for b in backends():
+            if b.torch_device == device_type and b.is_accelerator and b.checksum:
+                try:
+                    found = getattr(b.load(b.checksum), name, None)
+                except ImportError:
+                    found = None
+                break
+        _BACKEND_ATTRS[k] = found
     return _BACKEND_ATTRS[k]
 
 

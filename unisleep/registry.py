@@ -1,77 +1,156 @@
-"""Backend registry: platform name -> driver class, resolved lazily.
+"""Backend registry: platform name -> :class:`~unisleep.backend.Backend` descriptor, found through
+the ``unisleep.backends`` entry points.
 
-Built-in drivers come from :data:`unisleep.platform.SPECS`.  A third party adds a backend (say
-for Intel XPU) without touching unisleep by declaring an entry point::
+unisleep's own backends are entry points of its own distribution (pyproject.toml); a third party
+adds a backend (say for Intel XPU) the same way, with no edit to unisleep::
 
     [project.entry-points."unisleep.backends"]
-    xpu = "my_package.unisleep_xpu:XpuDriver"
+    xpu = "my_package.unisleep_xpu:BACKEND"     # a unisleep.backend.Backend
 
-and selecting it with ``MemoryLifecycle("xpu")`` or ``UNISLEEP_PLATFORM=xpu``.  Nothing is
-imported until a driver is asked for, so no vendor package loads at ``import unisleep``.
+and selects it with ``MemoryLifecycle("xpu")`` or ``UNISLEEP_PLATFORM=xpu`` — or lets detection
+pick it, when its descriptor has a ``detect``.  Listing the backends imports nothing; a
+descriptor is imported when its platform is asked for (detection asks every one), and its
+vendor modules only when they are used.
+
+Run from a source tree (``unisleep/`` beside ``pyproject.toml``, as ``unisleep/__init__.py``
+maps ``backends/``), unisleep's own entry points are read from that tree's pyproject.toml, so an
+installed copy of another checkout cannot shadow them.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
+import logging
+import os
+import re
 from importlib import metadata
-from typing import Any, Optional
+from typing import Optional, Union
 
+from .backend import Backend
 from .errors import PlatformError
 
+log = logging.getLogger("unisleep")
+
 ENTRY_POINT_GROUP = "unisleep.backends"
-_extra: dict[str, str] = {}
+_DIST = "unisleep"
+_extra: dict[str, Union[str, Backend]] = {}  # register_backend: name -> "module:attr" or a descriptor
+_loaded: dict[str, Backend] = {}  # "module:attr" -> its descriptor
 
 
-def register_backend(name: str, target: str) -> None:
-    """Register ``"module:Class"`` as the driver for ``name`` (overrides an entry point)."""
-    _extra[name] = target
+def register_backend(backend: Union[Backend, str], target: Optional[str] = None) -> None:
+    """Register a backend in this process (it overrides an entry point of the same name):
+    ``register_backend(descriptor)``, or ``register_backend(name, "module:attr")`` naming one."""
+    if isinstance(backend, Backend):
+        _extra[backend.name] = backend
+    elif isinstance(backend, str) and isinstance(target, str):
+        _extra[backend.strip().lower()] = target
+    else:
+        raise PlatformError("register_backend takes a unisleep.backend.Backend, or a name and a 'module:attr' "
+                            f"naming one; got {backend!r}, {target!r}")
+
+
+@functools.lru_cache(maxsize=1)
+def _source_tree_entry_points() -> Optional[dict[str, str]]:
+    """This source tree's own entry points (None when unisleep is not run from a source tree)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    project = os.path.join(root, "pyproject.toml")
+    if not (os.path.exists(project) and os.path.isdir(os.path.join(root, "backends"))):
+        return None
+    with open(project, encoding="utf-8") as f:
+        text = f.read()
+    try:
+        import tomllib
+
+        return dict(tomllib.loads(text)["project"]["entry-points"][ENTRY_POINT_GROUP])
+    except ImportError:  # Python 3.10: the one table, read line by line
+        table, inside = {}, False
+        for line in text.splitlines():
+            if line.startswith("["):
+                inside = line.strip() == f'[project.entry-points."{ENTRY_POINT_GROUP}"]'
+            elif inside and (m := re.match(r'\s*([\w.-]+)\s*=\s*"([^"]+)"', line)):
+                table[m.group(1)] = m.group(2)
+        return table
+    except (KeyError, ValueError):
+        return {}
 
 
 def _entry_points() -> dict[str, str]:
+    own = _source_tree_entry_points()
+    table: dict[str, str] = {}
     try:
         eps = metadata.entry_points(group=ENTRY_POINT_GROUP)
     except Exception:  # pragma: no cover - broken metadata must not break unisleep
-        return {}
-    return {ep.name: ep.value for ep in eps}
-
-
-def available_backends() -> dict[str, str]:
-    """name -> "module:Class" for every backend unisleep can load."""
-    from .platform import SPECS
-
-    table = {name: spec.driver for name, spec in SPECS.items()}
-    for name, target in _entry_points().items():
-        table.setdefault(name, target)
-    table.update(_extra)
+        eps = []
+    for ep in eps:
+        dist = getattr(getattr(ep, "dist", None), "name", None)
+        if own is not None and dist is not None and dist.lower() == _DIST:
+            continue  # an installed unisleep seen from a source tree: the tree's own entries count
+        table[ep.name] = ep.value
+    table.update(own or {})
     return table
 
 
-def driver_class(name: str):
-    table = available_backends()
-    if name not in table:
-        raise PlatformError(f"no backend named {name!r}; available: {', '.join(sorted(table))}")
-    module, _, attr = table[name].partition(":")
+def available_backends() -> dict[str, str]:
+    """name -> where its descriptor is (``"module:attr"``) for every backend unisleep can load,
+    without importing any of them."""
+    table = _entry_points()
+    for name, b in _extra.items():
+        table[name] = b if isinstance(b, str) else f"{b.package} (registered in this process)"
+    return table
+
+
+def backend(name: str) -> Backend:
+    """The descriptor of platform ``name``: :class:`~unisleep.errors.PlatformError` naming the
+    choices when there is none, or saying what is wrong with it."""
+    name = name.strip().lower()
+    registered = _extra.get(name)
+    if isinstance(registered, Backend):
+        return registered
+    target = registered or _entry_points().get(name)
+    if target is None:
+        raise PlatformError(f"no backend named {name!r}; available: {', '.join(sorted(available_backends()))}")
+    if target not in _loaded:
+        module, _, attr = target.partition(":")
+        try:
+            obj = getattr(importlib.import_module(module), attr) if attr else None
+        except (ImportError, AttributeError) as e:
+            raise PlatformError(f"the {name} backend could not be imported ({target}: {e})") from e
+        if not isinstance(obj, Backend):
+            raise PlatformError(
+                f"the {name} backend's entry point {target} names {type(obj).__name__}, not a unisleep.backend.Backend "
+                "descriptor: point the entry point at the package's descriptor (docs/lifecycle.md, 'Writing a backend')")
+        if obj.name != name:
+            raise PlatformError(f"the entry point {name} = {target} names the descriptor of {obj.name!r}; name the "
+                                "entry point as the descriptor does")
+        _loaded[target] = obj
+    return _loaded[target]
+
+
+def backends() -> list[Backend]:
+    """Every backend that loads, in detection order (highest ``priority`` first, then name); one
+    that cannot be loaded is logged and left out."""
+    out = []
+    for name in available_backends():
+        try:
+            out.append(backend(name))
+        except PlatformError as e:
+            log.warning("%s", e)
+    return sorted(out, key=lambda b: (-b.priority, b.name))
+
+
+def backend_of(driver) -> Optional[Backend]:
+    """The descriptor of ``driver``'s platform (by its ``name``), or None for a driver no
+    backend describes."""
     try:
-        mod = importlib.import_module(module)
-    except ImportError as e:
-        from .platform import SPECS, install_extra
-
-        extra = install_extra(name) if name in SPECS else None
-        hint = f" Install it with: pip install 'unisleep[{extra}]'" if extra else ""
-        raise PlatformError(f"the {name} backend could not be imported ({e}).{hint}") from e
-    return getattr(mod, attr)
+        return backend(driver.name)
+    except PlatformError:
+        return None
 
 
-def load_driver(platform: Any = None, *, device: int = 0, **options: Any):
-    """A ready driver for ``platform`` (None = autodetect, a name, or a Platform)."""
-    from .platform import Platform, detect_platform
+def driver_class(name: str):
+    return backend(name).driver_class()
 
-    if platform is None:
-        name: Optional[str] = detect_platform().name
-    elif isinstance(platform, Platform):
-        name = platform.name
-    elif isinstance(platform, str):
-        name = platform.strip().lower()
-    else:
-        raise PlatformError(f"platform must be None, a name or a Platform, not {type(platform).__name__}")
-    return driver_class(name)(device=device, **options)
+
+__all__ = ["ENTRY_POINT_GROUP", "register_backend", "available_backends", "backend", "backends", "backend_of",
+           "driver_class"]

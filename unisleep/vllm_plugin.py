@@ -283,23 +283,16 @@ def extra_cleanup_wanted(worker) -> bool:
 
 def _platform_worker_patchers(pkg: str) -> dict:
     """module -> patcher for a platform plugin's worker, from the backend that knows it (a
-    backend's ``vllm_worker`` module naming ``PLATFORM_PLUGIN``): e.g. the extra cleanup inside
-    vllm-ascend's worker drives vllm-ascend's own (backends/ascend/vllm_worker.py)."""
-    import importlib
-    import os
-
-    from .platform import SPECS
+    backend descriptor's ``vllm_worker`` module naming ``PLATFORM_PLUGIN``): e.g. the extra
+    cleanup inside vllm-ascend's worker drives vllm-ascend's own (backends/ascend/vllm_worker.py).
+    Only the modules that exist are imported (their backends' vendor modules are not)."""
+    from .registry import backends
 
     out = {}
-    for spec in SPECS.values():
-        package = spec.driver.split(":")[0]
-        try:  # look for the file without importing the backend's package
-            root = importlib.util.find_spec(package.rsplit(".", 1)[0]).submodule_search_locations[0]
-        except Exception:
+    for b in backends():
+        if not b.has_module(b.vllm_worker):
             continue
-        if not os.path.exists(os.path.join(root, package.rsplit(".", 1)[1], "vllm_worker.py")):
-            continue
-        m = importlib.import_module(package + ".vllm_worker")
+        m = b.load(b.vllm_worker)
         if getattr(m, "PLATFORM_PLUGIN", None) == pkg:
             out[f"{pkg}.{m.WORKER_MODULE}"] = lambda module, m=m: m.patch_worker(module, extra_cleanup_wanted)
     return out

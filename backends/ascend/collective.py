@@ -13,7 +13,6 @@ from unisleep.addresses import is_loopback
 
 BACKEND = "hccl"
 SAME_DEVICE_OK = False
-IPC_MODULE = None
 
 
 def device_key(device_index: int = 0) -> str:

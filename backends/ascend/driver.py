@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 from ctypes import byref, c_size_t, c_void_p
 from dataclasses import dataclass
@@ -33,7 +32,6 @@ from typing import Any, Iterator, Optional
 from unisleep.backends._native import Reservations
 from unisleep.driver import BackupStore, Capabilities, Driver
 from unisleep.errors import PlatformError, UnisleepError
-from unisleep.platform import SPECS
 
 from . import acl
 from .store import AclHostStore
@@ -147,7 +145,9 @@ class AscendDriver(Driver):
             import torch
             import torch_npu  # noqa: F401  (registers the "npu" device type)
 
-            self._tensor_device = torch.device(SPECS["ascend"].torch_device_type, self.device)
+            from . import BACKEND
+
+            self._tensor_device = torch.device(BACKEND.torch_device, self.device)
         return self._tensor_device
 
     def view(self, va: int, nbytes: int, owner=None):

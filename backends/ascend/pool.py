@@ -31,8 +31,10 @@ from typing import Iterator
 from unisleep.backends._pool import FREE, MALLOC, TagAllocator, alloc_conf, expandable_on, no_expandable_segments
 from unisleep.errors import UnsupportedError
 
+from . import BACKEND
+
 #: where torch_npu reads its allocator settings, first match wins
-CONF_VARS = ("PYTORCH_NPU_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+CONF_VARS = BACKEND.alloc_conf_vars
 
 _KEEP: list = []  # callbacks and pools live as long as the process: torch_npu may free late
 _LOCK = threading.Lock()

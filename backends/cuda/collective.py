@@ -15,7 +15,6 @@ log = logging.getLogger("unisleep.transfer")
 BACKEND = "nccl"
 #: NCCL cannot connect two ranks that sit on the same GPU
 SAME_DEVICE_OK = False
-IPC_MODULE = "ipc"
 
 
 def device_key(device_index: int = 0) -> str:

@@ -37,7 +37,7 @@ def driver():
     if _cu is None:
         with _lock:
             if _cu is None:
-                from unisleep.platform import install_extra
+                from . import BACKEND
 
                 try:
                     from cuda.bindings import driver as cu  # cuda-bindings >= 12.6
@@ -46,7 +46,7 @@ def driver():
                         from cuda import cuda as cu  # older cuda-python layout
                     except ImportError as e:
                         raise PlatformError(
-                            f"the CUDA backend needs cuda-bindings: pip install 'unisleep[{install_extra('cuda')}]'"
+                            f"the CUDA backend needs cuda-bindings: pip install 'unisleep[{BACKEND.install_extra()}]'"
                         ) from e
                 warning = bindings_vs_torch(_bindings_version(), _torch_cuda())
                 if warning:

@@ -142,7 +142,6 @@ class CudaDriver(Driver):
             self.configure(restore_reads=os.environ["UNISLEEP_RESTORE_READS"])
         self.last_restore_by_sms = False
         self.last_zeroed_by_sms = 0  # bytes the last restore's SM reads zeroed besides
-        watch_captures()
         self._warm_pending = True
         if not _capturing():  # a lifecycle made inside a capture warms up at its first sleep or wake
             self._warm_kernels()
@@ -290,7 +289,9 @@ class CudaDriver(Driver):
         """The digests' device temporaries in a private pool, freed once they are read."""
         from unisleep.backends._pool import DigestScratch
 
-        return DigestScratch.for_device(self.device)
+        from . import BACKEND
+
+        return DigestScratch.for_device(self.device, BACKEND.device_module())
 
     # ---- composite ---------------------------------------------------------------------
     def suspend(self, saves, discards, store):
@@ -539,19 +540,6 @@ class CudaDriver(Driver):
         if self._pools is not None:
             self._pools.close()
             self._pools = None
-
-
-def watch_captures() -> None:
-    """Route every CUDA-graph capture of the process through unisleep's gate, so background work
-    of the driver (the arena's growth, releases behind a sleep) never runs inside one."""
-    import torch
-
-    from unisleep import graph_capture
-
-    if not graph_capture.watch(getattr(torch.cuda, "CUDAGraph", None)):
-        log.warning("torch.cuda.CUDAGraph's captures cannot be watched in this torch %s: a capture outside "
-                    "unisleep's capture contexts may overlap the backup arena's growth; wrap it in "
-                    "unisleep.graph_capture.capture()", torch.__version__)
 
 
 def _capturing() -> bool:

@@ -1,6 +1,6 @@
 """Route PyTorch's own allocations into tagged lifecycle memory on CUDA: the shared router
-(``unisleep.backends._pool``: a pluggable allocator + ``torch.cuda.MemPool`` per (lifecycle,
-tag), expandable segments switched off inside the pool and restored after) with CUDA's thread
+(``unisleep.backends._pool``: a pluggable allocator + a ``MemPool`` of the descriptor's device
+module per (lifecycle, tag), expandable segments switched off inside the pool and restored after) with CUDA's thread
 binding — the allocator callbacks make the device's primary context current, since they run on
 arbitrary threads.
 """
@@ -9,12 +9,21 @@ from __future__ import annotations
 
 from unisleep.backends._pool import PoolRouter as _Router
 
-from . import cu
+from . import BACKEND, cu
 
 #: where torch reads its allocator settings on a CUDA build, first match wins
-CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+CONF_VARS = BACKEND.alloc_conf_vars
+
+
+def custom_allocator(malloc_ptr: int, free_ptr: int):
+    """torch's pluggable allocator over two C callbacks (the call ``CUDAPluggableAllocator``
+    makes after loading a library)."""
+    import torch
+
+    return torch._C._cuda_customAllocator(malloc_ptr, free_ptr)
 
 
 class PoolRouter(_Router):
     def __init__(self, driver):
-        super().__init__(driver, lambda: cu.ensure_context(driver.device), CONF_VARS)
+        super().__init__(driver, lambda: cu.ensure_context(driver.device), CONF_VARS, BACKEND.device_module(),
+                         custom_allocator)

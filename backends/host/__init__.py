@@ -1,5 +1,31 @@
-"""Host backend: memfd/mmap memory that really sleeps and wakes, without an accelerator."""
+"""Host backend: memfd/mmap memory that really sleeps and wakes, without an accelerator.
 
-from .driver import HostDriver
+It is the fallback of detection (priority 0: every other backend is asked first) and the
+embedded default on a machine without an accelerator.
+"""
 
-__all__ = ["HostDriver"]
+from unisleep.backend import Backend
+
+BACKEND = Backend(
+    name="host",
+    package=__name__,
+    torch_device="cpu",
+    driver=".driver:HostDriver",
+    detect=".detect:detect",
+    priority=0,
+    store=".spill:SpillStore",
+    collective=".collective",
+    ipc=".ipc",
+    extra="test",
+)
+
+
+def __getattr__(name):
+    if name == "HostDriver":
+        from .driver import HostDriver
+
+        return HostDriver
+    raise AttributeError(name)
+
+
+__all__ = ["BACKEND", "HostDriver"]

@@ -9,8 +9,6 @@ import socket
 BACKEND = "gloo"
 #: two ranks on the same device may share a group (gloo moves host memory over sockets)
 SAME_DEVICE_OK = True
-#: module (relative to this package) with the colocated IPC buffers, or None
-IPC_MODULE = "ipc"
 
 
 def boot_id() -> str:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 BACKEND = "nccl"  # RCCL on ROCm builds of torch
 SAME_DEVICE_OK = False
-IPC_MODULE = None
 
 # the group itself is torch's ProcessGroupNCCL, exactly as on NVIDIA
 from unisleep.backends.cuda.collective import create_backend  # noqa: E402,F401

@@ -158,3 +158,20 @@ def check_visible_devices(env: Optional[Mapping[str, str]] = None) -> None:
     problem = visible_device_problem(env)
     if problem:
         raise PlatformError(problem)
+
+
+def environment_warnings(env: Optional[Mapping[str, str]] = None) -> list[str]:
+    """What ``unisleep doctor`` says about the ROCm settings: the chunk size vLLM reads, and
+    visible-device variables that disagree."""
+    env = os.environ if env is None else env
+    warn = []
+    if env.get(CHUNK_ENV) is None:
+        warn.append(f"{CHUNK_ENV} is unset: {DEFAULT_CHUNK_MB} MiB chunks are used; tune with `unisleep bench --chunk-sweep`.")
+    else:
+        problem = chunk_env_problem(env)
+        if problem:
+            warn.append(problem)
+    problem = visible_device_problem(env)
+    if problem:
+        warn.append(problem)
+    return warn

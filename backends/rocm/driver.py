@@ -45,7 +45,6 @@ from unisleep.backends._native import Reservations, record_fallback
 from unisleep.backends._capture import CaptureSpec
 from unisleep.driver import BackupStore, Capabilities, Driver, SaveJob
 from unisleep.errors import UnisleepError
-from unisleep.platform import SPECS
 from unisleep.region import Region
 
 from . import config, hip
@@ -134,8 +133,10 @@ class RocmDriver(Driver):
         self._fd_ok_below = 0  # handle count under which the descriptor limit is known to be fine
         import torch
 
+        from . import BACKEND
+
         self._tensor_device = torch.device(tensor_device) if tensor_device is not None else torch.device(
-            SPECS["rocm"].torch_device_type, device
+            BACKEND.torch_device, device
         )
         from .pool import pool_problem
 

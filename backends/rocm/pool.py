@@ -14,8 +14,10 @@ from typing import Optional
 
 from unisleep.backends._pool import PoolRouter as _Router
 
+from . import BACKEND
+
 #: where a ROCm build of torch reads its allocator settings, first match wins
-CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+CONF_VARS = BACKEND.alloc_conf_vars
 
 
 def pool_problem(driver) -> Optional[str]:
@@ -38,4 +40,6 @@ def pool_problem(driver) -> Optional[str]:
 
 class PoolRouter(_Router):
     def __init__(self, driver):
-        super().__init__(driver, driver._set_device, CONF_VARS)
+        from ..cuda.pool import custom_allocator  # the same torch API on a ROCm build
+
+        super().__init__(driver, driver._set_device, CONF_VARS, BACKEND.device_module(), custom_allocator)

@@ -119,3 +119,18 @@ def test_a_sleep_that_fails_half_way_is_undone_from_its_backup(backend, monkeypa
     b.lc.sleep(level=1)  # and the lifecycle goes on as before
     b.lc.wake_up()
     assert torch.equal(b.host(w1), w1_0) and torch.equal(b.host(w2), w2_0)
+
+
+def test_the_descriptor_describes_the_driver_in_use(backend):
+    """What the backend's descriptor says holds for the lifecycle made from it: its driver class,
+    its backup store, its torch device, and a collective whose backend torch knows."""
+    from unisleep.registry import backend_of
+
+    d = backend_of(backend.driver)
+    assert d is not None and d.name == backend.driver.name
+    assert isinstance(backend.driver, d.driver_class())
+    assert isinstance(backend.lc.backup_store, d.load(d.store))
+    assert d.is_accelerator == (backend.name != "host")
+    assert d.collective_module().BACKEND in ("gloo", "nccl", "hccl")
+    for ref in (d.collective, d.ipc, d.checksum, d.pool, d.vllm_worker, d.environment_warnings, d.detect):
+        assert ref is None or d.has_module(ref), ref

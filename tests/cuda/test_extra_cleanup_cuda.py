@@ -84,9 +84,9 @@ WORKER = textwrap.dedent(
 
 def _backends():
     out = [pytest.param("gloo", True, id="gloo-two-processes-one-gpu")]
-    from unisleep.platform import SPECS
+    from unisleep.registry import backend
 
-    out.append(pytest.param(SPECS["cuda"].collective_backend, False, id="platform-backend-one-gpu-per-rank",
+    out.append(pytest.param(backend("cuda").collective_module().BACKEND, False, id="platform-backend-one-gpu-per-rank",
                             marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")))
     return out
 

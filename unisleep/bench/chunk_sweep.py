@@ -117,7 +117,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ap.error("--repeat must be >= 1")
 
     from ..platform import detect_platform
-    from ..registry import load_driver
+    from ..platform import load_driver
 
     plat = detect_platform(args.platform)
     driver = load_driver(plat, device=args.device)

@@ -116,7 +116,7 @@ def measure_limits(platform: str, device: int, nbytes: int) -> dict:
     own pinned allocation takes."""
     import torch
 
-    from unisleep.registry import load_driver
+    from unisleep.platform import load_driver
 
     driver = load_driver(platform, device=device)
     _t = _timer(torch.get_device_module(driver.torch_device.type))

@@ -7,28 +7,30 @@ import argparse
 import math
 
 from ..errors import InvalidArgumentError, PlatformError
-from ..platform import PLATFORM_NAMES, SPECS, detect_platform
+from ..platform import detect_platform
+from ..registry import backends
 from .presets import MODEL_NAMES
 from .constants import DEFAULT_LR, DEFAULT_STEPS, PROMPT_LEN, SABOTAGES, VLLM_REWARD_MOD
 
 
 def _device_choices() -> list[str]:
     """Platform names and the torch device types they use (e.g. the host's "cpu")."""
-    out = ["auto", *PLATFORM_NAMES]
-    for spec in SPECS.values():
-        if spec.torch_device_type not in out:
-            out.append(spec.torch_device_type)
+    out = ["auto", *(b.name for b in backends())]
+    for b in backends():
+        if b.torch_device not in out:
+            out.append(b.torch_device)
     return out
 
 
 def platform_for(device: str):
     if device == "auto":
         return detect_platform()
-    if device in SPECS:
+    found = backends()
+    if device in [b.name for b in found]:
         return detect_platform(device)
-    for name, spec in SPECS.items():  # a torch device type: the first platform that uses it
-        if spec.torch_device_type == device:
-            return detect_platform(name)
+    for b in found:  # a torch device type: the first platform (in detection order) that uses it
+        if b.torch_device == device:
+            return detect_platform(b.name)
     raise InvalidArgumentError(f"--device {device!r} is not a platform or torch device type; choose one of "
                                f"{', '.join(_device_choices())}")
 

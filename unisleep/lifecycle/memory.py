@@ -33,6 +33,7 @@ from ..errors import (
     LiveTensorsError,
     UnisleepError,
 )
+from ..registry import backend_of
 from ..release_behind import release_behind_setting
 from . import adoption, planning, transaction
 from .flight import BackgroundSleep, Flight
@@ -46,7 +47,7 @@ log = logging.getLogger("unisleep")
 
 
 def _resolve_driver(platform, device: int, options: dict) -> Driver:
-    from ..registry import load_driver
+    from ..platform import load_driver
 
     return load_driver(platform, device=device, **options)
 
@@ -97,6 +98,9 @@ class MemoryLifecycle:
             )
         driver = platform if isinstance(platform, Driver) else _resolve_driver(platform, device, driver_options)
         driver.configure(release_behind=release_behind_setting(release_behind, driver))
+        described = backend_of(driver)
+        if described is not None:  # its framework's graph captures wait for our background work
+            described.watch_graphs()
         self.platform_name = driver.name
         self.device = device
         self.chunk_bytes = chunk_bytes if chunk_bytes is not None else driver.config.chunk_bytes

@@ -16,14 +16,13 @@ a few seconds and names it.  The data channel (the process-group backend) has an
 update broke off mid-stream the sender moves to a fresh backend (epoch + 1) and every receiver
 follows when it reads the next header.
 
-The vendor part (which backend class, how a device is identified) lives in
-``unisleep.backends.<platform>.collective``, found through the platform's driver entry.
+The vendor part (which backend class, how a device is identified) is the platform's collective
+module, named by its backend descriptor (:class:`unisleep.backend.Backend`).
 """
 
 from __future__ import annotations
 
 import datetime
-import importlib
 import logging
 import os
 import secrets as _secrets
@@ -36,7 +35,7 @@ from urllib.parse import urlparse
 
 from ..addresses import is_loopback
 from ..errors import InvalidArgumentError, TransferError, UnsupportedError
-from ..platform import SPECS, Platform, detect_platform
+from ..platform import Platform, detect_platform
 from . import records as R
 from .secret import resolve_secret
 
@@ -46,20 +45,6 @@ DEFAULT_TIMEOUT_S = 300.0
 HEARTBEAT_S = 0.5
 #: a peer whose heartbeat did not move for this long is dead
 DEAD_AFTER_S = 4.0
-
-
-def vendor_module(platform: Platform, name: str):
-    """``unisleep.backends.<platform>.<name>`` for this platform (e.g. ``collective``, ``ipc``)."""
-    pkg = platform.spec.driver.split(":", 1)[0]
-    if pkg:
-        try:
-            return importlib.import_module(f"{pkg}.{name}")
-        except ModuleNotFoundError as e:
-            if e.name != f"{pkg}.{name}" or platform.collective_backend != SPECS["host"].collective_backend:
-                raise
-    # a third-party platform without its own module: host memory over the host collective
-    pkg = SPECS["host"].driver.split(":", 1)[0]
-    return importlib.import_module(f"{pkg}.{name}")
 
 
 def parse_rendezvous(rendezvous: str) -> tuple[str, int]:
@@ -150,7 +135,7 @@ class TransferGroup:
         self.peers = peers
         self.host, self.port = host, port
         self._master_store = master_store  # keep the TCPStore (server on rank 0) alive
-        self._collective = vendor_module(platform, "collective")
+        self._collective = platform.backend.collective_module()
         self.closed = False
         self.insecure = insecure
         self.group_id = group_id
@@ -226,7 +211,7 @@ class TransferGroup:
             ) from e
         prefix = f"unisleep/transfer/{name}"
         store = dist.PrefixStore(prefix, base)
-        coll = vendor_module(plat, "collective")
+        coll = plat.backend.collective_module()
         if device is None:
             device = 0
             if plat.is_accelerator:
@@ -339,15 +324,15 @@ class TransferGroup:
 
     @property
     def ipc_available(self) -> bool:
-        return self.colocated and self._collective.IPC_MODULE is not None
+        return self.colocated and self.platform.backend.ipc is not None
 
     def ipc_module(self):
-        if self._collective.IPC_MODULE is None:
+        if self.platform.backend.ipc is None:
             raise UnsupportedError(
                 f"colocated IPC is not implemented on the {self.platform.name} platform; "
                 "use path='collective' with the engine on another device"
             )
-        return vendor_module(self.platform, self._collective.IPC_MODULE)
+        return self.platform.backend.ipc_module()
 
     def subkey(self, purpose: str) -> bytes:
         """A key derived from the group secret for ``purpose`` (never the secret itself)."""
@@ -648,4 +633,4 @@ def _same_device_ranks(peers: list[Peer]) -> set[int]:
     return {r for ranks in seen.values() if len(ranks) > 1 for r in ranks}
 
 
-__all__ = ["TransferGroup", "Peer", "parse_rendezvous", "vendor_module", "DEFAULT_TIMEOUT_S"]
+__all__ = ["TransferGroup", "Peer", "parse_rendezvous", "DEFAULT_TIMEOUT_S"]
