@@ -22,3 +22,25 @@ def transfer_api_missing():
     from unisleep.transfer import TransferGroup, WeightReceiver, WeightSender  # noqa: F401
 
     return None
+
+
+#: the phrase every version-gated skip carries (the driver that runs the smoke set on the other
+#: vLLM versions accepts skips with it, and no other)
+VERSION_GATE = "is not in vLLM"
+
+
+def installed_vllm() -> str:
+    from unisleep.engines.vllm_versions import installed_vllm_version
+
+    return installed_vllm_version() or "0"
+
+
+def needs_feature(feature: str):
+    """Skip marker for a test of a vLLM feature this vLLM does not have (FEATURE_SINCE)."""
+    import pytest
+
+    from unisleep.engines.vllm_versions import FEATURE_SINCE, has_feature
+
+    v = installed_vllm()
+    return pytest.mark.skipif(not has_feature(v, feature),
+                              reason=f"{feature} {VERSION_GATE} {v} (it arrives in {FEATURE_SINCE[feature]})")
