@@ -330,8 +330,9 @@ def _register_weight_transfer() -> str:
         # registered all the same, so that selecting it fails with the error naming the fix
         # (vllm_weight_transfer.LEGACY_API_REFUSAL) rather than "invalid backend"
         log.info("unisleep: this vLLM's weight-transfer engine API has no update session (vLLM "
-                 "0.24): the 'unisleep' engine refuses to load; use the worker methods "
-                 "(VLLMWeightPusher(engine, route='extension'))")
+                 "0.24): the 'unisleep' engine refuses to load; use the worker extension "
+                 "(worker_extension_cls=%s, VLLMWeightPusher(engine, route='extension'))",
+                 "unisleep.engines.vllm_worker_ext.UnisleepWorkerExtension")
         return f"{state}; refuses to load on this vLLM (engine API without update session, "\
                "vLLM < 0.25): use route='extension'"
     return state
@@ -364,10 +365,8 @@ def register() -> dict[str, str]:
             _status["sleep_backend"] = _register_sleep_backend()
             _status["allocator"] = install_allocator_hooks()
             from .engines.vllm_async import register_worker_methods
-            from .engines.vllm_worker_ext import install_worker_methods
 
             _status["worker_methods"] = register_worker_methods()  # memory figures by method name
-            _status["transfer_methods"] = install_worker_methods()  # collective_rpc("unisleep_...")
             _log_summary()
             log.debug("unisleep vLLM plugin: %s", _status)
         return dict(_status)

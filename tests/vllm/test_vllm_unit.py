@@ -234,7 +234,7 @@ def test_doctor_says_what_sleep_mode_offers_per_version():
         assert "--sleep-mode-offload-cudagraph arrives in 0.32" in old
     v32 = "\n".join(sleep_mode_lines("0.32.0", "cuda", platform_plugin=False))
     assert "--sleep-mode-backend does NOT exist" in v32 and "UNISLEEP_VLLM_ALLOCATOR=1" in v32
-    assert "with --sleep-mode-offload-cudagraph the CUDA graphs too" in v32
+    assert "with --sleep-mode-offload-cudagraph the graphs too" in v32
     v33 = "\n".join(sleep_mode_lines("0.33.0", "cuda", platform_plugin=True))
     assert "--sleep-mode-backend unisleep" in v33 and "CaMemAllocator" in v33
     assert "refuses --enable-sleep-mode on CPU" in "\n".join(sleep_mode_lines("0.32.0", "host"))

@@ -100,16 +100,18 @@ def test_plugin_registers_what_this_vllm_offers(caplog):
 
     st = vllm_plugin.register()
     v = installed_vllm()
-    assert st["transfer_methods"] == "registered"
     assert st["allocator"] == "hooked"
     assert st["weight_transfer"].startswith("registered")
     assert ("refuses to load" in st["weight_transfer"]) == (not _has(v, "engine_session_api"))
     assert st["sleep_backend"].startswith("registered") == _has(v, "sleep_backend_factory")
+    # the worker methods come with the extension class only: vLLM refuses an extension whose
+    # attributes the worker class already has
     from vllm.v1.worker.worker_base import WorkerBase
 
-    from unisleep.engines.vllm_worker_ext import METHODS
+    from unisleep.engines.vllm_worker_ext import METHODS, UnisleepWorkerExtension
 
-    assert all(callable(getattr(WorkerBase, m, None)) for m in METHODS)
+    assert not any(hasattr(WorkerBase, m) for m in METHODS)
+    assert all(callable(getattr(UnisleepWorkerExtension, m)) for m in METHODS)
 
 
 def test_vllms_factory_builds_or_refuses_the_engine():
@@ -159,10 +161,12 @@ def state_b():
 
 @pytest.fixture(scope="module")
 def engine(tiny_models):
-    """One in-process vllm.LLM on model A; with the unisleep engine where this vLLM has it."""
+    """One in-process vllm.LLM on model A with unisleep's worker extension, and the unisleep
+    engine where this vLLM has it."""
     from unisleep.engines.vllm_inprocess import VLLMEngine
+    from unisleep.engines.vllm_worker_ext import EXTENSION
 
-    kw = dict(INPROCESS_KW)
+    kw = dict(INPROCESS_KW, worker_extension_cls=EXTENSION)
     if not _has(installed_vllm(), "engine_session_api"):
         kw.pop("weight_transfer_config")
     old = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")

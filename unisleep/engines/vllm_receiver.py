@@ -140,6 +140,10 @@ class ReceiverCore:
         self.staging = "host"  # where update_weights stages the received tensors (init_info)
         # checkpoint specs per update target (the model's, the draft's): keyed by checkpoint path
         self._expected: dict[str, dict[str, tuple[int, ...]]] = {}
+        # transfer name -> model name, for a sender that does not know the names (OpenRLHF's
+        # broadcast carries only the tensor; the name comes with the worker call)
+        self.rename: dict[str, str] = {}
+        self._rx = None  # the WeightReceiver of the current group
 
     # ---- helpers --------------------------------------------------------------------
     def _worker_rank(self, info) -> int:
@@ -259,6 +263,7 @@ class ReceiverCore:
         device copy."""
         pin = self.staging == "host" and self.device.type != "cpu"
         for name, t in named:
+            name = self.rename.get(name, name)
             t = t.detach()
             if self.staging == "device":
                 self._staged[name] = t.clone()
@@ -279,12 +284,15 @@ class ReceiverCore:
         # staged=False: each verified bucket goes straight to this engine's own staging (host by
         # default), so the transfer holds two bucket buffers on the device, not a second copy
         # of the update; atomicity comes from that staging (the model is touched in finish)
+        # one receiver per group, kept across chunks and updates: it remembers the sender's
+        # manifests (a sender reuses them when the specs repeat) and its IPC connection
+        if self._rx is None or self._rx.group is not self.group:
+            self._rx = WeightReceiver(self.group, apply=self._stage, staged=False)
+        rx = self._rx
         if self._session_version is None:
-            rx = WeightReceiver(self.group, apply=self._stage, initial_version=self._floor,
-                                allow_equal_versions=update_info.allow_equal_versions, staged=False)
+            rx.version, rx.allow_equal_versions = self._floor, bool(update_info.allow_equal_versions)
         else:
-            rx = WeightReceiver(self.group, apply=self._stage, initial_version=self._session_version,
-                                allow_equal_versions=True, staged=False)
+            rx.version, rx.allow_equal_versions = self._session_version, True
         report = rx.receive()
         tag = getattr(report, "version", None)
         # the sender's transfer version is "<update number>:<label>" (VLLMWeightPusher): the
@@ -361,6 +369,12 @@ class ReceiverCore:
         return contextlib.nullcontext()
 
     def shutdown(self) -> None:
+        rx, self._rx = self._rx, None
+        if rx is not None:
+            try:
+                rx.close()
+            except Exception:  # pragma: no cover
+                pass
         group, self.group = self.group, None
         self._staged = {}
         self._active = self._verified = False

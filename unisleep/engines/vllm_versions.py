@@ -289,6 +289,8 @@ FEATURE_SINCE = {
 #: [since, until): vLLM's engine base class declares trainer_send_weights abstract (unisleep's
 #: engine defines it)
 TRAINER_SEND_ABSTRACT = ("0.24.0", "0.28.0")
+#: vLLM's worker_extension_cls for unisleep's worker methods (unisleep.engines.vllm_worker_ext)
+EXTENSION = "unisleep.engines.vllm_worker_ext.UnisleepWorkerExtension"
 #: the oldest vLLM unisleep's integration is built and tested for
 OLDEST_SUPPORTED = "0.24.0"
 
@@ -323,16 +325,18 @@ def feature_lines(version: str, platform: Optional[str] = None,
     out = []
     if has("engine_session_api"):
         out.append("  weight transfer: the 'unisleep' engine (--weight-transfer-config "
-                   "'{\"backend\": \"unisleep\"}', VLLMWeightPusher(engine)); the worker methods "
-                   "(VLLMWeightPusher(engine, route='extension')) work too")
+                   "'{\"backend\": \"unisleep\"}', VLLMWeightPusher(engine)); the worker extension "
+                   "(--worker-extension-cls " + EXTENSION + ", VLLMWeightPusher(engine, "
+                   "route='extension')) works too")
     else:
         out.append("  weight transfer: the 'unisleep' engine is NOT available (this vLLM's engine API "
                    "has no update session: the engine arrives with vLLM 0.25) — use the worker "
-                   "methods over collective_rpc: VLLMWeightPusher(engine, route='extension')")
+                   "extension over collective_rpc: --worker-extension-cls " + EXTENSION +
+                   ", VLLMWeightPusher(engine, route='extension')")
     drives = "vLLM's own cumem backend drives it" if has("sleep_backend_factory") else \
         "vLLM's worker sleeps and wakes it directly"
-    graphs = ("; with --sleep-mode-offload-cudagraph the CUDA graphs too" if has("graph_pool")
-              else "; CUDA graphs stay outside it: --sleep-mode-offload-cudagraph arrives in 0.32")
+    graphs = ("; with --sleep-mode-offload-cudagraph the graphs too" if has("graph_pool")
+              else "; captured graphs stay outside it: --sleep-mode-offload-cudagraph arrives in 0.32")
     out.append("  sleep mode: allocator hooks apply — UNISLEEP_VLLM_ALLOCATOR=1 puts vLLM's sleep-mode "
                f"memory (weights, KV cache) in a unisleep MemoryLifecycle ({drives}{graphs}); no "
                "per-operation reports")

@@ -104,9 +104,9 @@ LEGACY_API_REFUSAL = (
     "the layerwise reload in the worker before the engine receives a byte, so a refused or broken "
     "update would leave the model unusable, and its worker synchronizes an accelerator after "
     "every chunk. Drop --weight-transfer-config (weight_transfer_config=) and use unisleep's "
-    "worker extension instead: VLLMWeightPusher(engine, route='extension') (the unisleep vLLM "
-    "plugin gives every worker its methods; or pass --worker-extension-cls "
-    "unisleep.engines.vllm_worker_ext.UnisleepWorkerExtension), or upgrade vLLM.")
+    "worker extension instead: --worker-extension-cls "
+    "unisleep.engines.vllm_worker_ext.UnisleepWorkerExtension (worker_extension_cls=) with "
+    "VLLMWeightPusher(engine, route='extension'), or upgrade vLLM.")
 
 
 @dataclass

@@ -2,13 +2,13 @@
 for every vLLM from 0.24 (the one that works on 0.24, whose weight-transfer engine API has no
 update session), and the base of the RL frameworks' adapters (:mod:`unisleep.integrations`).
 
-Two ways to give the workers these methods:
-
-* the unisleep vLLM plugin (installed with unisleep) adds them to every worker
-  (:func:`install_worker_methods`), so nothing has to be passed to vLLM; or
-* ``--worker-extension-cls unisleep.engines.vllm_worker_ext.UnisleepWorkerExtension``
-  (``LLM(..., worker_extension_cls=...)``), when plugins are off (``VLLM_PLUGINS``) or a framework
-  builds its own extension on this class.
+The workers get them from vLLM's worker extension:
+``--worker-extension-cls unisleep.engines.vllm_worker_ext.UnisleepWorkerExtension``
+(``LLM(..., worker_extension_cls=...)``), or a framework's extension built on this class
+(:class:`unisleep.integrations.openrlhf.UnisleepWorkerWrap`).  They are deliberately not added to
+vLLM's worker class by the plugin: vLLM refuses an extension whose attributes the worker class
+already has (``WorkerWrapperBase.init_worker``), so that would break every extension built on
+this one.
 
 The trainer drives them with ``VLLMWeightPusher(engine, route="extension")``
 (:mod:`unisleep.engines.vllm_trainer`) — the same session as vLLM's engine protocol, under other
@@ -111,6 +111,9 @@ def unisleep_shutdown_weight_transfer(self) -> None:
 
 _FUNCTIONS = {name: globals()[name] for name in METHODS}
 
+#: the value of vLLM's ``worker_extension_cls`` for these methods
+EXTENSION = "unisleep.engines.vllm_worker_ext.UnisleepWorkerExtension"
+
 
 class UnisleepWorkerExtension:
     """vLLM ``worker_extension_cls``: the methods of this module on the worker (see the module
@@ -120,20 +123,6 @@ class UnisleepWorkerExtension:
 for _name, _fn in _FUNCTIONS.items():
     setattr(UnisleepWorkerExtension, _name, _fn)
 del _name, _fn
-
-
-def install_worker_methods() -> str:
-    """Add the methods to vLLM's ``WorkerBase`` (idempotent; the vLLM plugin calls it in every
-    process), so ``collective_rpc("unisleep_...")`` works without ``--worker-extension-cls``.
-    A method of that name that is already there (an extension's) is left alone."""
-    try:
-        from vllm.v1.worker.worker_base import WorkerBase
-    except Exception as e:  # vLLM absent or without the v1 worker
-        return f"unavailable ({type(e).__name__}: {e})"
-    for name, fn in _FUNCTIONS.items():
-        if getattr(WorkerBase, name, None) is None:
-            setattr(WorkerBase, name, fn)
-    return "registered"
 
 
 class ExtensionRoute:
@@ -178,4 +167,4 @@ class ExtensionRoute:
         self._rpc("unisleep_shutdown_weight_transfer")
 
 
-__all__ = ["UnisleepWorkerExtension", "install_worker_methods", "ExtensionRoute", "METHODS"]
+__all__ = ["UnisleepWorkerExtension", "ExtensionRoute", "METHODS", "EXTENSION"]
