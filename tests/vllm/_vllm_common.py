@@ -9,7 +9,8 @@ SERVER_ARGS = ["--enforce-eager", "--max-model-len", "512", "--max-num-seqs", "8
                "--weight-transfer-config", '{"backend": "unisleep"}']
 INPROCESS_KW = dict(dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=8,
                     kv_cache_memory_bytes=256 << 20, seed=0,
-                    weight_transfer_config={"backend": "unisleep"})
+                    weight_transfer_config={"backend": "unisleep"},
+                    worker_extension_cls="unisleep.engines.vllm_worker_ext.UnisleepWorkerExtension")
 
 
 def greedy(eng, n: int = 12):

@@ -12,13 +12,12 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
 
 from unisleep.errors import TransferError, UnsupportedError
 
-from _vllm_common import INPROCESS_KW, greedy, installed_vllm, needs_feature
+from _vllm_common import greedy, installed_vllm, needs_feature
 
 pytestmark = pytest.mark.vllm
 
@@ -160,28 +159,11 @@ def state_b():
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_models):
-    """One in-process vllm.LLM on model A with unisleep's worker extension, and the unisleep
-    engine where this vLLM has it."""
-    from unisleep.engines.vllm_inprocess import VLLMEngine
-    from unisleep.engines.vllm_worker_ext import EXTENSION
-
-    kw = dict(INPROCESS_KW, worker_extension_cls=EXTENSION)
-    if not _has(installed_vllm(), "engine_session_api"):
-        kw.pop("weight_transfer_config")
-    old = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    try:
-        eng = VLLMEngine(tiny_models[0], **kw)
-    finally:
-        if old is None:
-            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-        else:
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = old
-    try:
-        yield eng
-    finally:
-        eng.close()
+def engine(vllm_inprocess):
+    """The session's in-process vllm.LLM on model A (tests/vllm/conftest.py): unisleep's worker
+    extension, and the unisleep engine where this vLLM has it.  Shared, not a second one: closing
+    an in-process engine tears down vLLM's process-wide parallel groups under the other."""
+    return vllm_inprocess
 
 
 @pytest.fixture(scope="module")

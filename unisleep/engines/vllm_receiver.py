@@ -144,9 +144,12 @@ class ReceiverCore:
         # broadcast carries only the tensor; the name comes with the worker call)
         self.rename: dict[str, str] = {}
         self._rx = None  # the WeightReceiver of the current group
+        self.fixed_rank: Optional[int] = None  # a framework's own rank layout (OpenRLHF's)
 
     # ---- helpers --------------------------------------------------------------------
     def _worker_rank(self, info) -> int:
+        if self.fixed_rank is not None:
+            return self.fixed_rank
         pc = self.parallel_config
         return (info.rank_offset + getattr(pc, "data_parallel_index", 0) * pc.world_size
                 + getattr(pc, "rank", 0))
@@ -361,6 +364,14 @@ class ReceiverCore:
         self._floor, self._session_version = self._session_version, None
         log.info("unisleep weight transfer: applied %d tensors (version %s) in %.3f s",
                  len(staged), self.last_version, time.perf_counter() - t0)
+
+    def abort_session(self) -> bool:
+        """Drop what the open session staged (the served weights stay); True when one was open."""
+        was = bool(self._active or self._staged)
+        self._staged = {}
+        self._verified = self._active = False
+        self._session_version = None
+        return was
 
     def _apply_context(self):
         """Context of the apply step (vLLM's worker already sets the config for its engine)."""

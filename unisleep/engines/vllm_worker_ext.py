@@ -86,13 +86,7 @@ def unisleep_abort_weight_update(self) -> bool:
     """Drop whatever the open session staged; the served weights stay.  True when a session was
     open."""
     rx = _receiver(self, create=False)
-    if rx is None:
-        return False
-    was = bool(rx._active or rx._staged)
-    rx._staged = {}
-    rx._verified = rx._active = False
-    rx._session_version = None
-    return was
+    return False if rx is None else rx.abort_session()
 
 
 def unisleep_weight_version(self) -> Optional[str]:

@@ -84,7 +84,7 @@ class UnisleepWorkerWrap(UnisleepWorkerExtension):
         info = rx.parse_init_info({"rendezvous": f"tcp://{master_address}:{int(master_port)}",
                                    "rank_offset": 0, "world_size": int(world_size),
                                    "group_name": str(group_name)})
-        rx._worker_rank = lambda _info, _r=rank: _r  # OpenRLHF's rank, not vLLM's DP layout
+        rx.fixed_rank = rank  # OpenRLHF's layout, not vLLM's DP one
         rx.init_transfer_engine(info)
         self._unisleep_openrlhf = {"round": 0}
         log.info("unisleep (OpenRLHF): worker joined %s as rank %d/%d (backend %r not used)",
@@ -99,7 +99,7 @@ class UnisleepWorkerWrap(UnisleepWorkerExtension):
         if not rx._active:
             rx.start_weight_update()  # refuses while the weights sleep; nothing received yet
         if name in rx._staged:
-            rx._staged, rx._active, rx._verified = {}, False, False
+            rx.abort_session()
             raise InvalidArgumentError(f"update_weight({name!r}) twice in one sync; nothing was applied")
         rx.rename = {TRANSFER_NAME: name}
         try:
@@ -108,17 +108,17 @@ class UnisleepWorkerWrap(UnisleepWorkerExtension):
             rx.rename = {}
         got = rx._staged.get(name)
         if got is None:
-            rx._staged, rx._active, rx._verified = {}, False, False
+            rx.abort_session()
             raise InvalidArgumentError(f"update_weight({name!r}): the trainer sent no tensor "
                                        f"{TRANSFER_NAME!r}; nothing was applied")
         if tuple(got.shape) != tuple(shape) or _dtype_name(got.dtype) != _dtype_name(dtype):
-            rx._staged, rx._active, rx._verified = {}, False, False
+            rx.abort_session()
             raise InvalidArgumentError(
                 f"update_weight({name!r}) announced {tuple(shape)} {_dtype_name(dtype)}, the trainer "
                 f"sent {tuple(got.shape)} {_dtype_name(got.dtype)}; nothing was applied")
         model_dtype = getattr(self.vllm_config.model_config, "dtype", None)
         if model_dtype is not None and _dtype_name(model_dtype) != _dtype_name(dtype):
-            rx._staged, rx._active, rx._verified = {}, False, False
+            rx.abort_session()
             raise InvalidArgumentError(f"mismatch dtype: src {_dtype_name(dtype)}, dst "
                                        f"{_dtype_name(model_dtype)} (OpenRLHF's check); nothing was applied")
         if empty_cache:
