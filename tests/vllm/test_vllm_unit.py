@@ -429,3 +429,28 @@ def test_finish_and_weight_version_follow_the_llm_signature():
         eng.weight_version()
     with pytest.raises(UnsupportedError, match="0.27"):
         eng.set_weight_version("v8")
+
+
+def test_resident_bytes_are_unknown_when_the_allocator_keeps_no_sleep_state(monkeypatch):
+    """vllm-ascend's CaMemAllocator records have no ``is_asleep``: what they hold awake cannot be
+    read from them (counting every record as awake overstated it); vLLM's own records can."""
+    import types
+
+    import vllm.device_allocator as da
+
+    from unisleep.engines.vllm_common import allocator_resident_bytes
+
+    class CaMemRecord:  # the fields of vllm-ascend 0.23's AllocationData
+        def __init__(self, n):
+            self.handle, self.tag, self.cpu_backup_tensor = (0, n, 0, 0), "weights", None
+
+    class CuMemRecord(CaMemRecord):
+        def __init__(self, n, asleep):
+            super().__init__(n)
+            self.is_asleep = asleep
+
+    for records, want in (([CaMemRecord(4096)], None),
+                          ([CuMemRecord(4096, False), CuMemRecord(8192, True)], 4096)):
+        alloc = types.SimpleNamespace(pointer_to_data={i: r for i, r in enumerate(records)})
+        monkeypatch.setattr(da, "get_mem_allocator_instance", lambda a=alloc: a)
+        assert allocator_resident_bytes() == want

@@ -126,14 +126,18 @@ def no_weight_version(version: Optional[str]) -> "UnsupportedError":
 
 def allocator_resident_bytes() -> Optional[int]:
     """Bytes vLLM's sleep-mode allocator holds awake in *this* process (all its pools and tags);
-    None when the allocator cannot be read."""
+    None when the allocator cannot be read — also when its allocation records keep no sleep state
+    (vllm-ascend's ``CaMemAllocator`` has no ``is_asleep``: counting them all as awake would
+    overstate what is held)."""
     try:
         from vllm.device_allocator import get_mem_allocator_instance
 
         data = list(get_mem_allocator_instance().pointer_to_data.values())
     except Exception:
         return None
-    return sum(int(d.handle[1]) for d in data if not getattr(d, "is_asleep", False))
+    if not all(hasattr(d, "is_asleep") for d in data):
+        return None
+    return sum(int(d.handle[1]) for d in data if not d.is_asleep)
 
 
 __all__ = ["SLEEP_TAGS", "WAKE_TAGS", "PAUSE_MODES", "check_level", "check_mode",
