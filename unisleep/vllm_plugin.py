@@ -49,10 +49,22 @@ WEIGHT_TRANSFER_TARGET = ("unisleep.engines.vllm_weight_transfer", "UnisleepWeig
 SLEEP_BACKEND_TARGET = ("unisleep.engines.vllm_sleep_backend", "UnisleepSleepBackend")
 ALLOCATOR_ENV = "UNISLEEP_VLLM_ALLOCATOR"
 
+#: vLLM's own allocator modules, by the name each vLLM gives them: vLLM main moved
+#: ``vllm.device_allocator`` to ``vllm.backends.platform.device_allocator`` and left the old
+#: names as shims (a module forwarding attribute reads; ``cumem`` and ``sleep_mode_backend`` as
+#: ``sys.modules`` aliases), so the canonical module is the one patched; the released versions
+#: (0.24-0.33) have only the old names
+DEVICE_ALLOCATOR_MODULES = ("vllm.backends.platform.device_allocator", "vllm.device_allocator")
+CUMEM_MODULES = tuple(f"{m}.cumem" for m in DEVICE_ALLOCATOR_MODULES)
+SLEEP_BACKEND_MODULES = tuple(f"{m}.sleep_mode_backend" for m in DEVICE_ALLOCATOR_MODULES)
+WEIGHT_TRANSFER_FACTORY_MODULES = ("vllm.backends.distributed.weight_transfer.factory",
+                                   "vllm.distributed.weight_transfer.factory")
+CONFIG_MODULES = ("vllm.foundation.config.vllm", "vllm.config.vllm")
+
 #: modules whose allocator class is redirected: module -> class name (an out-of-tree platform
 #: plugin's own allocator, e.g. vllm-ascend's ``CaMemAllocator``, is added by
 #: :func:`install_allocator_hooks` from the platform plugin's package name)
-_ALLOCATOR_CLASSES = {"vllm.device_allocator.cumem": "CuMemAllocator"}
+_ALLOCATOR_CLASSES = {m: "CuMemAllocator" for m in CUMEM_MODULES}
 PLUGIN_ALLOCATOR = ("device_allocator.camem", "CaMemAllocator")
 _WORKER_MODULES = ("vllm.v1.worker.gpu_worker",)
 
@@ -132,13 +144,13 @@ def _allocator(**options):
 
 def _patch_allocator_class(module) -> None:
     cls_name = _ALLOCATOR_CLASSES[module.__name__]
-    cls = getattr(module, cls_name, None)
+    cls = vars(module).get(cls_name)  # a shim module defines none: its canonical module is patched
     if cls is None or getattr(cls.get_instance, "_unisleep", False):
         return
     original = cls.get_instance
     # vLLM's CuMemAllocator wakes the deferrable tags it is asked for and every other tag;
     # a platform plugin's CaMemAllocator wakes exactly the tags named
-    options = {} if module.__name__ == "vllm.device_allocator.cumem" else {"deferrable_tags": None}
+    options = {} if module.__name__ in CUMEM_MODULES else {"deferrable_tags": None}
 
     def get_instance():
         if decide():
@@ -168,7 +180,10 @@ def _patch_worker(module) -> None:
 
 def _patch_device_allocator(module) -> None:
     """``vllm.device_allocator.get_mem_allocator_instance`` (looked up at call time by the
-    sleep-mode backend): ours when chosen, also on platforms where vLLM has no allocator."""
+    sleep-mode backend): ours when chosen, also on platforms where vLLM has no allocator.  A
+    shim module (vLLM main) is left alone: it forwards to the canonical module, patched itself."""
+    if "get_mem_allocator_instance" not in vars(module):
+        return
     fn = getattr(module, "get_mem_allocator_instance", None)
     if fn is None or getattr(fn, "_unisleep", False):
         return
@@ -192,8 +207,8 @@ def graph_pool_wanted(vllm_config) -> bool:
     if not (getattr(mc, "sleep_mode_offload_cudagraph", False) and getattr(mc, "enable_sleep_mode", False)):
         return False
     try:
-        from vllm.config import CUDAGraphMode
-        from vllm.platforms import current_platform
+        CUDAGraphMode = _import_first(("vllm.foundation.config", "vllm.config")).CUDAGraphMode
+        current_platform = _import_first(("vllm.backends.platform", "vllm.platforms")).current_platform
 
         mode = vllm_config.compilation_config.cudagraph_mode
         return mode != CUDAGraphMode.NONE and bool(current_platform.is_cuda_alike())
@@ -202,7 +217,7 @@ def graph_pool_wanted(vllm_config) -> bool:
 
 
 def _patch_config(module) -> None:
-    cls = getattr(module, "VllmConfig", None)
+    cls = vars(module).get("VllmConfig")
     prop = getattr(cls, "use_cumem_cudagraph_pool", None) if cls is not None else None
     if not isinstance(prop, property) or getattr(prop.fget, "_unisleep", False):
         return
@@ -217,8 +232,8 @@ def _patch_config(module) -> None:
 
 
 _PATCHERS = {
-    "vllm.device_allocator": _patch_device_allocator,
-    "vllm.config.vllm": _patch_config,
+    **{m: _patch_device_allocator for m in DEVICE_ALLOCATOR_MODULES},
+    **{m: _patch_config for m in CONFIG_MODULES},
     **{m: _patch_allocator_class for m in _ALLOCATOR_CLASSES},
     **{m: _patch_worker for m in _WORKER_MODULES},
 }
@@ -322,27 +337,64 @@ def install_allocator_hooks(plugin_package: Optional[str] = None) -> str:
 
 
 # ---------------------------------------------------------------------- registration
+def _import_first(names):
+    """The first of ``names`` that imports (vLLM main's canonical path, then the released one);
+    raises the last error when none does."""
+    import importlib
+
+    err: Optional[BaseException] = None
+    for name in names:
+        try:
+            return importlib.import_module(name)
+        except ImportError as e:
+            err = e
+    raise err if err is not None else ImportError(names)
+
+
+def _engine_session_api() -> Optional[bool]:
+    """Whether this vLLM's weight-transfer engine base class owns the update session (>= 0.25)."""
+    try:
+        base = _import_first(("vllm.backends.distributed.weight_transfer.base",
+                              "vllm.distributed.weight_transfer.base"))
+    except Exception:
+        return None
+    return hasattr(base.WeightTransferEngine, "start_weight_update")
+
+
 def _register_weight_transfer() -> str:
     try:
-        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+        factory = _import_first(WEIGHT_TRANSFER_FACTORY_MODULES)
     except Exception as e:  # vLLM too old or absent
         return f"unavailable ({type(e).__name__}: {e})"
+    legacy = _engine_session_api() is False
     try:
-        WeightTransferEngineFactory.register_engine(NAME, *WEIGHT_TRANSFER_TARGET)
+        factory.WeightTransferEngineFactory.register_engine(NAME, *WEIGHT_TRANSFER_TARGET)
+        state = "registered"
     except ValueError:  # already registered (by us, in an earlier call)
-        return "registered (already)"
-    return "registered"
+        state = "registered (already)"
+    if legacy:
+        # registered all the same, so that selecting it fails with the error naming the fix
+        # (vllm_weight_transfer.LEGACY_API_REFUSAL) rather than "invalid backend"
+        log.info("unisleep: this vLLM's weight-transfer engine API has no update session (vLLM "
+                 "0.24): the 'unisleep' engine refuses to load; use the worker extension "
+                 "(worker_extension_cls=%s, VLLMWeightPusher(engine, route='extension'))",
+                 "unisleep.engines.vllm_worker_ext.UnisleepWorkerExtension")
+        return f"{state}; refuses to load on this vLLM (engine API without update session, "\
+               "vLLM < 0.25): use route='extension'"
+    return state
 
 
 def _register_sleep_backend() -> str:
     try:
-        from vllm.device_allocator.sleep_mode_backend import SleepModeBackendFactory
+        mod = _import_first(SLEEP_BACKEND_MODULES)
+        factory = mod.SleepModeBackendFactory
     except Exception:
-        log.info("unisleep: this vLLM has no SleepModeBackendFactory (needs the pluggable "
-                 "sleep-mode backends, vLLM >= 0.32); the 'unisleep' sleep backend is skipped")
-        return "unavailable (no SleepModeBackendFactory in this vLLM)"
+        log.info("unisleep: this vLLM has no SleepModeBackendFactory (pluggable sleep-mode "
+                 "backends arrived in vLLM 0.25); the 'unisleep' sleep backend is skipped, the "
+                 "allocator hooks (UNISLEEP_VLLM_ALLOCATOR=1) still apply")
+        return "unavailable (no SleepModeBackendFactory in this vLLM: it arrived in 0.25)"
     try:
-        SleepModeBackendFactory.register_backend(NAME, *SLEEP_BACKEND_TARGET)
+        factory.register_backend(NAME, *SLEEP_BACKEND_TARGET)
     except ValueError:
         return "registered (already)"
     return "registered"
@@ -361,8 +413,24 @@ def register() -> dict[str, str]:
             from .engines.vllm_async import register_worker_methods
 
             _status["worker_methods"] = register_worker_methods()  # memory figures by method name
+            _log_summary()
             log.debug("unisleep vLLM plugin: %s", _status)
         return dict(_status)
+
+
+def _log_summary() -> None:
+    """One line, once per process: what of the integration this vLLM offers (the same facts
+    ``unisleep doctor`` prints, from :func:`unisleep.engines.vllm_versions.feature_lines`)."""
+    try:
+        from .engines.vllm_versions import feature_lines, installed_vllm_version
+
+        version = installed_vllm_version()
+        if version is None:
+            return
+        log.info("unisleep vLLM plugin on vLLM %s: %s", version,
+                 "; ".join(line.strip() for line in feature_lines(version)))
+    except Exception as e:  # never break vLLM's start for a log line
+        log.debug("unisleep: no feature summary (%s)", e)
 
 
 def status() -> dict[str, str]:

@@ -9,7 +9,8 @@ SERVER_ARGS = ["--enforce-eager", "--max-model-len", "512", "--max-num-seqs", "8
                "--weight-transfer-config", '{"backend": "unisleep"}']
 INPROCESS_KW = dict(dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=8,
                     kv_cache_memory_bytes=256 << 20, seed=0,
-                    weight_transfer_config={"backend": "unisleep"})
+                    weight_transfer_config={"backend": "unisleep"},
+                    worker_extension_cls="unisleep.engines.vllm_worker_ext.UnisleepWorkerExtension")
 
 
 def greedy(eng, n: int = 12):
@@ -22,3 +23,25 @@ def transfer_api_missing():
     from unisleep.transfer import TransferGroup, WeightReceiver, WeightSender  # noqa: F401
 
     return None
+
+
+#: the phrase every version-gated skip carries (the driver that runs the smoke set on the other
+#: vLLM versions accepts skips with it, and no other)
+VERSION_GATE = "is not in vLLM"
+
+
+def installed_vllm() -> str:
+    from unisleep.engines.vllm_versions import installed_vllm_version
+
+    return installed_vllm_version() or "0"
+
+
+def needs_feature(feature: str):
+    """Skip marker for a test of a vLLM feature this vLLM does not have (FEATURE_SINCE)."""
+    import pytest
+
+    from unisleep.engines.vllm_versions import FEATURE_SINCE, has_feature
+
+    v = installed_vllm()
+    return pytest.mark.skipif(not has_feature(v, feature),
+                              reason=f"{feature} {VERSION_GATE} {v} (it arrives in {FEATURE_SINCE[feature]})")

@@ -8,7 +8,9 @@ Reusable by other test modules (e.g. the guarded RL step in ``unisleep/loop.py``
 * ``http_engine`` (function): a fresh :class:`VLLMHTTPEngine` on that server; after the test the
   server is woken, resumed and model A's weights are restored, so tests do not leak state.
 * ``vllm_inprocess`` (session): a :class:`VLLMEngine` (``vllm.LLM`` in this process,
-  ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) on model A, with the unisleep transfer engine.
+  ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) on model A, with unisleep's worker extension and, where
+  this vLLM has it (>= 0.25), the unisleep transfer engine.  One per process: closing an
+  in-process engine tears down vLLM's process-wide parallel groups under any other.
 * ``PROMPTS``: token-id prompts for greedy comparisons.
 
 Every test here carries ``@pytest.mark.vllm``; they skip, saying why, only when the ``vllm`` package
@@ -113,10 +115,15 @@ def http_engine(vllm_server, tiny_models, baseline_a):
 def vllm_inprocess(tiny_models):
     from unisleep.engines.vllm_inprocess import VLLMEngine
 
+    from unisleep.engines.vllm_versions import has_feature, installed_vllm_version
+
+    kw = dict(INPROCESS_KW)
+    if not has_feature(installed_vllm_version() or "0", "engine_session_api"):
+        kw.pop("weight_transfer_config")  # vLLM 0.24: the engine refuses to load (by design)
     old = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     try:
-        eng = VLLMEngine(tiny_models[0], **INPROCESS_KW)
+        eng = VLLMEngine(tiny_models[0], **kw)
     finally:
         if old is None:
             os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)

@@ -22,6 +22,8 @@ from unisleep.engines.vllm_allocator import DEFERRABLE_TAGS, UnisleepAllocator
 from unisleep.engines.vllm_sleep_backend import UnisleepSleepBackend, offload_tags_for
 from unisleep.errors import InvalidArgumentError, UnsupportedError
 
+from _vllm_common import needs_feature
+
 MiB = 1 << 20
 
 
@@ -230,6 +232,7 @@ def test_plugin_env_switch(monkeypatch):
         vllm_plugin.select_allocator(None)
 
 
+@needs_feature("graph_pool")
 def test_graph_pool_property_extended_for_the_unisleep_backend():
     """vLLM keeps graphs out of the sleeping pool unless the backend is cumem; the plugin's
     property says yes for unisleep with the same conditions (here: CPU -> no)."""

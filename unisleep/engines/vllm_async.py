@@ -55,6 +55,7 @@ from .vllm_common import (
     check_level,
     check_mode,
     check_wake_tags,
+    finish_call,
     import_error,
     record_sleep,
     record_wake,
@@ -473,18 +474,27 @@ class VLLMAsyncEngine(Engine):
         await self._await("reload_weights", self._reload_weights(weights_path))
 
     # ---- weights -------------------------------------------------------------------
+    def _versioned(self):
+        """The engine, when it keeps a weight version (vLLM >= 0.27)."""
+        eng = self._engine()
+        if not hasattr(eng, "get_weight_version"):
+            from .vllm_common import no_weight_version
+
+            raise no_weight_version(vllm_version())
+        return eng
+
     def weight_version(self) -> str:
-        return str(self._run("get_weight_version", self._engine().get_weight_version()))
+        return str(self._run("get_weight_version", self._versioned().get_weight_version()))
 
     async def aweight_version(self) -> str:
-        return str(await self._await("get_weight_version", self._engine().get_weight_version()))
+        return str(await self._await("get_weight_version", self._versioned().get_weight_version()))
 
     def set_weight_version(self, version: str) -> None:
-        self._run("update_weight_version", self._engine().update_weight_version(str(version)))
+        self._run("update_weight_version", self._versioned().update_weight_version(str(version)))
 
     async def aset_weight_version(self, version: str) -> None:
         await self._await("update_weight_version",
-                          self._engine().update_weight_version(str(version)))
+                          self._versioned().update_weight_version(str(version)))
 
     async def _init_weight_transfer(self, init_info: dict) -> Any:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
@@ -525,12 +535,11 @@ class VLLMAsyncEngine(Engine):
         await self._await("update_weights", self._update_weights(update_info), timeout=timeout)
 
     def finish_weight_update(self, version: Optional[str] = None) -> None:
-        self._run("finish_weight_update", self._engine().finish_weight_update(
-            None if version is None else str(version)))
+        self._run("finish_weight_update", finish_call(self._engine().finish_weight_update, version))
 
     async def afinish_weight_update(self, version: Optional[str] = None) -> None:
-        await self._await("finish_weight_update", self._engine().finish_weight_update(
-            None if version is None else str(version)))
+        await self._await("finish_weight_update",
+                          finish_call(self._engine().finish_weight_update, version))
 
     async def _abort_weight_update(self) -> bool:
         from .vllm_http import abort_answer_closed_session

@@ -96,18 +96,51 @@ def to_generation(prompt: Sequence[int], output: Any, logprobs: bool) -> Generat
                       text=c.text)
 
 
+def takes_version(fn) -> bool:
+    """Whether vLLM's ``finish_weight_update`` takes the weight version (vLLM >= 0.27; before,
+    it takes nothing and vLLM keeps no weight version)."""
+    import inspect
+
+    try:
+        return len(inspect.signature(fn).parameters) > 0
+    except (TypeError, ValueError):  # a C or proxy callable: assume the current signature
+        return True
+
+
+def finish_call(fn, version: Optional[str]):
+    """Call vLLM's ``finish_weight_update`` with the version where it takes one; before vLLM 0.27
+    without (the version is then not recorded by vLLM: it has no weight version)."""
+    if takes_version(fn):
+        return fn(None if version is None else str(version))
+    return fn()
+
+
+def no_weight_version(version: Optional[str]) -> "UnsupportedError":
+    from ..errors import UnsupportedError
+
+    return UnsupportedError(
+        f"vLLM {version or '(this version)'} keeps no weight version (get_weight_version and "
+        "update_weight_version arrive in vLLM 0.27); with unisleep's worker extension read "
+        "collective_rpc('unisleep_weight_version') instead")
+
+
 def allocator_resident_bytes() -> Optional[int]:
     """Bytes vLLM's sleep-mode allocator holds awake in *this* process (all its pools and tags);
-    None when the allocator cannot be read."""
+    None when the allocator cannot be read — also when its allocation records keep no sleep state
+    (vllm-ascend's ``CaMemAllocator`` has no ``is_asleep``: counting them all as awake would
+    overstate what is held)."""
     try:
         from vllm.device_allocator import get_mem_allocator_instance
 
         data = list(get_mem_allocator_instance().pointer_to_data.values())
     except Exception:
         return None
-    return sum(int(d.handle[1]) for d in data if not getattr(d, "is_asleep", False))
+    if not all(hasattr(d, "is_asleep") for d in data):
+        return None
+    return sum(int(d.handle[1]) for d in data if not d.is_asleep)
 
 
 __all__ = ["SLEEP_TAGS", "WAKE_TAGS", "PAUSE_MODES", "check_level", "check_mode",
            "check_wake_tags", "record_sleep", "record_wake", "sampling_params", "to_generation",
-           "allocator_resident_bytes", "vllm_version", "import_error"]
+           "allocator_resident_bytes", "vllm_version", "import_error", "takes_version",
+           "finish_call", "no_weight_version"]

@@ -29,7 +29,9 @@ from .vllm_common import (  # noqa: F401  (SLEEP_TAGS, WAKE_TAGS, PAUSE_MODES: r
     check_level,
     check_mode,
     check_wake_tags,
+    finish_call,
     import_error,
+    no_weight_version,
     record_sleep,
     record_wake,
     sampling_params,
@@ -223,9 +225,13 @@ class VLLMEngine(Engine):
 
     # ---- weights -------------------------------------------------------------------
     def weight_version(self) -> str:
+        if not hasattr(self.llm, "get_weight_version"):
+            raise no_weight_version(self.engine_version())
         return str(self._call("get_weight_version", self.llm.get_weight_version))
 
     def set_weight_version(self, version: str) -> None:
+        if not hasattr(self.llm, "update_weight_version"):
+            raise no_weight_version(self.engine_version())
         self._call("update_weight_version", self.llm.update_weight_version, str(version))
 
     def init_weight_transfer(self, init_info: dict) -> Any:
@@ -243,7 +249,7 @@ class VLLMEngine(Engine):
         self._call("update_weights", self.llm.update_weights, {"update_info": update_info})
 
     def finish_weight_update(self, version: Optional[str] = None) -> None:
-        self._call("finish_weight_update", self.llm.finish_weight_update, version)
+        self._call("finish_weight_update", finish_call, self.llm.finish_weight_update, version)
 
     def abort_weight_update(self) -> bool:
         """Close an update session left open by a failed send: ``update_weights({"abort":

@@ -1,7 +1,7 @@
 """The ``unisleep`` sleep-mode backend for vLLM's pluggable sleep mode (RFC #34303).
 
 Selected with ``--enable-sleep-mode --sleep-mode-backend unisleep`` (the flag exists from vLLM
-0.33; 0.32 has the factory and the ``ModelConfig`` field but no flag) once
+0.33; 0.25-0.32 have the factory and the ``ModelConfig`` field but no flag) once
 :mod:`unisleep.vllm_plugin` registered it.  With that choice the plugin also makes vLLM's
 ``get_mem_allocator_instance()`` return :class:`~unisleep.engines.vllm_allocator.UnisleepAllocator`,
 so the memory this backend suspends — weights, KV cache, runtime, workspace and graph pools —

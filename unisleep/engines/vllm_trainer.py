@@ -11,8 +11,12 @@
 (refuses with :class:`~unisleep.errors.InvalidTransitionError` "wake the weights first",
 vLLM #57853), ``start_weight_update``, then for each chunk ``update_weights`` in a thread while
 this process sends the chunk over the :class:`~unisleep.transfer.TransferGroup`, then
-``finish_weight_update(version)``.  The engine must have been started with
-``--weight-transfer-config '{"backend": "unisleep"}'``.
+``finish_weight_update(version)``.  With ``route="engine"`` (the default) the engine must have
+been started with ``--weight-transfer-config '{"backend": "unisleep"}'`` (vLLM >= 0.25);
+``route="extension"`` runs the same session through the unisleep worker methods
+(:mod:`unisleep.engines.vllm_worker_ext`, over ``collective_rpc``; the engine started with
+``--worker-extension-cls unisleep.engines.vllm_worker_ext.UnisleepWorkerExtension``) — the path
+for vLLM 0.24, and for every later version.
 
 The group is authenticated with a 256-bit secret: by default a fresh one in a 0600 file in this
 user's private run directory, whose *path* goes to the engine in ``init_info`` (the engine must
@@ -32,6 +36,10 @@ from ..errors import EngineError, InvalidArgumentError, TransferError
 from .vllm_server import free_port
 
 log = logging.getLogger(__name__)
+
+#: how the session reaches the workers: vLLM's weight-transfer routes with the unisleep engine
+#: (vLLM >= 0.25), or the unisleep worker methods over collective_rpc (vLLM >= 0.24)
+ROUTES = ("engine", "extension")
 
 
 @dataclass
@@ -65,8 +73,18 @@ class VLLMWeightPusher:
 
     def __init__(self, engine, *, rendezvous: Optional[str] = None, host: str = "127.0.0.1",
                  timeout_s: float = 120.0, world_size: int = 2, group_name: str = "vllm",
-                 path: str = "auto", secret_file: Optional[str] = None, insecure: bool = False) -> None:
+                 path: str = "auto", secret_file: Optional[str] = None, insecure: bool = False,
+                 route: str = "engine") -> None:
+        if route not in ROUTES:
+            raise InvalidArgumentError(f"route must be one of {ROUTES}, got {route!r}")
         self.engine = engine
+        self.route = route
+        if route == "extension":
+            from .vllm_worker_ext import ExtensionRoute
+
+            self._verbs = ExtensionRoute(engine)
+        else:
+            self._verbs = engine
         self.rendezvous = rendezvous or f"tcp://{host}:{free_port(host)}"
         # the group secret: a file of mode 0600 whose path (never the secret) goes to the engine;
         # by default a fresh one in this user's private run directory (same-machine engines)
@@ -110,7 +128,7 @@ class VLLMWeightPusher:
             return self
         self._updates = 0
         self._prepare_secret()
-        call = _Call(self.engine.init_weight_transfer, self.init_info())
+        call = _Call(self._verbs.init_weight_transfer, self.init_info())
         call.start()
         try:
             self.group = TransferGroup.create(self.rendezvous, rank=0, world_size=self.world_size,
@@ -137,8 +155,8 @@ class VLLMWeightPusher:
         t0 = time.perf_counter()
         phases: dict[str, float] = {}
         if check_awake:
-            self.engine.check_weights_awake()  # InvalidTransitionError: "wake the weights first"
-        self.engine.start_weight_update()
+            self._verbs.check_weights_awake()  # InvalidTransitionError: "wake the weights first"
+        self._verbs.start_weight_update()
         phases["start"] = time.perf_counter() - t0
         try:
             n_parts = self._send_chunks(items, str(version), chunks, partial)
@@ -146,7 +164,7 @@ class VLLMWeightPusher:
             self._abort()
             raise
         phases["update"] = time.perf_counter() - t0 - phases["start"]
-        self.engine.finish_weight_update(str(version))
+        self._verbs.finish_weight_update(str(version))
         phases["finish"] = time.perf_counter() - t0 - phases["start"] - phases["update"]
         nbytes = sum(int(t.numel()) * t.element_size() for _, t in items)
         return PushReport(str(version), len(items), nbytes, n_parts,
@@ -179,7 +197,7 @@ class VLLMWeightPusher:
         return items
 
     def _abort(self) -> None:
-        abort = getattr(self.engine, "abort_weight_update", None)
+        abort = getattr(self._verbs, "abort_weight_update", None)
         if abort is None:
             return
         try:
@@ -201,7 +219,7 @@ class VLLMWeightPusher:
         try:
             for i, part in enumerate(parts):
                 final = i == len(parts) - 1
-                call = _Call(self.engine.update_weights,
+                call = _Call(self._verbs.update_weights,
                              {"version": str(version), "final": final, "partial": bool(partial)})
                 call.start()
                 send_error: Optional[BaseException] = None
@@ -255,4 +273,4 @@ def _split(items: Sequence, chunks: int) -> list[list]:
     return [list(items[i:i + size]) for i in range(0, len(items), size)]
 
 
-__all__ = ["VLLMWeightPusher", "PushReport"]
+__all__ = ["VLLMWeightPusher", "PushReport", "ROUTES"]

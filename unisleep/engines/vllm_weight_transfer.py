@@ -8,6 +8,14 @@ weight_transfer_config={"backend": "unisleep"})``).  It runs vLLM's own protocol
 a private :class:`~unisleep.transfer.TransferGroup` (gloo on host, the platform's collective on
 accelerators), never over the worker's own process group.
 
+vLLM versions: the engine needs the session API of vLLM's ``WeightTransferEngine`` (the engine
+owns ``start_weight_update`` / ``finish_weight_update``; vLLM >= 0.25).  vLLM 0.24's engine API
+has no session: its worker starts the layerwise reload before the engine receives a byte, so a
+refused update would leave the model unusable, and its worker synchronizes an accelerator after
+every chunk (which raises on CPU).  On 0.24 the engine therefore refuses to be built, with an
+error naming the path that works there: the worker extension
+(:mod:`unisleep.engines.vllm_worker_ext`, ``VLLMWeightPusher(engine, route="extension")``).
+
 Differences from vLLM's built-in engines, on purpose:
 
 * **Staging in host memory by default.**  Each verified bucket is copied at once into pinned host
@@ -42,35 +50,63 @@ versions must increase from one update to the next (the chunks of one update sha
 route: the call answers with an error naming :data:`ABORTED`, and the worker closes the session
 as it does for every failed chunk).
 The apply step uses vLLM's ``initialize_layerwise_reload`` → ``model.load_weights`` →
-``finalize_layerwise_reload``, as its own checkpoint-format engines do.
+``finalize_layerwise_reload``, as its own checkpoint-format engines do.  The session logic lives
+in :class:`~unisleep.engines.vllm_receiver.ReceiverCore`, shared with the worker extension.
 """
 
 from __future__ import annotations
 
-import glob
 import logging
-import os
-import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 import torch
-from vllm.distributed.weight_transfer.base import (
-    WeightTransferEngine,
-    WeightTransferInitInfo,
-    WeightTransferUpdateInfo,
+
+from ..errors import UnsupportedError
+from .vllm_receiver import (  # noqa: F401  (re-exported: tests and callers import them here)
+    ABORTED,
+    RESTART_REQUIRED,
+    STAGING,
+    ReceiverCore,
+    checkpoint_nbytes,
+    checkpoint_specs,
 )
 
-from ..errors import InvalidTransitionError, TransferError
+
+def _import_base():
+    """vLLM's engine base module: its canonical path on vLLM main
+    (``vllm.backends.distributed.weight_transfer``), else the released one."""
+    import importlib
+
+    for name in ("vllm.backends.distributed.weight_transfer.base",
+                 "vllm.distributed.weight_transfer.base"):
+        try:
+            return importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name is None or not name.startswith(e.name):
+                raise
+    raise ModuleNotFoundError("vLLM has no weight-transfer engines (vllm.distributed.weight_transfer); "
+                              "unisleep's engine needs vLLM >= 0.25, its worker extension >= 0.24")
+
+
+_base = _import_base()
+WeightTransferEngine = _base.WeightTransferEngine
+WeightTransferInitInfo = _base.WeightTransferInitInfo
+WeightTransferUpdateInfo = _base.WeightTransferUpdateInfo
 
 log = logging.getLogger(__name__)
 
-#: raised by ``update_weights`` for ``{"abort": true}``: vLLM's worker then closes its update
-#: session (it does so for any error in update_weights), and the staging is dropped
-from .vllm_http import UPDATE_ABORTED as ABORTED  # noqa: E402  (the adapters look for it)
+#: True when this vLLM's engine base class owns the update session (vLLM >= 0.25)
+SESSION_API = hasattr(WeightTransferEngine, "start_weight_update")
 
-RESTART_REQUIRED = ("the vLLM engine must be restarted: applying the verified update failed "
-                    "after the model entered layerwise-reload state")
+LEGACY_API_REFUSAL = (
+    "unisleep's weight-transfer engine needs vLLM >= 0.25: this vLLM's engine API (0.24) starts "
+    "the layerwise reload in the worker before the engine receives a byte, so a refused or broken "
+    "update would leave the model unusable, and its worker synchronizes an accelerator after "
+    "every chunk. Drop --weight-transfer-config (weight_transfer_config=) and use unisleep's "
+    "worker extension instead: --worker-extension-cls "
+    "unisleep.engines.vllm_worker_ext.UnisleepWorkerExtension (worker_extension_cls=) with "
+    "VLLMWeightPusher(engine, route='extension'), or upgrade vLLM.")
 
 
 @dataclass
@@ -94,299 +130,44 @@ class UnisleepUpdateInfo(WeightTransferUpdateInfo):
     allow_equal_versions: bool = False  # accept a version equal to the one applied last
 
 
-STAGING = ("host", "device")
-_DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2,
-                "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
-
-
-def checkpoint_nbytes(model_path: str) -> Optional[int]:
-    """Bytes of every tensor in the safetensors checkpoint at ``model_path`` (headers only), or
-    None when that cannot be told (no local safetensors checkpoint, an unknown dtype)."""
-    if not model_path or not os.path.isdir(model_path):
-        return None
-    files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
-    if not files:
-        return None
-    from safetensors import safe_open
-
-    total = 0
-    for f in files:
-        with safe_open(f, framework="pt") as sf:
-            for k in sf.keys():
-                sl = sf.get_slice(k)
-                size = _DTYPE_BYTES.get(str(sl.get_dtype()))
-                if size is None:
-                    return None
-                n = 1
-                for d in sl.get_shape():
-                    n *= int(d)
-                total += n * size
-    return total
-
-
-def checkpoint_specs(model_path: str) -> Optional[dict[str, tuple[int, ...]]]:
-    """name -> shape of every tensor in the safetensors checkpoint at ``model_path`` (headers
-    only), or None when the path is not a local safetensors checkpoint."""
-    if not model_path or not os.path.isdir(model_path):
-        return None
-    files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
-    if not files:
-        return None
-    from safetensors import safe_open
-
-    out: dict[str, tuple[int, ...]] = {}
-    for f in files:
-        with safe_open(f, framework="pt") as sf:
-            for k in sf.keys():
-                out[k] = tuple(sf.get_slice(k).get_shape())
-    return out
-
-
-class UnisleepWeightTransferEngine(WeightTransferEngine[UnisleepInitInfo, UnisleepUpdateInfo]):
+class UnisleepWeightTransferEngine(ReceiverCore,
+                                   WeightTransferEngine[UnisleepInitInfo, UnisleepUpdateInfo]):
     init_info_cls = UnisleepInitInfo
     update_info_cls = UnisleepUpdateInfo
     supports_draft_weight_update = True
 
-    def __init__(self, config, vllm_config, device, model) -> None:
+    def __init__(self, config, vllm_config, device=None, model=None) -> None:
+        if not SESSION_API:  # vLLM 0.24 builds engines as (config, parallel_config, model)
+            log.error("unisleep weight transfer: %s", LEGACY_API_REFUSAL)
+            raise UnsupportedError(LEGACY_API_REFUSAL)
         super().__init__(config, vllm_config, device, model)
         from .vllm_async import register_worker_methods
 
         register_worker_methods()  # memory figures by method name (no insecure serialization)
-        self.group = None
-        self._staged: dict[str, torch.Tensor] = {}
-        self._verified = False
-        self._active = False
-        self.last_version: Optional[str] = None
-        self._session_version: Any = None
-        self._floor: Any = None  # transfer version of the update applied last (in this group)
-        self.applied_versions: list[Optional[str]] = []
-        self.staging = "host"  # where update_weights stages the received tensors (init_info)
-        # checkpoint specs per update target (the model's, the draft's): keyed by checkpoint path
-        self._expected: dict[str, dict[str, tuple[int, ...]]] = {}
+        self._init_core()
 
-    # ---- helpers --------------------------------------------------------------------
-    def _worker_rank(self, info: UnisleepInitInfo) -> int:
-        pc = self.parallel_config
-        return (info.rank_offset + getattr(pc, "data_parallel_index", 0) * pc.world_size
-                + getattr(pc, "rank", 0))
+    @staticmethod
+    def trainer_send_weights(iterator: Iterable, trainer_args: Any) -> None:
+        """vLLM's trainer-side entry point (abstract in vLLM 0.24-0.27's base class): send
+        ``iterator``'s ``(name, tensor)`` pairs with a
+        :class:`~unisleep.engines.vllm_trainer.VLLMWeightPusher`.
 
-    def _expected_specs(self) -> Optional[dict[str, tuple[int, ...]]]:
-        """Specs of the checkpoint of the current update target: the model's, or the draft's
-        after vLLM's ``set_weight_update_target`` (a draft update is checked against the draft)."""
-        path = str(getattr(self.model_config, "model", "") or "")
-        if path not in self._expected:
-            try:
-                self._expected[path] = checkpoint_specs(path) or {}
-            except Exception as e:  # unreadable checkpoint: no coverage check possible
-                log.warning("unisleep: cannot read checkpoint names for coverage checks: %s", e)
-                self._expected[path] = {}
-        return self._expected[path] or None
+        ``trainer_args``: the pusher (already ``init()``-ed), or a dict ``{"pusher": pusher,
+        "version": "step-7", "chunks": 1, "partial": False}``; the whole protocol (start,
+        chunks, finish) runs, as :meth:`VLLMWeightPusher.push` does."""
+        from .vllm_trainer import VLLMWeightPusher
 
-    def _check_weights_awake(self) -> None:
-        """Fail closed: with sleep mode on, refuse unless the allocator holding the weights says
-        they are awake (read from the engine's own model config: a draft's says nothing)."""
-        mc = getattr(self, "_default_model_config", self.model_config)
-        if not getattr(mc, "enable_sleep_mode", False):
-            return  # vLLM keeps no sleep pools: the weights are never released
-        from .vllm_allocator import vllm_weights_asleep
-
-        asleep, how = vllm_weights_asleep()
-        if asleep is None:
-            raise InvalidTransitionError(
-                f"refusing the weight update: sleep mode is on and this worker cannot establish that "
-                f"its weights are awake ({how}); an update into sleeping weights kills the engine "
-                "(vLLM #57853). Wake the weights (wake_up(['weights'])) and make sure the worker's "
-                "sleep-mode allocator is the one holding them. Nothing was received.")
-        if asleep:
-            raise InvalidTransitionError(
-                "wake the weights first: they are asleep in this worker and a weight update "
-                f"would write into unmapped memory (vLLM #57853; {how}). Nothing was received.")
-
-    # ---- WeightTransferEngine --------------------------------------------------------
-    def init_transfer_engine(self, init_info: UnisleepInitInfo) -> None:
-        from ..transfer import TransferGroup
-
-        if not init_info.rendezvous:
-            raise ValueError("init_info.rendezvous is required (tcp://HOST:PORT of the trainer)")
-        if init_info.staging not in STAGING:
-            raise ValueError(f"init_info.staging must be one of {STAGING}, got {init_info.staging!r}")
-        self.staging = init_info.staging
-        if self.group is not None:
-            self.shutdown()
-        rank = self._worker_rank(init_info)
-        self._floor = self._session_version = None  # a new group: its update numbers start again
-        self.group = TransferGroup.create(init_info.rendezvous, rank=rank,
-                                          world_size=init_info.world_size,
-                                          timeout_s=init_info.timeout_s,
-                                          name=init_info.group_name,
-                                          secret_file=init_info.secret_file or None,
-                                          insecure=bool(init_info.insecure))
-        log.info("unisleep weight transfer: joined %s as rank %d/%d", init_info.rendezvous,
-                 rank, init_info.world_size)
-
-    def start_weight_update(self) -> None:
-        if self.group is None:
-            raise RuntimeError("unisleep weight transfer not initialized: call "
-                               "init_weight_transfer_engine first")
-        self._check_weights_awake()
-        if self.staging == "device":
-            self._check_device_staging_fits()
-        self._staged = {}
-        self._verified = False
-        self._active = True
-        self._session_version = None  # version of this session's chunks (set by the first)
-
-    def update_weights(self, update_info: dict[str, Any]) -> None:
-        # the base class would call torch.accelerator.synchronize(), which raises on host
-        typed = self.parse_update_info(update_info)
-        if typed.abort:
-            self._staged = {}
-            self._verified = False
-            self._active = False
-            # vLLM has no abort route; an error here makes the worker close the session
-            raise RuntimeError(f"{ABORTED}; nothing was applied and the served weights are unchanged")
-        try:
-            self.receive_weights(typed)
-        except BaseException:
-            self._staged = {}   # the worker aborts the session; drop the partial staging
-            self._verified = False
-            self._active = False
-            raise
-        if self.device.type != "cpu" and hasattr(torch, "accelerator"):
-            torch.accelerator.synchronize()
-
-    def _check_device_staging_fits(self) -> None:
-        """Device staging holds a whole update on the device: refuse it, before anything is
-        received, unless the update (sized from the target's checkpoint) fits in free memory."""
-        from ..backup import host_available_bytes
-        from ..units import human_bytes
-
-        need = checkpoint_nbytes(str(getattr(self.model_config, "model", "") or ""))
-        if need is None:
-            raise TransferError("device staging needs the update's size, read from a local safetensors "
-                                "checkpoint, and there is none: use staging='host' (the default). "
-                                "Nothing was received.")
-        if self.device.type == "cpu":
-            free = host_available_bytes()
-        else:
-            free = int(torch.accelerator.get_memory_info(self.device)[0])
-        if not free or need > 0.9 * free:
-            raise TransferError(
-                f"device staging of {human_bytes(need)} does not fit: {human_bytes(free)} is free on "
-                f"{self.device} (90 % may be used); use staging='host' (the default, pinned host "
-                "memory). Nothing was received.")
-
-    def _stage(self, named: list) -> None:
-        """Keep one verified bucket's tensors (views of transfer memory, valid during the call):
-        in pinned host memory (accelerators; plain host memory on CPU) or, when opted in, as a
-        device copy."""
-        pin = self.staging == "host" and self.device.type != "cpu"
-        for name, t in named:
-            t = t.detach()
-            if self.staging == "device":
-                self._staged[name] = t.clone()
-            else:
-                dst = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
-                dst.copy_(t, non_blocking=pin)  # into pinned memory: one wait for the bucket below
-                self._staged[name] = dst
-        if pin:  # the views of transfer memory are reused once this returns
-            torch.accelerator.synchronize()
-
-    def receive_weights(self, update_info: UnisleepUpdateInfo) -> None:
-        from ..transfer import WeightReceiver
-
-        if not self._active:
-            raise RuntimeError("update_weights without start_weight_update")
-        t0 = time.perf_counter()
-        # versions increase from one update to the next; the chunks of one update share theirs
-        # staged=False: each verified bucket goes straight to this engine's own staging (host by
-        # default), so the transfer holds two bucket buffers on the device, not a second copy
-        # of the update; atomicity comes from that staging (the model is touched in finish)
-        if self._session_version is None:
-            rx = WeightReceiver(self.group, apply=self._stage, initial_version=self._floor,
-                                allow_equal_versions=update_info.allow_equal_versions, staged=False)
-        else:
-            rx = WeightReceiver(self.group, apply=self._stage, initial_version=self._session_version,
-                                allow_equal_versions=True, staged=False)
-        report = rx.receive()
-        tag = getattr(report, "version", None)
-        # the sender's transfer version is "<update number>:<label>" (VLLMWeightPusher): the
-        # number increases from update to update, the label is vLLM's weight version
-        got = str(tag).split(":", 1)[1] if isinstance(tag, str) and ":" in tag else tag
-        if update_info.version is not None and got is not None and str(got) != update_info.version:
-            raise TransferError(f"the sender sent version {got!r}, the update announced "
-                                f"{update_info.version!r}; nothing was applied")
-        self.last_version = None if got is None else str(got)
-        if self._session_version is None:
-            self._session_version = tag
-        log.info("unisleep weight transfer: staged %d tensors (version %s) over %s in %.3f s",
-                 len(self._staged), self.last_version, getattr(report, "path", "?"),
-                 time.perf_counter() - t0)
-        if update_info.final:
-            self._verify_coverage(update_info.partial)
-            self._verified = True
-
-    def _verify_coverage(self, partial: bool) -> None:
-        expected = self._expected_specs()
-        if expected is None:
-            log.warning("unisleep weight transfer: no local checkpoint to check coverage against")
-            return
-        unknown = sorted(n for n in self._staged if n not in expected)
-        if unknown:
-            raise TransferError(f"update names {len(unknown)} tensor(s) the checkpoint does not "
-                                f"have, e.g. {unknown[:3]}; nothing was applied")
-        bad = [(n, tuple(t.shape), expected[n]) for n, t in self._staged.items()
-               if tuple(t.shape) != tuple(expected[n])]
-        if bad:
-            n, got, want = bad[0]
-            raise TransferError(f"{len(bad)} tensor(s) have the wrong shape, e.g. {n}: {got} "
-                                f"instead of {want}; nothing was applied")
-        missing = sorted(n for n in expected if n not in self._staged)
-        if missing and not partial:
-            raise TransferError(
-                f"incomplete update: {len(missing)} of {len(expected)} checkpoint tensors "
-                f"missing (e.g. {missing[:3]}); nothing was applied and the served weights are "
-                "unchanged (send every tensor, or mark the update partial=True)")
-
-    def finish_weight_update(self) -> None:
-        if not self._verified:
-            raise TransferError("finish_weight_update before a final, verified update_weights "
-                                "chunk; nothing was applied (send the last chunk with "
-                                "final=True, then finish)")
-        self._check_weights_awake()  # the engine may have been put to sleep since the start
-        from vllm.model_executor.model_loader.reload import (
-            finalize_layerwise_reload,
-            initialize_layerwise_reload,
-        )
-
-        staged, self._staged = self._staged, {}
-        self._verified = False
-        self._active = False
-        t0 = time.perf_counter()
-        try:
-            with torch.no_grad():
-                initialize_layerwise_reload(self.model)
-                self.model.load_weights(iter(staged.items()))
-                finalize_layerwise_reload(self.model, self.model_config)
-        except Exception as e:
-            log.error("unisleep weight transfer: %s (%s: %s)", RESTART_REQUIRED,
-                      type(e).__name__, e)
-            raise RuntimeError(f"{RESTART_REQUIRED} ({type(e).__name__}: {e})") from e
-        self.applied_versions.append(self.last_version)
-        self._floor, self._session_version = self._session_version, None
-        log.info("unisleep weight transfer: applied %d tensors (version %s) in %.3f s",
-                 len(staged), self.last_version, time.perf_counter() - t0)
-
-    def shutdown(self) -> None:
-        group, self.group = self.group, None
-        self._staged = {}
-        self._active = self._verified = False
-        if group is not None:
-            try:
-                group.close()
-            except Exception:  # pragma: no cover
-                pass
+        args = {"pusher": trainer_args} if isinstance(trainer_args, VLLMWeightPusher) else trainer_args
+        if not isinstance(args, dict) or not isinstance(args.get("pusher"), VLLMWeightPusher):
+            raise TypeError("trainer_args must be a VLLMWeightPusher or {'pusher': VLLMWeightPusher, "
+                            f"'version': ...}}, got {type(trainer_args).__name__}")
+        version = args.get("version")
+        if version is None:
+            raise TypeError("trainer_args needs 'version' (the weight version being sent)")
+        args["pusher"].push(iterator, version=str(version), chunks=int(args.get("chunks", 1)),
+                            partial=bool(args.get("partial", False)))
 
 
 __all__ = ["UnisleepWeightTransferEngine", "UnisleepInitInfo", "UnisleepUpdateInfo",
-           "checkpoint_specs", "checkpoint_nbytes", "STAGING", "RESTART_REQUIRED", "ABORTED"]
+           "checkpoint_specs", "checkpoint_nbytes", "STAGING", "RESTART_REQUIRED", "ABORTED",
+           "SESSION_API", "LEGACY_API_REFUSAL"]

@@ -1,0 +1,450 @@
+"""The receiving side of unisleep's vLLM weight transfer, shared by the weight-transfer engine
+(:mod:`.vllm_weight_transfer`, vLLM >= 0.25) and the worker extension (:mod:`.vllm_worker_ext`,
+every vLLM from 0.24, called through ``collective_rpc``).
+
+:class:`ReceiverCore` runs one update session: ``start_weight_update`` (weights awake? device
+staging fits?), ``update_weights`` x N (each chunk received over a
+:class:`~unisleep.transfer.TransferGroup`, verified against the sender's manifest and staged, in
+host memory by default), ``finish_weight_update`` (coverage checked against the checkpoint the
+model was loaded from, then applied with vLLM's layerwise reload).  Nothing touches the model
+before the apply; a refused or broken update leaves the served weights as they were.
+
+Its host object provides ``model``, ``model_config``, ``parallel_config`` and ``device`` (vLLM's
+engine base class sets them; :class:`WorkerReceiver` takes them from a worker), and
+``parse_update_info`` (dict -> typed update info).  vLLM is imported only in
+``finish_weight_update``.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import time
+from dataclasses import dataclass, fields
+from typing import Any, Optional
+
+import torch
+
+from ..errors import InvalidArgumentError, InvalidTransitionError, TransferError
+from .vllm_http import UPDATE_ABORTED as ABORTED
+
+log = logging.getLogger("unisleep.engines.vllm_weight_transfer")
+
+RESTART_REQUIRED = ("the vLLM engine must be restarted: applying the verified update failed "
+                    "after the model entered layerwise-reload state")
+
+
+@dataclass
+class TransferInit:
+    """init_info of an update group (see :mod:`.vllm_weight_transfer` for the fields)."""
+    rendezvous: str = ""
+    rank_offset: int = 1
+    world_size: int = 2
+    timeout_s: float = 300.0
+    group_name: str = "vllm"
+    secret_file: str = ""    # path of the group secret (mode 0600), never the secret itself
+    insecure: bool = False   # a non-loopback group without a secret (warns)
+    staging: str = "host"    # "host" (pinned on accelerators) or "device" (opt-in, fit-checked)
+
+
+@dataclass
+class TransferUpdate:
+    """update_info of one chunk."""
+    version: Optional[str] = None   # expected version of this chunk (checked against the sender)
+    final: bool = True              # last chunk: check coverage now
+    partial: bool = False           # allow an update that covers only some tensors
+    abort: bool = False             # drop the staged tensors and close the session; receives nothing
+    allow_equal_versions: bool = False  # accept a version equal to the one applied last
+
+
+INIT_FIELDS = tuple(f.name for f in fields(TransferInit))
+UPDATE_FIELDS = tuple(f.name for f in fields(TransferUpdate))
+
+
+def parse_fields(cls, data: Any, what: str):
+    """``cls(**data)`` with a clear error for unknown keys or a non-dict."""
+    if isinstance(data, cls):
+        return data
+    if not isinstance(data, dict):
+        raise InvalidArgumentError(f"{what} must be a dict, got {type(data).__name__}")
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise InvalidArgumentError(f"{what} has unknown keys {unknown}; known: {sorted(known)}")
+    return cls(**data)
+
+
+STAGING = ("host", "device")
+_DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2,
+                "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+def checkpoint_nbytes(model_path: str) -> Optional[int]:
+    """Bytes of every tensor in the safetensors checkpoint at ``model_path`` (headers only), or
+    None when that cannot be told (no local safetensors checkpoint, an unknown dtype)."""
+    if not model_path or not os.path.isdir(model_path):
+        return None
+    files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
+    if not files:
+        return None
+    from safetensors import safe_open
+
+    total = 0
+    for f in files:
+        with safe_open(f, framework="pt") as sf:
+            for k in sf.keys():
+                sl = sf.get_slice(k)
+                size = _DTYPE_BYTES.get(str(sl.get_dtype()))
+                if size is None:
+                    return None
+                n = 1
+                for d in sl.get_shape():
+                    n *= int(d)
+                total += n * size
+    return total
+
+
+def checkpoint_specs(model_path: str) -> Optional[dict[str, tuple[int, ...]]]:
+    """name -> shape of every tensor in the safetensors checkpoint at ``model_path`` (headers
+    only), or None when the path is not a local safetensors checkpoint."""
+    if not model_path or not os.path.isdir(model_path):
+        return None
+    files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
+    if not files:
+        return None
+    from safetensors import safe_open
+
+    out: dict[str, tuple[int, ...]] = {}
+    for f in files:
+        with safe_open(f, framework="pt") as sf:
+            for k in sf.keys():
+                out[k] = tuple(sf.get_slice(k).get_shape())
+    return out
+
+
+
+class ReceiverCore:
+    """One update session at a time; see the module docstring.  Call :meth:`_init_core` from
+    the host's ``__init__``."""
+
+    def _init_core(self) -> None:
+        self.group = None
+        self._staged: dict[str, torch.Tensor] = {}
+        self._verified = False
+        self._active = False
+        self.last_version: Optional[str] = None
+        self._session_version: Any = None
+        self._floor: Any = None  # transfer version of the update applied last (in this group)
+        self.applied_versions: list[Optional[str]] = []
+        self.staging = "host"  # where update_weights stages the received tensors (init_info)
+        # checkpoint specs per update target (the model's, the draft's): keyed by checkpoint path
+        self._expected: dict[str, dict[str, tuple[int, ...]]] = {}
+        # transfer name -> model name, for a sender that does not know the names (OpenRLHF's
+        # broadcast carries only the tensor; the name comes with the worker call)
+        self.rename: dict[str, str] = {}
+        self._rx = None  # the WeightReceiver of the current group
+        self.fixed_rank: Optional[int] = None  # a framework's own rank layout (OpenRLHF's)
+
+    # ---- helpers --------------------------------------------------------------------
+    def _worker_rank(self, info) -> int:
+        if self.fixed_rank is not None:
+            return self.fixed_rank
+        pc = self.parallel_config
+        return (info.rank_offset + getattr(pc, "data_parallel_index", 0) * pc.world_size
+                + getattr(pc, "rank", 0))
+
+    def _expected_specs(self) -> Optional[dict[str, tuple[int, ...]]]:
+        """Specs of the checkpoint of the current update target: the model's, or the draft's
+        after vLLM's ``set_weight_update_target`` (a draft update is checked against the draft)."""
+        path = str(getattr(self.model_config, "model", "") or "")
+        if path not in self._expected:
+            try:
+                self._expected[path] = checkpoint_specs(path) or {}
+            except Exception as e:  # unreadable checkpoint: no coverage check possible
+                log.warning("unisleep: cannot read checkpoint names for coverage checks: %s", e)
+                self._expected[path] = {}
+        return self._expected[path] or None
+
+    def _check_weights_awake(self) -> None:
+        """Fail closed: with sleep mode on, refuse unless the allocator holding the weights says
+        they are awake (read from the engine's own model config: a draft's says nothing)."""
+        mc = getattr(self, "_default_model_config", self.model_config)
+        if not getattr(mc, "enable_sleep_mode", False):
+            return  # vLLM keeps no sleep pools: the weights are never released
+        from .vllm_allocator import vllm_weights_asleep
+
+        asleep, how = vllm_weights_asleep()
+        if asleep is None:
+            raise InvalidTransitionError(
+                f"refusing the weight update: sleep mode is on and this worker cannot establish that "
+                f"its weights are awake ({how}); an update into sleeping weights kills the engine "
+                "(vLLM #57853). Wake the weights (wake_up(['weights'])) and make sure the worker's "
+                "sleep-mode allocator is the one holding them. Nothing was received.")
+        if asleep:
+            raise InvalidTransitionError(
+                "wake the weights first: they are asleep in this worker and a weight update "
+                f"would write into unmapped memory (vLLM #57853; {how}). Nothing was received.")
+
+    # ---- the session --------------------------------------------------------
+    def init_transfer_engine(self, init_info) -> None:
+        from ..transfer import TransferGroup
+
+        if not init_info.rendezvous:
+            raise ValueError("init_info.rendezvous is required (tcp://HOST:PORT of the trainer)")
+        if init_info.staging not in STAGING:
+            raise ValueError(f"init_info.staging must be one of {STAGING}, got {init_info.staging!r}")
+        self.staging = init_info.staging
+        if self.group is not None:
+            self.shutdown()
+        rank = self._worker_rank(init_info)
+        self._floor = self._session_version = None  # a new group: its update numbers start again
+        self.group = TransferGroup.create(init_info.rendezvous, rank=rank,
+                                          world_size=init_info.world_size,
+                                          timeout_s=init_info.timeout_s,
+                                          name=init_info.group_name,
+                                          secret_file=init_info.secret_file or None,
+                                          insecure=bool(init_info.insecure))
+        log.info("unisleep weight transfer: joined %s as rank %d/%d", init_info.rendezvous,
+                 rank, init_info.world_size)
+
+    def start_weight_update(self) -> None:
+        if self.group is None:
+            raise RuntimeError("unisleep weight transfer not initialized: call "
+                               "init_weight_transfer_engine first")
+        self._check_weights_awake()
+        if self.staging == "device":
+            self._check_device_staging_fits()
+        self._staged = {}
+        self._verified = False
+        self._active = True
+        self._session_version = None  # version of this session's chunks (set by the first)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # the base class would call torch.accelerator.synchronize(), which raises on host
+        typed = self.parse_update_info(update_info)
+        if typed.abort:
+            self._staged = {}
+            self._verified = False
+            self._active = False
+            # vLLM has no abort route; an error here makes the worker close the session
+            raise RuntimeError(f"{ABORTED}; nothing was applied and the served weights are unchanged")
+        try:
+            self.receive_weights(typed)
+        except BaseException:
+            self._staged = {}   # the worker aborts the session; drop the partial staging
+            self._verified = False
+            self._active = False
+            raise
+        if self.device.type != "cpu" and hasattr(torch, "accelerator"):
+            torch.accelerator.synchronize()
+
+    def _check_device_staging_fits(self) -> None:
+        """Device staging holds a whole update on the device: refuse it, before anything is
+        received, unless the update (sized from the target's checkpoint) fits in free memory."""
+        from ..backup import host_available_bytes
+        from ..units import human_bytes
+
+        need = checkpoint_nbytes(str(getattr(self.model_config, "model", "") or ""))
+        if need is None:
+            raise TransferError("device staging needs the update's size, read from a local safetensors "
+                                "checkpoint, and there is none: use staging='host' (the default). "
+                                "Nothing was received.")
+        if self.device.type == "cpu":
+            free = host_available_bytes()
+        else:
+            free = int(torch.accelerator.get_memory_info(self.device)[0])
+        if not free or need > 0.9 * free:
+            raise TransferError(
+                f"device staging of {human_bytes(need)} does not fit: {human_bytes(free)} is free on "
+                f"{self.device} (90 % may be used); use staging='host' (the default, pinned host "
+                "memory). Nothing was received.")
+
+    def _stage(self, named: list) -> None:
+        """Keep one verified bucket's tensors (views of transfer memory, valid during the call):
+        in pinned host memory (accelerators; plain host memory on CPU) or, when opted in, as a
+        device copy."""
+        pin = self.staging == "host" and self.device.type != "cpu"
+        for name, t in named:
+            name = self.rename.get(name, name)
+            t = t.detach()
+            if self.staging == "device":
+                self._staged[name] = t.clone()
+            else:
+                dst = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+                dst.copy_(t, non_blocking=pin)  # into pinned memory: one wait for the bucket below
+                self._staged[name] = dst
+        if pin:  # the views of transfer memory are reused once this returns
+            torch.accelerator.synchronize()
+
+    def receive_weights(self, update_info) -> None:
+        from ..transfer import WeightReceiver
+
+        if not self._active:
+            raise RuntimeError("update_weights without start_weight_update")
+        t0 = time.perf_counter()
+        # versions increase from one update to the next; the chunks of one update share theirs
+        # staged=False: each verified bucket goes straight to this engine's own staging (host by
+        # default), so the transfer holds two bucket buffers on the device, not a second copy
+        # of the update; atomicity comes from that staging (the model is touched in finish)
+        # one receiver per group, kept across chunks and updates: it remembers the sender's
+        # manifests (a sender reuses them when the specs repeat) and its IPC connection
+        if self._rx is None or self._rx.group is not self.group:
+            self._rx = WeightReceiver(self.group, apply=self._stage, staged=False)
+        rx = self._rx
+        if self._session_version is None:
+            rx.version, rx.allow_equal_versions = self._floor, bool(update_info.allow_equal_versions)
+        else:
+            rx.version, rx.allow_equal_versions = self._session_version, True
+        report = rx.receive()
+        tag = getattr(report, "version", None)
+        # the sender's transfer version is "<update number>:<label>" (VLLMWeightPusher): the
+        # number increases from update to update, the label is vLLM's weight version
+        got = str(tag).split(":", 1)[1] if isinstance(tag, str) and ":" in tag else tag
+        if update_info.version is not None and got is not None and str(got) != update_info.version:
+            raise TransferError(f"the sender sent version {got!r}, the update announced "
+                                f"{update_info.version!r}; nothing was applied")
+        self.last_version = None if got is None else str(got)
+        if self._session_version is None:
+            self._session_version = tag
+        log.info("unisleep weight transfer: staged %d tensors (version %s) over %s in %.3f s",
+                 len(self._staged), self.last_version, getattr(report, "path", "?"),
+                 time.perf_counter() - t0)
+        if update_info.final:
+            self._verify_coverage(update_info.partial)
+            self._verified = True
+
+    def _verify_coverage(self, partial: bool) -> None:
+        expected = self._expected_specs()
+        if expected is None:
+            log.warning("unisleep weight transfer: no local checkpoint to check coverage against")
+            return
+        unknown = sorted(n for n in self._staged if n not in expected)
+        if unknown:
+            raise TransferError(f"update names {len(unknown)} tensor(s) the checkpoint does not "
+                                f"have, e.g. {unknown[:3]}; nothing was applied")
+        bad = [(n, tuple(t.shape), expected[n]) for n, t in self._staged.items()
+               if tuple(t.shape) != tuple(expected[n])]
+        if bad:
+            n, got, want = bad[0]
+            raise TransferError(f"{len(bad)} tensor(s) have the wrong shape, e.g. {n}: {got} "
+                                f"instead of {want}; nothing was applied")
+        missing = sorted(n for n in expected if n not in self._staged)
+        if missing and not partial:
+            raise TransferError(
+                f"incomplete update: {len(missing)} of {len(expected)} checkpoint tensors "
+                f"missing (e.g. {missing[:3]}); nothing was applied and the served weights are "
+                "unchanged (send every tensor, or mark the update partial=True)")
+
+    def finish_weight_update(self) -> None:
+        if not self._verified:
+            raise TransferError("finish_weight_update before a final, verified update_weights "
+                                "chunk; nothing was applied (send the last chunk with "
+                                "final=True, then finish)")
+        self._check_weights_awake()  # the engine may have been put to sleep since the start
+        from vllm.model_executor.model_loader.reload import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+
+        staged, self._staged = self._staged, {}
+        self._verified = False
+        self._active = False
+        t0 = time.perf_counter()
+        try:
+            with torch.no_grad(), self._apply_context():
+                initialize_layerwise_reload(self.model)
+                self.model.load_weights(iter(staged.items()))
+                finalize_layerwise_reload(self.model, self.model_config)
+        except Exception as e:
+            log.error("unisleep weight transfer: %s (%s: %s)", RESTART_REQUIRED,
+                      type(e).__name__, e)
+            raise RuntimeError(f"{RESTART_REQUIRED} ({type(e).__name__}: {e})") from e
+        self.applied_versions.append(self.last_version)
+        self._floor, self._session_version = self._session_version, None
+        log.info("unisleep weight transfer: applied %d tensors (version %s) in %.3f s",
+                 len(staged), self.last_version, time.perf_counter() - t0)
+
+    def abort_session(self) -> bool:
+        """Drop what the open session staged (the served weights stay); True when one was open."""
+        was = bool(self._active or self._staged)
+        self._staged = {}
+        self._verified = self._active = False
+        self._session_version = None
+        return was
+
+    def _apply_context(self):
+        """Context of the apply step (vLLM's worker already sets the config for its engine)."""
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def shutdown(self) -> None:
+        rx, self._rx = self._rx, None
+        if rx is not None:
+            try:
+                rx.close()
+            except Exception:  # pragma: no cover
+                pass
+        group, self.group = self.group, None
+        self._staged = {}
+        self._active = self._verified = False
+        if group is not None:
+            try:
+                group.close()
+            except Exception:  # pragma: no cover
+                pass
+
+
+
+class WorkerReceiver(ReceiverCore):
+    """A :class:`ReceiverCore` over a vLLM worker's model (the worker extension's)."""
+
+    def __init__(self, worker) -> None:
+        self.worker = worker
+        self._init_core()
+
+    @property
+    def model(self):
+        runner = self.worker.model_runner
+        get = getattr(runner, "get_model", None)
+        return get() if callable(get) else runner.model
+
+    @property
+    def model_config(self):
+        return self.worker.vllm_config.model_config
+
+    @property
+    def parallel_config(self):
+        return self.worker.vllm_config.parallel_config
+
+    @property
+    def device(self) -> torch.device:
+        dev = getattr(self.worker, "device", None)
+        return dev if isinstance(dev, torch.device) else torch.device("cpu")
+
+    def _apply_context(self):
+        """The worker's vLLM config and device, as vLLM's own worker sets them around its
+        weight-update calls."""
+        import contextlib
+
+        stack = contextlib.ExitStack()
+        try:
+            from vllm.config import set_current_vllm_config
+
+            stack.enter_context(set_current_vllm_config(self.worker.vllm_config))
+        except ImportError:  # pragma: no cover - every vLLM unisleep supports has it
+            pass
+        stack.enter_context(torch.device(self.device))
+        return stack
+
+    def parse_init_info(self, data) -> TransferInit:
+        return parse_fields(TransferInit, data, "init_info")
+
+    def parse_update_info(self, data) -> TransferUpdate:
+        return parse_fields(TransferUpdate, data, "update_info")
+
+
+__all__ = ["ReceiverCore", "WorkerReceiver", "TransferInit", "TransferUpdate", "INIT_FIELDS",
+           "UPDATE_FIELDS", "checkpoint_specs", "checkpoint_nbytes", "STAGING", "RESTART_REQUIRED",
+           "ABORTED", "parse_fields"]
