@@ -145,7 +145,7 @@ class AscendDriver(Driver):
             import torch
             import torch_npu  # noqa: F401  (registers the "npu" device type)
 
-            from . import BACKEND
+            from .descriptor import BACKEND
 
             self._tensor_device = torch.device(BACKEND.torch_device, self.device)
         return self._tensor_device

@@ -31,7 +31,7 @@ from typing import Iterator
 from unisleep.backends._pool import FREE, MALLOC, TagAllocator, alloc_conf, expandable_on, no_expandable_segments
 from unisleep.errors import UnsupportedError
 
-from . import BACKEND
+from .descriptor import BACKEND
 
 #: where torch_npu reads its allocator settings, first match wins
 CONF_VARS = BACKEND.alloc_conf_vars

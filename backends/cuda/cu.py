@@ -37,7 +37,7 @@ def driver():
     if _cu is None:
         with _lock:
             if _cu is None:
-                from . import BACKEND
+                from .descriptor import BACKEND
 
                 try:
                     from cuda.bindings import driver as cu  # cuda-bindings >= 12.6

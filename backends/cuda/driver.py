@@ -289,7 +289,7 @@ class CudaDriver(Driver):
         """The digests' device temporaries in a private pool, freed once they are read."""
         from unisleep.backends._pool import DigestScratch
 
-        from . import BACKEND
+        from .descriptor import BACKEND
 
         return DigestScratch.for_device(self.device, BACKEND.device_module())
 

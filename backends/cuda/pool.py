@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from unisleep.backends._pool import PoolRouter as _Router
 
-from . import BACKEND, cu
+from . import cu
+from .descriptor import BACKEND
 
 #: where torch reads its allocator settings on a CUDA build, first match wins
 CONF_VARS = BACKEND.alloc_conf_vars

@@ -4,20 +4,7 @@ It is the fallback of detection (priority 0: every other backend is asked first)
 embedded default on a machine without an accelerator.
 """
 
-from unisleep.backend import Backend
-
-BACKEND = Backend(
-    name="host",
-    package=__name__,
-    torch_device="cpu",
-    driver=".driver:HostDriver",
-    detect=".detect:detect",
-    priority=0,
-    store=".spill:SpillStore",
-    collective=".collective",
-    ipc=".ipc",
-    extra="test",
-)
+from .descriptor import BACKEND
 
 
 def __getattr__(name):

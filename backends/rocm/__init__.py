@@ -3,24 +3,7 @@ driver is created).  The bindings are checked against the real HIP 5.2.3 runtime
 (tests/test_hip_real.py), the driver's logic against the simulated HIP library in tests/sim;
 not run on ROCm hardware — see docs/rocm.md."""
 
-from unisleep.backend import Backend
-
-BACKEND = Backend(
-    name="rocm",
-    package=__name__,
-    torch_device="cuda",  # a ROCm build of torch calls its HIP devices "cuda"
-    driver=".driver:RocmDriver",
-    detect=".detect:detect",
-    priority=20,  # before CUDA: a ROCm machine may have CUDA-looking device nodes, never the reverse
-    store=".store:HipHostStore",
-    collective=".collective",
-    pool=".pool",
-    graph_class="torch.cuda:CUDAGraph",  # HIP graphs in a ROCm build of torch
-    environment_warnings=".config:environment_warnings",
-    alloc_conf_vars=("PYTORCH_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"),
-    packages=(("amdsmi", "amdsmi"),),
-    extra="rocm",
-)
+from .descriptor import BACKEND
 
 _LAZY = {"RocmDriver": ".driver", "HipHandle": ".driver", "FileLimitError": ".driver", "AddressMovedError": ".driver",
          "HipError": ".hip", "HipNoDeviceError": ".hip"}

@@ -133,7 +133,7 @@ class RocmDriver(Driver):
         self._fd_ok_below = 0  # handle count under which the descriptor limit is known to be fine
         import torch
 
-        from . import BACKEND
+        from .descriptor import BACKEND
 
         self._tensor_device = torch.device(tensor_device) if tensor_device is not None else torch.device(
             BACKEND.torch_device, device

@@ -14,7 +14,7 @@ from typing import Optional
 
 from unisleep.backends._pool import PoolRouter as _Router
 
-from . import BACKEND
+from .descriptor import BACKEND
 
 #: where a ROCm build of torch reads its allocator settings, first match wins
 CONF_VARS = BACKEND.alloc_conf_vars
