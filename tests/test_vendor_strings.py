@@ -120,7 +120,7 @@ def test_no_vendor_strings_outside_platform():
 def test_checker_sees_the_vendor_names_where_they_live():
     """The backends' descriptors and collectives name their vendors: the checker must see them."""
     words = set()
-    for rel in ("cuda/__init__.py", "rocm/__init__.py", "ascend/__init__.py", "cuda/collective.py",
+    for rel in ("cuda/descriptor.py", "rocm/descriptor.py", "ascend/descriptor.py", "cuda/collective.py",
                 "ascend/collective.py"):
         path = os.path.join(ROOT, "backends", rel)
         with open(path, encoding="utf-8") as f:
