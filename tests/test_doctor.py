@@ -146,7 +146,7 @@ def test_vllm_version_reported(clean_env, capsys):
     rep = json.loads(capsys.readouterr().out)
     assert rep["vllm_version"] == installed
     try:
-        from unisleep.engines import vllm_versions  # noqa: F401  (another engineer's module)
+        from unisleep.vllm_worker import versions as vllm_versions  # noqa: F401  (another engineer's module)
     except ImportError:
         assert rep["vllm"] == []
     else:

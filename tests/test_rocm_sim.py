@@ -671,8 +671,8 @@ def test_rocm_vllm_allocator_fails_closed_when_the_pool_cannot_route():
     """vLLM with unisleep's allocator on a ROCm driver that cannot route torch's allocations
     (here: the simulated library; on a machine: a torch that is not a ROCm build) is refused when
     vLLM asks for the allocator — never a sleep that frees 0 bytes."""
-    from unisleep import vllm_plugin
-    from unisleep.engines.vllm_allocator import UnisleepAllocator
+    from unisleep.vllm_worker import plugin as vllm_plugin
+    from unisleep.vllm_worker.allocator import UnisleepAllocator
 
     lib, drv = make()
     UnisleepAllocator.reset_instance()

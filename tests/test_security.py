@@ -459,9 +459,9 @@ def test_nothing_in_the_transfer_path_unpickles():
     pat = re.compile(r"\bpickle\.loads?\b|\bimport pickle\b|\btorch\.load\(|\bcloudpickle\b|\bmarshal\.loads?\b")
     files = [os.path.join(ROOT, "unisleep", "transfer", f) for f in os.listdir(os.path.join(ROOT, "unisleep", "transfer"))
              if f.endswith(".py")]
-    files += [os.path.join(ROOT, "unisleep", "engines", f) for f in
-              ("vllm_weight_transfer.py", "vllm_trainer.py", "vllm_async.py", "vllm_receiver.py",
-               "vllm_worker_ext.py")]
+    files += [os.path.join(ROOT, "unisleep", "engines", f) for f in ("vllm_trainer.py", "vllm_async.py")]
+    files += [os.path.join(ROOT, "unisleep", "vllm_worker", f) for f in
+              os.listdir(os.path.join(ROOT, "unisleep", "vllm_worker")) if f.endswith(".py")]
     files += [os.path.join(ROOT, "unisleep", "integrations", f) for f in ("verl.py", "openrlhf.py")]
     for f in files:
         for n, line in enumerate(open(f), 1):

@@ -139,12 +139,12 @@ def test_weights_asleep_reads_camems_real_state_and_fails_closed(vllm_ascend, mo
     """vllm_weights_asleep over vllm-ascend's real CaMemAllocator, driven through its real sleep
     and wake_up: offloaded weights (level 1) are asleep; weights without a host backup — awake,
     or discarded by a level 2 sleep, which CaMem does not tell apart — are refused (None)."""
-    from unisleep import vllm_plugin
-    from unisleep.engines.vllm_allocator import UnisleepAllocator, vllm_weights_asleep
+    from unisleep.vllm_worker import plugin as vllm_plugin
+    from unisleep.vllm_worker.allocator import UnisleepAllocator, vllm_weights_asleep
 
     camem = vllm_ascend.camem
     monkeypatch.setattr(UnisleepAllocator, "instance", None)
-    monkeypatch.setitem(vllm_plugin._ALLOCATOR_CLASSES, camem.__name__, "CaMemAllocator")
+    monkeypatch.setitem(vllm_plugin.ALLOCATOR_CLASSES, camem.__name__, "CaMemAllocator")
     keep: list = []
     w = _allocate(camem, "weights", 4096, keep)
     _allocate(camem, "kv_cache", 8192, keep)
@@ -234,7 +234,7 @@ def _worker(mod, vllm_ascend, events):
 ])
 def test_extra_cleanup_drives_vllm_ascends_own_manager(vllm_ascend, monkeypatch, rl_enabled, cleanup, env,
                                                        expect_driven):
-    from unisleep import vllm_plugin
+    from unisleep.vllm_worker import plugin as vllm_plugin
     from unisleep.backends.ascend import vllm_worker
 
     events = vllm_ascend.events

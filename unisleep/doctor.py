@@ -118,7 +118,7 @@ def platform_problems(plat) -> tuple[list[str], list[str]]:
 
 def _vllm_lines() -> list[str]:
     try:
-        from .engines import vllm_versions
+        from .vllm_worker import versions as vllm_versions
     except ImportError:
         return []
     try:

@@ -90,7 +90,7 @@ def test_vllm_allocator_capture_right_after_the_weights_load():
     preparation behind the load), KV cache, warm-up, capture in cudagraph_pool() at once, with a
     second large preparation started inside the capture."""
     p = _run("""
-        from unisleep.engines.vllm_allocator import UnisleepAllocator
+        from unisleep.vllm_worker.allocator import UnisleepAllocator
         alloc = UnisleepAllocator()
         with alloc.use_memory_pool(tag="weights"):
             w = torch.randint(0, 256, (6 << 30,), dtype=torch.uint8, device=dev)
@@ -193,7 +193,7 @@ SETUPS_AT_EXIT = {
     "vllm-allocator-awake-release-behind": """
         import os
         os.environ["UNISLEEP_RELEASE_BEHIND"] = "1"
-        from unisleep.engines.vllm_allocator import UnisleepAllocator
+        from unisleep.vllm_worker.allocator import UnisleepAllocator
         alloc = UnisleepAllocator()
         with alloc.use_memory_pool(tag="weights"):
             model = mlp()

@@ -10,7 +10,7 @@ SERVER_ARGS = ["--enforce-eager", "--max-model-len", "512", "--max-num-seqs", "8
 INPROCESS_KW = dict(dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=8,
                     kv_cache_memory_bytes=256 << 20, seed=0,
                     weight_transfer_config={"backend": "unisleep"},
-                    worker_extension_cls="unisleep.engines.vllm_worker_ext.UnisleepWorkerExtension")
+                    worker_extension_cls="unisleep.vllm_worker.extension.UnisleepWorkerExtension")
 
 
 def greedy(eng, n: int = 12):
@@ -31,7 +31,7 @@ VERSION_GATE = "is not in vLLM"
 
 
 def installed_vllm() -> str:
-    from unisleep.engines.vllm_versions import installed_vllm_version
+    from unisleep.vllm_worker.versions import installed_vllm_version
 
     return installed_vllm_version() or "0"
 
@@ -40,7 +40,7 @@ def needs_feature(feature: str):
     """Skip marker for a test of a vLLM feature this vLLM does not have (FEATURE_SINCE)."""
     import pytest
 
-    from unisleep.engines.vllm_versions import FEATURE_SINCE, has_feature
+    from unisleep.vllm_worker.versions import FEATURE_SINCE, has_feature
 
     v = installed_vllm()
     return pytest.mark.skipif(not has_feature(v, feature),

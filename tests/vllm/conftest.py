@@ -115,7 +115,7 @@ def http_engine(vllm_server, tiny_models, baseline_a):
 def vllm_inprocess(tiny_models):
     from unisleep.engines.vllm_inprocess import VLLMEngine
 
-    from unisleep.engines.vllm_versions import has_feature, installed_vllm_version
+    from unisleep.vllm_worker.versions import has_feature, installed_vllm_version
 
     kw = dict(INPROCESS_KW)
     if not has_feature(installed_vllm_version() or "0", "engine_session_api"):

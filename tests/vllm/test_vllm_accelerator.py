@@ -42,7 +42,7 @@ def test_vllm_sleeps_into_unisleep_on_the_accelerator(tiny_models, tmp_path):
     code = textwrap.dedent(f"""
         import json, torch
         from vllm import LLM
-        from unisleep.engines.vllm_allocator import UnisleepAllocator
+        from unisleep.vllm_worker.allocator import UnisleepAllocator
         prompts = [[0, 5, 17, 42, 99, 300], [0, 7, 7, 300, 12]]
         acc = getattr(torch, torch.accelerator.current_accelerator().type)
         llm = LLM(model={tiny_models[0]!r}, enable_sleep_mode=True, dtype="float32", enforce_eager=True,

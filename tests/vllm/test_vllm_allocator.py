@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from unisleep import MemoryLifecycle
-from unisleep.engines.vllm_allocator import DEFERRABLE_TAGS, UnisleepAllocator
-from unisleep.engines.vllm_sleep_backend import UnisleepSleepBackend, offload_tags_for
+from unisleep.vllm_worker.allocator import DEFERRABLE_TAGS, UnisleepAllocator
+from unisleep.vllm_worker.sleep_backend import UnisleepSleepBackend, offload_tags_for
 from unisleep.errors import InvalidArgumentError, UnsupportedError
 
 from _vllm_common import needs_feature
@@ -196,7 +196,7 @@ def test_plugin_makes_vllms_allocator_lookup_return_ours(monkeypatch):
     import vllm.device_allocator as da
     from vllm.device_allocator.cumem import CuMemAllocator
 
-    from unisleep import vllm_plugin
+    from unisleep.vllm_worker import plugin as vllm_plugin
 
     monkeypatch.setenv("UNISLEEP_PLATFORM", "host")
     vllm_plugin.install_allocator_hooks()
@@ -221,7 +221,7 @@ def test_plugin_makes_vllms_allocator_lookup_return_ours(monkeypatch):
 
 
 def test_plugin_env_switch(monkeypatch):
-    from unisleep import vllm_plugin
+    from unisleep.vllm_worker import plugin as vllm_plugin
 
     vllm_plugin.select_allocator(None)
     monkeypatch.setenv(vllm_plugin.ALLOCATOR_ENV, "0")
@@ -240,7 +240,7 @@ def test_graph_pool_property_extended_for_the_unisleep_backend():
     from vllm.config import CUDAGraphMode
     from vllm.config.vllm import VllmConfig
 
-    from unisleep import vllm_plugin
+    from unisleep.vllm_worker import plugin as vllm_plugin
 
     vllm_plugin.install_allocator_hooks()
     prop = VllmConfig.use_cumem_cudagraph_pool
@@ -269,7 +269,7 @@ def test_post_import_hook_reads_the_workers_config(tmp_path):
 
     code = (
         "import sys, types\n"
-        "from unisleep import vllm_plugin\n"
+        "from unisleep.vllm_worker import plugin as vllm_plugin\n"
         "print(sorted(vllm_plugin.register()))\n"
         "assert 'vllm.device_allocator.cumem' not in sys.modules\n"
         "from vllm.device_allocator.cumem import CuMemAllocator\n"

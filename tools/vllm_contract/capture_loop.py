@@ -52,7 +52,7 @@ def child(args) -> int:
     from vllm.device_allocator import get_mem_allocator_instance
     from vllm.device_allocator.sleep_mode_backend import SleepModeBackendFactory
 
-    from unisleep import vllm_plugin
+    from unisleep.vllm_worker import plugin as vllm_plugin
 
     name = "cumem" if args.child == "cumem" else "unisleep"
     vllm_plugin.register()

@@ -100,7 +100,7 @@ def run_backend(name: str, args) -> Run:
     from vllm.device_allocator import get_mem_allocator_instance
     from vllm.device_allocator.sleep_mode_backend import SleepModeBackendFactory
 
-    from unisleep import vllm_plugin
+    from unisleep.vllm_worker import plugin as vllm_plugin
 
     r = Run(name, args)
     behind = name == "unisleep" and args.release_behind
@@ -234,7 +234,7 @@ def run_backend(name: str, args) -> Run:
     del graph, y, weights, kv, rt, x, ref, rt_ref
     gc.collect()
     if name == "unisleep":
-        from unisleep.engines.vllm_allocator import UnisleepAllocator
+        from unisleep.vllm_worker.allocator import UnisleepAllocator
 
         UnisleepAllocator.reset_instance()
     else:
@@ -306,7 +306,7 @@ def main() -> int:
                          "the freed-memory checks wait for it (at most 1 s) and the table shows how long it took")
     args = ap.parse_args()
     _setup()
-    from unisleep import vllm_plugin
+    from unisleep.vllm_worker import plugin as vllm_plugin
 
     print("plugin:", vllm_plugin.register())
     runs = []

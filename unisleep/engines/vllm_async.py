@@ -64,34 +64,12 @@ from .vllm_common import (
     vllm_version,
 )
 
+from ..vllm_worker.methods import WORKER_RESIDENT_BYTES
+
 log = logging.getLogger(__name__)
 
 #: name of the private event-loop thread (tests look for leftovers by it)
 LOOP_THREAD_NAME = "unisleep-asyncllm"
-
-#: a method every vLLM worker gets (``collective_rpc`` by name: no callable crosses vLLM's link,
-#: so ``VLLM_ALLOW_INSECURE_SERIALIZATION`` is never needed): its sleep-mode allocator's awake bytes
-WORKER_RESIDENT_BYTES = "unisleep_resident_bytes"
-
-
-def _worker_resident_bytes(self) -> Optional[int]:
-    """Runs in a vLLM worker (``collective_rpc("unisleep_resident_bytes")``)."""
-    from .vllm_common import allocator_resident_bytes
-
-    return allocator_resident_bytes()
-
-
-def register_worker_methods() -> str:
-    """Give vLLM's workers the methods unisleep calls by name (idempotent; runs in each worker,
-    from the unisleep vLLM plugin and the unisleep weight-transfer engine)."""
-    try:
-        from vllm.v1.worker.worker_base import WorkerBase
-    except Exception as e:  # vLLM too old or absent
-        return f"unavailable ({type(e).__name__}: {e})"
-    if getattr(WorkerBase, WORKER_RESIDENT_BYTES, None) is None:
-        setattr(WorkerBase, WORKER_RESIDENT_BYTES, _worker_resident_bytes)
-    return "registered"
-
 
 class _LoopThread:
     """A private asyncio loop running forever in a daemon thread."""

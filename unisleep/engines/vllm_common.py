@@ -124,23 +124,7 @@ def no_weight_version(version: Optional[str]) -> "UnsupportedError":
         "collective_rpc('unisleep_weight_version') instead")
 
 
-def allocator_resident_bytes() -> Optional[int]:
-    """Bytes vLLM's sleep-mode allocator holds awake in *this* process (all its pools and tags);
-    None when the allocator cannot be read — also when its allocation records keep no sleep state
-    (vllm-ascend's ``CaMemAllocator`` has no ``is_asleep``: counting them all as awake would
-    overstate what is held)."""
-    try:
-        from vllm.device_allocator import get_mem_allocator_instance
-
-        data = list(get_mem_allocator_instance().pointer_to_data.values())
-    except Exception:
-        return None
-    if not all(hasattr(d, "is_asleep") for d in data):
-        return None
-    return sum(int(d.handle[1]) for d in data if not d.is_asleep)
-
-
 __all__ = ["SLEEP_TAGS", "WAKE_TAGS", "PAUSE_MODES", "check_level", "check_mode",
            "check_wake_tags", "record_sleep", "record_wake", "sampling_params", "to_generation",
-           "allocator_resident_bytes", "vllm_version", "import_error", "takes_version",
+           "vllm_version", "import_error", "takes_version",
            "finish_call", "no_weight_version"]

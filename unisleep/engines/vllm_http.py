@@ -28,7 +28,8 @@ from urllib.parse import urlsplit
 from ..addresses import is_loopback
 from ..errors import EngineError, InvalidArgumentError, InvalidTransitionError, UnsupportedError
 from .base import Engine, Generation
-from .vllm_versions import AcceptanceMeter, level2_refusal, spec_counters_from_metrics
+from ..vllm_worker.receiver import ABORTED as UPDATE_ABORTED
+from ..vllm_worker.versions import AcceptanceMeter, level2_refusal, spec_counters_from_metrics
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +42,6 @@ WAKE_WEIGHTS_FIRST = (
     "Call wake_up(['weights']) (POST /wake_up?tags=weights) before the weight update."
 )
 
-#: the answer of the unisleep transfer engine to ``/update_weights {"abort": true}``
-UPDATE_ABORTED = "unisleep weight update aborted on request"
 #: vLLM's worker answer when no update session is open
 NO_UPDATE_SESSION = "start_weight_update must be called before update_weights"
 
@@ -103,7 +102,7 @@ class VLLMHTTPEngine(Engine):
                  allow_level2_with_draft: bool = False) -> None:
         """``vllm_version``, ``speculative`` (a draft model is configured) and
         ``kv_cache_dtype`` default to what the server reports (``/version``, ``/server_info``);
-        they decide which known-bug workarounds apply (:mod:`.vllm_versions`)."""
+        they decide which known-bug workarounds apply (:mod:`unisleep.vllm_worker.versions`)."""
         self.base_url = check_engine_url(base_url, allow_remote=allow_remote)
         self._vllm_version = vllm_version
         self._speculative = speculative
@@ -509,18 +508,5 @@ def _redact(text: str, secret: Optional[str]) -> str:
     return text.replace(secret, "***") if secret else text
 
 
-# the launcher moved to vllm_server.py; these names stay importable from here
-_MOVED_TO_VLLM_SERVER = ("VLLMServer", "launch_vllm_server", "free_port", "process_tree_rss")
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED_TO_VLLM_SERVER:  # imported on first use: vllm_server imports this module
-        from . import vllm_server
-
-        return getattr(vllm_server, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 __all__ = ["VLLMHTTPEngine", "check_engine_url", "is_loopback_host", "RemoteEngineRefusedError",
-           "WAKE_WEIGHTS_FIRST", "UPDATE_ABORTED", "NO_UPDATE_SESSION", "parse_sleep_state",
-           *_MOVED_TO_VLLM_SERVER]
+           "WAKE_WEIGHTS_FIRST", "UPDATE_ABORTED", "NO_UPDATE_SESSION", "parse_sleep_state"]

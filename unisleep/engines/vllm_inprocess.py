@@ -20,12 +20,12 @@ from typing import Any, Optional, Sequence
 
 from ..errors import EngineError, InvalidArgumentError, InvalidTransitionError, UnsupportedError
 from .base import Engine, Generation
-from .vllm_versions import AcceptanceMeter, level2_refusal, spec_counters_from_reader
+from ..vllm_worker.methods import allocator_resident_bytes
+from ..vllm_worker.versions import AcceptanceMeter, level2_refusal, spec_counters_from_reader
 from .vllm_common import (  # noqa: F401  (SLEEP_TAGS, WAKE_TAGS, PAUSE_MODES: re-exported)
     PAUSE_MODES,
     SLEEP_TAGS,
     WAKE_TAGS,
-    allocator_resident_bytes,
     check_level,
     check_mode,
     check_wake_tags,

@@ -14,8 +14,8 @@ this process sends the chunk over the :class:`~unisleep.transfer.TransferGroup`,
 ``finish_weight_update(version)``.  With ``route="engine"`` (the default) the engine must have
 been started with ``--weight-transfer-config '{"backend": "unisleep"}'`` (vLLM >= 0.25);
 ``route="extension"`` runs the same session through the unisleep worker methods
-(:mod:`unisleep.engines.vllm_worker_ext`, over ``collective_rpc``; the engine started with
-``--worker-extension-cls unisleep.engines.vllm_worker_ext.UnisleepWorkerExtension``) — the path
+(:mod:`unisleep.vllm_worker.extension`, over ``collective_rpc``; the engine started with
+``--worker-extension-cls unisleep.vllm_worker.extension.UnisleepWorkerExtension``) — the path
 for vLLM 0.24, and for every later version.
 
 The group is authenticated with a 256-bit secret: by default a fresh one in a 0600 file in this
@@ -80,7 +80,7 @@ class VLLMWeightPusher:
         self.engine = engine
         self.route = route
         if route == "extension":
-            from .vllm_worker_ext import ExtensionRoute
+            from ..vllm_worker.extension import ExtensionRoute
 
             self._verbs = ExtensionRoute(engine)
         else:

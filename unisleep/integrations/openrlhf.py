@@ -45,7 +45,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional
 
-from ..engines.vllm_worker_ext import UnisleepWorkerExtension, _receiver
+from ..vllm_worker.extension import UnisleepWorkerExtension, _receiver
 from ..errors import InvalidArgumentError, UnsupportedError
 
 log = logging.getLogger(__name__)

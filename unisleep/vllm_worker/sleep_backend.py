@@ -2,8 +2,8 @@
 
 Selected with ``--enable-sleep-mode --sleep-mode-backend unisleep`` (the flag exists from vLLM
 0.33; 0.25-0.32 have the factory and the ``ModelConfig`` field but no flag) once
-:mod:`unisleep.vllm_plugin` registered it.  With that choice the plugin also makes vLLM's
-``get_mem_allocator_instance()`` return :class:`~unisleep.engines.vllm_allocator.UnisleepAllocator`,
+:mod:`unisleep.vllm_worker.plugin` registered it.  With that choice the plugin also makes vLLM's
+``get_mem_allocator_instance()`` return :class:`~unisleep.vllm_worker.allocator.UnisleepAllocator`,
 so the memory this backend suspends — weights, KV cache, runtime, workspace and graph pools —
 lives in one :class:`~unisleep.MemoryLifecycle` per worker.  vLLM calls exactly
 ``suspend(level)``, ``resume(tags)`` and ``discard(tags)``; the mapping is vLLM's own:
@@ -51,7 +51,7 @@ def offload_tags_for(level: int) -> tuple[str, ...]:
 
 
 class UnisleepSleepBackend(_Base):
-    """vLLM's sleep-mode backend over :class:`~unisleep.engines.vllm_allocator.UnisleepAllocator`."""
+    """vLLM's sleep-mode backend over :class:`~unisleep.vllm_worker.allocator.UnisleepAllocator`."""
 
     def __init__(self, allocator=None) -> None:
         if _Base is not object:

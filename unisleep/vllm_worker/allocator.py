@@ -55,6 +55,19 @@ log = logging.getLogger("unisleep.vllm")
 
 #: vLLM's ``DEFERRABLE_TAGS``: a selective wake may leave these asleep; every other tag wakes
 DEFERRABLE_TAGS: tuple[str, ...] = ("weights", "kv_cache")
+#: vLLM's own allocator modules, by the name each vLLM gives them: vLLM main moved
+#: ``vllm.device_allocator`` to ``vllm.backends.platform.device_allocator`` and left the old
+#: names as shims (a module forwarding attribute reads; ``cumem`` and ``sleep_mode_backend`` as
+#: ``sys.modules`` aliases), so the canonical module is the one patched; the released versions
+#: (0.24-0.33) have only the old names
+DEVICE_ALLOCATOR_MODULES = ("vllm.backends.platform.device_allocator", "vllm.device_allocator")
+CUMEM_MODULES = tuple(f"{m}.cumem" for m in DEVICE_ALLOCATOR_MODULES)
+#: vLLM's sleep-mode allocator classes the plugin redirects, module -> class name (an
+#: out-of-tree platform plugin's own allocator, e.g. vllm-ascend's ``CaMemAllocator``, is added
+#: by the plugin's ``install_allocator_hooks`` from the platform plugin's package name)
+ALLOCATOR_CLASSES = {m: "CuMemAllocator" for m in CUMEM_MODULES}
+PLUGIN_ALLOCATOR = ("device_allocator.camem", "CaMemAllocator")
+
 DEFAULT_TAG = "default"
 EXTRA_CLEANUP_ENV = "UNISLEEP_EXTRA_CLEANUP"
 GRAPH_TAG = "cudagraph"  # vLLM's tag name for graph-capture memory
@@ -318,9 +331,7 @@ def vllm_weights_asleep() -> tuple[Optional[bool], str]:
         problems.append(f"get_mem_allocator_instance(): {type(e).__name__}: {e}")
     import sys
 
-    from .. import vllm_plugin
-
-    for mod, cls_name in list(vllm_plugin._ALLOCATOR_CLASSES.items()):  # a platform plugin's own
+    for mod, cls_name in list(ALLOCATOR_CLASSES.items()):  # a platform plugin's own
         cls = getattr(sys.modules.get(mod), cls_name, None)
         if cls is not None and getattr(cls, "instance", None) is not None:
             allocs.append(cls.instance)

@@ -1,6 +1,6 @@
 """The ``unisleep`` weight-transfer engine for vLLM: receives weights over :mod:`unisleep.transfer`.
 
-Registered by :mod:`unisleep.vllm_plugin`; selected with
+Registered by :mod:`unisleep.vllm_worker.plugin`; selected with
 ``--weight-transfer-config '{"backend": "unisleep"}'`` (or ``LLM(...,
 weight_transfer_config={"backend": "unisleep"})``).  It runs vLLM's own protocol
 (``/init_weight_transfer_engine`` → ``/start_weight_update`` → ``/update_weights`` ×N →
@@ -14,7 +14,7 @@ has no session: its worker starts the layerwise reload before the engine receive
 refused update would leave the model unusable, and its worker synchronizes an accelerator after
 every chunk (which raises on CPU).  On 0.24 the engine therefore refuses to be built, with an
 error naming the path that works there: the worker extension
-(:mod:`unisleep.engines.vllm_worker_ext`, ``VLLMWeightPusher(engine, route="extension")``).
+(:mod:`unisleep.vllm_worker.extension`, ``VLLMWeightPusher(engine, route="extension")``).
 
 Differences from vLLM's built-in engines, on purpose:
 
@@ -51,7 +51,7 @@ route: the call answers with an error naming :data:`ABORTED`, and the worker clo
 as it does for every failed chunk).
 The apply step uses vLLM's ``initialize_layerwise_reload`` → ``model.load_weights`` →
 ``finalize_layerwise_reload``, as its own checkpoint-format engines do.  The session logic lives
-in :class:`~unisleep.engines.vllm_receiver.ReceiverCore`, shared with the worker extension.
+in :class:`~unisleep.vllm_worker.receiver.ReceiverCore`, shared with the worker extension.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ from typing import Any, Iterable, Optional
 import torch
 
 from ..errors import UnsupportedError
-from .vllm_receiver import (  # noqa: F401  (re-exported: tests and callers import them here)
+from .receiver import (  # noqa: F401  (re-exported: tests and callers import them here)
     ABORTED,
     RESTART_REQUIRED,
     STAGING,
@@ -105,7 +105,7 @@ LEGACY_API_REFUSAL = (
     "update would leave the model unusable, and its worker synchronizes an accelerator after "
     "every chunk. Drop --weight-transfer-config (weight_transfer_config=) and use unisleep's "
     "worker extension instead: --worker-extension-cls "
-    "unisleep.engines.vllm_worker_ext.UnisleepWorkerExtension (worker_extension_cls=) with "
+    "unisleep.vllm_worker.extension.UnisleepWorkerExtension (worker_extension_cls=) with "
     "VLLMWeightPusher(engine, route='extension'), or upgrade vLLM.")
 
 
@@ -141,7 +141,7 @@ class UnisleepWeightTransferEngine(ReceiverCore,
             log.error("unisleep weight transfer: %s", LEGACY_API_REFUSAL)
             raise UnsupportedError(LEGACY_API_REFUSAL)
         super().__init__(config, vllm_config, device, model)
-        from .vllm_async import register_worker_methods
+        from .methods import register_worker_methods
 
         register_worker_methods()  # memory figures by method name (no insecure serialization)
         self._init_core()
@@ -155,7 +155,7 @@ class UnisleepWeightTransferEngine(ReceiverCore,
         ``trainer_args``: the pusher (already ``init()``-ed), or a dict ``{"pusher": pusher,
         "version": "step-7", "chunks": 1, "partial": False}``; the whole protocol (start,
         chunks, finish) runs, as :meth:`VLLMWeightPusher.push` does."""
-        from .vllm_trainer import VLLMWeightPusher
+        from ..engines.vllm_trainer import VLLMWeightPusher
 
         args = {"pusher": trainer_args} if isinstance(trainer_args, VLLMWeightPusher) else trainer_args
         if not isinstance(args, dict) or not isinstance(args.get("pusher"), VLLMWeightPusher):

@@ -289,8 +289,8 @@ FEATURE_SINCE = {
 #: [since, until): vLLM's engine base class declares trainer_send_weights abstract (unisleep's
 #: engine defines it)
 TRAINER_SEND_ABSTRACT = ("0.24.0", "0.28.0")
-#: vLLM's worker_extension_cls for unisleep's worker methods (unisleep.engines.vllm_worker_ext)
-EXTENSION = "unisleep.engines.vllm_worker_ext.UnisleepWorkerExtension"
+#: vLLM's worker_extension_cls for unisleep's worker methods (unisleep.vllm_worker.extension)
+EXTENSION = "unisleep.vllm_worker.extension.UnisleepWorkerExtension"
 #: the oldest vLLM unisleep's integration is built and tested for
 OLDEST_SUPPORTED = "0.24.0"
 

@@ -1,5 +1,5 @@
 """The receiving side of unisleep's vLLM weight transfer, shared by the weight-transfer engine
-(:mod:`.vllm_weight_transfer`, vLLM >= 0.25) and the worker extension (:mod:`.vllm_worker_ext`,
+(:mod:`.transfer_engine`, vLLM >= 0.25) and the worker extension (:mod:`.extension`,
 every vLLM from 0.24, called through ``collective_rpc``).
 
 :class:`ReceiverCore` runs one update session: ``start_weight_update`` (weights awake? device
@@ -27,9 +27,11 @@ from typing import Any, Optional
 import torch
 
 from ..errors import InvalidArgumentError, InvalidTransitionError, TransferError
-from .vllm_http import UPDATE_ABORTED as ABORTED
 
-log = logging.getLogger("unisleep.engines.vllm_weight_transfer")
+#: the answer of the unisleep transfer engine to ``update_weights({"abort": true})``
+ABORTED = "unisleep weight update aborted on request"
+
+log = logging.getLogger("unisleep.vllm_worker.transfer_engine")
 
 RESTART_REQUIRED = ("the vLLM engine must be restarted: applying the verified update failed "
                     "after the model entered layerwise-reload state")
@@ -37,7 +39,7 @@ RESTART_REQUIRED = ("the vLLM engine must be restarted: applying the verified up
 
 @dataclass
 class TransferInit:
-    """init_info of an update group (see :mod:`.vllm_weight_transfer` for the fields)."""
+    """init_info of an update group (see :mod:`.transfer_engine` for the fields)."""
     rendezvous: str = ""
     rank_offset: int = 1
     world_size: int = 2
@@ -172,7 +174,7 @@ class ReceiverCore:
         mc = getattr(self, "_default_model_config", self.model_config)
         if not getattr(mc, "enable_sleep_mode", False):
             return  # vLLM keeps no sleep pools: the weights are never released
-        from .vllm_allocator import vllm_weights_asleep
+        from .allocator import vllm_weights_asleep
 
         asleep, how = vllm_weights_asleep()
         if asleep is None:

@@ -1,0 +1,156 @@
+"""The layering holds, read from the code's own imports (every ``import`` statement, also those
+inside functions): no import circle among the modules of unisleep/ and backends/, and backends/
+imports nothing above the driver layer (docs/lifecycle.md, "Writing a backend")."""
+
+from __future__ import annotations
+
+import ast
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+#: what a backend may import of unisleep: the errors and units, the driver contract and its
+#: shared pieces, the descriptor types and registry, the graph-capture gate, the keyed digest the
+#: drivers compute, release behind a sleep, address helpers — and the backends themselves
+DRIVER_LAYER = {
+    "unisleep", "unisleep.errors", "unisleep.units", "unisleep.region", "unisleep.driver", "unisleep.backup",
+    "unisleep.backend", "unisleep.registry", "unisleep.graph_capture", "unisleep.keyed_hash",
+    "unisleep.release_behind", "unisleep.addresses",
+}
+
+
+def module_name(path: str) -> str:
+    parts = os.path.relpath(path, ROOT)[:-3].split(os.sep)
+    if parts[0] == "backends":
+        parts = ["unisleep", "backends"] + parts[1:]
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def modules(root: str = ROOT) -> dict[str, str]:
+    out = {}
+    for top in ("unisleep", "backends"):
+        for d, dirs, files in os.walk(os.path.join(root, top)):
+            dirs[:] = [x for x in dirs if x != "__pycache__"]
+            for f in files:
+                if f.endswith(".py"):
+                    path = os.path.join(d, f)
+                    out[module_name(path) if root == ROOT else _rel_name(root, path)] = path
+    return out
+
+
+def _rel_name(root: str, path: str) -> str:
+    parts = os.path.relpath(path, root)[:-3].split(os.sep)
+    if parts[0] == "backends":
+        parts = ["unisleep", "backends"] + parts[1:]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(mods: dict[str, str]) -> dict[str, set[str]]:
+    """module -> the modules of the project it imports (a name imported from a package counts as
+    its submodule when there is one, else as the package)."""
+    graph = {}
+    for name, path in mods.items():
+        base = name if path.endswith("__init__.py") else name.rpartition(".")[0]
+        deps = set()
+        for node in ast.walk(ast.parse(open(path, encoding="utf-8").read(), path)):
+            if isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    pkg = base.split(".")
+                    pkg = pkg[: len(pkg) - node.level + 1]
+                    target = ".".join(pkg + ([node.module] if node.module else []))
+                else:
+                    target = node.module
+                for a in node.names:
+                    sub = f"{target}.{a.name}"
+                    deps.add(sub if sub in mods else target)
+        out = set()
+        for d in deps:
+            while d and d not in mods:
+                d = d.rpartition(".")[0]
+            if d and d != name:
+                out.add(d)
+        graph[name] = out
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iterative)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = counter[0]
+        counter[0] += 1
+        stack.append(start)
+        on.add(start)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = counter[0]
+                    counter[0] += 1
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(graph.get(w, ())))))
+                elif w in on:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on.discard(w)
+                    comp.append(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    out.append(sorted(comp))
+    return out
+
+
+def test_the_walk_finds_imports_and_circles(tmp_path):
+    """The checks can fail: a made-up tree with a circle and a backend importing the lifecycle."""
+    (tmp_path / "unisleep" / "lifecycle").mkdir(parents=True)
+    (tmp_path / "backends" / "x").mkdir(parents=True)
+    files = {
+        "unisleep/__init__.py": "",
+        "unisleep/a.py": "from . import b\n",
+        "unisleep/b.py": "def f():\n    from .a import g\n",
+        "unisleep/lifecycle/__init__.py": "",
+        "backends/__init__.py": "",
+        "backends/x/__init__.py": "",
+        "backends/x/driver.py": "from unisleep.lifecycle import MemoryLifecycle\nfrom unisleep import errors\n",
+    }
+    for rel, text in files.items():
+        (tmp_path / rel).write_text(text)
+    mods = modules(str(tmp_path))
+    graph = imports(mods)
+    assert circles(graph) == [["unisleep.a", "unisleep.b"]]
+    assert graph["unisleep.backends.x.driver"] == {"unisleep.lifecycle", "unisleep"}
+
+
+def test_no_import_circles():
+    found = circles(imports(modules()))
+    assert not found, "modules that import each other (break the circle: move what both need below them):\n" + \
+        "\n".join(" <-> ".join(c) for c in found)
+
+
+def test_backends_import_nothing_above_the_driver_layer():
+    graph = imports(modules())
+    above = []
+    for name, deps in sorted(graph.items()):
+        if not name.startswith("unisleep.backends"):
+            continue
+        for d in sorted(deps):
+            if not d.startswith("unisleep.backends") and d not in DRIVER_LAYER:
+                above.append(f"{name} -> {d}")
+    assert not above, "backends/ imports above the driver layer:\n" + "\n".join(above)

@@ -1,0 +1,46 @@
+"""The methods unisleep gives vLLM's workers, called by name over ``collective_rpc`` (no callable
+crosses vLLM's link, so ``VLLM_ALLOW_INSECURE_SERIALIZATION`` is never needed), and what they
+read in the worker's process."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+#: a method every vLLM worker gets: its sleep-mode allocator's awake bytes
+WORKER_RESIDENT_BYTES = "unisleep_resident_bytes"
+
+
+def allocator_resident_bytes() -> Optional[int]:
+    """Bytes vLLM's sleep-mode allocator holds awake in *this* process (all its pools and tags);
+    None when the allocator cannot be read — also when its allocation records keep no sleep state
+    (vllm-ascend's ``CaMemAllocator`` has no ``is_asleep``: counting them all as awake would
+    overstate what is held)."""
+    try:
+        from vllm.device_allocator import get_mem_allocator_instance
+
+        data = list(get_mem_allocator_instance().pointer_to_data.values())
+    except Exception:
+        return None
+    if not all(hasattr(d, "is_asleep") for d in data):
+        return None
+    return sum(int(d.handle[1]) for d in data if not d.is_asleep)
+
+
+def _worker_resident_bytes(self) -> Optional[int]:
+    """Runs in a vLLM worker (``collective_rpc("unisleep_resident_bytes")``)."""
+    return allocator_resident_bytes()
+
+
+def register_worker_methods() -> str:
+    """Give vLLM's workers the methods unisleep calls by name (idempotent; runs in each worker,
+    from the unisleep vLLM plugin and the unisleep weight-transfer engine)."""
+    try:
+        from vllm.v1.worker.worker_base import WorkerBase
+    except Exception as e:  # vLLM too old or absent
+        return f"unavailable ({type(e).__name__}: {e})"
+    if getattr(WorkerBase, WORKER_RESIDENT_BYTES, None) is None:
+        setattr(WorkerBase, WORKER_RESIDENT_BYTES, _worker_resident_bytes)
+    return "registered"
+
+
+__all__ = ["WORKER_RESIDENT_BYTES", "allocator_resident_bytes", "register_worker_methods"]
