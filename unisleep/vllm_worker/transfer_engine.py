@@ -155,10 +155,11 @@ class UnisleepWeightTransferEngine(ReceiverCore,
         ``trainer_args``: the pusher (already ``init()``-ed), or a dict ``{"pusher": pusher,
         "version": "step-7", "chunks": 1, "partial": False}``; the whole protocol (start,
         chunks, finish) runs, as :meth:`VLLMWeightPusher.push` does."""
-        from ..engines.vllm_trainer import VLLMWeightPusher
+        def is_pusher(x) -> bool:  # a VLLMWeightPusher (the trainer side, not imported into the worker)
+            return callable(getattr(x, "push", None)) and callable(getattr(x, "init", None))
 
-        args = {"pusher": trainer_args} if isinstance(trainer_args, VLLMWeightPusher) else trainer_args
-        if not isinstance(args, dict) or not isinstance(args.get("pusher"), VLLMWeightPusher):
+        args = {"pusher": trainer_args} if is_pusher(trainer_args) else trainer_args
+        if not isinstance(args, dict) or not is_pusher(args.get("pusher")):
             raise TypeError("trainer_args must be a VLLMWeightPusher or {'pusher': VLLMWeightPusher, "
                             f"'version': ...}}, got {type(trainer_args).__name__}")
         version = args.get("version")
