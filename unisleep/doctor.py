@@ -45,7 +45,7 @@ def _module_found(module: str) -> bool:
 
 
 def _spill_info() -> dict[str, Any]:
-    from .backends.host.spill import (RAM_FILESYSTEMS, check_spill_parent, clean_orphans, default_spill_parent,
+    from .backends.host.spill_dir import (RAM_FILESYSTEMS, check_spill_parent, clean_orphans, default_spill_parent,
                                       filesystem_type, tree_bytes)
     from .errors import SpillDirError
 
@@ -233,7 +233,7 @@ def render(report: dict[str, Any]) -> str:
 
 
 def _clean(spill_dir: Optional[str]) -> int:
-    from .backends.host.spill import clean_orphans, default_spill_parent, tree_bytes
+    from .backends.host.spill_dir import clean_orphans, default_spill_parent, tree_bytes
     from .units import human_bytes
 
     parent = os.path.abspath(spill_dir or default_spill_parent())

@@ -18,17 +18,13 @@ Trust rules:
 from __future__ import annotations
 
 import ctypes
-import errno
 import fcntl
 import itertools
 import json
 import logging
 import os
 import secrets
-import signal
 import stat as _stat
-import tempfile
-import threading
 import time
 import warnings
 from typing import Optional
@@ -38,271 +34,22 @@ from unisleep.errors import BackupCorruptError, BackupError, HostBudgetError, Sp
 from unisleep.units import human_bytes
 
 from .collective import boot_id
+from .spill_dir import (
+    DIR_FLAGS,
+    DIR_PREFIX,
+    MARKER_KIND,
+    OWNER_FILE,
+    RAM_FILESYSTEMS,
+    check_spill_parent,
+    clean_orphans,
+    default_spill_parent,
+    empty_dir,
+    exit_cleanly_on_sigterm,
+    filesystem_type,
+    unlink_at,
+)
 
 log = logging.getLogger("unisleep.host")
-
-RAM_FILESYSTEMS = {"tmpfs", "ramfs", "devtmpfs", "shm"}
-
-
-def filesystem_type(path: str) -> str:
-    """The type of the filesystem ``path`` lives on (longest mount-point match in /proc/mounts)."""
-    path = os.path.realpath(path)
-    best, fstype = "", "unknown"
-    try:
-        with open("/proc/mounts") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) < 3:
-                    continue
-                mnt = parts[1].replace("\\040", " ")
-                if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) > len(best):
-                    best, fstype = mnt, parts[2]
-    except OSError:
-        pass
-    return fstype
-
-
-OWNER_FILE = ".owner"
-DIR_PREFIX = "unisleep-"
-#: a dead owner's directory renamed here while it is removed (no start-up ever sees it again)
-REAP_PREFIX = ".unisleep-reap-"
-#: the ``kind`` of unisleep's owner marker: only directories carrying it are ever removed
-MARKER_KIND = "unisleep-spill-dir"
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-
-
-def clean_orphans(parent: str, remove: bool = True) -> list[str]:
-    """Remove the spill directories under ``parent`` whose owner is gone.  A directory is
-    removed only when it carries unisleep's marker (a private ``.owner`` file of this user,
-    written by :class:`SpillStore` after taking its lock) and that marker's lock is free, or it
-    was made before the last boot.  Nothing else is touched: no directory without a valid
-    marker (e.g. the private run directory ``unisleep-<uid>`` holding transfer-group secrets),
-    no other user's, no live or half-created one.  A directory being removed is first renamed
-    (under its owner's lock) so no other process sees it.  Returns the paths removed (with
-    ``remove=False``: the paths that would be)."""
-    removed: list[str] = []
-    try:
-        pfd = os.open(parent, _DIR_FLAGS & ~os.O_NOFOLLOW)
-    except OSError:
-        return removed
-    try:
-        names = os.listdir(pfd)
-        boot = boot_id()
-        for name in names:
-            if not (name.startswith(DIR_PREFIX) or name.startswith(REAP_PREFIX)):
-                continue
-            if _reap(pfd, parent, name, boot, remove):
-                removed.append(os.path.join(parent, name))
-    finally:
-        os.close(pfd)
-    return removed
-
-
-def _reap(pfd: int, parent: str, name: str, boot: str, remove: bool) -> bool:
-    """Remove ``parent/name`` if it is a spill directory of this user whose marked owner is
-    dead (``remove=False``: only say so).  True when it was (or would be) removed."""
-    me = os.geteuid()
-    try:
-        dfd = os.open(name, _DIR_FLAGS, dir_fd=pfd)
-    except OSError:  # gone, not a directory, a link, or not ours to read
-        return False
-    ofd = -1
-    try:
-        st = os.fstat(dfd)
-        if st.st_uid != me:
-            return False
-        try:
-            ofd = os.open(OWNER_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dfd)
-        except OSError:  # no marker (or not a plain file): not ours to judge
-            return False
-        info = _read_marker(ofd, me)
-        if info is None:  # not unisleep's marker, or still being written by a starting owner
-            return False
-        if info["boot_id"] == boot:
-            try:  # the marker is written only after its owner took this lock
-                fcntl.flock(ofd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                return False  # its owner lives
-        # else: made before the last boot, its process is gone
-        if not remove:
-            return True
-        shown = os.path.join(parent, name)
-        if name.startswith(DIR_PREFIX):
-            reap = f"{REAP_PREFIX}{secrets.token_hex(6)}"
-            try:
-                os.rename(name, reap, src_dir_fd=pfd, dst_dir_fd=pfd)
-            except OSError:  # removed meanwhile (its owner closed, another cleaner took it)
-                return False
-            name = reap
-        _empty_dir(dfd)
-        _unlink_at(OWNER_FILE, dfd)  # the marker goes last: an interrupted removal is retried
-        try:
-            os.rmdir(name, dir_fd=pfd)
-        except OSError as e:
-            log.warning("could not remove the spill directory %s left by a process that is gone (now %s): %s",
-                        shown, os.path.join(parent, name), e.strerror)
-            return False
-        log.warning("removed the spill directory %s left by a process that is gone", shown)
-        return True
-    finally:
-        if ofd >= 0:
-            os.close(ofd)
-        os.close(dfd)
-
-
-def _read_marker(fd: int, uid: int) -> Optional[dict]:
-    """The owner marker in ``fd`` when it is unisleep's: a regular file of ``uid``, not readable
-    by others, holding ``{"kind": MARKER_KIND, "pid": int, "boot_id": str, ...}``."""
-    try:
-        st = os.fstat(fd)
-        if not _stat.S_ISREG(st.st_mode) or st.st_uid != uid or st.st_mode & 0o077 or st.st_size > 4096:
-            return None
-        info = json.loads(os.pread(fd, 4096, 0))
-    except (OSError, ValueError):
-        return None
-    if (not isinstance(info, dict) or info.get("kind") != MARKER_KIND or not isinstance(info.get("pid"), int)
-            or not isinstance(info.get("boot_id"), str)):
-        return None
-    return info
-
-
-def _empty_dir(dfd: int) -> None:
-    """Remove everything in the directory ``dfd`` except its owner marker (without following
-    links; best effort)."""
-    try:
-        names = os.listdir(dfd)
-    except OSError:
-        return
-    for n in names:
-        if n == OWNER_FILE:
-            continue
-        try:
-            os.unlink(n, dir_fd=dfd)
-        except IsADirectoryError:
-            _remove_tree_at(n, dfd)
-        except OSError as e:
-            if e.errno in (errno.EISDIR, errno.EPERM):
-                _remove_tree_at(n, dfd)
-
-
-def _remove_tree_at(name: str, pfd: int) -> None:
-    try:
-        fd = os.open(name, _DIR_FLAGS, dir_fd=pfd)
-    except OSError:
-        return
-    try:
-        for n in os.listdir(fd):
-            try:
-                os.unlink(n, dir_fd=fd)
-            except OSError:
-                _remove_tree_at(n, fd)
-    finally:
-        os.close(fd)
-    try:
-        os.rmdir(name, dir_fd=pfd)
-    except OSError:
-        pass
-
-
-def _unlink_at(name: str, dfd: int) -> None:
-    try:
-        os.unlink(name, dir_fd=dfd)
-    except OSError:
-        pass
-
-
-def check_spill_parent(path: str, shown: Optional[str] = None) -> None:
-    """Raise :class:`~unisleep.errors.SpillDirError` unless no other user can swap ``path`` or
-    anything on the way to it: every directory from ``/`` to it (as given, and with links
-    resolved) must belong to root or to this user, and must not be writable by group or others
-    unless it is sticky (like ``/tmp``, where others cannot rename what is ours).  ``shown``:
-    the spill directory asked for, when ``path`` is the part of it that exists."""
-    me = os.geteuid()
-    shown = shown or path
-    seen = set()
-    for chain in (path, os.path.realpath(path)):
-        parts = chain.split("/")
-        for i in range(1, len(parts) + 1):
-            d = "/".join(parts[:i]) or "/"
-            if d in seen:
-                continue
-            seen.add(d)
-            try:
-                st = os.lstat(d)
-            except OSError as e:
-                raise SpillDirError(f"cannot check the spill directory {path!r}: {d}: {e.strerror}") from e
-            if _stat.S_ISLNK(st.st_mode):
-                continue  # the link's own directory is checked; its target is, through realpath
-            why = None
-            dn = d if d.rstrip("/") == shown.rstrip("/") else f"{d} (on the way to it)"
-            if st.st_uid not in (0, me):
-                why = f"{dn} belongs to uid {st.st_uid}, who can rename or replace what is in it"
-            elif st.st_mode & 0o022 and not st.st_mode & _stat.S_ISVTX:
-                who = "other users" if st.st_mode & 0o002 else "its group"
-                why = (f"{who} can write in {dn}, mode {oct(st.st_mode & 0o7777)} and not sticky, and so rename or "
-                       "replace what is in it")
-            if why:
-                raise SpillDirError(
-                    f"spill_dir {shown!r} is not safe: {why} — e.g. swap in links or files of theirs and get "
-                    f"the weights written where they can read them. Use a directory that only this user (uid {me}) "
-                    "or root can change — e.g. "
-                    f"mkdir -m 700 /var/tmp/unisleep-spill — and pass it as spill_dir= (or UNISLEEP_SPILL_DIR; "
-                    f"TMS_DISK_BACKUP_DIR for the torch_memory_saver facade), or fix it: chmod go-w {d} (or chmod "
-                    f"+t {d} to make it sticky like /tmp){'' if st.st_uid in (0, me) else f', chown {me} {d}'}. "
-                    "Nothing was written there."
-                )
-
-
-def tree_bytes(path: str) -> int:
-    """Bytes allocated on disk under ``path``."""
-    total = 0
-    for root, _, files in os.walk(path):
-        for f in files:
-            try:
-                total += os.lstat(os.path.join(root, f)).st_blocks * 512
-            except OSError:
-                pass
-    return total
-
-
-_signals_installed = False
-
-
-def _exit_cleanly_on_sigterm() -> None:
-    """A SIGTERM with the default action kills the process without running exit handlers, so
-    the spill files would stay: turn it into a normal exit (status 143) once per process, when
-    nobody else installed a handler and we are on the main thread.  (SIGINT already raises
-    KeyboardInterrupt, which unwinds and exits normally.)"""
-    global _signals_installed
-    if _signals_installed or threading.current_thread() is not threading.main_thread():
-        return
-    _signals_installed = True
-    try:
-        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-            signal.signal(signal.SIGTERM, _on_sigterm)
-    except (ValueError, OSError):  # not the main interpreter, or no signals here
-        pass
-
-
-def _on_sigterm(signum, frame):  # pragma: no cover - exercised in a child process
-    raise SystemExit(128 + signum)
-
-
-def default_spill_parent() -> str:
-    """Where spill files go by default: $UNISLEEP_SPILL_DIR, else the temp dir unless it is in
-    RAM (tmpfs), else /var/tmp, else ~/.cache/unisleep."""
-    env = os.environ.get("UNISLEEP_SPILL_DIR")
-    if env:
-        return env
-    for cand in (tempfile.gettempdir(), "/var/tmp", os.path.expanduser("~/.cache/unisleep")):
-        try:
-            os.makedirs(cand, exist_ok=True)
-        except OSError:
-            continue
-        if filesystem_type(cand) not in RAM_FILESYSTEMS and os.access(cand, os.W_OK):
-            return cand
-    return tempfile.gettempdir()
-
 
 def _buffer(ptr: int, n: int):
     return memoryview((ctypes.c_char * n).from_address(ptr)).cast("B") if n else memoryview(b"")
@@ -366,7 +113,7 @@ class SpillStore(BackupStore):
             self._remove_made_parent()
             raise
         self.parent = parent
-        _exit_cleanly_on_sigterm()
+        exit_cleanly_on_sigterm()
         self.where = f"spill files in {self.dir} ({self.fstype})"
         self.budget = budget_bytes
         self._names = itertools.count()
@@ -409,7 +156,7 @@ class SpillStore(BackupStore):
         me = os.geteuid()
         for attempt in range(20):
             try:
-                self._parent_fd = os.open(parent, _DIR_FLAGS & ~os.O_NOFOLLOW)
+                self._parent_fd = os.open(parent, DIR_FLAGS & ~os.O_NOFOLLOW)
             except FileNotFoundError:
                 self._ensure_parent(parent)
                 check_spill_parent(parent)
@@ -442,7 +189,7 @@ class SpillStore(BackupStore):
         else:  # pragma: no cover
             raise SpillDirError(f"cannot create a private directory in spill_dir {parent!r}: 20 attempts failed")
         self.dir, self._name = os.path.join(parent, name), name
-        self._dir_fd = os.open(name, _DIR_FLAGS, dir_fd=self._parent_fd)
+        self._dir_fd = os.open(name, DIR_FLAGS, dir_fd=self._parent_fd)
         st = os.fstat(self._dir_fd)
         if st.st_uid != me or _stat.S_IMODE(st.st_mode) & 0o077:  # pragma: no cover - not what mkdir made
             raise SpillDirError(f"the private spill directory {self.dir} is not this user's mode-0700 directory")
@@ -671,8 +418,8 @@ class SpillStore(BackupStore):
         self._reserved.clear()
         self._leftover.clear()
         if self._dir_fd >= 0:
-            _empty_dir(self._dir_fd)
-            _unlink_at(OWNER_FILE, self._dir_fd)  # the marker last: a failed removal is reaped later
+            empty_dir(self._dir_fd)
+            unlink_at(OWNER_FILE, self._dir_fd)  # the marker last: a failed removal is reaped later
             try:
                 os.rmdir(self._name, dir_fd=self._parent_fd)
             except OSError:

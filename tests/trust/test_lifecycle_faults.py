@@ -272,7 +272,7 @@ def test_orphan_cleanup_never_removes_a_live_groups_secret_directory(tmp_path, m
     unisleep's own marker of a dead owner; rank 1 still finds rank 0's secret."""
     import tempfile
 
-    from unisleep.backends.host.spill import clean_orphans
+    from unisleep.backends.host.spill_dir import clean_orphans
     from unisleep.transfer import TransferGroup
     from unisleep.transfer.secret import loopback_secret_path
 

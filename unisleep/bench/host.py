@@ -84,7 +84,7 @@ def check_room(size: int, spill_dir: Optional[str]) -> str:
     MEMORY_FACTOR x size of memory and writes SPILL_FACTOR x size into the spill directory (on a
     RAM filesystem that is memory too).  Returns the spill directory; raises
     :class:`InvalidArgumentError` naming the room there is and a size that fits."""
-    from ..backends.host.spill import RAM_FILESYSTEMS, default_spill_parent, filesystem_type
+    from ..backends.host.spill_dir import RAM_FILESYSTEMS, default_spill_parent, filesystem_type
 
     parent = spill_dir or default_spill_parent()
     if os.path.exists(parent) and not os.path.isdir(parent):
@@ -197,7 +197,7 @@ def _pair(first_ours: bool, ours: Callable[[], float], limit: Callable[[], float
 def run(size: int, cycles: int, spill_dir: Optional[str]) -> dict:
     import torch
 
-    from ..backends.host.spill import default_spill_parent, filesystem_type
+    from ..backends.host.spill_dir import default_spill_parent, filesystem_type
     from ..lifecycle import MemoryLifecycle
 
     parent = spill_dir or default_spill_parent()

@@ -32,6 +32,25 @@ class Packing:
     total: int  # bytes of the region
 
 
+def shape_bytes(shape, dtype) -> tuple[tuple, Any, int]:
+    """``(shape, dtype, nbytes)`` of ``empty(shape, dtype)`` (dtype None: float32), checked:
+    :class:`~unisleep.errors.InvalidArgumentError` for anything else than ints >= 0 and a
+    torch dtype."""
+    import torch
+
+    dtype = torch.float32 if dtype is None else dtype
+    if not isinstance(dtype, torch.dtype):
+        raise InvalidArgumentError(f"dtype must be a torch.dtype (e.g. torch.bfloat16), got {dtype!r}")
+    shape = tuple(shape) if isinstance(shape, (tuple, list, torch.Size)) else (shape,)
+    for s in shape:
+        if not isinstance(s, int) or isinstance(s, bool) or s < 0:
+            raise InvalidArgumentError(f"shape must hold ints >= 0, got {shape!r}")
+    numel = 1
+    for s in shape:
+        numel *= int(s)
+    return shape, dtype, numel * torch.empty((), dtype=dtype).element_size()
+
+
 def tensors_of(obj) -> list[tuple[str, Any]]:
     """``(name, tensor)`` of every tensor of ``obj``, each checked for adoption; raises
     :class:`~unisleep.errors.InvalidArgumentError` (nothing moved) otherwise."""

@@ -19,8 +19,8 @@ from typing import Any, Callable, Optional
 from .. import graph_capture
 from ..errors import CopyInFlightError
 from . import transaction
-from .progressive import ProgressiveWake
-from .state import AWAKE, LifecycleState, Report
+from .progressive import ProgressiveWake, plan_steps
+from .state import AWAKE, SLEEPING, WAKING, LifecycleState, Report
 
 log = logging.getLogger("unisleep")
 
@@ -72,6 +72,40 @@ class Flight:
         self.op = None
         self.report = None
         self.error: Optional[BaseException] = None
+
+    def wake(self, owner, state: LifecycleState, todo: list[str], order, t0: float) -> ProgressiveWake:
+        """Start a progressive wake of ``todo`` (``owner``: the lifecycle, whose ``ready`` and
+        ``wait`` the wake's own methods call): its tags are ``"waking"`` until it is settled."""
+        allocs = state.of(*todo)
+        steps = plan_steps(allocs, state.driver.config.progressive_piece, order)
+        pw = ProgressiveWake(owner, state.driver, state.store, todo, allocs, steps, t0)
+        pw.previous = {t: state.tags[t] for t in todo}
+        for t in todo:
+            state.tags[t] = WAKING
+        self.begin(pw)
+        pw.returned_s = time.perf_counter() - t0
+        return pw
+
+    def sleep_behind(self, state: LifecycleState, later: dict[str, str], lock, sleep: Callable[[dict], Report]) -> None:
+        """Start a background sleep of the tags of ``later`` (tag -> offloaded/discarded): they are
+        ``"sleeping"`` until its worker, holding ``lock``, runs ``sleep(later)`` (the lifecycle's
+        transactional sleep); a failure puts them back awake (or lost, as the undo left them)."""
+        for t in later:
+            state.tags[t] = SLEEPING
+
+        def work():
+            with lock:
+                for t in later:
+                    state.tags[t] = AWAKE
+                try:
+                    return sleep(later)
+                except BaseException:
+                    for t in later:
+                        if state.tags.get(t) == SLEEPING:
+                            state.tags[t] = AWAKE
+                    raise
+
+        self.begin(BackgroundSleep(sorted(later), work))
 
     def begin(self, op) -> None:
         self.op = op

@@ -26,9 +26,7 @@ from typing import Any, Iterator, Optional, Sequence
 from .. import graph_capture
 from ..driver import BackupStore, Driver
 from ..errors import (
-    BackupLostError,
     InvalidArgumentError,
-    InvalidTransitionError,
     LifecycleClosedError,
     LiveTensorsError,
     UnisleepError,
@@ -37,9 +35,9 @@ from ..registry import backend_of
 from ..release_behind import release_behind_setting
 from . import adoption, planning, transaction
 from .flight import BackgroundSleep, Flight
-from .progressive import ProgressiveWake, install_ready_hooks, plan_steps
+from .progressive import ProgressiveWake, install_ready_hooks
 from .state import (
-    AWAKE, CLOSED, DISCARDED, LEVELS, LOST, OFFLOADED, SLEEPING, WAKING, Keeper, LifecycleState, Report, as_tag_list,
+    AWAKE, CLOSED, DISCARDED, LEVELS, LOST, Keeper, LifecycleState, Report, as_tag_list,
     check_tag_name, finalize, is_int,
 )
 
@@ -221,19 +219,7 @@ class MemoryLifecycle:
     # ------------------------------------------------------------------ allocation
     def empty(self, shape, dtype=None, *, tag: str):
         """A new tensor of ``shape``/``dtype`` in lifecycle memory under ``tag`` (contents zero)."""
-        import torch
-
-        dtype = torch.float32 if dtype is None else dtype
-        if not isinstance(dtype, torch.dtype):
-            raise InvalidArgumentError(f"dtype must be a torch.dtype (e.g. torch.bfloat16), got {dtype!r}")
-        shape = tuple(shape) if isinstance(shape, (tuple, list, torch.Size)) else (shape,)
-        for s in shape:
-            if not is_int(s) or s < 0:
-                raise InvalidArgumentError(f"shape must hold ints >= 0, got {shape!r}")
-        numel = 1
-        for s in shape:
-            numel *= int(s)
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        shape, dtype, nbytes = adoption.shape_bytes(shape, dtype)
         with self._lock:
             self._settle()  # a progressive wake / background sleep that has ended
             self._check_can_allocate(tag)
@@ -405,41 +391,17 @@ class MemoryLifecycle:
         t0 = time.perf_counter()
         now, later = planning.split_background(st, plan, self._preserve)
         transaction.run_before_sleep(self._before_sleep, self._after_wake, level, sorted(plan))
-        released = self._release(sorted(now)) + st.write_off(write_off)
+        released = st.release(sorted(now)) + st.write_off(write_off)
         for t in write_off:
             st.tags[t] = DISCARDED
         rep = Report(f"sleep(level={level}, background)", sorted(now | set(write_off)), released, 0,
                      time.perf_counter() - t0)
         if not later:
             return self._done(rep)
-        for t in later:
-            st.tags[t] = SLEEPING
-
-        def work():
-            with self._lock:
-                for t in later:
-                    st.tags[t] = AWAKE
-                try:
-                    return self._sleep(level, later, {}, run_hooks=False, t0=t0)
-                except BaseException:
-                    for t in later:  # put back awake (or lost) by the undo
-                        if st.tags.get(t) == SLEEPING:
-                            st.tags[t] = AWAKE
-                    raise
-
-        self._flight.begin(BackgroundSleep(sorted(later), work))  # its worker takes the lock once this returns
+        # its worker takes the lock once this returns
+        self._flight.sleep_behind(st, later, self._lock, lambda p: self._sleep(level, p, {}, run_hooks=False, t0=t0))
         rep.notes.append(f"tag(s) {', '.join(map(repr, sorted(later)))} are copied out behind this call; wait() waits")
         return self._done(rep)
-
-    def _release(self, tags: list[str]) -> int:
-        """Release the memory of awake ``tags`` with no backup; they are discarded."""
-        regions = [a.region for a in self._state.of(*tags)]
-        released, _ = self._driver.suspend([], regions, self._state.store)
-        for a in self._state.of(*tags):
-            self._state.drop_backup(a)
-        for t in tags:
-            self._state.tags[t] = DISCARDED
-        return released
 
     def discard(self, tags: Iterable[str]) -> Report:
         """Release the memory of ``tags`` now, with no backup (e.g. the KV cache only).  An
@@ -454,18 +416,9 @@ class MemoryLifecycle:
             st.check_tags(tags)
             self._flight.refuse(tags, "discard")
             self.state()
-            write_off = []
-            for t in tags:
-                if st.tags[t] == LOST or (st.tags[t] == OFFLOADED and st.is_corrupt(t)):
-                    write_off.append(t)
-                elif st.tags[t] == OFFLOADED:
-                    raise InvalidTransitionError(
-                        f"tag {t!r} is offloaded (its backup is kept); discarding it would lose the backup. "
-                        f"Wake it first — nothing was changed."
-                    )
-            todo = [t for t in tags if st.tags[t] == AWAKE]
+            todo, write_off = planning.discards(st, tags)
             t0 = time.perf_counter()
-            released = self._release(todo) + st.write_off(write_off)
+            released = st.release(todo) + st.write_off(write_off)
             for t in write_off:
                 st.tags[t] = DISCARDED
             return self._done(Report("discard", todo + write_off, released, 0, time.perf_counter() - t0))
@@ -495,21 +448,10 @@ class MemoryLifecycle:
             self._flight.refuse(tags, "wake_up")
             self._settle()
             st = self._state
-            if tags is None:
-                todo = [t for t, s in st.tags.items() if s != AWAKE]
-            else:
-                st.check_tags(tags)
-                todo = [t for t in tags if st.tags[t] != AWAKE]
-            lost = [t for t in todo if st.tags[t] == LOST]
-            if lost:
-                raise BackupLostError(
-                    f"tag(s) {', '.join(map(repr, lost))} are lost (their memory could not be brought back after a "
-                    f"failure); discard them (discard({lost!r})), then wake them (zeros) and load them again — "
-                    "nothing was changed.", tag=lost[0]
-                )
+            todo = planning.wakes(st, tags)
             t0 = time.perf_counter()
             if progressive:
-                return self._wake_progressive(todo, order, t0)
+                return self._flight.wake(self, st, todo, order, t0)
             copied, woken, failures = transaction.wake(st, todo)
             if woken:
                 for hook in self._after_wake:
@@ -520,17 +462,6 @@ class MemoryLifecycle:
             return rep
 
     # ------------------------------------------------------------------ copies in flight
-    def _wake_progressive(self, todo: list[str], order, t0: float) -> ProgressiveWake:
-        allocs = self._state.of(*todo)
-        steps = plan_steps(allocs, self._driver.config.progressive_piece, order)
-        pw = ProgressiveWake(self, self._driver, self._state.store, todo, allocs, steps, t0)
-        pw.previous = {t: self._state.tags[t] for t in todo}
-        for t in todo:
-            self._state.tags[t] = WAKING
-        self._flight.begin(pw)
-        pw.returned_s = time.perf_counter() - t0
-        return pw
-
     def ready(self, obj) -> None:
         """Make the caller's later work wait until the tensors of ``obj`` (a module, a tensor,
         or a list of tensors) are restored by the progressive wake in flight; a no-op when none

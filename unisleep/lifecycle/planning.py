@@ -50,6 +50,39 @@ def transitions(state: LifecycleState, level: int, offload: set, only: Optional[
     return plan, write_off
 
 
+def discards(state: LifecycleState, tags: list[str]) -> tuple[list[str], list[str]]:
+    """``(todo, write_off)`` for ``discard(tags)``: the awake tags to release, and the lost or
+    corrupt ones to write off; an offloaded tag is refused (its backup would be lost)."""
+    write_off = []
+    for t in tags:
+        if state.tags[t] == LOST or (state.tags[t] == OFFLOADED and state.is_corrupt(t)):
+            write_off.append(t)
+        elif state.tags[t] == OFFLOADED:
+            raise InvalidTransitionError(
+                f"tag {t!r} is offloaded (its backup is kept); discarding it would lose the backup. "
+                f"Wake it first — nothing was changed."
+            )
+    return [t for t in tags if state.tags[t] == AWAKE], write_off
+
+
+def wakes(state: LifecycleState, tags: Optional[list[str]]) -> list[str]:
+    """The tags ``wake_up(tags)`` brings back (None: every tag that is not awake); a lost tag
+    is refused — it has to be discarded first."""
+    if tags is None:
+        todo = [t for t, s in state.tags.items() if s != AWAKE]
+    else:
+        state.check_tags(tags)
+        todo = [t for t in tags if state.tags[t] != AWAKE]
+    lost = [t for t in todo if state.tags[t] == LOST]
+    if lost:
+        raise BackupLostError(
+            f"tag(s) {', '.join(map(repr, lost))} are lost (their memory could not be brought back after a "
+            f"failure); discard them (discard({lost!r})), then wake them (zeros) and load them again — "
+            "nothing was changed.", tag=lost[0]
+        )
+    return todo
+
+
 def match_preserve(names: list[str], patterns: list[str]) -> list[str]:
     """The adopted ``names`` matched by the globs ``patterns``; a pattern matching nothing raises."""
     matched = []

@@ -250,6 +250,16 @@ class LifecycleState:
             log.warning("tag %r is awake (its bytes were restored and verified), but dropping its backup failed: "
                         "%s: %s; the backup stays recorded", a.tag, type(e).__name__, e)
 
+    def release(self, tags: list[str]) -> int:
+        """Release the memory of awake ``tags`` with no backup: they are discarded.  Returns the
+        bytes released."""
+        released, _ = self.driver.suspend([], [a.region for a in self.of(*tags)], self.store)
+        for a in self.of(*tags):
+            self.drop_backup(a)
+        for t in tags:
+            self.tags[t] = DISCARDED
+        return released
+
     def write_off(self, tags: Iterable[str]) -> int:
         """Corrupt or lost ``tags`` become discarded: their backups are dropped and what is
         still mapped is released.  Returns the bytes released."""

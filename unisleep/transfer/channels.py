@@ -28,15 +28,13 @@ import socket
 import struct
 import time
 import uuid
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from ..errors import TransferError
 from . import records as R
 from .group import TransferGroup, _pidns
 from .manifest import BucketPlan
 
-if TYPE_CHECKING:
-    from .sender import WeightSender
 
 log = logging.getLogger("unisleep.transfer")
 
@@ -175,7 +173,7 @@ class CollectiveSendChannel:
     """Buckets through the group's backend: a 4-word descriptor, then the bucket, both broadcast
     from rank 0; two send buffers alternate so packing overlaps the transfer in flight."""
 
-    def __init__(self, sender: WeightSender, seq: int):
+    def __init__(self, sender: Any, seq: int):  # sender: the WeightSender that owns this channel
         import torch.distributed as dist
 
         self.s = sender
@@ -337,7 +335,7 @@ class IpcSendChannel:
     """Colocated: pack into shared memory, tell each receiver which bucket is where, wait until
     every receiver has copied it out before packing into that memory again."""
 
-    def __init__(self, sender: WeightSender, seq: int):
+    def __init__(self, sender: Any, seq: int):  # sender: the WeightSender that owns this channel
         self.s = sender
         self.st: IpcSenderState = sender._ipc
         self.seq = seq

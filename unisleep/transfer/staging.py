@@ -3,15 +3,12 @@ manifest, then staged until the whole update is good (or applied at once when no
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from ..errors import TransferError
 from . import records as R
 from .manifest import BucketPlan, TensorSpec, check_bucket
 from .names import short_names
-
-if TYPE_CHECKING:
-    from .receiver import WeightReceiver
 
 
 class VerifyError(TransferError):
@@ -20,9 +17,10 @@ class VerifyError(TransferError):
 
 
 class RecvState:
-    """Buckets of one update as they arrive: verified, then staged (or applied at once)."""
+    """Buckets of one update as they arrive: verified, then staged (or applied at once);
+    ``rx`` is the :class:`~unisleep.transfer.receiver.WeightReceiver` receiving them."""
 
-    def __init__(self, rx: WeightReceiver, seq: int, specs: Sequence[TensorSpec], plans: list[BucketPlan], verify: bool,
+    def __init__(self, rx: Any, seq: int, specs: Sequence[TensorSpec], plans: list[BucketPlan], verify: bool,
                  seal=None, epoch: int = 0):
         self.rx, self.seq, self.specs, self.plans, self.verify = rx, seq, specs, plans, verify
         self.seal, self.epoch = seal, epoch
