@@ -83,7 +83,7 @@ def run_workload(impl: str, weights_gib: float, kv_gib: float, cycles: int) -> d
     out["region_exit_to_first_pause_s"] = time.perf_counter() - t_exit
     out["first_pause_s"] = timed(lambda: tms.pause())
     out["freed_bytes"] = devmod.mem_get_info()[0] - free0
-    out["freed_settled_bytes"] = _settled_free(devmod) - free0  # once the driver is done releasing
+    out["freed_settled_bytes"] = _free_once_idle(devmod) - free0  # once the driver is done releasing
     out["paused_bytes"] = W + K
     out["first_resume_s"] = timed(lambda: tms.resume())
     ok = bool(torch.equal(w, ref)) and (w.data_ptr(), kv.data_ptr()) == ptrs
@@ -113,7 +113,7 @@ def run_workload(impl: str, weights_gib: float, kv_gib: float, cycles: int) -> d
     return out
 
 
-def _settled_free(devmod, limit_s: float = 2.0) -> int:
+def _free_once_idle(devmod, limit_s: float = 2.0) -> int:
     """Free device memory once it stops changing (three equal reads 20 ms apart, at most
     ``limit_s``): the driver keeps returning released memory for a while after the call."""
     last, same, t0 = devmod.mem_get_info()[0], 0, time.monotonic()

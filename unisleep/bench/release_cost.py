@@ -214,7 +214,7 @@ def after_release(repeat: int = 3) -> dict:
     host = torch.empty(8 * GiB, dtype=torch.uint8).pin_memory()
     host.fill_(3)
 
-    def settle():
+    def wait_idle():
         last, same, t0 = drv.memory_info()[0], 0, time.monotonic()
         while same < 3 and time.monotonic() - t0 < 2:
             time.sleep(0.02)
@@ -226,7 +226,7 @@ def after_release(repeat: int = 3) -> dict:
                       ("100 ms after", 0.1)):
         maps, copies = [], []
         for _ in range(repeat):
-            settle()
+            wait_idle()
             if gap is not None:
                 big = [Region.allocate(drv, n, drv.config.chunk_bytes) for n in (8 * GiB, 16 * GiB)]
                 for b in big:

@@ -192,7 +192,7 @@ class CollectiveSendChannel:
 
         return torch.tensor([self.seq, k, nbytes, flag], dtype=torch.int64, device=self.dev)
 
-    def _settle(self, slot: int) -> None:
+    def _finish_pending(self, slot: int) -> None:
         for w in self.pending[slot]:
             if hasattr(w, "wait"):
                 wait_work(self.s.group, w)
@@ -201,7 +201,7 @@ class CollectiveSendChannel:
     def buffer(self, slot: int, nbytes: int):
         import torch
 
-        self._settle(slot)
+        self._finish_pending(slot)
         cur = self.s._coll_slots[slot]
         cap = max(nbytes, self.s.bucket_bytes + 4096)
         if cur is None or cur.numel() < nbytes:
@@ -217,7 +217,7 @@ class CollectiveSendChannel:
 
     def end(self, abort: bool) -> None:
         for slot in (0, 1):
-            self._settle(slot)
+            self._finish_pending(slot)
         wait_work(self.s.group, self._bcast(self._desc(END, 0, ABORT if abort else 0)))
 
 

@@ -47,11 +47,6 @@ class Workaround:
             return False
         return True
 
-    def range_text(self) -> str:
-        lo = self.since or "any"
-        hi = f"< {self.fixed}" if self.fixed else "open"
-        return f">= {lo}, {hi}" if self.since else f"{hi}"
-
 
 TABLE: tuple[Workaround, ...] = (
     Workaround(
