@@ -24,9 +24,9 @@ lives.  A driver may compute level 1 with a fused kernel (``backends/cuda/checks
 long as it returns the same words; the levels above are a few MiB and run here.
 
 Bytes in host memory take GMAC instead (AES-256-GCM's tag over the bytes as associated data,
-from the ``cryptography`` package's OpenSSL: carry-less-multiply and AES instructions, ~19 GiB/s
-on one core of a current x86 server, against ~4 GiB/s for keyed BLAKE3 and ~1 GiB/s for NH in
-torch ops).  GHASH is a polynomial universal hash over GF(2^128) under a secret point: two
+from the ``cryptography`` package's OpenSSL: carry-less-multiply and AES instructions, several
+times faster on one core than keyed BLAKE3 or NH in torch ops; docs/transfer.md has the figures).
+GHASH is a polynomial universal hash over GF(2^128) under a secret point: two
 different inputs of up to ``L`` 16-byte blocks collide with probability at most ``L / 2**128``
 (``2**-98`` for 16 GiB), again for any edit.  The key is derived from the same key material; the
 nonce is fixed, which is safe because a digest is never shown to anyone who lacks the key (the
@@ -178,7 +178,7 @@ def _nh_blocks(chunk, ke, ko, ke2, ko2):
 def digest(src, key: HashKey, level1: Optional[Level1] = None, algorithm: Optional[str] = None) -> Digest:
     """The keyed digest of a tensor's bytes (contiguous), computed where the bytes are.
 
-    Bytes in host memory are hashed with GMAC (see the module's notes; ~19 GiB/s on one core)
+    Bytes in host memory are hashed with GMAC (see the module's notes)
     unless ``algorithm="nh2"``; bytes on a device with the NH tree on that device.  ``level1`` optionally replaces the torch ops of every NH level with
     a fused kernel that returns the same values as :func:`nh_level` (the backend's own is found
     by :func:`device_level1`).  To verify a digest, pass its ``algorithm`` so both sides compute
@@ -378,9 +378,8 @@ class BucketLanes:
     :func:`nh_lanes_many` and :meth:`fill` declines."""
 
     #: smaller tensors are copied plainly and hashed with the rest at :meth:`lanes`: a fused
-    #: launch costs more host time than a plain copy, which only large tensors hide (8 GiB over
-    #: an H200's colocated IPC: fused 16.2 ms against 18.1 ms plain with 256 MiB tensors, but
-    #: 67 ms against 51 ms with 8 MiB ones; docs/results/h200-transfer-fill-by-tensor-size-2026-12-01.txt)
+    #: launch costs more host time than a plain copy, which only large tensors hide (the
+    #: threshold is measured: docs/transfer.md)
     fill_min = 64 << 20
 
     def __init__(self, buf_u8, spans, key: HashKey, level: Optional[SegmentLevel] = None,

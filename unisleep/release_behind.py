@@ -1,16 +1,14 @@
 """Releasing a sleep's physical memory behind its return (``MemoryLifecycle(release_behind=True)``).
 
-Giving device memory back costs the driver per byte: ``cuMemRelease`` of 24 GiB takes
-~7.5-20 ms on an H200 (two speeds, whatever the handle sizes), while unmapping the same memory
-takes ~1-1.5 ms (``docs/cuda.md``).  With ``release_behind`` a sleep unmaps what it frees (the
+Giving device memory back costs the driver per byte, far more than unmapping the same memory
+(docs/cuda.md has the figures).  With ``release_behind`` a sleep unmaps what it frees (the
 addresses stay reserved; nothing can touch the memory any more), hands the handles to one
 thread of the driver's and returns; that thread releases them in order.
 
 The memory is back by the time anything *of unisleep* needs it: the driver's ``create`` (every
 wake and every new region) and ``memory_info`` wait for the releases still queued, and so do
 ``MemoryLifecycle.resident_bytes``, ``wait`` and ``close``.  Another allocator — torch's in this
-process, or another process — sees the memory come back over the next few milliseconds
-(~7.5-20 ms for 24 GiB on an H200); a caller that must hand the memory on at once calls
+process, or another process — sees the memory come back over the next milliseconds; a caller that must hand the memory on at once calls
 ``lc.wait()`` first, or keeps the default (release before returning).
 
 A release that fails behind the return is raised, as :class:`ReleaseBehindError`, by the next

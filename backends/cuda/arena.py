@@ -135,8 +135,8 @@ class PinnedArena(BackupStore):
         """Add segments until the bytes asked for (``_pending``, which later requests add to)
         are in; runs in the grower thread.  Each segment is usable as soon as it is registered,
         and while one registers the next is mapped and faulted in on a helper thread: the two
-        steps take about as long each (an H200 host, 8 GiB: faulting 230-340 ms, registering
-        180-240 ms), so the arena grows in 290-400 ms instead of 410-580 ms one after the other."""
+        steps take about as long each, so overlapping them shortens the growth (docs/cuda.md,
+        the ``arena.py`` row, has the figures)."""
         from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(1, thread_name_prefix="unisleep-arena-fault") as helper:
@@ -280,9 +280,9 @@ class PinnedArena(BackupStore):
 
     def warm_stream(self) -> None:
         """Make the copy stream ready now: the first copy between host and device on a new
-        stream makes the driver set up resources in device memory (about 70 MiB on an H200,
-        once per process, never given back); done at start, so the first sleep frees every
-        byte it puts to sleep instead of 70 MiB less."""
+        stream makes the driver set up resources in device memory (once per process, never
+        given back; docs/cuda.md has the size); done at start, so the first sleep frees every
+        byte it puts to sleep."""
         import torch
 
         s = self.stream()

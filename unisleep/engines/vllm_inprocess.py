@@ -7,8 +7,8 @@ docs say, pause = ``sleep(level=0)`` and resume = ``wake_up(["scheduling"])``.
     eng = VLLMEngine(model_dir, enforce_eager=True, max_model_len=512,
                      kv_cache_memory_bytes=256 << 20)
 
-With ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` the engine core runs in this process (2 s start on a
-CPU machine) and :meth:`VLLMEngine.sleeping_tags` reads the executor's exact tags; otherwise it
+With ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` the engine core runs in this process (a faster start)
+and :meth:`VLLMEngine.sleeping_tags` reads the executor's exact tags; otherwise it
 falls back to this adapter's own record.  Scripts need an ``if __name__ == "__main__":`` guard
 (vLLM spawns its workers).
 """
