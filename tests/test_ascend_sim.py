@@ -14,13 +14,11 @@ import os
 import subprocess
 import sys
 import textwrap
-from dataclasses import replace
 
 import pytest
 import torch
 
 from sim.fake_acl import ACL_ERROR_INVALID_PARAM, ACL_ERROR_RT_MEMORY_FREE, ACL_ERROR_RT_PARAM_INVALID, FakeAcl
-from sim.vmm import STALE_BYTE
 from unisleep import MemoryLifecycle
 from unisleep.backends.ascend import AscendDriver
 from unisleep.errors import UnsupportedError
@@ -56,15 +54,6 @@ def fill(lc, tag, nbytes, seed):
 
 # Level 1/2, wake by tag, discard, read_backup, progressive wake and the undo of a failed sleep
 # run over every backend, this one included, in tests/contract/test_driver_contract.py.
-
-
-def test_ascend_sim_stale_memory_is_real_in_the_simulator():
-    lib, drv = make()
-    drv.capabilities = replace(drv.capabilities, fresh_memory_is_zero=True)  # the control: trusting fresh memory shows stale bytes
-    with MemoryLifecycle(drv) as lc:
-        t = lc.empty(2 * MiB, torch.uint8, tag="kv_cache")
-        assert int((t == STALE_BYTE).sum()) == t.numel()
-    lib.close()
 
 
 def test_ascend_sim_argument_orders(simulated):

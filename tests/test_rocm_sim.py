@@ -11,7 +11,6 @@ simulator.
 from __future__ import annotations
 
 import ctypes
-from dataclasses import replace
 import json
 import os
 import resource
@@ -23,7 +22,6 @@ import pytest
 import torch
 
 from sim.fake_hip import FakeHip
-from sim.vmm import STALE_BYTE
 from unisleep import MemoryLifecycle
 from unisleep.errors import PlatformError, UnisleepError, UnsupportedError
 from unisleep.backends.rocm import AddressMovedError, FileLimitError, RocmDriver
@@ -62,17 +60,6 @@ def fill(lc, tag, nbytes, seed):
 
 # Level 1/2, wake by tag, discard, read_backup, progressive wake and the undo of a failed sleep
 # run over every backend, this one included, in tests/contract/test_driver_contract.py.
-
-
-def test_rocm_sim_stale_memory_is_real_in_the_simulator():
-    """The control for the contract suite's zeroed-discard checks: a driver that trusted fresh
-    memory to be zero would hand out the simulator's stale bytes."""
-    lib2, drv2 = make()
-    drv2.capabilities = replace(drv2.capabilities, fresh_memory_is_zero=True)
-    with MemoryLifecycle(drv2) as lc2:
-        t = lc2.empty(1 * MiB, torch.uint8, tag="kv_cache")
-        assert int((t == STALE_BYTE).sum()) == t.numel()
-    lib2.close()
 
 
 def test_rocm_sim_wake_zeroes_chunk_by_chunk():

@@ -134,3 +134,30 @@ def test_the_descriptor_describes_the_driver_in_use(backend):
     assert d.collective_module().BACKEND in ("gloo", "nccl", "hccl")
     for ref in (d.collective, d.ipc, d.checksum, d.pool, d.vllm_worker, d.environment_warnings, d.detect):
         assert ref is None or d.has_module(ref), ref
+
+
+@pytest.mark.parametrize("name", ["sim-hip", "sim-acl"])
+def test_a_simulated_library_hands_out_stale_memory(name):
+    """The control for the zeroed-discard checks above: the simulated HIP and ACL libraries
+    hand out fresh memory full of stale bytes, so a driver that trusted it to be zero (here:
+    told so) would show them — the checks could fail."""
+    from dataclasses import replace
+
+    from sim.fake_acl import FakeAcl
+    from sim.fake_hip import FakeHip
+    from sim.vmm import STALE_BYTE
+    from unisleep import MemoryLifecycle
+    from unisleep.backends.ascend import AscendDriver
+    from unisleep.backends.rocm import RocmDriver
+
+    if name == "sim-hip":
+        lib = FakeHip(granularity=64 << 10, total_bytes=96 * MiB)
+        drv = RocmDriver(lib=lib, tensor_device="cpu", chunk_bytes=1 * MiB, env={})
+    else:
+        lib = FakeAcl(granularity=2 * MiB, total_bytes=96 * MiB)
+        drv = AscendDriver(lib=lib, tensor_device="cpu")
+    drv.capabilities = replace(drv.capabilities, fresh_memory_is_zero=True)
+    with MemoryLifecycle(drv) as lc:
+        t = lc.empty(2 * MiB, torch.uint8, tag="kv_cache")
+        assert int((t == STALE_BYTE).sum()) == t.numel()
+    lib.close()
