@@ -16,7 +16,7 @@ VLLM0271 ?= .venv-vllm0271
 VERL     ?= verl==0.9.1
 OPENRLHF ?= openrlhf==0.11.0
 
-.PHONY: demo test hip-runtime c-compiler bench doctor clean
+.PHONY: demo test test-fast hip-runtime c-compiler bench doctor clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -148,6 +148,10 @@ $(VENV)/.actionlint: $(BIN)/python
 
 test: $(VENV)/.vllm $(VENV)/.frameworks $(VLLM024)/.ready $(VLLM0271)/.ready $(VENV)/.hip-python $(VENV)/.vllm-ascend-src $(VENV)/.actionlint hip-runtime
 	UNISLEEP_REQUIRE_VLLM_VENVS=1 $(BIN)/python -m pytest
+
+# the developer's loop: no child process, no server (under a minute on 2 cores); CI runs `make test`
+test-fast: $(VENV)/.core
+	$(BIN)/python -m pytest -m "not slow" -q
 
 bench: $(VENV)/.core
 	$(BIN)/unisleep bench --json out/bench-host.json

@@ -3,6 +3,7 @@ with its spill directory on disk (never tmpfs) under pytest's tmp_path."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -76,3 +77,46 @@ def is_mapped():
         return False
 
     return check
+
+
+# ---------------------------------------------------------------------------- the fast lane
+# `pytest -m "not slow"` is the developer's loop (under a minute on a 2-core machine); `make test`
+# runs everything.  A test that starts a process or a server is slow by definition: one that is
+# not marked so and starts one fails here, naming the mark, so the fast lane stays fast.
+_PROCESS_STARTS = (("subprocess", "Popen", "_execute_child"), ("multiprocessing.process", "BaseProcess", "start"))
+
+
+@contextlib.contextmanager
+def _no_process_starts(item):
+    if item.get_closest_marker("slow") is not None:
+        yield
+        return
+    import importlib
+
+    saved = []
+
+    def refuse(*args, **kwargs):
+        pytest.fail(f"{item.nodeid} starts a process but is not marked slow: add @pytest.mark.slow "
+                    "(the fast lane, pytest -m 'not slow', runs no child process or server)", pytrace=False)
+
+    for module, cls, attr in _PROCESS_STARTS:
+        owner = getattr(importlib.import_module(module), cls)
+        saved.append((owner, attr, owner.__dict__[attr]))
+        setattr(owner, attr, refuse)
+    try:
+        yield
+    finally:
+        for owner, attr, fn in saved:
+            setattr(owner, attr, fn)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    with _no_process_starts(item):
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    with _no_process_starts(item):
+        yield

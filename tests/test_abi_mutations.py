@@ -83,10 +83,12 @@ def hip_ref(request):
     return ref
 
 
+@pytest.mark.slow
 def test_hip_unmutated_declarations_pass(hip_ref):
     assert abi_check.hip_problems(hip_ref, *abi_check.hip_declarations(hip_ref["HIP_VERSION"])) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mutation", sorted(_hip_mutations()))
 def test_hip_mutation_is_caught(hip_ref, mutation):
     mutate, word = _hip_mutations()[mutation]
@@ -94,6 +96,7 @@ def test_hip_mutation_is_caught(hip_ref, mutation):
     assert problems and any(word in p for p in problems), problems
 
 
+@pytest.mark.slow
 def test_hip_layout_switch_moved_past_the_release_is_caught(hip_ref, monkeypatch):
     """Raising PROP_LAYOUT_CHANGED would hand this release's runtime the HIP 5.2 layout."""
     monkeypatch.setattr(hip, "PROP_LAYOUT_CHANGED", hip_ref["HIP_VERSION"] + 1)
@@ -158,10 +161,12 @@ def acl_ref(tmp_path_factory):
     return abi_check.acl_reference_from_table(tmp_path_factory.mktemp("acl"), acl.STRUCTS, acl.ENUMS)
 
 
+@pytest.mark.slow
 def test_acl_unmutated_declarations_pass(acl_ref):
     assert abi_check.acl_problems(acl_ref, acl.STRUCTS, acl.ENUMS, acl.SIGNATURES) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mutation", sorted(_acl_mutations()))
 def test_acl_mutation_is_caught(acl_ref, mutation):
     mutate, word = _acl_mutations()[mutation]

@@ -57,6 +57,7 @@ def arena_cls(monkeypatch):
     return Arena
 
 
+@pytest.mark.slow
 def test_the_next_segment_is_faulted_in_while_this_one_registers(arena_cls, is_mapped):
     arena = arena_cls()
     try:

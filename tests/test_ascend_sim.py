@@ -198,6 +198,7 @@ def test_ascend_sim_pool_turns_expandable_segments_off_inside_only(monkeypatch):
     lib.close()
 
 
+@pytest.mark.slow
 def test_ascend_npu_views_use_torch_npus_storage_constructor():
     """On an NPU device the view's storage must come from torch_npu's own constructor (an
     NPUStorageImpl). Run in a child process: a SIMULATED torch_npu whose constructor stops the
@@ -283,6 +284,7 @@ def _needs_compilers():
         pytest.skip("needs a C and a C++ compiler: apt-get install gcc g++")
 
 
+@pytest.mark.slow
 def test_acl_bindings_match_the_checked_in_cann_table(tmp_path):
     """CPU CI's check of the ACL bindings: the probes compile against a header generated from
     tests/sim/acl_rt_table.json (what the bindings use from CANN 9.1.0's acl_rt.h, with

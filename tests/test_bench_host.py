@@ -47,6 +47,7 @@ def test_bench_default_json_under_out(tmp_path, capsys):
     assert (tmp_path / "bench-host.json").exists()
 
 
+@pytest.mark.slow
 def test_the_accelerator_workload_runs_on_the_host_backend(tmp_path, monkeypatch):
     """``unisleep bench --backend NAME``'s workload (small sizes, real host memory): every figure is
     measured, the wakes after the trainer's turn included, and the bytes are verified."""

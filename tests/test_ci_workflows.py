@@ -84,6 +84,7 @@ def test_test_paths_named_by_the_ci_steps_exist():
             assert os.path.exists(os.path.join(ROOT, ref.rstrip("/"))), f"{path} names {ref}, which does not exist"
 
 
+@pytest.mark.slow
 def test_workflows_and_actions_match_githubs_schemas():
     exe = shutil.which("check-jsonschema") or os.path.join(os.path.dirname(sys.executable), "check-jsonschema")
     if not os.path.exists(exe):
@@ -114,6 +115,7 @@ def _actionlint(files):
     return json.loads(out.stdout)
 
 
+@pytest.mark.slow
 def test_actionlint_finds_nothing_but_the_declared_self_hosted_labels(tmp_path):
     labels = _labels()
     findings = []

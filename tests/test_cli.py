@@ -31,6 +31,7 @@ def options_of(parser) -> set[str]:
 
 
 # ------------------------------------------------------------------------- the top level
+@pytest.mark.slow
 @pytest.mark.parametrize("args", [[], ["--help"], ["-h"], ["-v", "--help"]])
 def test_help_exits_zero_in_plain_text(args):
     r = cli(*args)
@@ -42,11 +43,13 @@ def test_help_exits_zero_in_plain_text(args):
     assert r.stderr == ""
 
 
+@pytest.mark.slow
 def test_version():
     r = cli("--version")
     assert r.returncode == 0 and r.stdout.strip() == f"unisleep {unisleep.__version__}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("typo,closest", [("docter", "doctor"), ("demoo", "demo"), ("bnech", "bench")])
 def test_unknown_command_names_the_closest(typo, closest):
     r = cli(typo)
@@ -55,12 +58,14 @@ def test_unknown_command_names_the_closest(typo, closest):
     assert "usage:" not in r.stdout  # not a silent dump of the help
 
 
+@pytest.mark.slow
 def test_unknown_command_without_a_close_one():
     r = cli("xyzzy")
     assert r.returncode == 2 and "unknown command 'xyzzy'" in r.stderr and "Did you mean" not in r.stderr
     assert "doctor, demo, bench" in r.stderr
 
 
+@pytest.mark.slow
 def test_unknown_global_option():
     r = cli("--frobnicate", "doctor")
     assert r.returncode == 2 and "--frobnicate" in r.stderr
@@ -80,6 +85,7 @@ def _parsers():
         yield ("bench", flag, "--help"), set(re.findall(r'add_argument\("(--[a-z-]+)"', src))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args,options", list(_parsers()), ids=lambda v: " ".join(v) if isinstance(v, tuple) else "")
 def test_every_help_lists_its_options(args, options):
     r = cli(*args)
@@ -89,12 +95,14 @@ def test_every_help_lists_its_options(args, options):
     assert not RST.search(r.stdout), r.stdout
 
 
+@pytest.mark.slow
 def test_bench_help_names_the_host_options():
     out = cli("bench", "--help").stdout
     for opt in ("--size", "--cycles", "--spill-dir", "--json", "--out", "--check"):
         assert opt in out
 
 
+@pytest.mark.slow
 def test_device_bench_help():
     """The device benchmark's options are listed without an accelerator (nothing is touched)."""
     r = cli("bench", "--backend", "cuda", "--help")
@@ -110,6 +118,7 @@ def _mem_available() -> int:
     pytest.skip("no MemAvailable in /proc/meminfo (needs Linux >= 3.14)")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("size", ["10TB", "{4x}"])
 def test_bench_refuses_a_size_that_cannot_fit(tmp_path, size):
     if size == "{4x}":
@@ -127,6 +136,7 @@ def test_bench_refuses_a_size_that_cannot_fit(tmp_path, size):
     assert check_room(parse_size(hint), str(spill)) == str(spill)
 
 
+@pytest.mark.slow
 def test_bench_refuses_a_size_that_does_not_fit_in_the_spill_dir(tmp_path):
     """A 16 MB filesystem as the spill directory: 32 MiB fits in memory but its two spill files do not."""
     sys.path.insert(0, os.path.join(ROOT, "tests", "trust"))
@@ -141,6 +151,7 @@ def test_bench_refuses_a_size_that_does_not_fit_in_the_spill_dir(tmp_path):
         assert not os.path.exists(spill) and not (tmp_path / "b.json").exists()  # nothing created
 
 
+@pytest.mark.slow
 def test_the_size_suggested_fits_the_spill_dir_too(tmp_path):
     """Memory refuses the size first, but the spill directory (a 16 MB filesystem) holds less:
     the size the message suggests fits both, and the message says the directory is the limit."""
@@ -159,6 +170,7 @@ def test_the_size_suggested_fits_the_spill_dir_too(tmp_path):
         assert check_room(parse_size(hint), spill) == spill  # accepted by both checks
 
 
+@pytest.mark.slow
 def test_bench_refuses_a_file_as_spill_dir(tmp_path):
     f = tmp_path / "afile"
     f.write_text("x")
@@ -166,6 +178,7 @@ def test_bench_refuses_a_file_as_spill_dir(tmp_path):
     assert r.returncode == 2 and "is a file" in r.stderr and str(f) in r.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("check", [False, True])
 def test_bench_check_exit_code_follows_the_table(tmp_path, check):
     out = tmp_path / "b.json"
@@ -205,6 +218,7 @@ def _run_script(where, env_extra: dict | None = None) -> subprocess.CompletedPro
                           timeout=120)
 
 
+@pytest.mark.slow
 def test_script_beside_a_folder_named_unisleep(tmp_path):
     """What the README's Use section says: beside a folder called unisleep/ (a clone), the editable
     install loses to that folder; a script elsewhere works."""
@@ -222,6 +236,7 @@ def test_script_beside_a_folder_named_unisleep(tmp_path):
     assert r.returncode == 0 and "imported unisleep.lifecycle" in r.stdout, r.stderr
 
 
+@pytest.mark.slow
 def test_script_inside_the_clone_works(tmp_path):
     script = os.path.join(ROOT, f"_use_unisleep_{os.getpid()}.py")
     with open(script, "w") as f:
@@ -233,6 +248,7 @@ def test_script_inside_the_clone_works(tmp_path):
     assert r.returncode == 0 and "imported unisleep.lifecycle" in r.stdout, r.stderr
 
 
+@pytest.mark.slow
 def test_regular_install_beside_the_folder_works(tmp_path):
     """The README's fix `pip install .` (no -e): a regular package wins over the clone folder. Built
     from a copy of the sources, without dependencies or network."""

@@ -490,6 +490,7 @@ def _run(code: str, env_extra=None, timeout=240) -> subprocess.CompletedProcess:
                           env=env, timeout=timeout, cwd=ROOT)
 
 
+@pytest.mark.slow
 def test_install_makes_unmodified_code_and_its_children_use_the_facade():
     code = """
         import json, multiprocessing as mp, subprocess, sys
@@ -536,6 +537,7 @@ def test_install_makes_unmodified_code_and_its_children_use_the_facade():
     assert out == {"module": facade, "kept": True, "freed": True, "spawned": facade, "subprocess": facade}
 
 
+@pytest.mark.slow
 def test_configure_subprocess_sets_and_restores_the_environment():
     code = """
         import os, subprocess, sys
@@ -552,6 +554,7 @@ def test_configure_subprocess_sets_and_restores_the_environment():
     assert proc.stdout.split() == ["unisleep.compat.torch_memory_saver", "True"]
 
 
+@pytest.mark.slow
 def test_shim_folder_without_the_switch_steps_aside():
     env = {"PYTHONPATH": shim_dir() + os.pathsep + ROOT}
     proc = _run("import torch_memory_saver as m; print(m.__name__, m.__file__)", env_extra=env)
@@ -565,6 +568,7 @@ def test_shim_folder_without_the_switch_steps_aside():
     assert proc.returncode == 0 and proc.stdout.strip() == "unisleep.compat.torch_memory_saver", proc.stderr
 
 
+@pytest.mark.slow
 def test_install_after_the_real_module_was_imported_is_refused():
     code = """
         import sys, types
@@ -582,6 +586,7 @@ def test_install_after_the_real_module_was_imported_is_refused():
     assert proc.stdout.strip() == "refused: True"
 
 
+@pytest.mark.slow
 def test_uninstall_restores_path_environment_and_modules():
     code = """
         import os, sys
@@ -598,6 +603,7 @@ def test_uninstall_restores_path_environment_and_modules():
     assert proc.stdout.split() == ["True", "False", "False"]
 
 
+@pytest.mark.slow
 def test_pythonpath_helper_prints_the_shim_folder():
     proc = _run("import runpy, sys; sys.argv = ['x', '--pythonpath']; runpy.run_module('unisleep.compat', run_name='__main__')")
     assert proc.returncode == 0 and proc.stdout.strip() == shim_dir()

@@ -59,6 +59,7 @@ def _json(proc: subprocess.CompletedProcess) -> dict:
 
 
 # ---------------------------------------------------------------------------- the library
+@pytest.mark.slow
 def test_library_is_where_slime_and_areal_look_and_needs_only_libc():
     import unisleep.compat.torch_memory_saver as facade
 
@@ -72,6 +73,7 @@ def test_library_is_where_slime_and_areal_look_and_needs_only_libc():
     assert all(lib.startswith(("libc.so", "ld-linux")) for lib in libs), libs  # no device runtime, no Python
 
 
+@pytest.mark.slow
 def test_preloading_brings_the_facade_and_changes_nothing_else(tmp_path):
     so = native_library_path()
     # a non-Python program runs as before
@@ -94,6 +96,7 @@ def test_preloading_brings_the_facade_and_changes_nothing_else(tmp_path):
     assert proc.stdout.strip() == "None", proc.stderr
 
 
+@pytest.mark.slow
 def test_the_real_libraries_preload_is_refused_by_name(tmp_path):
     fake = tmp_path / "torch_memory_saver_hook_mode_preload_cu12.abi3.so"
     fake.write_bytes(b"")  # only its name in LD_PRELOAD matters to the check (the loader skips a bad file)
@@ -111,6 +114,7 @@ def test_the_real_libraries_preload_is_refused_by_name(tmp_path):
 
 
 # ---------------------------------------------------------------------------- tms's per-thread settings
+@pytest.mark.slow
 def test_thread_settings_are_tms_settings():
     code = """
         import json, threading
@@ -144,6 +148,7 @@ def test_thread_settings_are_tms_settings():
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("var,value", [("TMS_INIT_ENABLE", "maybe"), ("TMS_INIT_CPU_BACKUP_BACKEND", "disk")])
 def test_init_variables_torch_memory_saver_would_reject_are_refused(var, value):
     code = """
@@ -211,6 +216,7 @@ _CAPTURE = """
 """
 
 
+@pytest.mark.slow
 def test_whole_process_capture_pauses_plain_torch_allocations():
     """Before whole-process capture existed the facade logged a warning for TMS_INIT_ENABLE=1 and
     captured nothing: ``pause()`` freed nothing and the tags were empty."""
@@ -231,6 +237,7 @@ def test_whole_process_capture_pauses_plain_torch_allocations():
         assert got[k] is True, (k, got)
 
 
+@pytest.mark.slow
 def test_slimes_env_and_deep_ep_patch_work_with_the_facade():
     """What slime does, step by step: the driver finds the library through
     ``torch_memory_saver.__file__`` (facade installed there), the train actor gets ``LD_PRELOAD``
@@ -282,6 +289,7 @@ def test_slimes_env_and_deep_ep_patch_work_with_the_facade():
     assert got == {"facade": FACADE, "freed": True, "backup": True, "deep_ep_usable": True, "restored": True}
 
 
+@pytest.mark.slow
 def test_preload_path_helper_prints_the_library():
     proc = _run("import runpy, sys; sys.argv = ['x', '--preload-path']; runpy.run_module('unisleep.compat', run_name='__main__')",
                 _env())

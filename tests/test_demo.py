@@ -25,6 +25,7 @@ def _check(result, name):
     return next(c for c in result["checks"] if c["name"] == name)
 
 
+@pytest.mark.slow
 def test_demo_runs_end_to_end_and_its_checks_pass(tmp_path, capsys):
     rc, res = _run(tmp_path, "--steps", "6", via_cli=True, plot=True)
     out = capsys.readouterr().out
@@ -43,6 +44,7 @@ def test_demo_runs_end_to_end_and_its_checks_pass(tmp_path, capsys):
     assert os.path.exists(tmp_path / "out" / "demo.png") or "plot skipped" in out
 
 
+@pytest.mark.slow
 def test_dropped_weights_fail_the_demo(tmp_path, capsys):
     rc, res = _run(tmp_path, "--steps", "5", "--sabotage", "drop-weights")
     assert rc == 1 and not res["ok"]
@@ -54,12 +56,14 @@ def test_dropped_weights_fail_the_demo(tmp_path, capsys):
     assert "demo: FAILED" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_a_sleep_that_frees_nothing_stops_the_demo(tmp_path):
     rc, res = _run(tmp_path, "--steps", "2", "--sabotage", "skip-sleep")
     assert rc == 1 and not res["ok"]
     assert "reports it is awake" in res["failure"] and res["steps"] == []
 
 
+@pytest.mark.slow
 def test_processed_logprobs_are_reported_with_the_fix(tmp_path):
     rc, res = _run(tmp_path, "--steps", "2", "--top-p", "0.9", "--logprobs-mode", "processed_logprobs")
     assert rc == 1

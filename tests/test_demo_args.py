@@ -18,6 +18,8 @@ import pytest
 
 from unisleep.platform import detect_platform
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

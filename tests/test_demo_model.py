@@ -26,6 +26,7 @@ def _check(res, name):
     return next(c for c in res["checks"] if c["name"] == name)
 
 
+@pytest.mark.slow
 def test_model_path_runs_with_both_sides_sleeping(tmp_path, capsys):
     rc, res = _run(tmp_path, "--steps", "6")
     out = capsys.readouterr().out
@@ -64,6 +65,7 @@ def test_model_path_runs_with_both_sides_sleeping(tmp_path, capsys):
     assert "demo: OK" in out and "trn freed GiB" in out and "device memory by phase" in out
 
 
+@pytest.mark.slow
 def test_model_path_dropped_weights_fail(tmp_path):
     rc, res = _run(tmp_path, "--steps", "3", "--sabotage", "drop-weights")
     assert rc == 1 and not res["ok"]

@@ -54,6 +54,7 @@ def test_text_report(clean_env, capsys):
         assert needle in out, needle
 
 
+@pytest.mark.slow
 def test_cli_dispatch_with_platform_override():
     r = run_doctor("--json", env_extra={"UNISLEEP_PLATFORM": "host"})
     assert r.returncode == 0, r.stderr
@@ -75,6 +76,7 @@ def _lifecycle_works(platform: str) -> tuple[bool, str]:
     return r.returncode == 0, r.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("platform", ["cuda", "rocm", "ascend"])
 def test_forced_platform_that_cannot_work_is_reported(platform):
     """UNISLEEP_PLATFORM naming an accelerator this machine lacks: doctor says it cannot work and
@@ -100,6 +102,7 @@ def test_forced_platform_that_cannot_work_is_reported(platform):
     assert any(p in rep["warnings"] for p in problems)
 
 
+@pytest.mark.slow
 def test_unknown_platform_reported_not_crashed():
     r = run_doctor("--json", env_extra={"UNISLEEP_PLATFORM": "tpu"})
     assert r.returncode == 1
@@ -110,6 +113,7 @@ def test_unknown_platform_reported_not_crashed():
     assert r.returncode == 1 and "NOT DETECTED" in r.stdout and "choose one of" in r.stdout
 
 
+@pytest.mark.slow
 def test_expandable_segments_warning():
     r = run_doctor("--json", env_extra={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
     assert r.returncode == 0, r.stderr
@@ -121,6 +125,7 @@ def test_expandable_segments_warning():
     assert not any("expandable" in w for w in clean)
 
 
+@pytest.mark.slow
 def test_tmpfs_spill_dir_warning(tmp_path):
     if not os.path.isdir("/dev/shm"):
         pytest.skip("no /dev/shm")
@@ -154,6 +159,7 @@ def test_vllm_version_reported(clean_env, capsys):
             assert rep["vllm"] and installed in rep["vllm"][0]
 
 
+@pytest.mark.slow
 def test_sizes_in_human_units(tmp_path):
     """Figures under a GiB are not printed as 0.0 GiB: a spill directory on a 16 MB filesystem shows
     its free space in MiB; the devices' memory is in the same units as unisleep.units.human_bytes."""

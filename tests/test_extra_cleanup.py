@@ -114,6 +114,7 @@ WORKER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_extra_cleanup_gloo_two_processes_groups_and_recapture():
     port = _free_port()
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")

@@ -131,6 +131,7 @@ def test_a_watched_graph_class_holds_the_gate_from_begin_to_end():
     assert not graph_capture.underway(), "a failed capture_end left the gate closed"
 
 
+@pytest.mark.slow
 def test_torchs_graph_class_is_watched_in_a_fresh_process():
     """torch.cuda.CUDAGraph defines capture_begin/capture_end in Python (torch 2.11 and 2.13): the
     gate wraps them.  In a child process, so this process's torch stays as it was."""
@@ -283,6 +284,7 @@ def test_the_arena_grows_around_a_capture_not_inside_it(arena_cls):
         arena.close()
 
 
+@pytest.mark.slow
 def test_a_capture_begun_while_the_arena_grows_waits_for_the_segment_in_progress(arena_cls):
     arena = arena_cls()
     try:

@@ -128,6 +128,7 @@ def test_a_missing_function_is_a_named_error():
     assert bind_prototypes(T(), lib, {"hipMemNoSuchCall": (ctypes.c_int, [])}) == ["hipMemNoSuchCall"]
 
 
+@pytest.mark.slow
 @needs_header
 @needs_cc
 def test_structs_enums_and_codes_match_the_real_header(tmp_path):
@@ -140,6 +141,7 @@ def test_structs_enums_and_codes_match_the_real_header(tmp_path):
                           f"(HIP_VERSION {version}):\n  " + "\n  ".join(problems))
 
 
+@pytest.mark.slow
 @needs_header
 @needs_cxx
 def test_prototypes_match_the_real_header(tmp_path):
@@ -154,6 +156,7 @@ def test_prototypes_match_the_real_header(tmp_path):
     assert not problems, "the ctypes prototypes in backends/rocm/hip.py differ from the header:\n  " + "\n  ".join(problems)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("release", sorted(abi_check.HIP_PYTHON_RELEASES))
 def test_bindings_match_hip_python(release):
     """The HIP >= 5.3 layout every ROCm 6.x/7.x user gets, checked against AMD's own bindings
@@ -221,6 +224,7 @@ except Exception as e:
 """
 
 
+@pytest.mark.slow
 @needs_lib
 def test_the_runtime_already_in_the_process_wins(tmp_path):
     copy = tmp_path / "other-rocm" / "libamdhip64.so"

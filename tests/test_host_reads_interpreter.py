@@ -7,6 +7,10 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -56,6 +56,7 @@ def _json(code: str, env: dict) -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_areal_finds_the_preload_library_through_the_facade():
     """Before: AReaL's ``get_tms_env_vars()`` raised ``RuntimeError: LD_PRELOAD so file ...
     does not exist`` under the facade."""
@@ -71,6 +72,7 @@ def test_areal_finds_the_preload_library_through_the_facade():
                    "saver": "unisleep.compat.torch_memory_saver"}
 
 
+@pytest.mark.slow
 def test_an_areal_worker_pauses_its_model_without_regions():
     """A worker started with exactly the environment AReaL's schedulers give it (and nothing
     else): AReaL's module gets the facade (not its silent MockTorchMemorySaver), the engine's

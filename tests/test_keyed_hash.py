@@ -53,6 +53,7 @@ def test_three_level_tree_equals_the_definition(key):
     assert kh.digest_bytes(data, key) == kh.reference_digest(data, key)
 
 
+@pytest.mark.slow
 def test_a_batch_equals_each_digest_alone():
     # the upper levels of many inputs run as rows of one set of ops (shorter rows zero-padded),
     # every key's level tensors arrive in one copy: each digest must still be its own definition
@@ -246,6 +247,7 @@ def test_digest_round_trips_through_bytes(key):
 
 
 # ---- the fused level-1 kernel's logic, on the CPU through Triton's interpreter -------------
+@pytest.mark.slow
 def test_fused_kernel_equals_nh_level_in_the_triton_interpreter(triton_interpreter_env):
     code = textwrap.dedent(
         """
@@ -344,6 +346,7 @@ def test_bucket_lanes_fill_copies_and_hashes_in_one_pass_or_declines(key):
     assert torch.equal(got, kh.nh_lanes_many([buf[o: o + n] for o, n in spans], [key] * len(spans)))
 
 
+@pytest.mark.slow
 def test_bucket_lanes_fill_only_large_tensors_by_default(key):
     big = kh.BucketLanes.fill_min
     spans = [(0, big), (big, 4096), (big + 4096, big)]
@@ -355,6 +358,7 @@ def test_bucket_lanes_fill_only_large_tensors_by_default(key):
     assert torch.equal(bl.lanes(), kh.nh_lanes_many([buf[o: o + n] for o, n in spans], [key] * 3))
 
 
+@pytest.mark.slow
 def test_segmented_kernel_equals_the_reference_in_the_triton_interpreter(triton_interpreter_env):
     code = textwrap.dedent(
         """

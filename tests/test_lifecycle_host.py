@@ -180,6 +180,7 @@ DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.
 SIZES = [1, 3, 511, 4095, 4096, 4097, 65_537, (1 << 20) + 13]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "config",
     [
@@ -394,6 +395,7 @@ def small_tmpfs(tmp_path):
     subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
+@pytest.mark.slow
 def test_spill_space_checked_before_release(small_tmpfs):
     with pytest.warns(RuntimeWarning):
         lc = MemoryLifecycle("host", spill_dir=small_tmpfs)
@@ -734,6 +736,7 @@ def test_close_is_idempotent_and_frees(spill_dir):
         lc.empty((4,), tag="weights")
 
 
+@pytest.mark.slow
 def test_context_manager_and_garbage_collection(spill_dir):
     import gc
 

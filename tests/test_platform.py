@@ -93,6 +93,7 @@ def test_lifecycle_follows_override(monkeypatch, tmp_path):
         assert lc.platform_name == "host"
 
 
+@pytest.mark.slow
 def test_detect_does_not_initialise_torch_device_runtime():
     r = run_py(
         """
@@ -120,6 +121,7 @@ sys.meta_path.insert(0, Block())
 """
 
 
+@pytest.mark.slow
 def test_detect_without_torch_or_vendor_packages():
     """Detection needs none of the optional packages (and not even torch)."""
     r = run_py(
@@ -146,6 +148,7 @@ def _fake_package(root, name: str, body: str) -> None:
         f.write(textwrap.dedent(body))
 
 
+@pytest.mark.slow
 def test_detect_tolerates_broken_vendor_installs(tmp_path):
     """amdsmi raising KeyError at import and NVML failing to load must not break detection."""
     _fake_package(tmp_path, "amdsmi", "raise KeyError('libamd_smi.so')\n")
@@ -167,6 +170,7 @@ def test_detect_tolerates_broken_vendor_installs(tmp_path):
         assert r.stdout.strip() == "host"
 
 
+@pytest.mark.slow
 def test_detect_reads_nvml_without_creating_a_context(tmp_path):
     """With NVML reporting GPUs, detection says cuda, lists them with memory, and leaves the
     device runtime untouched.  (pynvml here is a stand-in for the NVML library, which this CPU

@@ -107,6 +107,7 @@ def run_child(mode, spill_dir):
                           timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
 
 
+@pytest.mark.slow
 def test_a_layer_never_runs_on_a_chunk_in_flight(spill_dir):
     r = run_child("hooks", spill_dir)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -116,6 +117,7 @@ def test_a_layer_never_runs_on_a_chunk_in_flight(spill_dir):
     assert float(took) >= 0.03 * 2  # the delays were really in the way
 
 
+@pytest.mark.slow
 def test_without_ready_the_delayed_copy_is_visible(spill_dir):
     """The control: the same forward without the ready hooks runs into memory still in flight
     (unmapped: SIGSEGV; or not yet read back) — so the test above can fail."""

@@ -16,6 +16,8 @@ ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'unis
 
 from unisleep.ray import Ticket, TransferActor, connect, new_ticket  # noqa: E402
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAMES = ["embed.weight", "layer.0.w", "layer.0.b", "head.weight"]
 SHAPES = [(64, 32), (32, 32), (32,), (64, 32)]

@@ -157,6 +157,7 @@ lc.close()
 """
 
 
+@pytest.mark.slow
 def test_entry_point_backend_loads_by_name(plugin_dist):
     r = _run(SCRIPT.replace("PLATFORM", "'tinyhost'"), plugin_dist)
     assert r.returncode == 0, r.stderr
@@ -165,6 +166,7 @@ def test_entry_point_backend_loads_by_name(plugin_dist):
                    "ok": True, "same_ptr": True, "name": "tinyhost"}
 
 
+@pytest.mark.slow
 def test_entry_point_backend_selected_by_environment(plugin_dist):
     """The registry promises ``UNISLEEP_PLATFORM=<third-party name>`` selects it."""
     r = _run(SCRIPT.replace("PLATFORM", "None"), plugin_dist, {"UNISLEEP_PLATFORM": "tinyhost"})

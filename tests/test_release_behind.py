@@ -32,6 +32,7 @@ def _fill(lc):
     return w, kv, w.clone()
 
 
+@pytest.mark.slow
 def test_sleep_returns_before_the_releases_and_a_wake_waits_for_them():
     lc, drv = _lifecycle()
     w, kv, ref = _fill(lc)

@@ -331,6 +331,7 @@ def test_rocm_sim_file_limit_is_raised_when_allowed():
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
+@pytest.mark.slow
 def test_rocm_sim_file_limit_refused_with_the_fix():
     code = textwrap.dedent(
         f"""
@@ -412,6 +413,7 @@ def test_rocm_sim_no_library_gives_a_clear_error(monkeypatch):
         RocmDriver(env={})
 
 
+@pytest.mark.slow
 def test_rocm_sim_lazy_vendor_imports():
     code = (
         "import sys, unisleep, unisleep.backends.host, unisleep.backends.rocm, unisleep.backends.ascend\n"
@@ -536,6 +538,7 @@ def test_rocm_hardware_lifecycle():
 
 
 # ---------------------------------------------------------------------------- pool (simulated)
+@pytest.mark.slow
 def test_rocm_sim_pool_callbacks_put_torch_segments_in_the_tag(simulated):
     """The pool's allocator callbacks (what torch calls for each segment inside ``pool(tag)``)
     on the SIMULATED HIP library: a segment becomes a region of the tag, sleeps and wakes with

@@ -116,6 +116,7 @@ print(json.dumps({"uid": os.getuid(), "planted": list(planted)}), flush=True)
 """
 
 
+@pytest.mark.slow
 def test_forged_store_records_are_refused_and_the_update_lands(tmp_path):
     _skip_without_nobody()
     g0, g1 = _pair()
@@ -180,6 +181,7 @@ def _abstract_names(prefix: str) -> set:
     return names
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("staged", [True, False])
 def test_ipc_socket_admits_only_the_receiver(staged):
     _skip_without_nobody()
@@ -332,6 +334,7 @@ def test_secret_file_must_be_private(tmp_path):
         read_secret_file(str(p))
 
 
+@pytest.mark.slow
 def test_groups_with_different_secrets_do_not_talk():
     addr = f"tcp://127.0.0.1:{_port()}"
     out: dict = {}
@@ -433,6 +436,7 @@ def test_sender_and_receiver_refuse_old_versions():
         g0.close(), g1.close()
 
 
+@pytest.mark.slow
 def test_collective_bootstrap_records_are_authenticated():
     """The collective's own bootstrap values (addresses, unique ids) are sealed too: a planted one
     is named and waited past, so nobody redirects a member's connection to their own socket."""

@@ -104,6 +104,7 @@ def test_a_spill_dir_another_user_can_swap_is_refused(base, case, monkeypatch):
         assert not os.path.exists(os.path.join(base, "shared", "new"))
 
 
+@pytest.mark.slow
 def test_the_tms_facade_refuses_a_swappable_disk_backup_dir(base):
     """TMS_DISK_BACKUP_DIR reaches the lifecycle as its spill directory: same refusal."""
     spill = _dir(os.path.join(base, "tms"), 0o777)

@@ -60,6 +60,7 @@ def test_raw_logprobs_match_the_trainers_full_forward(engine):
     assert logits.argmax(-1).tolist() == g.token_ids
 
 
+@pytest.mark.slow
 def test_seeded_sampling_is_reproducible(engine):
     a = engine.generate(PROMPTS, max_tokens=6, temperature=1.0, seed=7)
     b = engine.generate(PROMPTS, max_tokens=6, temperature=1.0, seed=7)

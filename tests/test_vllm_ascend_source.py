@@ -135,6 +135,7 @@ def _allocate(camem, tag, nbytes, keep):
 
 
 # ---------------------------------------------------------------------------- weights asleep
+@pytest.mark.slow
 def test_weights_asleep_reads_camems_real_state_and_fails_closed(vllm_ascend, monkeypatch):
     """vllm_weights_asleep over vllm-ascend's real CaMemAllocator, driven through its real sleep
     and wake_up: offloaded weights (level 1) are asleep; weights without a host backup — awake,

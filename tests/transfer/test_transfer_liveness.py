@@ -22,6 +22,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from liveness_worker import weights  # noqa: E402
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 LIMIT_S = 5.0
 
 

@@ -12,6 +12,8 @@ import time
 
 import pytest
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 

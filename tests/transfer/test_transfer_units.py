@@ -260,6 +260,7 @@ def test_streaming_mode_and_generator_with_specs(pair):
     assert isinstance(r, TransferError) and "aborted" in str(r) and rx.version == 5
 
 
+@pytest.mark.slow
 def test_the_collectives_sealed_store_lives_as_long_as_its_backend():
     """A backend that bootstraps after its constructor (the device collective reads its unique id on the first
     collective) calls back into the Python store: it must not have been collected by then."""

@@ -16,6 +16,8 @@ import pytest
 
 from trust_helpers import Child, kill_tree, run_child, small_filesystem
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 
 # ----------------------------------------------------------------------------- a disk that fills up
 def test_two_concurrent_sleeps_on_a_nearly_full_disk(tmp_path):

@@ -259,6 +259,7 @@ def test_graph_pool_property_extended_for_the_unisleep_backend():
     assert vllm_plugin.graph_pool_wanted(cfg) is False
 
 
+@pytest.mark.slow
 def test_post_import_hook_reads_the_workers_config(tmp_path):
     """In a fresh process: the plugin hooks modules imported after it; the worker's
     _maybe_get_memory_pool_context (called for the weights before vLLM sets its current config)

@@ -23,7 +23,7 @@ from unisleep.errors import EngineError, InvalidArgumentError, InvalidTransition
 
 from _vllm_common import PROMPTS, greedy, transfer_api_missing  # noqa: F401
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # a vLLM engine or server per session
 
 ASYNC_KW = dict(dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=8,
                 kv_cache_memory_bytes=256 << 20, seed=0,

@@ -8,7 +8,7 @@ from unisleep.errors import EngineError, InvalidTransitionError
 
 from _vllm_common import PROMPTS, greedy  # noqa: F401
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # a vLLM engine or server per session
 
 
 

@@ -97,6 +97,7 @@ def test_doctor_lines_for_installed_vllm():
     assert vllm.__version__.split("+")[0] in doctor_lines()[0]
 
 
+@pytest.mark.slow
 def test_plugin_register_is_idempotent_and_registers_both():
     from vllm.device_allocator.sleep_mode_backend import SleepModeBackendFactory
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
@@ -203,6 +204,7 @@ def test_spec_acceptance_from_vllm_metrics_text():
     assert meter.read(spec_counters_from_metrics(text(31.0, 200.0))) is None  # nothing drafted since
 
 
+@pytest.mark.slow
 def test_inprocess_adapter_applies_the_table(vllm_inprocess):
     """The real in-process engine: its own config says no draft (level 2 allowed); the same
     engine described as running a draft on 0.33 refuses level 2 before vLLM is called."""
@@ -278,6 +280,7 @@ def _transfer_engine(model_path="", enable_sleep_mode=True):
     return UnisleepWeightTransferEngine(None, vc, torch.device("cpu"), torch.nn.Linear(2, 2))
 
 
+@pytest.mark.slow
 def test_transfer_guard_fails_closed_when_nothing_can_tell(monkeypatch):
     """Sleep mode on and no allocator answers (vLLM has none on this platform): refused, naming
     why — it used to pass silently."""
@@ -290,6 +293,7 @@ def test_transfer_guard_fails_closed_when_nothing_can_tell(monkeypatch):
     _transfer_engine(enable_sleep_mode=False)._check_weights_awake()  # nothing can sleep: allowed
 
 
+@pytest.mark.slow
 def test_transfer_guard_reads_the_unisleep_allocator(tmp_path, monkeypatch):
     import torch
 
@@ -319,6 +323,7 @@ def test_transfer_guard_reads_the_unisleep_allocator(tmp_path, monkeypatch):
         alloc.close()
 
 
+@pytest.mark.slow
 def test_draft_update_is_checked_against_the_drafts_checkpoint(tmp_path, tiny_models):
     """vLLM points the engine at the draft (set_weight_update_target) for a draft update: the
     coverage check must then use the draft's checkpoint, not the main model's cached specs."""
@@ -363,6 +368,7 @@ def _sparse_checkpoint(path, nbytes):
     return str(path)
 
 
+@pytest.mark.slow
 def test_staging_is_host_by_default_and_device_staging_is_fit_checked(tmp_path, tiny_models):
     from unisleep.vllm_worker.transfer_engine import UnisleepWeightTransferEngine, checkpoint_nbytes
     from unisleep.errors import TransferError
@@ -391,6 +397,7 @@ def test_staging_is_host_by_default_and_device_staging_is_fit_checked(tmp_path, 
         none._check_device_staging_fits()
 
 
+@pytest.mark.slow
 def test_host_staging_keeps_its_own_copy():
     import torch
 

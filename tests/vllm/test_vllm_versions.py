@@ -19,7 +19,7 @@ from unisleep.errors import TransferError, UnsupportedError
 
 from _vllm_common import greedy, installed_vllm, needs_feature
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # a vLLM engine or server per session
 
 
 def _has(version, feature):

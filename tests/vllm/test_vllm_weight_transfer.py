@@ -11,7 +11,7 @@ from unisleep.errors import InvalidTransitionError, TransferError
 
 from _vllm_common import PROMPTS, greedy, transfer_api_missing  # noqa: F401
 
-pytestmark = [pytest.mark.vllm,
+pytestmark = [pytest.mark.vllm, pytest.mark.slow,  # a vLLM engine or server per session
               pytest.mark.skipif(transfer_api_missing() is not None,
                                  reason=str(transfer_api_missing()))]
 
