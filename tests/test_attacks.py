@@ -72,6 +72,180 @@ def _windows(w: dict, n: int = 6, size: int = 64) -> list[bytes]:
     return [raw[i: i + size] for i in range(0, len(raw) - size, step)][:n]
 
 
+# ---------------------------------------------------------------------------- 5-6. a receiver of another uid
+MEMBER = r"""
+import json, os, sys, time, torch
+from unisleep.transfer import TransferGroup, WeightReceiver
+port, secret_file, n, initial = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
+
+def weights(v):
+    g = torch.Generator().manual_seed(v)
+    return {"w": torch.randn(256, 1024, generator=g), "b": torch.randn(33, generator=g).to(torch.bfloat16),
+            "steps": torch.arange(5) * v}
+
+g = TransferGroup.create(f"tcp://127.0.0.1:{port}", 1, 2, platform="host", timeout_s=30, secret_file=secret_file)
+print(json.dumps({"ready": True, "uid": os.getuid()}), flush=True)
+tgt = {k: torch.zeros_like(v) for k, v in weights(0).items()}
+rx = WeightReceiver(g, target=tgt, initial_version=None if initial == "-" else int(initial))
+for _ in range(n):
+    t0 = time.monotonic()
+    try:
+        r = rx.receive(timeout_s=30)
+        out = {"ok": True, "version": r.version, "exact": all(torch.equal(tgt[k], v) for k, v in weights(r.version).items())}
+    except Exception as e:
+        out = {"ok": False, "type": type(e).__name__, "msg": str(e), "version": rx.version}
+    out["seconds"] = time.monotonic() - t0
+    print(json.dumps(out), flush=True)
+g.close()
+"""
+
+
+class NobodyReceiver:
+    """A receiver process running as uid 65534 (a member of another user, sharing the secret through
+    a file it owns), and its JSON lines."""
+
+    def __init__(self, n: int, initial: str = "-"):
+        from unisleep.transfer.secret import new_secret, write_secret_file
+
+        self.secret = new_secret()
+        self.dir = tempfile.mkdtemp(prefix="unisleep-attack-")
+        os.chmod(self.dir, 0o711)
+        path = os.path.join(self.dir, "secret")
+        write_secret_file(path, self.secret)
+        os.chown(path, NOBODY, NOBODY)
+        self.port = _port()
+        self.p = subprocess.Popen(_as_nobody(["-c", MEMBER, str(self.port), path, str(n), initial]), env=_nobody_env(),
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.lines: list = []
+        threading.Thread(target=self._read, daemon=True).start()
+        self.group = TransferGroup.create(f"tcp://127.0.0.1:{self.port}", 0, 2, platform="host", timeout_s=30,
+                                          secret=self.secret)
+
+    def _read(self):
+        for line in self.p.stdout:
+            try:
+                self.lines.append(json.loads(line))
+            except ValueError:
+                pass
+
+    def outcome(self, i: int, timeout_s: float = 60) -> dict:
+        t0 = time.monotonic()
+        while True:
+            got = [x for x in self.lines if "ready" not in x]
+            if len(got) > i:
+                return got[i]
+            if time.monotonic() - t0 > timeout_s:
+                raise AssertionError(f"the uid {NOBODY} receiver gave no outcome #{i}: "
+                                     f"{self.p.stderr.read()[-2000:] if self.p.poll() is not None else ''}")
+            time.sleep(0.02)
+
+    def close(self):
+        self.group.close()
+        if self.p.poll() is None:
+            self.p.kill()
+        self.p.wait(30)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _quick(fn, limit_s: float = 1.0):
+    t0 = time.monotonic()
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001
+        dt = time.monotonic() - t0
+        assert dt < limit_s, f"{type(e).__name__} after {dt:.1f} s: {e}"
+        return e
+    raise AssertionError("no error")
+
+
+@pytest.mark.slow
+def test_versions_strictly_increase_across_users():
+    _skip_without_nobody()
+    m = NobodyReceiver(n=3)
+    try:
+        tx = WeightSender(m.group, bucket_bytes=64 << 10, path="collective")
+        tx.send(_weights(1), 1)
+        assert m.outcome(0)["ok"] and m.outcome(0)["version"] == 1
+        e = _quick(lambda: tx.send(_weights(5), None))
+        from unisleep.errors import VersionError
+
+        assert isinstance(e, VersionError) and isinstance(e, InvalidArgumentError), e
+        e = _quick(lambda: tx.send(_weights(0), 0))
+        assert isinstance(e, VersionError) and "version 1" in str(e), e
+        # a sender that forgot what was sent (a restarted trainer object): the receiver refuses, the sender hears why
+        fresh = WeightSender(m.group, bucket_bytes=64 << 10, path="collective")
+        e = _quick(lambda: fresh.send(_weights(0), 0), limit_s=3)
+        assert isinstance(e, VersionError) and "receiver rank 1" in str(e) and "version 1" in str(e), e
+        out = m.outcome(1)
+        assert not out["ok"] and out["type"] == "VersionError" and out["version"] == 1, out
+        assert out["seconds"] < 3, out
+        tx.send(_weights(2), 2)
+        assert m.outcome(2)["ok"] and m.outcome(2)["version"] == 2 and m.outcome(2)["exact"]
+    finally:
+        m.close()
+
+
+def test_bad_arguments_to_create_fail_at_once():
+    for kw in ({"timeout_s": 0}, {"timeout_s": -1}, {"timeout_s": float("nan")}, {"timeout_s": True},
+               {"rank": 1.0}, {"rank": True}, {"world_size": 2.0}, {"name": 5}, {"device": "0"}):
+        args = {"rank": 0, "world_size": 2, **kw}
+        rank, ws = args.pop("rank"), args.pop("world_size")
+        e = _quick(lambda: TransferGroup.create(f"tcp://127.0.0.1:{_port()}", rank, ws, platform="host", **args))
+        assert isinstance(e, InvalidArgumentError), (kw, e)
+
+
+@pytest.mark.slow
+def test_bad_arguments_fail_at_once_and_the_peer_hears():
+    _skip_without_nobody()
+    from unisleep.transfer import records as R
+
+    m = NobodyReceiver(n=4)
+    try:
+        g = m.group
+        for kw in ({"bucket_bytes": 1.5}, {"bucket_bytes": 2**70}, {"bucket_bytes": True}, {"bucket_bytes": 0}):
+            e = _quick(lambda: WeightSender(g, **kw))
+            assert isinstance(e, InvalidArgumentError), (kw, e)
+        tx = WeightSender(g, bucket_bytes=64 << 10, path="collective")
+        w = _weights(1)
+        specs = [(k, tuple(v.shape), v.dtype) for k, v in w.items()]
+        for bad, what in (({**w, "w": [1.0, 2.0]}, "list"),
+                          ((w.items(), [("w", (256, 1024), "float31"), *specs[1:]]), "float31"),
+                          ((w.items(), [("w", (-256, 1024), "float32"), *specs[1:]]), "-256"),
+                          ((w.items(), [("w", (256, 1024), "float32", 1), *specs[1:]]), "spec")):
+            if isinstance(bad, tuple):
+                e = _quick(lambda: tx.send(iter(bad[0]), 1, specs=bad[1]))
+            else:
+                e = _quick(lambda: tx.send(bad, 1))
+            assert isinstance(e, InvalidArgumentError) and what in str(e), (what, e)
+        # the same mistake found only mid-stream (a lazy generator): the sender stops, the receiver hears why
+        def lazy():
+            yield "w", w["w"]
+            yield "b", [1, 2, 3]
+
+        e = _quick(lambda: tx.send(lazy(), 1, specs=specs), limit_s=3)
+        assert isinstance(e, InvalidArgumentError) and "list" in str(e), e
+        out = m.outcome(0)
+        assert not out["ok"] and "list" in out["msg"] and out["seconds"] < 3 + 1, out
+        # a header the receiver cannot take (a negative dimension, sealed with the group's key as a
+        # sender of another version might): refused at once, and the sender hears it
+        seq, ep = g._seq, g.epoch
+        g._seq += 1
+        hdr = {"version": 7, "previous_version": None, "meta_id": "ab", "specs": [["w", [-4], "float32"]],
+               "bucket_bytes": 4096, "path": "collective", "buckets": 1, "bytes": 16, "ipc": None, "verify": True}
+        g.put("hdr", hdr, seq, ep)
+        t0 = time.monotonic()
+        ack = g.take(f"u{seq}/ack/1", R.ACK, seq=seq, epoch=ep, timeout_s=5, peer="receiver rank 1")
+        assert not ack["ok"] and "-4" in ack["msg"] and time.monotonic() - t0 < 2, ack
+        out = m.outcome(1)
+        assert not out["ok"] and "-4" in out["msg"] and out["seconds"] < 3, out
+        # and the group is still good
+        tx.send(w, 2)
+        out = m.outcome(2)
+        assert out["ok"] and out["version"] == 2, out
+    finally:
+        m.close()
+
+
 # ---------------------------------------------------------------------------- 7. squatting
 SQUAT = r"""
 import json, os, sys

@@ -189,12 +189,7 @@ class TransferGroup:
         loopback group of one user needs none); ``insecure=True`` lets a non-loopback group run
         without one.  Multi-node is the same call with a routable address (docs/security.md).
         """
-        if world_size < 2:
-            raise InvalidArgumentError(f"a transfer group needs a sender and at least one receiver; world_size={world_size}")
-        if not 0 <= rank < world_size:
-            raise InvalidArgumentError(f"rank must be in [0, {world_size}), got {rank}")
-        if not R.NAME.fullmatch(name):
-            raise InvalidArgumentError(f"group name must be 1-128 letters, digits, '.', '_' or '-'; got {name!r}")
+        _check_create_args(rank, world_size, timeout_s, name, device, insecure)
         plat = platform if isinstance(platform, Platform) else detect_platform(platform)
         host, port = parse_rendezvous(rendezvous)
         loopback = is_loopback(host)
@@ -518,6 +513,9 @@ class TransferGroup:
                         return body if accept is None else (rs, re_, body)
                 except R.ForgedRecordError as e:
                     self._intrusion(str(e))
+                except R.MalformedRecordError as e:  # authentic: the caller answers it, unless it is stale
+                    if accept is None or accept(e.seq, e.epoch, None):
+                        raise
                 bad = raw
             now = time.monotonic()
             if now - t0 >= t:
@@ -635,6 +633,24 @@ def _sealed_store_class():
 
     _SEALED.append(SealedStore)
     return SealedStore
+
+
+def _check_create_args(rank, world_size, timeout_s, name, device, insecure) -> None:
+    """:class:`InvalidArgumentError` at once for an argument of :meth:`TransferGroup.create` that
+    cannot be right (before any socket is opened or waited on)."""
+    if not R._is_int(world_size) or world_size < 2:
+        raise InvalidArgumentError(f"world_size must be an integer >= 2 (a sender and at least one receiver), "
+                                   f"got {world_size!r}")
+    if not R._is_int(rank) or not 0 <= rank < world_size:
+        raise InvalidArgumentError(f"rank must be an integer in [0, {world_size}), got {rank!r}")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < 1e9:
+        raise InvalidArgumentError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    if not isinstance(name, str) or not R.NAME.fullmatch(name):
+        raise InvalidArgumentError(f"group name must be 1-128 letters, digits, '.', '_' or '-'; got {name!r}")
+    if device is not None and (not R._is_int(device) or device < 0):
+        raise InvalidArgumentError(f"device must be a device index >= 0 or None (the current one), got {device!r}")
+    if not isinstance(insecure, bool):
+        raise InvalidArgumentError(f"insecure must be True or False, got {insecure!r}")
 
 
 def _peer_of(body: dict) -> Peer:

@@ -8,11 +8,11 @@ import os
 import time
 from typing import Any, Callable, Optional, Sequence
 
-from ..errors import InvalidArgumentError, InvalidTransitionError, TransferError, UnisleepError
+from ..errors import InvalidArgumentError, InvalidTransitionError, TransferError, UnisleepError, VersionError
 from . import records as R
 from .channels import ABORT, END, IpcConn, connect_ipc, handshake_receiver, wait_work
 from .group import TransferGroup
-from .manifest import Manifest, TensorSpec, UpdateSeal, plan_buckets
+from .manifest import Manifest, UpdateSeal, plan_buckets, spec_of
 from .records import check_version
 from .names import short_names, tensor_pairs
 from .report import TransferReport
@@ -110,6 +110,34 @@ class WeightReceiver:
                     + (f"shape/dtype differ: {short_names(wrong, 4)}" if wrong else ""))
         return None
 
+    def _header_plan(self, hdr: dict) -> tuple:
+        """The specs and bucket plan an authentic header describes, or an error (with ``kind``) for
+        the sender: specs that do not match their id, metadata never received, a target they do
+        not fit, counts that do not add up."""
+        def bad(kind: str, msg: str) -> TransferError:
+            e = TransferError(msg)
+            e.kind = kind
+            return e
+
+        if not 0 < hdr["bucket_bytes"] <= 1 << 40 or hdr["buckets"] < 0 or hdr["bytes"] < 0:
+            raise bad("header", f"bucket size {hdr['bucket_bytes']}, {hdr['buckets']} buckets, {hdr['bytes']} bytes: "
+                                "not an update")
+        if hdr["specs"] is not None:
+            specs_ = tuple(spec_of(s, i) for i, s in enumerate(hdr["specs"]))
+            if Manifest(specs_).meta_id != hdr["meta_id"]:
+                raise bad("metadata", "the specs do not match their id")
+            self._meta = {hdr["meta_id"]: specs_}
+        specs = self._meta.get(hdr["meta_id"])
+        if specs is None:
+            raise bad("metadata", f"metadata {hdr['meta_id']} was never received here; resend with the tensor specs")
+        problem = self._check_target(specs)
+        if problem:
+            raise bad("target", problem)
+        plans = plan_buckets(specs, hdr["bucket_bytes"])
+        if len(plans) != hdr["buckets"] or sum(s.nbytes for s in specs) != hdr["bytes"]:
+            raise bad("metadata", "the bucket count or size does not match the specs")
+        return specs, plans
+
     # ---------------------------------------------------------------- one update
     def receive(self, *, timeout_s: Optional[float] = None) -> TransferReport:
         """Receive, verify and apply the next update; return its report.
@@ -122,11 +150,24 @@ class WeightReceiver:
         """
         g = self.group
         g.check_usable()
+        if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool)
+                                          and 0 < timeout_s < float("inf")):
+            raise InvalidArgumentError(f"timeout_s must be a positive number of seconds (or None: the group's), "
+                                       f"got {timeout_s!r}")
         t0 = time.perf_counter()
         intrusions0 = len(g.intrusions)
-        seq, epoch, hdr = g.take("hdr", R.HEADER, seq=None, epoch=None, timeout_s=timeout_s, peer="the sender (rank 0)",
-                                 watch=[0], accept=lambda rs, _e, _b: rs > g.last_seq,
-                                 what=f"the next update from the sender (still serving version {self.version!r})")
+        try:
+            seq, epoch, hdr = g.take("hdr", R.HEADER, seq=None, epoch=None, timeout_s=timeout_s,
+                                     peer="the sender (rank 0)", watch=[0], accept=lambda rs, _e, _b: rs > g.last_seq,
+                                     what=f"the next update from the sender (still serving version {self.version!r})")
+        except R.MalformedRecordError as e:  # authentic, but this side cannot take it: the sender hears why
+            g.last_seq = e.seq
+            try:
+                g.put(f"u{e.seq}/ack/{g.rank}", {"ok": False, "kind": "header", "msg": str(e)[:4000], "connected": False},
+                      e.seq, e.epoch)
+            except TransferError:
+                pass
+            raise TransferError(f"update {e.seq} refused: {e}; still serving version {self.version!r}") from None
         g.last_seq = seq
         if epoch != g.epoch:
             g.epoch = epoch  # the sender moved the data channel on after a broken update
@@ -150,26 +191,14 @@ class WeightReceiver:
         why = check_version(version, self.version, self.allow_equal_versions, "this receiver")
         if why:
             refuse("version", why)
-            raise TransferError(f"update {seq} refused: {why}; still serving version {self.version!r}")
-        if hdr["specs"] is not None:
-            specs_ = tuple(TensorSpec(n, tuple(sh), dt) for n, sh, dt in hdr["specs"])
-            if Manifest(specs_).meta_id != hdr["meta_id"]:
-                refuse("metadata", "the specs do not match their id")
-                raise TransferError(f"update {seq} (version {version!r}) refused: its specs do not match their id")
-            self._meta = {hdr["meta_id"]: specs_}
-        specs = self._meta.get(hdr["meta_id"])
-        if specs is None:
-            msg = f"metadata {hdr['meta_id']} was never received here; resend with the tensor specs"
-            refuse("metadata", msg)
-            raise TransferError(f"update {seq} (version {version!r}) refused: {msg}")
-        problem = self._check_target(specs)
-        if problem:
-            refuse("target", problem)
-            raise TransferError(f"update {seq} (version {version!r}) refused before any byte moved: {problem}")
-        plans = plan_buckets(specs, hdr["bucket_bytes"])
-        if len(plans) != hdr["buckets"] or sum(s.nbytes for s in specs) != hdr["bytes"]:
-            refuse("metadata", "the bucket count or size does not match the specs")
-            raise TransferError(f"update {seq} (version {version!r}) refused: its header does not add up")
+            raise VersionError(f"update {seq} refused: {why}; still serving version {self.version!r}")
+        try:
+            specs, plans = self._header_plan(hdr)
+        except Exception as e:  # noqa: BLE001 - whatever is wrong with it, the sender hears it
+            kind = getattr(e, "kind", "header")
+            msg = str(e) if isinstance(e, UnisleepError) else f"{type(e).__name__}: {e}"
+            refuse(kind, msg)
+            raise TransferError(f"update {seq} (version {version!r}) refused before any byte moved: {msg}") from None
         connected = False
         try:
             if hdr["path"] == "ipc":

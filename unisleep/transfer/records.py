@@ -48,6 +48,16 @@ class ForgedRecordError(TransferError):
     waiting for the genuine record."""
 
 
+class MalformedRecordError(TransferError):
+    """An authentic record (right key, update number and epoch known) whose body does not fit its
+    schema: a peer of another version or a bug.  ``seq`` and ``epoch`` say which update it was for,
+    so the reader can refuse that update and the writer hears why."""
+
+    def __init__(self, msg: str, seq: int, epoch: int):
+        super().__init__(msg)
+        self.seq, self.epoch = seq, epoch
+
+
 def derive_key(secret: bytes, purpose: str) -> bytes:
     """A sub-key of the group secret for one purpose (records, bucket pads, IPC handshake...)."""
     return hmac.new(secret, b"unisleep transfer v1 " + purpose.encode(), hashlib.sha256).digest()
@@ -108,7 +118,7 @@ def open_record(key: bytes, group_id: str, raw: bytes, *, name: str, peer: str, 
     body = doc["b"]
     problem = check_schema(body, schema)
     if problem:
-        raise TransferError(f"record {name!r} from {peer} does not fit its schema: {problem}")
+        raise MalformedRecordError(f"record {name!r} from {peer} does not fit its schema: {problem}", rs, re_)
     return rs, re_, body
 
 
@@ -194,9 +204,10 @@ def version_order(new: Any, old: Any) -> int:
 
 
 def check_version(new: Any, old: Any, allow_equal: bool, who: str) -> Optional[str]:
-    """Why ``new`` may not follow ``old`` (None: it may)."""
-    if _check_value(new, VERSION):
-        return f"version {new!r} must be an integer or a short string"
+    """Why ``new`` may not follow ``old`` (None: it may); ``old`` None: nothing came before."""
+    if new is None or _check_value(new, VERSION):
+        return (f"version {new!r} is not a version: give an integer (e.g. the training step) or a string of at "
+                "most 256 characters; versions must increase from one update to the next")
     if old is None:
         return None
     order = version_order(new, old)
@@ -206,5 +217,5 @@ def check_version(new: Any, old: Any, allow_equal: bool, who: str) -> Optional[s
             "(pass allow_equal_versions=True to resend an equal version)")
 
 
-__all__ = ["PROTOCOL", "MAX_RECORD", "ForgedRecordError", "derive_key", "seal", "open_record", "check_schema",
+__all__ = ["PROTOCOL", "MAX_RECORD", "ForgedRecordError", "MalformedRecordError", "derive_key", "seal", "open_record", "check_schema",
            "version_order", "check_version", "PEER", "HEADER", "ACK", "GO", "ABORT", "DONE"]

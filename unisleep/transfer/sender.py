@@ -8,17 +8,19 @@ import time
 from collections.abc import Mapping
 from typing import Any, Iterator, Optional, Sequence
 
-from ..errors import InvalidArgumentError, InvalidTransitionError, TransferError, UnisleepError
+from ..errors import InvalidArgumentError, InvalidTransitionError, TransferError, UnisleepError, VersionError
 from .channels import CollectiveSendChannel, IpcSenderState, IpcSendChannel
 from .group import TransferGroup
 from . import records as R
-from .manifest import BucketPlan, Manifest, TensorSpec, UpdateSeal, plan_buckets, write_trailer
+from .manifest import BucketPlan, Manifest, UpdateSeal, check_tensor, plan_buckets, spec_of, write_trailer
 from .names import short_names, tensor_pairs
 from .records import check_version
 from .report import TransferReport
 
 MiB = 2**20
 PATHS = ("auto", "collective", "ipc")
+#: the largest bucket a sender takes (more than any machine's memory)
+MAX_BUCKET_BYTES = 1 << 40
 
 
 #: the largest default bucket: colocated IPC on a device (both processes share the device's
@@ -70,10 +72,14 @@ class WeightSender:
                  verify: bool = True, allow_equal_versions: bool = False):
         if not group.is_sender:
             raise InvalidArgumentError(f"WeightSender needs rank 0 of the group; this is rank {group.rank}")
-        if path not in PATHS:
+        if not isinstance(path, str) or path not in PATHS:
             raise InvalidArgumentError(f"path must be one of {PATHS}, got {path!r}")
-        if bucket_bytes is not None and bucket_bytes <= 0:
-            raise InvalidArgumentError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+        if bucket_bytes is not None and not (R._is_int(bucket_bytes) and 0 < bucket_bytes <= MAX_BUCKET_BYTES):
+            raise InvalidArgumentError(f"bucket_bytes must be a whole number of bytes in [1, 2**40] (or None: sized "
+                                       f"from free memory), got {bucket_bytes!r}")
+        for what, v in (("verify", verify), ("allow_equal_versions", allow_equal_versions)):
+            if not isinstance(v, bool):
+                raise InvalidArgumentError(f"{what} must be True or False, got {v!r}")
         self.group = group
         self.bucket_bytes = int(bucket_bytes) if bucket_bytes else default_bucket_bytes(group)
         self._path_buckets: Optional[dict] = None if bucket_bytes else {}  # path -> its default size
@@ -107,26 +113,46 @@ class WeightSender:
         an iterable of ``(name, tensor)`` pairs.  With ``specs`` (a list of :class:`TensorSpec`
         or ``(name, shape, dtype)``) the iterable may be a lazy generator that produces the
         tensors in that order, so the whole model never has to exist at once.
-        ``version``: an integer or a short string; it must come after the previous version sent
-        (unless ``allow_equal_versions``: then equal is fine).
+        ``version``: an integer or a string of at most 256 characters (never None); it must come
+        after the previous version sent (unless ``allow_equal_versions``: then equal is fine), and
+        every receiver refuses one that does not come after the version it serves.
+
+        A bad argument (a tensor that is not a ``torch.Tensor``, a spec with an unknown dtype or a
+        negative dimension, a version that does not increase) raises :class:`InvalidArgumentError`
+        (:class:`VersionError` for versions) before anything is sent; found only while streaming a
+        lazy generator, it aborts the update and every receiver hears why.
 
         Raises :class:`InvalidTransitionError` when a receiver's memory is asleep (nothing was
-        sent), :class:`TransferError` when a receiver refused or rejected the update, or is dead
-        (then the message says to recreate the group).
+        sent), :class:`VersionError` when a receiver serves a version this one does not come after,
+        :class:`TransferError` when a receiver refused or rejected the update, or is dead (then the
+        message says to recreate the group).
         """
         g = self.group
         g.check_usable()
         t0 = time.perf_counter()
         why = check_version(version, self.version, self.allow_equal_versions, "this sender")
         if why:
-            raise InvalidArgumentError(why)
+            raise VersionError(why)
         if specs is not None:
-            manifest = Manifest(tuple(s if isinstance(s, TensorSpec) else
-                                      TensorSpec(s[0], tuple(int(x) for x in s[1]), str(s[2]).replace("torch.", ""))
-                                      for s in specs))
-            items: Iterator = iter(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+            if isinstance(specs, (str, bytes, Mapping)) or not hasattr(specs, "__iter__"):
+                raise InvalidArgumentError(f"specs must be a list of TensorSpec or (name, shape, dtype), got "
+                                           f"{type(specs).__name__}")
+            manifest = Manifest(tuple(spec_of(s, i) for i, s in enumerate(specs)))
+            try:
+                items: Iterator = iter(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+            except TypeError:
+                raise InvalidArgumentError(f"the tensors must be a module, a mapping or (name, tensor) pairs, got "
+                                           f"{type(named_tensors).__name__}") from None
         else:
-            pairs = tensor_pairs(named_tensors)
+            try:
+                pairs = tensor_pairs(named_tensors)
+            except TypeError:
+                raise InvalidArgumentError(f"the tensors must be a module, a mapping or (name, tensor) pairs, got "
+                                           f"{type(named_tensors).__name__}") from None
+            for i, p in enumerate(pairs):
+                if not isinstance(p, tuple) or len(p) != 2:
+                    raise InvalidArgumentError(f"item #{i} of the tensors is not a (name, tensor) pair: {str(p)[:80]}")
+                check_tensor(p[0], p[1], i)
             manifest = Manifest.of(pairs)
             items = iter(pairs)
         names = manifest.names
@@ -199,7 +225,7 @@ class WeightSender:
             r, ack = refusals[0]
             if any(a["kind"] == "metadata" for _, a in refusals):
                 self._last_meta_id = None
-            cls = InvalidTransitionError if ack["kind"] == "asleep" else TransferError
+            cls = {"asleep": InvalidTransitionError, "version": VersionError}.get(ack["kind"], TransferError)
             raise cls(f"receiver rank {r} refused update {seq} (version {version!r}); nothing was sent: {ack['msg']}")
         if packing is not None:  # every receiver that read the header hears why, as "called off"
             self._call_off(seq, epoch, f"{type(packing).__name__}: {packing}")
@@ -303,9 +329,14 @@ class WeightSender:
             for i, s in enumerate(plan.slots):
                 spec = specs[s.index]
                 try:
-                    name, t = next(items)
+                    item = next(items)
                 except StopIteration:
                     raise TransferError(f"the tensors ran out at {spec.name!r} (#{s.index}); the specs list {len(specs)}") from None
+                if not isinstance(item, tuple) or len(item) != 2:
+                    raise InvalidArgumentError(f"item #{s.index} of the tensors is not a (name, tensor) pair: "
+                                               f"{str(item)[:80]}")
+                name, t = item
+                check_tensor(name, t, s.index)
                 if name != spec.name or tuple(t.shape) != spec.shape or str(t.dtype).replace("torch.", "") != spec.dtype:
                     raise TransferError(f"tensor #{s.index} is {name!r} {tuple(t.shape)} {t.dtype}, "
                                         f"the specs say {spec.name!r} {spec.shape} {spec.dtype}")
