@@ -72,6 +72,124 @@ def _windows(w: dict, n: int = 6, size: int = 64) -> list[bytes]:
     return [raw[i: i + size] for i in range(0, len(raw) - size, step)][:n]
 
 
+# ---------------------------------------------------------------------------- 2. heartbeat poisoning
+POISON = r"""
+import datetime, json, os, sys
+import torch.distributed as dist
+host, port, key = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+out = {"uid": os.getuid()}
+try:
+    st = dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=5))
+    st.set(key, b"x")
+    out["poisoned"] = True
+except Exception as e:
+    out["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+print(json.dumps(out), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_heartbeat_poisoning_is_refused_and_the_group_goes_on():
+    _skip_without_nobody()
+    g0, g1 = _pair(timeout_s=20)
+    try:
+        tx = WeightSender(g0, bucket_bytes=64 << 10, path="collective")
+        tgt = {k: torch.zeros_like(v) for k, v in _weights(0).items()}
+        rx = WeightReceiver(g1, target=tgt)
+        r = _Bg(lambda: rx.receive(timeout_s=30))
+        tx.send(_weights(1), 1)
+        r.join(30)
+        assert r.error is None, r.error
+        p = subprocess.run(_as_nobody(["-c", POISON, "127.0.0.1", str(g0.port), "unisleep/transfer/default/hb/1"]),
+                           env=_nobody_env(), capture_output=True, text=True, timeout=60)
+        got = json.loads(p.stdout.strip().splitlines()[-1])
+        assert got["uid"] == NOBODY, p.stderr[-2000:]
+        time.sleep(1.0)  # a few heartbeats
+        for v in (2, 3, 4):
+            r = _Bg(lambda: rx.receive(timeout_s=30))
+            t0 = time.monotonic()
+            rep = tx.send(_weights(v), v)
+            r.join(30)
+            assert r.error is None, f"update {v} after the poisoning: {r.error}"
+            assert rep.version == v and _exact(tgt, _weights(v))
+            assert time.monotonic() - t0 < 5, "an update after the poisoning took the timeout"
+        assert g0._hb_thread.is_alive() and g1._hb_thread.is_alive(), "a heartbeat thread died"
+        if got.get("poisoned"):  # the store took the write: it must have been named and recovered from
+            assert any("hb/1" in m for m in g0.intrusions + g1.intrusions), (g0.intrusions, g1.intrusions)
+        else:
+            assert any(f"uid {NOBODY}" in m for m in g0.intrusions), g0.intrusions
+    finally:
+        g0.close(), g1.close()
+
+
+# ---------------------------------------------------------------------------- 4. store exhaustion
+FLOOD = r"""
+import datetime, json, os, socket, sys, time
+import torch.distributed as dist
+host, port, prefix, conns_n, hold = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), float(sys.argv[5])
+out = {"uid": os.getuid(), "set": False, "multi_get": 0, "append": 0, "idle": 0, "errors": []}
+try:
+    st = dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=5))
+    big = b"z" * (8 << 20)
+    st.set(prefix + "/big", big)
+    out["set"] = True
+    for _ in range(2):
+        st.multi_get([prefix + "/big"] * 256)
+        out["multi_get"] += 1
+    for _ in range(64):
+        st.append(prefix + "/hdr", big)
+        out["append"] += 1
+except Exception as e:
+    out["errors"].append(f"{type(e).__name__}: {str(e)[:200]}")
+held = []
+for _ in range(conns_n):
+    try:
+        held.append(socket.create_connection((host, port), timeout=2))
+    except OSError as e:
+        out["errors"].append(f"connect: {e}")
+        break
+out["idle"] = len(held)
+print(json.dumps({"holding": len(held)}), flush=True)
+time.sleep(hold)
+print(json.dumps(out), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_store_exhaustion_is_bounded_and_the_group_goes_on():
+    _skip_without_nobody()
+    g0, g1 = _pair(timeout_s=30)
+    try:
+        tgt = {k: torch.zeros_like(v) for k, v in _weights(0).items()}
+        rx = WeightReceiver(g1, target=tgt)
+        tx = WeightSender(g0, bucket_bytes=64 << 10, path="ipc")
+        rss0, fds0 = _rss(), _open_fds()
+        held = max(100, min(5000, resource.getrlimit(resource.RLIMIT_NOFILE)[0] - 200))
+        flood = subprocess.Popen(_as_nobody(["-c", FLOOD, "127.0.0.1", str(g0.port), "unisleep/transfer/default",
+                                             str(held), "20"]),
+                                 env=_nobody_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        first = flood.stdout.readline()
+        assert first, flood.stderr.read()[-2000:]
+        time.sleep(0.5)
+        fds = _open_fds()
+        assert fds - fds0 < 200, f"the attacker's idle connections hold {fds - fds0} descriptors of the store's host"
+        for v in (1, 2):
+            r = _Bg(lambda: rx.receive(timeout_s=30))
+            t0 = time.monotonic()
+            rep = tx.send(_weights(v), v)
+            r.join(30)
+            assert r.error is None, r.error
+            assert rep.version == v and _exact(tgt, _weights(v))
+            assert time.monotonic() - t0 < 5, f"update {v} took {time.monotonic() - t0:.1f} s under the flood"
+        grew = _rss() - rss0
+        assert grew < 256 << 20, f"the store's host grew by {grew >> 20} MiB"
+        flood.kill()
+        flood.communicate(timeout=60)
+        assert any(f"uid {NOBODY}" in m for m in g0.intrusions), g0.intrusions[:4]
+    finally:
+        g0.close(), g1.close()
+
+
 # ---------------------------------------------------------------------------- 5-6. a receiver of another uid
 MEMBER = r"""
 import json, os, sys, time, torch

@@ -1,20 +1,22 @@
 """``TransferGroup``: a private trainer↔engine group from a rendezvous address.
 
-It is built from torch.distributed parts only — a ``TCPStore`` (hosted by rank 0, the sender)
-under a ``PrefixStore``, and the platform's process-group backend constructed directly on it — so
-the default process group of either side (the trainer's data-parallel group, the engine's
-tensor-parallel group) is never created or touched.  The store also carries the small control
-records of an update (header, acknowledgements); the backend carries the bytes.
+It has its own store (:mod:`.store`, served by rank 0, the sender) and the platform's
+process-group backend constructed directly on it, so the default process group of either side
+(the trainer's data-parallel group, the engine's tensor-parallel group) is never created or
+touched.  The store carries the small control records of an update (header, acknowledgements),
+the heartbeats and the backend's bootstrap values; the bytes go over the backend or a Unix socket.
 
 Security (see docs/security.md): rank 0 opens the listening socket itself, bound to exactly the
-address of the rendezvous (a loopback rendezvous listens on loopback only), and hands it to the
-store.  Every control record is JSON with a schema, authenticated with HMAC-SHA256 under the
-group secret over its key, update number and epoch (:mod:`.records`); nothing read from the store
-is unpickled.  A record that fails authentication is logged as an intrusion (``intrusions``) and
-skipped.  Each member beats a heartbeat into the store; a waiting side notices a dead peer within
-a few seconds and names it.  The data channel (the process-group backend) has an epoch: after an
-update broke off mid-stream the sender moves to a fresh backend (epoch + 1) and every receiver
-follows when it reads the next header.
+address of the rendezvous (a loopback rendezvous listens on loopback only).  Only members use the
+store: a connection proves the group secret before it may read or write anything, and every
+frame after is authenticated; the store bounds its connections, keys and values.  Every control
+record is JSON with a schema, authenticated with HMAC-SHA256 under the group secret over its key,
+update number and epoch (:mod:`.records`); nothing read from the store is unpickled.  What is
+refused (a record that fails authentication, a connection that cannot prove the secret) is logged
+as an intrusion (``intrusions``).  Each member beats a heartbeat into the store; a waiting side
+notices a dead peer within a few seconds and names it.  The data channel (the process-group
+backend) has an epoch: after an update broke off mid-stream the sender moves to a fresh backend
+(epoch + 1) and every receiver follows when it reads the next header.
 
 The vendor part (which backend class, how a device is identified) lives in
 ``unisleep.backends.<platform>.collective``, found through the platform's driver entry.
@@ -39,6 +41,7 @@ from ..errors import InvalidArgumentError, TransferError, UnsupportedError
 from ..platform import SPECS, Platform, detect_platform
 from . import records as R
 from .secret import resolve_secret
+from .store import LocalStore, RecordTooLargeError, RemoteStore, StoreAuthError, StoreServer
 
 log = logging.getLogger("unisleep.transfer")
 
@@ -46,6 +49,8 @@ DEFAULT_TIMEOUT_S = 300.0
 HEARTBEAT_S = 0.5
 #: a peer whose heartbeat did not move for this long is dead
 DEAD_AFTER_S = 4.0
+#: entries kept in ``TransferGroup.intrusions`` (the last one then counts the rest)
+MAX_INTRUSIONS = 256
 
 
 def vendor_module(platform: Platform, name: str):
@@ -139,7 +144,7 @@ class TransferGroup:
     """
 
     def __init__(self, *, store, rank: int, world_size: int, platform: Platform, device_index: int,
-                 timeout_s: float, peers: list[Peer], host: str, port: int, master_store=None,
+                 timeout_s: float, peers: list[Peer], host: str, port: int, server=None,
                  secret: bytes, group_id: str, insecure: bool, hb_store=None):
         self.store = store
         self.rank = rank
@@ -149,7 +154,7 @@ class TransferGroup:
         self.timeout_s = timeout_s
         self.peers = peers
         self.host, self.port = host, port
-        self._master_store = master_store  # keep the TCPStore (server on rank 0) alive
+        self._server = server  # rank 0: the group's store (docs/security.md)
         self._collective = vendor_module(platform, "collective")
         self.closed = False
         self.insecure = insecure
@@ -157,6 +162,7 @@ class TransferGroup:
         self._secret = secret
         self._rec_key = R.derive_key(secret, "records")
         self.intrusions: list[str] = []
+        self._intrusions_more = 0
         self.epoch = 0
         self._pg = None
         self._pg_store = None  # the Python store under _pg, kept alive with it
@@ -172,6 +178,7 @@ class TransferGroup:
         self._hb_thread: Optional[threading.Thread] = None
         self._lock = threading.Lock()
         self._secret_path: Optional[str] = None
+        self.heartbeat_error: Optional[str] = None  # the last failure of this member's heartbeat, if any
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -198,29 +205,30 @@ class TransferGroup:
         if source == "insecure":
             log.warning("transfer group %s on %s:%d runs WITHOUT a secret (insecure=True): anyone who can reach "
                         "that address can feed this group weights", name, host, port)
-        import torch.distributed as dist
-
-        timeout = datetime.timedelta(seconds=timeout_s)
-        listener = None
+        server = None
         try:
             if rank == 0:
-                listener = listen_socket(host, port)
-                base = dist.TCPStore(host, port, world_size, True, timeout=timeout, wait_for_workers=False,
-                                     master_listen_fd=listener.fileno())
-                listener.detach()  # the store owns (and closes) the socket now
-                listener = None
+                try:
+                    listener = listen_socket(host, port)
+                except OSError as e:
+                    raise TransferError(f"cannot open the group's store at {host}:{port} (rank 0/{world_size}): {e}") \
+                        from e
+                server = StoreServer(listener, R.derive_key(key, "store"), world_size)
+                store, hb_store = LocalStore(server, timeout_s), LocalStore(server, timeout_s)
             else:
-                base = dist.TCPStore(host, port, world_size, False, timeout=timeout)
-            hb_base = dist.TCPStore(host, port, world_size, False, timeout=timeout)
+                key, store = _connect_store(host, port, key, rank, timeout_s, source, name)
+                hb_store = RemoteStore.connect(host, port, R.derive_key(key, "store"), rank, timeout_s)
+        except StoreAuthError as e:
+            raise TransferError(f"rank {rank}/{world_size}: {e}") from None
+        except TransferError:
+            if server is not None:
+                server.close()
+            raise
         except Exception as e:
-            if listener is not None:
-                listener.close()
-            raise TransferError(
-                f"cannot {'open' if rank == 0 else 'reach'} the rendezvous store at {host}:{port} "
-                f"(rank {rank}/{world_size}): {e}"
-            ) from e
-        prefix = f"unisleep/transfer/{name}"
-        store = dist.PrefixStore(prefix, base)
+            if server is not None:
+                server.close()
+            raise TransferError(f"cannot reach the group's store at {host}:{port} (rank {rank}/{world_size}): {e}") \
+                from e
         coll = vendor_module(plat, "collective")
         if device is None:
             device = 0
@@ -230,9 +238,10 @@ class TransferGroup:
                 device = torch.accelerator.current_device_index()
         me = Peer(rank, coll.device_key(device), socket.gethostname(), os.getpid(), os.getuid(), _pidns(), _boot_id())
         grp = cls(store=store, rank=rank, world_size=world_size, platform=plat, device_index=device,
-                  timeout_s=timeout_s, peers=[], host=host, port=port, master_store=base, secret=key,
-                  group_id=f"{name}/", insecure=source == "insecure",
-                  hb_store=dist.PrefixStore(prefix, hb_base))
+                  timeout_s=timeout_s, peers=[], host=host, port=port, server=server, secret=key,
+                  group_id=f"{name}/", insecure=source == "insecure", hb_store=hb_store)
+        if server is not None:
+            server.on_intrusion = grp._intrusion
         if rank == 0 and source == "loopback file":
             from .secret import loopback_secret_path
 
@@ -267,7 +276,7 @@ class TransferGroup:
                     else:
                         self._intrusion(str(e))
                     time.sleep(0.05)
-                    raw0 = self.store.get("peer/0")
+                    raw0 = self.store.fetch("peer/0", 1 << 17) or raw0
             nonce = p0[1]
             self.group_id = f"{name}/{nonce}"
             self._put_peer(me, "")
@@ -378,7 +387,7 @@ class TransferGroup:
             except Exception:
                 pass
         timeout = datetime.timedelta(seconds=self.timeout_s)
-        store = _sealed_store_class()(dist.PrefixStore(f"pg{epoch}", self.store), self, f"pg{epoch}")
+        store = _sealed_store_class()(self.store.prefixed(f"pg{epoch}"), self, f"pg{epoch}")
         try:
             self._pg = self._collective.create_backend(store, self.rank, self.world_size, timeout, self.device_index,
                                                        host=self.host)
@@ -405,13 +414,26 @@ class TransferGroup:
         key = f"hb/{self.rank}"
         hb = self._hb_store
         hb.add(key, 1)
+        gname = self.group_id.split("/")[0]
 
         def beat():
+            failing = False
             while not self._hb_stop.wait(HEARTBEAT_S):
                 try:
                     hb.add(key, 1)
-                except Exception:
-                    return
+                    if failing:
+                        log.warning("transfer group %s rank %d: its heartbeat beats again", gname, self.rank)
+                        failing = False
+                except Exception as e:  # never silently: said, then retried while the store is there
+                    self.heartbeat_error = f"{type(e).__name__}: {e}"
+                    if isinstance(e, (ConnectionError, OSError)):
+                        log.warning("transfer group %s rank %d: the heartbeat stopped: %s", gname, self.rank, e)
+                        self.broken = self.broken or f"rank {self.rank} lost the group's store: {e}"
+                        return
+                    if not failing:
+                        log.warning("transfer group %s rank %d: a heartbeat failed (%s); retrying", gname, self.rank,
+                                    self.heartbeat_error)
+                        failing = True
 
         self._hb_thread = threading.Thread(target=beat, daemon=True, name=f"unisleep-transfer-hb-{self.rank}")
         self._hb_thread.start()
@@ -431,6 +453,9 @@ class TransferGroup:
                 pass
         try:
             n = int(self.store.add(f"hb/{r}", 0))
+        except TransferError as e:  # not a counter: only a member could have written it
+            self._intrusion(f"rank {r}'s heartbeat in the store is not a counter: {e}")
+            return None
         except Exception as e:
             return f"the group's store is gone (rank 0 may have died): {e}"
         now = time.monotonic()
@@ -458,9 +483,20 @@ class TransferGroup:
 
     # ------------------------------------------------------------------ control plane
     def _intrusion(self, msg: str) -> None:
-        if msg not in self.intrusions[-8:]:
-            log.warning("transfer group %s (rank %d): intrusion refused: %s", self.group_id.split("/")[0], self.rank, msg)
-            self.intrusions.append(msg)
+        """Record (and log) something refused; at most :data:`MAX_INTRUSIONS` entries are kept, the
+        last one then counts the rest (a flood cannot grow this list or the log without bound)."""
+        with self._lock:
+            if msg in self.intrusions[-8:]:
+                return
+            if len(self.intrusions) >= MAX_INTRUSIONS:
+                self._intrusions_more += 1
+                self.intrusions[-1] = (f"... and {self._intrusions_more} more refused since (the latest: {msg[:300]}); "
+                                       "see the unisleep.transfer log")
+                if self._intrusions_more % 1000:
+                    return
+            else:
+                self.intrusions.append(msg)
+        log.warning("transfer group %s (rank %d): intrusion refused: %s", self.group_id.split("/")[0], self.rank, msg)
 
     def put(self, key: str, body: dict, seq: int, epoch: int) -> None:
         try:
@@ -476,10 +512,13 @@ class TransferGroup:
         deadline = time.monotonic() + self.timeout_s
         while True:
             try:
-                if self.store.check([key]):
-                    return self.store.get(key)
+                raw = self.store.fetch(key, 1 << 17)
+            except RecordTooLargeError as e:
+                raise TransferError(f"waiting for {what}: {e}") from None
             except Exception as e:
                 raise TransferError(f"lost the connection to the transfer store waiting for {what}: {e}") from e
+            if raw is not None:
+                return raw
             if time.monotonic() > deadline:
                 raise TransferError(f"waiting for {what}: timed out after {self.timeout_s:.0f} s")
             time.sleep(0.02)
@@ -499,7 +538,10 @@ class TransferGroup:
         delay, next_live = 0.0001, t0 + 0.2
         while True:
             try:
-                raw = self.store.get(key) if self.store.check([key]) else None
+                raw = self.store.fetch(key, R.MAX_RECORD + R.HEAD.size + R.TAG_BYTES)
+            except RecordTooLargeError as e:  # its size is known, its bytes were not fetched
+                self._intrusion(str(e))
+                raw = None
             except Exception as e:
                 self.broken = "the connection to the group's store is lost (its host, rank 0, may have died)"
                 raise TransferError(f"waiting for {what or key}: lost the connection to the transfer store after "
@@ -542,7 +584,8 @@ class TransferGroup:
             pass
 
     def close(self) -> None:
-        """Shut the backend down, stop the heartbeat (the store closes when the last reference goes)."""
+        """Shut the backend down, stop the heartbeat, close the store connections (rank 0: the store
+        itself, so the other members' next step says the group is gone)."""
         if self.closed:
             return
         self.closed = True
@@ -559,6 +602,13 @@ class TransferGroup:
                 pg.shutdown()
             except Exception:
                 pass
+        for st in (self._hb_store, self.store):
+            try:
+                st.close()
+            except Exception:
+                pass
+        if self._server is not None:
+            self._server.close()
 
     def __enter__(self):
         return self
@@ -633,6 +683,25 @@ def _sealed_store_class():
 
     _SEALED.append(SealedStore)
     return SealedStore
+
+
+def _connect_store(host: str, port: int, key: bytes, rank: int, timeout_s: float, source: str,
+                   name: str) -> tuple[bytes, "RemoteStore"]:
+    """A receiver's connection to rank 0's store: (the secret it proved, the connection).  A
+    loopback group's secret file may still be one of an earlier group on the same port when this
+    rank reads it first: it is read again until rank 0's new one opens the store."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return key, RemoteStore.connect(host, port, R.derive_key(key, "store"), rank,
+                                            max(0.1, deadline - time.monotonic()))
+        except StoreAuthError:
+            if source != "loopback file" or time.monotonic() > deadline:
+                raise
+            from .secret import loopback_secret_path, read_secret_file
+
+            time.sleep(0.05)
+            key = read_secret_file(loopback_secret_path(port, name))
 
 
 def _check_create_args(rank, world_size, timeout_s, name, device, insecure) -> None:
