@@ -35,8 +35,8 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from test_security import (  # noqa: E402
-    NOBODY, ROOT, _abstract_names, _as_nobody, _Bg, _exact, _nobody_env, _pair, _port, _skip_without_nobody, _wait,
-    _weights, listening_sockets,
+    NOBODY, ROOT, _abstract_names, _as_nobody, _Bg, _exact, _nobody_env, _pair, _port, _rest, _skip_without_nobody,
+    _wait, _weights, listening_sockets,
 )
 
 from unisleep.errors import InvalidArgumentError, TransferError  # noqa: E402
@@ -122,6 +122,77 @@ def test_heartbeat_poisoning_is_refused_and_the_group_goes_on():
         g0.close(), g1.close()
 
 
+# ---------------------------------------------------------------------------- 3. IPC backlog
+HOLDER = r"""
+import json, os, socket, sys, time
+name, n, hold = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+out = {"uid": os.getuid(), "connected": 0, "refused": 0, "fds": 0, "data": 0}
+conns = []
+end = time.monotonic() + hold
+first = True
+while time.monotonic() < end:
+    while len(conns) < n and time.monotonic() < end:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        s.setblocking(False)
+        try:
+            s.connect("\0" + name)
+            conns.append(s)
+            out["connected"] += 1
+        except OSError:
+            out["refused"] += 1
+            s.close()
+            break
+    if first:
+        print(json.dumps({"holding": len(conns)}), flush=True)
+        first = False
+    for s in list(conns):
+        try:
+            data, fds, _f, _a = socket.recv_fds(s, 1 << 16, 8)
+            out["fds"] += len(fds)
+            if not data:
+                conns.remove(s); s.close()
+            else:
+                out["data"] += 1
+        except BlockingIOError:
+            pass
+        except OSError:
+            conns.remove(s); s.close()
+    time.sleep(0.005)
+print(json.dumps(out), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_idle_connections_do_not_block_the_ipc_socket():
+    _skip_without_nobody()
+    g0, g1 = _pair(timeout_s=20)
+    try:
+        prefix = f"unisleep-transfer-{os.getpid()}-"
+        before = _abstract_names(prefix)
+        tx = WeightSender(g0, bucket_bytes=64 << 10, path="ipc")
+        send = _Bg(lambda: tx.send(_weights(1), 1))
+        _wait(lambda: _abstract_names(prefix) - before, 10, "the sender's IPC socket")
+        name = sorted(_abstract_names(prefix) - before)[0]
+        holder = subprocess.Popen(_as_nobody(["-c", HOLDER, name, "64", "6"]), env=_nobody_env(),
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        first = holder.stdout.readline()
+        assert first, holder.stderr.read()[-2000:]
+        tgt = {k: torch.zeros_like(v) for k, v in _weights(0).items()}
+        rx = WeightReceiver(g1, target=tgt)
+        t0 = time.monotonic()
+        rep = rx.receive(timeout_s=30)
+        send.join(30)
+        assert send.error is None, send.error
+        assert rep.version == 1 and _exact(tgt, _weights(1))
+        assert time.monotonic() - t0 < LIVENESS_S, f"the update took {time.monotonic() - t0:.1f} s"
+        res, err = _rest(holder)
+        got = json.loads(res.strip().splitlines()[-1])
+        assert got["uid"] == NOBODY and got["fds"] == 0 and got["data"] == 0, got
+        assert any(f"uid {NOBODY}" in m for m in g0.intrusions), g0.intrusions
+    finally:
+        g0.close(), g1.close()
+
+
 # ---------------------------------------------------------------------------- 4. store exhaustion
 FLOOD = r"""
 import datetime, json, os, socket, sys, time
@@ -184,7 +255,7 @@ def test_store_exhaustion_is_bounded_and_the_group_goes_on():
         grew = _rss() - rss0
         assert grew < 256 << 20, f"the store's host grew by {grew >> 20} MiB"
         flood.kill()
-        flood.communicate(timeout=60)
+        _rest(flood)
         assert any(f"uid {NOBODY}" in m for m in g0.intrusions), g0.intrusions[:4]
     finally:
         g0.close(), g1.close()

@@ -84,6 +84,18 @@ def _exact(tgt: dict, want: dict) -> bool:
 _NOBODY_PROBLEM: list = []
 
 
+def _rest(p: subprocess.Popen, timeout_s: float = 60) -> tuple[str, str]:
+    """The rest of a child's stdout (after lines read with ``readline``, which may have buffered
+    more than one line: ``communicate`` would miss those) and its stderr, once it exits."""
+    err: list = []
+    t = threading.Thread(target=lambda: err.append(p.stderr.read()), daemon=True)
+    t.start()
+    out = p.stdout.read()
+    p.wait(timeout_s)
+    t.join(timeout_s)
+    return out, err[0] if err else ""
+
+
 def _nobody_problem():
     """Why a process cannot be run as uid 65534 here (None: it can)."""
     if _NOBODY_PROBLEM:
@@ -272,7 +284,8 @@ def test_ipc_socket_admits_only_the_receiver(staged):
         rep = rx.receive(timeout_s=60)
         send.join(60)
         assert send.error is None, send.error
-        out_, err = intruder.communicate(timeout=60)
+        out_, err = _rest(intruder)
+        assert out_.strip(), err[-2000:]
         got = json.loads(out_.strip().splitlines()[-1])
         assert got["uid"] == NOBODY and got["connected"]
         assert got["fds"] == 0, "the intruder received a file descriptor"

@@ -9,9 +9,11 @@
   connection per receiver, the exported buffers).
 
 Who may connect to the IPC socket (an abstract Unix name, random, published only in the
-authenticated header): the sender reads the connecting process's credentials (``SO_PEERCRED``)
+authenticated header, but listed in ``/proc/net/unix`` for anyone): a thread accepts from the
+moment the socket exists, reads the connecting process's credentials (``SO_PEERCRED``) at once
 and drops any process whose uid (and pid, in the same pid namespace) is not that of a receiver
-of the group; then a challenge-response proves the group secret on both sides — the sender sends
+of the group — so idle connections of another user never fill the backlog — then a
+challenge-response proves the group secret on both sides — the sender sends
 a fresh nonce, the receiver answers with its rank and that nonce sealed with a key of the group
 secret, the sender answers in kind — and only then does any descriptor travel.  Every refused
 connection is closed and logged as an intrusion; the accept loop goes on for the real receivers.
@@ -26,6 +28,7 @@ import os
 import secrets
 import socket
 import struct
+import threading
 import time
 import uuid
 from typing import TYPE_CHECKING, Optional, Sequence
@@ -34,6 +37,8 @@ from ..errors import TransferError
 from . import records as R
 from .group import TransferGroup, _pidns
 from .manifest import BucketPlan
+from .netinfo import user_name
+from .store import descriptor_error
 
 if TYPE_CHECKING:
     from .sender import WeightSender
@@ -43,6 +48,8 @@ log = logging.getLogger("unisleep.transfer")
 ABORT, END = 1, -1  # descriptor flag: the update was aborted; descriptor bucket index: no more buckets
 MAX_MSG = 4096
 HANDSHAKE_S = 5.0
+#: how long a receiver retries connecting to a full IPC socket (the liveness window)
+CONNECT_RETRY_S = 5.0
 OPS = ("hello", "proof", "welcome", "buf", "bucket", "free", "error", "end")
 IPC_MSG = {"op": OPS, "id": R.OPT_STR, "slot": R.INT, "k": R.INT, "nbytes": R.INT, "u": R.INT, "abort": R.BOOL,
            "msg": R.STR, "nonce": R.OPT_STR, "rank": R.INT, "pid": R.INT}
@@ -144,15 +151,32 @@ def ipc_context(group: TransferGroup, name: str) -> str:
 
 
 def connect_ipc(group: TransferGroup, name: str) -> IpcConn:
-    """Receiver side: connect to the sender's socket (the handshake follows with :func:`handshake_receiver`)."""
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    s.settimeout(group.timeout_s)
-    try:
-        s.connect(name)
-    except OSError:
-        s.close()
-        raise
-    return IpcConn(s, group, ipc_context(group, name), "r", "s", "the sender (rank 0)", 0)
+    """Receiver side: connect to the sender's socket (the handshake follows with
+    :func:`handshake_receiver`).  A full backlog (``EAGAIN``) is retried for up to
+    :data:`CONNECT_RETRY_S` seconds: the sender's accepting thread drains it."""
+    deadline = time.monotonic() + min(CONNECT_RETRY_S, group.timeout_s)
+    delay = 0.002
+    while True:
+        try:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        except OSError as e:
+            raise (descriptor_error(e, "connecting to the sender's IPC socket", f"receiver rank {group.rank}")
+                   or e) from None
+        s.settimeout(group.timeout_s)
+        try:
+            s.connect(name)
+        except (BlockingIOError, InterruptedError) as e:
+            s.close()
+            if time.monotonic() > deadline:
+                raise TransferError(f"the sender's IPC socket stayed full for {CONNECT_RETRY_S:.0f} s ({e}): its "
+                                    "accepting thread is not draining it") from None
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+            continue
+        except OSError:
+            s.close()
+            raise
+        return IpcConn(s, group, ipc_context(group, name), "r", "s", "the sender (rank 0)", 0)
 
 
 def handshake_receiver(conn: IpcConn, timeout_s: float) -> None:
@@ -244,22 +268,102 @@ def wait_work(group: TransferGroup, work) -> None:
 
 class IpcSenderState:
     """The sender's Unix socket (abstract namespace), one authenticated connection per receiver,
-    and the exported bucket buffers (reused across updates)."""
+    and the exported bucket buffers (reused across updates).
+
+    A thread accepts from the moment the socket exists, reads each caller's credentials at once
+    (``SO_PEERCRED``) and closes a process that is not a receiver of the group (named in
+    ``intrusions``, counted under a flood): idle connections of other users never fill the backlog.
+    Connections from a receiver's uid wait (at most :data:`MAX_QUEUED`) for :meth:`accept`, which
+    runs the secret handshake."""
+
+    MAX_QUEUED = 16
 
     def __init__(self, group: TransferGroup):
         self.group = group
         self.ipc = group.ipc_module()
         self.name = f"\0unisleep-transfer-{os.getpid()}-{uuid.uuid4().hex}"
-        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        except OSError as e:
+            raise (descriptor_error(e, "opening the IPC socket", "the sender") or e) from None
         self.listener.bind(self.name)
-        self.listener.listen(max(8, group.world_size))
+        self.listener.listen(max(128, 4 * group.world_size))
+        self.listener.settimeout(0.2)
         self.conns: dict[int, IpcConn] = {}
         self.slots: list = [None, None]  # (buffer id, ExportBuffer)
         self.shared: dict[str, set] = {}  # buffer id -> ranks that imported it
         self.busy: list[set] = [set(), set()]  # ranks still reading slot i
+        self._queued: list[tuple[socket.socket, int, int]] = []  # (socket, pid, uid) of a receiver's uid
+        self._cv = threading.Condition()
+        self._closed = False
+        self.fd_error: Optional[Exception] = None
+        self._refused: dict[int, int] = {}  # uid -> connections refused
+        self._said = 0.0
+        self._thread = threading.Thread(target=self._accept_loop, daemon=True, name="unisleep-transfer-ipc-accept")
+        self._thread.start()
 
+    # -- the accepting thread
+    def _accept_loop(self) -> None:
+        g = self.group
+        receivers = [g.peers[r] for r in g.receivers]
+        ns = _pidns()
+        while not self._closed:
+            try:
+                sock, _ = self.listener.accept()
+            except socket.timeout:
+                self._say_refused()
+                continue
+            except OSError as e:
+                if self._closed:
+                    return
+                err = descriptor_error(e, "accepting a connection on the IPC socket", "the sender")
+                if err is not None:
+                    with self._cv:
+                        self.fd_error = err
+                        self._cv.notify_all()
+                    time.sleep(0.2)
+                    continue
+                log.warning("the IPC socket's accept failed: %s", e)
+                time.sleep(0.05)
+                continue
+            try:
+                pid, uid, _gid = peer_credentials(sock)
+            except OSError as e:
+                sock.close()
+                g._intrusion(f"an IPC connection without credentials was refused: {e}")
+                continue
+            if not any(p.uid == uid and (p.pidns != ns or p.pid == pid) for p in receivers):
+                sock.close()
+                self._refuse(pid, uid)
+                continue
+            with self._cv:
+                self._queued.append((sock, pid, uid))
+                while len(self._queued) > self.MAX_QUEUED:  # the same user as a receiver: trusted, still bounded
+                    self._queued.pop(0)[0].close()
+                self._cv.notify_all()
+
+    def _refuse(self, pid: int, uid: int) -> None:
+        n = self._refused.get(uid, 0)
+        self._refused[uid] = n + 1
+        if n == 0:
+            g = self.group
+            g._intrusion(f"refused an IPC connection from pid {pid}, {user_name(uid)}: not a receiver of this group "
+                         "(expected " + ", ".join(f"rank {p.rank} pid {p.pid} uid {p.uid}"
+                                                  for p in (g.peers[r] for r in g.receivers)) + ")")
+            self._said = time.monotonic()
+        else:
+            self._say_refused()
+
+    def _say_refused(self) -> None:
+        if self._said and time.monotonic() - self._said >= 2.0 and any(n > 1 for n in self._refused.values()):
+            self.group._intrusion("refused " + ", ".join(f"{n} IPC connections from {user_name(u)}"
+                                                         for u, n in self._refused.items())
+                                  + " so far: not receivers of this group")
+            self._said = time.monotonic()
+
+    # -- the sender's thread
     def accept(self, ranks: Sequence[int]) -> None:
-        """Accept one authenticated connection from each of ``ranks``; refuse everything else."""
+        """Take one authenticated connection from each of ``ranks``; refuse everything else."""
         g = self.group
         want = set(ranks)
         deadline = time.monotonic() + g.timeout_s
@@ -267,13 +371,17 @@ class IpcSenderState:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TransferError(f"receivers {sorted(want)} did not connect to the IPC socket within {g.timeout_s:.0f} s")
-            self.listener.settimeout(min(left, 0.5))
-            try:
-                sock, _ = self.listener.accept()
-            except socket.timeout:
+            with self._cv:
+                if not self._queued and self.fd_error is None:
+                    self._cv.wait(min(left, 0.5))
+                if self.fd_error is not None:
+                    err, self.fd_error = self.fd_error, None
+                    raise err
+                item = self._queued.pop(0) if self._queued else None
+            if item is None:
                 g.check_alive(sorted(want))
                 continue
-            got = self._admit(sock, want)
+            got = self._admit(*item, want)
             if got is None:
                 continue
             r, conn = got
@@ -285,22 +393,9 @@ class IpcSenderState:
                 ranks_.discard(r)
             want.discard(r)
 
-    def _admit(self, sock: socket.socket, want: set) -> Optional[tuple[int, IpcConn]]:
+    def _admit(self, sock: socket.socket, pid: int, uid: int, want: set) -> Optional[tuple[int, IpcConn]]:
         g = self.group
-        try:
-            pid, uid, _gid = peer_credentials(sock)
-        except OSError as e:
-            sock.close()
-            g._intrusion(f"an IPC connection without credentials was refused: {e}")
-            return None
         who = f"pid {pid}, uid {uid}"
-        ns = _pidns()
-        if not any(g.peers[r].uid == uid and (g.peers[r].pidns != ns or g.peers[r].pid == pid) for r in want):
-            sock.close()
-            g._intrusion(f"refused an IPC connection from {who}: not a receiver of this group (expected "
-                         + ", ".join(f"rank {p.rank} pid {p.pid} uid {p.uid}" for p in (g.peers[r] for r in sorted(want)))
-                         + ")")
-            return None
         sock.settimeout(min(HANDSHAKE_S, g.timeout_s))
         key, base = g.subkey("ipc"), ipc_context(g, self.name)
         nonce = secrets.token_hex(16)
@@ -323,6 +418,7 @@ class IpcSenderState:
         return r, IpcConn(sock, g, f"{base}/{nonce}{mine}/{r}", "s", "r", f"receiver rank {r}", r)
 
     def close(self) -> None:
+        self._closed = True
         for c in self.conns.values():
             c.close()
         self.conns.clear()
@@ -331,6 +427,12 @@ class IpcSenderState:
                 s[1].close()
         self.slots = [None, None]
         self.listener.close()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(2)
+        with self._cv:
+            for sock, _p, _u in self._queued:
+                sock.close()
+            self._queued.clear()
 
 
 class IpcSendChannel:
