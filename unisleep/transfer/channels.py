@@ -23,6 +23,7 @@ The receiving loops of both paths are methods of :class:`~unisleep.transfer.rece
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import secrets
@@ -55,6 +56,42 @@ IPC_MSG = {"op": OPS, "id": R.OPT_STR, "slot": R.INT, "k": R.INT, "nbytes": R.IN
            "msg": R.STR, "nonce": R.OPT_STR, "rank": R.INT, "pid": R.INT}
 _BLANK = {"id": None, "slot": 0, "k": 0, "nbytes": 0, "u": 0, "abort": False, "msg": "", "nonce": None, "rank": 0,
           "pid": 0}
+
+
+def named_error(msg: str) -> TransferError:
+    """A peer's error message as the named error it was (``"...: DescriptorLimitError: ..."`` →
+    :class:`DescriptorLimitError`), else :class:`TransferError`."""
+    from ..errors import DescriptorLimitError, IntrusionError, VersionError
+
+    for cls in (DescriptorLimitError, VersionError, IntrusionError):
+        if f"{cls.__name__}: " in msg:
+            return cls(msg)
+    return TransferError(msg)
+
+
+def receiver_failure(group: TransferGroup, seq: int, epoch: int, r: int, e: TransferError,
+                     wait_s: float = 0.5) -> TransferError:
+    """The error to raise when receiver ``r``'s connection failed during update ``seq``: the
+    reason the receiver wrote in its ``done`` record (it writes it before hanging up; looked for
+    up to ``wait_s``), as the named error it was, else ``e``."""
+    if group.broken or ("receiver rank" in str(e) and type(e) is not TransferError):
+        return e  # a dead or frozen receiver (named already) writes no reason
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            raw = group.store.fetch(f"u{seq}/done/{r}", 1 << 16)
+            if raw is not None:
+                _, _, body = R.open_record(group._rec_key, group.group_id, raw, name=f"u{seq}/done/{r}",
+                                           peer=f"receiver rank {r}", schema=R.DONE, seq=seq, epoch=epoch,
+                                           limit=1 << 16)
+                if not body["ok"]:
+                    return named_error(f"receiver rank {r} stopped update {seq}: {body['msg']}")
+                return e
+        except Exception:  # noqa: BLE001 - no better reason than e
+            return e
+        if time.monotonic() > deadline:
+            return e
+        time.sleep(0.01)
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
@@ -122,7 +159,7 @@ def recv_sealed(sock: socket.socket, key: bytes, ctx: str, n: Optional[int], wha
     if timeout_s is not None:
         sock.settimeout(timeout_s)
     try:
-        data, fds, _flags, _addr = socket.recv_fds(sock, MAX_MSG + 64, 4)
+        data, fds, flags, _addr = socket.recv_fds(sock, MAX_MSG + 64, 4)
     except socket.timeout as e:
         if quiet_timeout:
             raise
@@ -133,6 +170,9 @@ def recv_sealed(sock: socket.socket, key: bytes, ctx: str, n: Optional[int], wha
         if timeout_s is not None:
             sock.settimeout(old)
     try:
+        if flags & socket.MSG_CTRUNC:  # the kernel dropped the descriptors sent: no room for them here
+            raise descriptor_error(OSError(errno.EMFILE, "descriptors dropped (MSG_CTRUNC)"),
+                                   f"receiving {what} from {peer}")
         if not data:
             raise TransferError(f"{peer} closed the IPC socket while this side waited for {what} (it died or gave up)")
         _, _, body = R.open_record(key, ctx, data, name="ipc", peer=peer, schema=IPC_MSG, seq=n, epoch=0,
@@ -443,19 +483,26 @@ class IpcSendChannel:
         self.s = sender
         self.st: IpcSenderState = sender._ipc
         self.seq = seq
+        self.epoch = sender.group.epoch
         self.tmp = None
+
+    def _recv(self, r: int, what: str):
+        try:
+            return self.st.conns[r].recv(what)
+        except TransferError as e:
+            raise receiver_failure(self.s.group, self.seq, self.epoch, r, e) from e
 
     def _wait_free(self, slot: int) -> None:
         st = self.st
         while st.busy[slot]:
             for r in list(st.busy[slot]):
-                msg, _ = st.conns[r].recv(f"receiver rank {r} to release bucket memory")
+                msg, _ = self._recv(r, f"receiver rank {r} to release bucket memory")
                 if msg["op"] == "free" and msg["u"] != self.seq:
                     continue  # a late release from an aborted update
                 if msg["op"] == "free" and msg["slot"] in (0, 1):
                     st.busy[msg["slot"]].discard(r)
                 elif msg["op"] == "error":
-                    raise TransferError(f"receiver rank {r}: {msg['msg']}")
+                    raise named_error(f"receiver rank {r}: {msg['msg']}")
                 else:
                     raise TransferError(f"receiver rank {r} sent {msg['op']!r} while the sender waited for 'free'")
 
@@ -468,7 +515,10 @@ class IpcSendChannel:
                 cur[1].close()
                 st.shared.pop(cur[0], None)
             cap = max(nbytes, self.s.bucket_bytes + 4096)
-            buf = st.ipc.ExportBuffer(cap, self.s.group.device_index)
+            try:
+                buf = st.ipc.ExportBuffer(cap, self.s.group.device_index)
+            except OSError as e:
+                raise (descriptor_error(e, "making shareable bucket memory", "the sender") or e) from None
             cur = st.slots[slot] = (uuid.uuid4().hex[:12], buf)
         return cur[1].tensor
 
@@ -478,10 +528,13 @@ class IpcSendChannel:
         st.ipc.synchronize(self.s.group.device_index)  # the packing is finished before anyone reads
         have = st.shared.setdefault(bid, set())
         for r, conn in st.conns.items():
-            if r not in have:
-                conn.send("buf", [eb.fd()], id=bid, slot=slot, nbytes=eb.nbytes)
-                have.add(r)
-            conn.send("bucket", k=plan.index, id=bid, slot=slot, nbytes=plan.total_bytes, u=self.seq)
+            try:
+                if r not in have:
+                    conn.send("buf", [eb.fd()], id=bid, slot=slot, nbytes=eb.nbytes)
+                    have.add(r)
+                conn.send("bucket", k=plan.index, id=bid, slot=slot, nbytes=plan.total_bytes, u=self.seq)
+            except TransferError as e:
+                raise receiver_failure(self.s.group, self.seq, self.epoch, r, e) from e
             st.busy[slot].add(r)
 
     def end(self, abort: bool) -> None:

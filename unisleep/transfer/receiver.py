@@ -10,7 +10,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from ..errors import InvalidArgumentError, InvalidTransitionError, TransferError, UnisleepError, VersionError
 from . import records as R
-from .channels import ABORT, END, IpcConn, connect_ipc, handshake_receiver, wait_work
+from .channels import ABORT, END, MAX_MSG, IpcConn, connect_ipc, handshake_receiver, wait_work
 from .group import TransferGroup
 from .manifest import Manifest, UpdateSeal, plan_buckets, spec_of
 from .records import check_version
@@ -231,8 +231,6 @@ class WeightReceiver:
             self.check_guard()  # nobody put the weights to sleep meanwhile
             state.commit()
         except Exception as e:
-            if hdr["path"] == "ipc" and not isinstance(e, VerifyError):
-                self._drop_ipc()  # the socket may be out of step: reconnect on the next update
             if state.applied:
                 self.consistent = False
             if isinstance(e, VerifyError):
@@ -245,10 +243,19 @@ class WeightReceiver:
                 else:
                     err = TransferError(f"update {seq} (version {version!r}) broke off (the sender died, "
                                         f"timed out or the connection failed): {type(e).__name__}: {e}; {tail}")
+            # the sender hears why: the done record first (it looks there when the connection fails),
+            # then, on the IPC socket, an error message before this side hangs up
             try:
-                g.put(done_key, {"ok": False, "msg": str(err)[:4000], "version": None}, seq, epoch)
+                g.put(done_key, {"ok": False, "msg": f"{type(err).__name__}: {err}"[:4000], "version": None}, seq, epoch)
             except Exception:
                 pass
+            if hdr["path"] == "ipc" and not isinstance(e, VerifyError):
+                if self._conn is not None and self._ready:
+                    try:
+                        self._conn.send("error", msg=f"{type(err).__name__}: {err}"[:MAX_MSG - 512])
+                    except Exception:  # noqa: BLE001
+                        pass
+                self._drop_ipc()  # the socket may be out of step: reconnect on the next update
             raise err from e
         finally:
             if seal is not None:

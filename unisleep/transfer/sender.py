@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from typing import Any, Iterator, Optional, Sequence
 
 from ..errors import InvalidArgumentError, InvalidTransitionError, TransferError, UnisleepError, VersionError
-from .channels import CollectiveSendChannel, IpcSenderState, IpcSendChannel
+from .channels import CollectiveSendChannel, IpcSenderState, IpcSendChannel, named_error
 from .group import TransferGroup
 from . import records as R
 from .manifest import BucketPlan, Manifest, UpdateSeal, check_tensor, plan_buckets, spec_of, write_trailer
@@ -283,8 +283,8 @@ class WeightSender:
                 g.channel_broke(f"update {seq}: no answer")
             raise
         if errors:
-            raise TransferError(f"update {seq} (version {version!r}) was rejected; receivers keep their previous version: "
-                                + "; ".join(errors))
+            raise named_error(f"update {seq} (version {version!r}) was rejected; receivers keep their previous version: "
+                              + "; ".join(errors))
         prev, self.version = self.version, version
         self._last_meta_id = manifest.meta_id
         t1 = time.perf_counter()
