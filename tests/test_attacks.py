@@ -72,6 +72,195 @@ def _windows(w: dict, n: int = 6, size: int = 64) -> list[bytes]:
     return [raw[i: i + size] for i in range(0, len(raw) - size, step)][:n]
 
 
+# ---------------------------------------------------------------------------- 1. theft
+THIEF = r"""
+import json, os, select, socket, struct, sys, time
+ports, hold, out = [int(p) for p in sys.argv[1].split(",") if p], float(sys.argv[2]), sys.argv[3]
+PRE = struct.Struct("<6Q")  # gloo's tcp preamble: nbytes, opcode, slot, offset, length, roffset
+conns, pending = [], {}
+for port in ports:
+    for seq in range(4):  # gloo's listener pairs the first connection that sends the expected number
+        try:
+            s = socket.create_connection(("127.0.0.1", port), timeout=2)
+            s.sendall(seq.to_bytes(8, "little"))
+            s.setblocking(False)
+            conns.append(s)
+            pending[s] = bytearray()
+        except OSError:
+            pass
+print(json.dumps({"connected": len(conns)}), flush=True)
+data, total = bytearray(), 0
+end = time.monotonic() + hold
+while time.monotonic() < end and conns:
+    r, _, _ = select.select(conns, [], [], 0.05)
+    for s in r:
+        try:
+            b = s.recv(1 << 20)
+        except OSError:
+            b = b""
+        if not b:
+            conns.remove(s)
+            s.close()
+            continue
+        total += len(b)
+        if len(data) < (48 << 20):
+            data += b
+        buf = pending[s]
+        buf += b
+        while len(buf) >= PRE.size:  # speak enough of gloo's protocol to be sent what a receiver would be
+            nbytes, op, slot, _off, length, _roff = PRE.unpack_from(buf)
+            if op == 2:  # the peer has a send pending: say we are ready to receive it
+                s.setblocking(True)
+                s.sendall(PRE.pack(PRE.size, 3, slot, 0, length, 0))
+                s.setblocking(False)
+                del buf[:PRE.size]
+            elif op == 1 and len(buf) >= PRE.size + length:
+                del buf[:PRE.size + length]
+            elif op in (0, 3):
+                del buf[:PRE.size]
+            else:
+                break
+with open(out, "wb") as f:
+    f.write(data)
+print(json.dumps({"uid": os.getuid(), "bytes": total}), flush=True)
+"""
+
+
+def _new_tcp_listeners(before: set) -> list[int]:
+    return sorted({p for a, p in listening_sockets(os.getpid()) if (a, p) not in before and a == "127.0.0.1"})
+
+
+def _theft_attempt(g0, g1, tx, rx, version: int, tmp):
+    """One update during which the thief races for the data channel: the data channel is made anew
+    (as after an update that broke off), the sender starts, the thief connects to every loopback
+    port this process listens on, then the receiver starts."""
+    g0.channel_broke("a new data channel for the next attempt")
+    before = set(listening_sockets(os.getpid()))
+    w = _weights(version)
+    send = _Bg(lambda: tx.send(w, version))
+    # the sender's data channel (if it opens one) listens now; the receiver has not read the header yet
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 1.5 and not _new_tcp_listeners(before) and send.is_alive():
+        time.sleep(0.01)
+    ports = sorted({p for a, p in listening_sockets(os.getpid()) if a == "127.0.0.1"})
+    out = os.path.join(tmp, f"thief-{version}.bin")
+    thief = subprocess.Popen(_as_nobody(["-c", THIEF, ",".join(map(str, ports)), "8", out]), env=_nobody_env(),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = thief.stdout.readline()
+    assert first, thief.stderr.read()[-2000:]
+    t_rx = time.monotonic()
+    recv = _Bg(lambda: rx.receive(timeout_s=20))
+    send.join(90)
+    recv.join(90)
+    t_end = time.monotonic()
+    res, err = _rest(thief)
+    assert res.strip(), err[-2000:]
+    got = json.loads(res.strip().splitlines()[-1])
+    assert got["uid"] == NOBODY, err
+    with open(out, "rb") as f:
+        stolen = f.read()
+    return send, recv, t_end - t_rx, got, stolen, w
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("via", ["default", "gloo"])
+def test_theft_through_the_data_channel(nobody_dir, via):
+    """The thief gets no byte of the weights; every update either lands byte-exact or fails within
+    the liveness window with a named intrusion, and the next one lands.  ``gloo``: the data channel
+    is gloo even on one host (as between hosts), where the thief can take a connection."""
+    _skip_without_nobody()
+    g0, g1 = _pair(timeout_s=20)
+    kw = {} if via == "default" else {"via": via}
+    try:
+        tx = WeightSender(g0, bucket_bytes=64 << 10, path="collective", **kw)
+        tgt = {k: torch.zeros_like(v) for k, v in _weights(0).items()}
+        rx = WeightReceiver(g1, target=tgt)
+        hijacked, landed = 0, 0
+        for attempt in range(1, 11):
+            send, recv, dt, got, stolen, w = _theft_attempt(g0, g1, tx, rx, attempt, nobody_dir)
+            for piece in _windows(w):
+                assert piece not in stolen, (f"attempt {attempt}: the thief (uid {NOBODY}) read the weights in plain "
+                                             f"text ({got['bytes']} bytes received)")
+            assert got["bytes"] < 4096, f"attempt {attempt}: the thief received {got['bytes']} bytes"
+            if send.error is None:
+                assert recv.error is None, recv.error
+                assert _exact(tgt, w), f"attempt {attempt}: the update did not land byte-exact"
+                landed += 1
+            else:
+                hijacked += 1
+                assert type(send.error).__name__ == "IntrusionError", f"attempt {attempt}: {send.error!r}"
+                assert dt < LIVENESS_S + 3, f"attempt {attempt}: the intrusion was named after {dt:.1f} s"
+                assert isinstance(recv.error, TransferError), recv.error
+                assert f"uid {NOBODY}" in str(send.error) or any(f"uid {NOBODY}" in m for m in g0.intrusions), \
+                    (send.error, g0.intrusions)
+            if via == "gloo" and hijacked:
+                break
+            if via == "default" and landed >= 3:
+                break
+        if via == "gloo":
+            assert hijacked, "the thief never took a gloo connection in 10 attempts: the test proved nothing"
+            # the thief is gone: the group goes on, on a new data channel
+            r = _Bg(lambda: rx.receive(timeout_s=30))
+            rep = tx.send(_weights(99), 99)
+            r.join(30)
+            assert r.error is None, r.error
+            assert rep.version == 99 and _exact(tgt, _weights(99))
+        else:
+            assert landed >= 3, f"only {landed} updates landed"
+        assert any(f"uid {NOBODY}" in m for m in g0.intrusions + g1.intrusions), (g0.intrusions, g1.intrusions)
+    finally:
+        g0.close(), g1.close()
+
+
+def _sniff(stop: threading.Event, out: list) -> None:
+    s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.ntohs(0x0003))
+    try:
+        s.setsockopt(socket.SOL_SOCKET, getattr(socket, "SO_RCVBUFFORCE", 33), 256 << 20)  # drop nothing
+        s.bind(("lo", 0))
+        s.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                out.append(s.recv(1 << 17))
+            except socket.timeout:
+                pass
+    finally:
+        s.close()
+
+
+@pytest.mark.slow
+def test_gloo_buckets_are_encrypted_on_the_wire():
+    """What someone on the path between two machines sees (every packet on the loopback interface,
+    captured with a raw socket): with the encrypted gloo path not one 64-byte piece of the weights;
+    with encrypt=False they are there (so the capture does see them)."""
+    if os.geteuid() != 0:
+        pytest.skip("capturing packets needs root (CAP_NET_RAW); CI runs as root")
+    g0, g1 = _pair(timeout_s=20)
+    try:
+        tgt = {k: torch.zeros_like(v) for k, v in _weights(0).items()}
+        rx = WeightReceiver(g1, target=tgt)
+        for v, encrypt in ((1, None), (2, False)):
+            tx = WeightSender(g0, bucket_bytes=256 << 10, path="collective", via="gloo", encrypt=encrypt)
+            stop, packets = threading.Event(), []
+            sniffer = threading.Thread(target=_sniff, args=(stop, packets), daemon=True)
+            sniffer.start()
+            time.sleep(0.2)
+            r = _Bg(lambda: rx.receive(timeout_s=30))
+            rep = tx.send(_weights(v), v)
+            r.join(30)
+            stop.set()
+            sniffer.join(5)
+            assert r.error is None and rep.verified and _exact(tgt, _weights(v)), r.error
+            wire = b"".join(packets)
+            seen = sum(piece in wire for piece in _windows(_weights(v), n=12))
+            if encrypt is None:
+                assert len(wire) > 1 << 20, f"the capture saw only {len(wire)} bytes"
+                assert seen == 0, f"{seen} of 12 pieces of the weights crossed the wire in plain text"
+            else:
+                assert seen >= 6, f"the capture missed the plain-text weights ({seen} of 12 pieces): it proves nothing"
+    finally:
+        g0.close(), g1.close()
+
+
 # ---------------------------------------------------------------------------- 2. heartbeat poisoning
 POISON = r"""
 import datetime, json, os, sys
@@ -420,7 +609,8 @@ def test_bad_arguments_fail_at_once_and_the_peer_hears():
         seq, ep = g._seq, g.epoch
         g._seq += 1
         hdr = {"version": 7, "previous_version": None, "meta_id": "ab", "specs": [["w", [-4], "float32"]],
-               "bucket_bytes": 4096, "path": "collective", "buckets": 1, "bytes": 16, "ipc": None, "verify": True}
+               "bucket_bytes": 4096, "path": "collective", "via": "socket", "cipher": "none", "buckets": 1, "bytes": 16,
+               "ipc": None, "verify": True}
         g.put("hdr", hdr, seq, ep)
         t0 = time.monotonic()
         ack = g.take(f"u{seq}/ack/1", R.ACK, seq=seq, epoch=ep, timeout_s=5, peer="receiver rank 1")

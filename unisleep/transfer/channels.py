@@ -26,6 +26,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import queue
 import secrets
 import socket
 import struct
@@ -47,11 +48,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("unisleep.transfer")
 
 ABORT, END = 1, -1  # descriptor flag: the update was aborted; descriptor bucket index: no more buckets
+CIPHERED = 2  # descriptor flag: the bucket follows in encrypted pieces, then its tag (.cipher)
 MAX_MSG = 4096
 HANDSHAKE_S = 5.0
 #: how long a receiver retries connecting to a full IPC socket (the liveness window)
 CONNECT_RETRY_S = 5.0
-OPS = ("hello", "proof", "welcome", "buf", "bucket", "free", "error", "end")
+OPS = ("hello", "proof", "welcome", "buf", "bucket", "free", "error", "end", "stream")
 IPC_MSG = {"op": OPS, "id": R.OPT_STR, "slot": R.INT, "k": R.INT, "nbytes": R.INT, "u": R.INT, "abort": R.BOOL,
            "msg": R.STR, "nonce": R.OPT_STR, "rank": R.INT, "pid": R.INT}
 _BLANK = {"id": None, "slot": 0, "k": 0, "nbytes": 0, "u": 0, "abort": False, "msg": "", "nonce": None, "rank": 0,
@@ -177,7 +179,7 @@ def recv_sealed(sock: socket.socket, key: bytes, ctx: str, n: Optional[int], wha
             raise TransferError(f"{peer} closed the IPC socket while this side waited for {what} (it died or gave up)")
         _, _, body = R.open_record(key, ctx, data, name="ipc", peer=peer, schema=IPC_MSG, seq=n, epoch=0,
                                    limit=MAX_MSG)
-        if fds and body["op"] != "buf":
+        if fds and body["op"] not in ("buf", "stream"):
             raise TransferError(f"{peer} attached descriptors to a {body['op']!r} message")
         return body, fds
     except BaseException:
@@ -235,11 +237,29 @@ def handshake_receiver(conn: IpcConn, timeout_s: float) -> None:
     conn.ctx = f"{base}/{hello['nonce']}{mine}/{g.rank}"
 
 
+def host_buffer(sender: WeightSender, slot: int, nbytes: int, device):
+    """Send buffer ``slot`` of a sender, at least ``nbytes`` (+ :data:`~.cipher.SLACK`); a bucket
+    larger than the usual size (one big tensor) gets a buffer of its own."""
+    import torch
+
+    from .cipher import SLACK
+
+    cur = sender._coll_slots[slot]
+    if cur is None or cur.numel() < nbytes + SLACK:
+        if nbytes > sender.bucket_bytes + 4096:
+            return torch.empty(nbytes + SLACK, dtype=torch.uint8, device=device)
+        cur = sender._coll_slots[slot] = torch.empty(max(nbytes, sender.bucket_bytes + 4096) + SLACK,
+                                                     dtype=torch.uint8, device=device)
+    return cur
+
+
 class CollectiveSendChannel:
     """Buckets through the group's backend: a 4-word descriptor, then the bucket, both broadcast
-    from rank 0; two send buffers alternate so packing overlaps the transfer in flight."""
+    from rank 0; two send buffers alternate so packing overlaps the transfer in flight.  With a
+    cipher (:mod:`.cipher`) each bucket goes in pieces, each encrypted in place just before it is
+    broadcast, then its tag."""
 
-    def __init__(self, sender: WeightSender, seq: int):
+    def __init__(self, sender: WeightSender, seq: int, cipher=None):
         import torch.distributed as dist
 
         self.s = sender
@@ -249,6 +269,7 @@ class CollectiveSendChannel:
         self.opts = dist.BroadcastOptions()
         self.opts.rootRank = 0
         self.pending: list[list] = [[], []]
+        self.cipher = cipher
 
     def _bcast(self, t):
         return self.pg.broadcast([t], self.opts)
@@ -265,26 +286,149 @@ class CollectiveSendChannel:
         self.pending[slot] = []
 
     def buffer(self, slot: int, nbytes: int):
+        self._settle(slot)
+        return host_buffer(self.s, slot, nbytes, self.dev)
+
+    def post(self, slot: int, plan: BucketPlan, buf, corrupt: bool = False) -> None:
+        n = plan.total_bytes
+        if self.cipher is None:
+            if corrupt:
+                _corrupt(buf, plan)
+            d = self._desc(plan.index, n, 0)
+            self.pending[slot] = [self._bcast(d), self._bcast(buf[:n]), d, buf]
+            return
         import torch
 
-        self._settle(slot)
-        cur = self.s._coll_slots[slot]
-        cap = max(nbytes, self.s.bucket_bytes + 4096)
-        if cur is None or cur.numel() < nbytes:
-            # a bucket larger than the usual size (one big tensor) gets a buffer of its own
-            if nbytes > self.s.bucket_bytes + 4096:
-                return torch.empty(nbytes, dtype=torch.uint8, device=self.dev)
-            cur = self.s._coll_slots[slot] = torch.empty(cap, dtype=torch.uint8, device=self.dev)
-        return cur
+        from .cipher import pieces, writable_view
 
-    def post(self, slot: int, plan: BucketPlan, buf) -> None:
-        d = self._desc(plan.index, plan.total_bytes, 0)
-        self.pending[slot] = [self._bcast(d), self._bcast(buf[: plan.total_bytes]), d, buf]
+        d = self._desc(plan.index, n, CIPHERED)
+        works = [self._bcast(d), d, buf]
+        enc = self.cipher.encryptor(plan.index, n)
+        mv = writable_view(buf)
+        for off, end in pieces(n):
+            enc.piece(mv, off, end)
+            if corrupt and off == 0:  # on the wire, after encryption
+                _corrupt(buf, plan)
+            works.append(self._bcast(buf[off:end]))
+        tag = torch.frombuffer(bytearray(enc.tag()), dtype=torch.uint8)
+        works += [self._bcast(tag), tag]
+        self.pending[slot] = works
 
     def end(self, abort: bool) -> None:
         for slot in (0, 1):
             self._settle(slot)
         wait_work(self.s.group, self._bcast(self._desc(END, 0, ABORT if abort else 0)))
+
+
+def _corrupt(buf, plan: BucketPlan) -> None:
+    """Test hook (``WeightSender._faults["corrupt"]``): flip the first byte of the bucket's first tensor."""
+    if plan.slots:
+        o = plan.slots[0].offset
+        buf[o: o + 1].bitwise_not_()
+
+
+class SocketSendChannel:
+    """Host memory between processes of one machine: each bucket's bytes go over a Unix stream
+    socket per receiver — one end of a socket pair whose other end was handed, as a descriptor,
+    over the receiver's authenticated IPC connection (so nobody else can hold it) — after a sealed
+    ``bucket`` message on that connection.  A thread writes one bucket while the next is packed."""
+
+    WRITE = 4 << 20
+
+    def __init__(self, sender: WeightSender, seq: int):
+        self.s = sender
+        self.st: IpcSenderState = sender._ipc
+        self.seq = seq
+        self.epoch = sender.group.epoch
+        self.dev = sender.group.device
+        self._q: queue.Queue = queue.Queue()
+        self._free = [threading.Event(), threading.Event()]
+        for ev in self._free:
+            ev.set()
+        self._err: Optional[BaseException] = None
+        for r, conn in self.st.conns.items():
+            if r not in self.st.streams:
+                try:
+                    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+                except OSError as e:
+                    raise (descriptor_error(e, "opening a socket for the bucket bytes", "the sender") or e) from None
+                try:
+                    conn.send("stream", [theirs.fileno()])
+                except TransferError as e:
+                    mine.close()
+                    raise receiver_failure(sender.group, seq, self.epoch, r, e) from e
+                finally:
+                    theirs.close()
+                self.st.streams[r] = mine
+        self._thread = threading.Thread(target=self._writer, daemon=True, name="unisleep-transfer-socket-writer")
+        self._thread.start()
+
+    def _check(self) -> None:
+        if self._err is not None:
+            err, self._err = self._err, None
+            raise err
+
+    def _wait(self, slot: int) -> None:
+        while not self._free[slot].wait(0.5):
+            pass
+        self._check()
+
+    def buffer(self, slot: int, nbytes: int):
+        self._wait(slot)
+        return host_buffer(self.s, slot, nbytes, self.dev)
+
+    def post(self, slot: int, plan: BucketPlan, buf, corrupt: bool = False) -> None:
+        self._check()
+        if corrupt:
+            _corrupt(buf, plan)
+        self._free[slot].clear()
+        self._q.put((slot, plan, buf))
+
+    def end(self, abort: bool) -> None:
+        self._q.put(None)
+        self._thread.join()
+        self._check()
+        for r, conn in self.st.conns.items():
+            try:
+                conn.send("end", abort=abort, u=self.seq)
+            except TransferError as e:
+                raise receiver_failure(self.s.group, self.seq, self.epoch, r, e) from e
+
+    def _writer(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            slot, plan, buf = item
+            try:
+                if self._err is None:
+                    for r, conn in self.st.conns.items():
+                        try:
+                            conn.send("bucket", k=plan.index, slot=slot, nbytes=plan.total_bytes, u=self.seq)
+                        except TransferError as e:
+                            raise receiver_failure(self.s.group, self.seq, self.epoch, r, e) from e
+                        self._write(r, self.st.streams[r], buf[: plan.total_bytes])
+            except BaseException as e:  # noqa: BLE001 - raised on the sender's thread
+                self._err = e
+            finally:
+                self._free[slot].set()
+
+    def _write(self, r: int, sock: socket.socket, t) -> None:
+        g = self.s.group
+        mv = memoryview(t.numpy()).cast("B")
+        n, off = len(mv), 0
+        sock.settimeout(0.5)
+        t0 = time.monotonic()
+        while off < n:
+            try:
+                off += sock.send(mv[off: off + self.WRITE])
+            except socket.timeout:
+                g.check_alive([r])  # a frozen or dead receiver is named within a few seconds
+                if time.monotonic() - t0 > g.timeout_s:
+                    raise TransferError(f"receiver rank {r} took no bucket bytes for {g.timeout_s:.0f} s") from None
+            except OSError as e:
+                raise receiver_failure(g, self.seq, self.epoch, r, TransferError(
+                    f"the bucket socket to receiver rank {r} failed: {e} (it died or gave up)")) from e
 
 
 def wait_work(group: TransferGroup, work) -> None:
@@ -333,6 +477,7 @@ class IpcSenderState:
         self.slots: list = [None, None]  # (buffer id, ExportBuffer)
         self.shared: dict[str, set] = {}  # buffer id -> ranks that imported it
         self.busy: list[set] = [set(), set()]  # ranks still reading slot i
+        self.streams: dict[int, socket.socket] = {}  # rank -> our end of its bucket-bytes socket (SocketSendChannel)
         self._queued: list[tuple[socket.socket, int, int]] = []  # (socket, pid, uid) of a receiver's uid
         self._cv = threading.Condition()
         self._closed = False
@@ -428,6 +573,9 @@ class IpcSenderState:
             old = self.conns.pop(r, None)
             if old is not None:
                 old.close()
+            stream = self.streams.pop(r, None)
+            if stream is not None:
+                stream.close()
             self.conns[r] = conn
             for ranks_ in self.shared.values():
                 ranks_.discard(r)
@@ -462,6 +610,9 @@ class IpcSenderState:
         for c in self.conns.values():
             c.close()
         self.conns.clear()
+        for st in self.streams.values():
+            st.close()
+        self.streams.clear()
         for s in self.slots:
             if s is not None:
                 s[1].close()
@@ -522,8 +673,10 @@ class IpcSendChannel:
             cur = st.slots[slot] = (uuid.uuid4().hex[:12], buf)
         return cur[1].tensor
 
-    def post(self, slot: int, plan: BucketPlan, buf) -> None:
+    def post(self, slot: int, plan: BucketPlan, buf, corrupt: bool = False) -> None:
         st = self.st
+        if corrupt:
+            _corrupt(buf, plan)
         bid, eb = st.slots[slot]
         st.ipc.synchronize(self.s.group.device_index)  # the packing is finished before anyone reads
         have = st.shared.setdefault(bid, set())

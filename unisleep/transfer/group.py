@@ -51,6 +51,8 @@ HEARTBEAT_S = 0.5
 DEAD_AFTER_S = 4.0
 #: entries kept in ``TransferGroup.intrusions`` (the last one then counts the rest)
 MAX_INTRUSIONS = 256
+#: once both ends of a data-channel pair are up, the proof that it is theirs arrives within this
+PROOF_S = 5.0
 
 
 def vendor_module(platform: Platform, name: str):
@@ -107,6 +109,13 @@ def _boot_id() -> str:
         return ""
 
 
+def _netns() -> int:
+    try:
+        return os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        return 0
+
+
 def _pidns() -> int:
     try:
         return os.stat("/proc/self/ns/pid").st_ino
@@ -123,6 +132,7 @@ class Peer:
     uid: int = -1
     pidns: int = 0
     boot: str = ""
+    netns: int = 0
 
     def describe(self) -> str:
         return f"rank {self.rank} (pid {self.pid} on {self.host})"
@@ -236,7 +246,8 @@ class TransferGroup:
                 import torch
 
                 device = torch.accelerator.current_device_index()
-        me = Peer(rank, coll.device_key(device), socket.gethostname(), os.getpid(), os.getuid(), _pidns(), _boot_id())
+        me = Peer(rank, coll.device_key(device), socket.gethostname(), os.getpid(), os.getuid(), _pidns(), _boot_id(),
+                  _netns())
         grp = cls(store=store, rank=rank, world_size=world_size, platform=plat, device_index=device,
                   timeout_s=timeout_s, peers=[], host=host, port=port, server=server, secret=key,
                   group_id=f"{name}/", insecure=source == "insecure", hb_store=hb_store)
@@ -299,8 +310,8 @@ class TransferGroup:
         self._start_heartbeat()
         if self._shared and not self._collective.SAME_DEVICE_OK:
             log.info("ranks %s share a device: no collective backend, colocated IPC only", sorted(self._shared))
-        else:
-            self._connect_pg(0)
+        elif not getattr(self._collective, "PAIR_PROOF", False):
+            self._connect_pg(0)  # (a backend whose pairs must prove themselves connects when first used)
 
     def _set_secret(self, secret: bytes) -> None:
         self._secret = secret
@@ -308,7 +319,8 @@ class TransferGroup:
 
     def _put_peer(self, me: Peer, nonce: str) -> None:
         body = {"rank": me.rank, "device_key": me.device_key[:4096], "host": me.host[:4096], "boot": me.boot[:4096],
-                "pid": me.pid, "pidns": me.pidns, "uid": me.uid, "nonce": nonce or "0", "insecure": self.insecure}
+                "pid": me.pid, "pidns": me.pidns, "netns": me.netns, "uid": me.uid, "nonce": nonce or "0",
+                "insecure": self.insecure}
         gid = self.group_id if me.rank else "peer0"  # rank 0's record brings the group nonce
         self.store.set(f"peer/{me.rank}", R.seal(self._rec_key, gid, f"peer/{me.rank}", 0, 0, body))
 
@@ -340,6 +352,13 @@ class TransferGroup:
     def colocated(self) -> bool:
         """Every receiver is on the sender's device (same GPU; on host: same machine)."""
         return all(p.device_key == self.peers[0].device_key for p in self.peers)
+
+    @property
+    def local(self) -> bool:
+        """Every member runs on this machine (same boot) in this network namespace: they can reach
+        each other's Unix sockets."""
+        me = self.peers[self.rank]
+        return all(p.boot == me.boot and p.netns == me.netns and p.host == me.host for p in self.peers)
 
     @property
     def ipc_available(self) -> bool:
@@ -378,19 +397,19 @@ class TransferGroup:
         return self._pg
 
     def _connect_pg(self, epoch: int) -> None:
-        import torch.distributed as dist
+        from ..errors import IntrusionError
+        from .netinfo import listening_ports
 
         old, self._pg = self._pg, None
         if old is not None:
-            try:
-                old.shutdown()
-            except Exception:
-                pass
+            _shutdown(old)
         timeout = datetime.timedelta(seconds=self.timeout_s)
         store = _sealed_store_class()(self.store.prefixed(f"pg{epoch}"), self, f"pg{epoch}")
+        proof = getattr(self._collective, "PAIR_PROOF", False)
+        before = listening_ports() if proof else set()
         try:
-            self._pg = self._collective.create_backend(store, self.rank, self.world_size, timeout, self.device_index,
-                                                       host=self.host)
+            pg = self._collective.create_backend(store, self.rank, self.world_size, timeout, self.device_index,
+                                                 host=self.host)
         except Exception as e:
             self.broken = f"the data channel (epoch {epoch}) could not connect: {type(e).__name__}: {e}"
             raise TransferError(f"{self.broken}; recreate the group") from e
@@ -398,7 +417,106 @@ class TransferGroup:
         # it is collected, and a backend that bootstraps later (on its first collective)
         # finds no ``get`` to call ("Not implemented")
         self._pg_store = store
+        if proof:
+            ports = {p for _ip, p in listening_ports() - before}
+            try:
+                self._prove_pairs(pg, epoch, store, ports)
+            except IntrusionError as e:
+                self._intrusion(str(e))
+                _shutdown(pg)
+                self.channel_broke(f"the data channel of epoch {epoch} was not the group's")
+                raise
+            except BaseException:
+                _shutdown(pg)
+                raise
+            self._name_foreign(ports, epoch)
+        self._pg = pg
         self._pg_epoch = epoch
+
+    def _prove_pairs(self, pg, epoch: int, store, ports) -> None:
+        """Before a byte of weights moves over a new data channel, each end of every pair of it
+        proves the group secret to the other, over that very connection (an HMAC of the group, the
+        epoch and the direction).  A backend that connects whoever first sends the number it
+        expects (gloo) can have handed a pair to a process outside the group: then the proof never
+        arrives though both members are up (or a wrong one does), and :class:`IntrusionError` names
+        it within :data:`PROOF_S` seconds — the weights never went there."""
+        import hashlib
+        import hmac
+
+        import torch
+
+        from ..errors import IntrusionError
+
+        key = self.subkey("data channel proof")
+
+        def tag(i: int, j: int) -> bytes:
+            return hmac.new(key, f"{self.group_id}/pg{epoch}/{i}->{j}".encode(), hashlib.sha256).digest()
+
+        import torch.distributed as dist
+
+        n = self.world_size
+        others = [p.rank for p in self.peers if p.rank != self.rank]
+        # an all-to-all: every rank sends to every other over their pair, both ways (the pairs the
+        # broadcasts of the buckets use)
+        inp = torch.frombuffer(bytearray(b"".join(tag(self.rank, j) if j != self.rank else bytes(32)
+                                                  for j in range(n))), dtype=torch.uint8)
+        out = torch.zeros(32 * n, dtype=torch.uint8)
+        store.set(f"ready/{self.rank}", b"1")
+        w = pg.alltoall_base(out, inp, [], [], dist.AllToAllOptions())
+        t0 = time.monotonic()
+        up: dict[int, float] = {}
+        next_live = t0 + 0.5
+        delay = 0.0002
+        while not w.is_completed():
+            now = time.monotonic()
+            for j in others:
+                if j not in up and store.check([f"ready/{j}"]):
+                    up[j] = now
+            if len(up) == len(others) and now - max(up.values()) > PROOF_S:
+                raise IntrusionError(self._hijacked(epoch, others, ports, f"sent no proof of the group secret within "
+                                                                          f"{PROOF_S:.0f} s though every member is up"))
+            if now >= next_live:
+                next_live = now + 0.5
+                self.check_alive(others)
+                if now - t0 > self.timeout_s:
+                    raise TransferError(f"the data channel (epoch {epoch}) did not prove itself within "
+                                        f"{self.timeout_s:.0f} s")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.005)
+        try:
+            w.wait()
+        except Exception as e:  # noqa: BLE001 - a member that died is named first
+            self.check_alive(others)
+            raise IntrusionError(self._hijacked(epoch, others, ports, f"failed during their proof ({type(e).__name__}: "
+                                                                      f"{str(e)[:200]})")) from None
+        got = bytes(out.numpy())
+        wrong = [j for j in others if not hmac.compare_digest(got[32 * j: 32 * j + 32], tag(j, self.rank))]
+        if wrong:
+            raise IntrusionError(self._hijacked(epoch, wrong, ports, "answered with a wrong proof of the group secret"))
+
+    def _hijacked(self, epoch: int, ranks, ports, what: str) -> str:
+        foreign = self._foreign(ports)
+        who = ", ".join(f"rank {j}" for j in ranks)
+        return (f"the data channel (epoch {epoch}): the connections to {who} {what}: a process outside the group "
+                f"holds one" + (f" ({'; '.join(foreign)})" if foreign else
+                                " (not on this machine, or gone: no connection to it from another user is listed here)")
+                + "; no weights were sent over it, and the next update opens a new data channel")
+
+    def _foreign(self, ports) -> list:
+        from .netinfo import foreign_connections
+
+        if not ports:
+            return []
+        try:
+            return foreign_connections(ports, {p.uid for p in self.peers})
+        except OSError:
+            return []
+
+    def _name_foreign(self, ports, epoch: int) -> None:
+        """Connections of another user to this data channel's listening ports that gloo keeps
+        waiting (they sent a number no pair expects): named, though the channel proved itself."""
+        for f in self._foreign(ports):
+            self._intrusion(f"a connection to this rank's data channel (epoch {epoch}) that is not a member: {f}")
 
     def channel_broke(self, why: str) -> None:
         """The data channel may be out of step (an update broke off mid-stream): the sender moves
@@ -685,6 +803,21 @@ def _sealed_store_class():
     return SealedStore
 
 
+def _shutdown(pg) -> None:
+    """Shut a backend down without waiting on work that can never finish (a pair a process
+    outside the group holds)."""
+    t = threading.Thread(target=lambda: _quiet(pg.shutdown), daemon=True, name="unisleep-transfer-pg-shutdown")
+    t.start()
+    t.join(2.0)
+
+
+def _quiet(fn) -> None:
+    try:
+        fn()
+    except Exception:  # noqa: BLE001
+        pass
+
+
 def _connect_store(host: str, port: int, key: bytes, rank: int, timeout_s: float, source: str,
                    name: str) -> tuple[bytes, "RemoteStore"]:
     """A receiver's connection to rank 0's store: (the secret it proved, the connection).  A
@@ -723,7 +856,8 @@ def _check_create_args(rank, world_size, timeout_s, name, device, insecure) -> N
 
 
 def _peer_of(body: dict) -> Peer:
-    return Peer(body["rank"], body["device_key"], body["host"], body["pid"], body["uid"], body["pidns"], body["boot"])
+    return Peer(body["rank"], body["device_key"], body["host"], body["pid"], body["uid"], body["pidns"], body["boot"],
+                body["netns"])
 
 
 def _same_device_ranks(peers: list[Peer]) -> set[int]:

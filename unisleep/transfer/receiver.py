@@ -10,7 +10,8 @@ from typing import Any, Callable, Optional, Sequence
 
 from ..errors import InvalidArgumentError, InvalidTransitionError, TransferError, UnisleepError, VersionError
 from . import records as R
-from .channels import ABORT, END, MAX_MSG, IpcConn, connect_ipc, handshake_receiver, wait_work
+from .channels import ABORT, CIPHERED, END, MAX_MSG, IpcConn, connect_ipc, handshake_receiver, wait_work
+from .cipher import BucketCipher
 from .group import TransferGroup
 from .manifest import Manifest, UpdateSeal, plan_buckets, spec_of
 from .records import check_version
@@ -60,6 +61,7 @@ class WeightReceiver:
         self.consistent = True
         self._meta: dict[str, tuple] = {}
         self._conn: Optional[IpcConn] = None
+        self._stream = None  # socket for the bucket bytes of the socket path
         self._sock_name: Optional[str] = None
         self._ready = False
         self.allow_equal_versions = allow_equal_versions
@@ -177,8 +179,14 @@ class WeightReceiver:
         def refuse(kind: str, msg: str) -> None:
             g.put(ack_key, {"ok": False, "kind": kind, "msg": msg[:4000], "connected": False}, seq, epoch)
 
+        via, sock = hdr["via"], hdr["path"] == "ipc" or hdr["via"] == "socket"
+        if (hdr["path"] == "ipc") != (via == "ipc") or (via == "socket" and not g.local) or (
+                hdr["cipher"] != "none" and via != "backend"):
+            msg = f"path {hdr['path']!r} via {via!r} with cipher {hdr['cipher']!r} is not a way to this receiver"
+            refuse("header", msg)
+            raise TransferError(f"update {seq} refused: {msg}")
         try:
-            if hdr["path"] == "collective":
+            if via == "backend":
                 g.process_group()  # the data channel of this epoch (a new one connects with the sender's)
         except Exception as e:
             refuse("channel", str(e))
@@ -201,10 +209,12 @@ class WeightReceiver:
             raise TransferError(f"update {seq} (version {version!r}) refused before any byte moved: {msg}") from None
         connected = False
         try:
-            if hdr["path"] == "ipc":
+            if sock:
                 connected = self._connect(hdr["ipc"] or "")
         except Exception as e:
-            refuse("ipc", f"cannot connect to the sender's IPC socket: {e}")
+            refuse("ipc", f"cannot connect to the sender's IPC socket: {type(e).__name__}: {e}")
+            if isinstance(e, UnisleepError):
+                raise
             raise TransferError(f"update {seq}: cannot connect to the sender's IPC socket: {e}") from e
         g.put(ack_key, {"ok": True, "kind": "", "msg": "", "connected": connected}, seq, epoch)
         # the update's keys are made while the sender collects the acknowledgements
@@ -217,13 +227,16 @@ class WeightReceiver:
             raise TransferError(f"update {seq} (version {version!r}) was called off by the sender: {go['why']}; "
                                 f"still serving version {self.version!r}")
         t_ack = time.perf_counter()
-        state = RecvState(self, seq, specs, plans, hdr["verify"], seal, epoch)
+        crypt = BucketCipher.of(g, seq, epoch) if hdr["cipher"] != "none" else None
+        state = RecvState(self, seq, specs, plans, hdr["verify"], seal, epoch, cipher=crypt)
         try:
+            if sock and connected:
+                handshake_receiver(self._conn, min(g.timeout_s, 30.0))
+                self._ready = True
             if hdr["path"] == "ipc":
-                if connected:
-                    handshake_receiver(self._conn, min(g.timeout_s, 30.0))
-                    self._ready = True
                 self._recv_ipc(state)
+            elif via == "socket":
+                self._recv_socket(state)
             else:
                 self._recv_collective(state)
             t_recv = time.perf_counter()
@@ -238,7 +251,12 @@ class WeightReceiver:
             else:
                 tail = (f"the target was partly updated ({state.applied} buckets applied) and is inconsistent"
                         if state.applied else f"still serving version {self.version!r}")
-                if isinstance(e, UnisleepError):
+                dead = g.peer_dead(0) if type(e) is TransferError else None
+                if dead:  # the sender's socket closed because it died: say so
+                    g.broken = dead
+                    err = TransferError(f"update {seq} (version {version!r}) broke off: the sender died ({dead}; "
+                                        f"{e}); {tail}; recreate the group")
+                elif isinstance(e, UnisleepError):
                     err = type(e)(f"{e}; {tail}")
                 else:
                     err = TransferError(f"update {seq} (version {version!r}) broke off (the sender died, "
@@ -249,7 +267,7 @@ class WeightReceiver:
                 g.put(done_key, {"ok": False, "msg": f"{type(err).__name__}: {err}"[:4000], "version": None}, seq, epoch)
             except Exception:
                 pass
-            if hdr["path"] == "ipc" and not isinstance(e, VerifyError):
+            if sock and not isinstance(e, VerifyError):
                 if self._conn is not None and self._ready:
                     try:
                         self._conn.send("error", msg=f"{type(err).__name__}: {err}"[:MAX_MSG - 512])
@@ -265,7 +283,7 @@ class WeightReceiver:
         t1 = time.perf_counter()
         g.put(done_key, {"ok": True, "msg": "", "version": version}, seq, epoch)
         self.last_report = TransferReport(version, prev, hdr["path"], len(specs), hdr["bytes"], len(plans), t1 - t0,
-                                          metadata_reused=hdr["specs"] is None, verified=state.verify,
+                                          metadata_reused=hdr["specs"] is None, verified=state.verify or crypt is not None,
                                           phases={"handshake": t_ack - t0, "stream": t_recv - t_ack, "commit": t1 - t_recv},
                                           intrusions=list(g.intrusions[intrusions0:]))
         return self.last_report
@@ -275,38 +293,130 @@ class WeightReceiver:
         import torch
         import torch.distributed as dist
 
+        from .cipher import SLACK, pieces, writable_view
+
         pg = self.group.process_group()
         dev = self.group.device
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        pending = None
+        pending = None  # (bucket, buffer, its work or None, authentic or None)
+
+        def settle(p) -> None:
+            if p[2] is not None:
+                wait_work(self.group, p[2])
+            st.take(p[0], p[1], authentic=p[3])
+
         while True:
             d = torch.empty(4, dtype=torch.int64, device=dev)
             wait_work(self.group, pg.broadcast([d], opts))
             seq, k, nbytes, flag = d.tolist()
             if k == END:
                 if pending is not None:
-                    wait_work(self.group, pending[2])
-                    st.take(pending[0], pending[1])
+                    settle(pending)
                 st.aborted = bool(flag & ABORT)
                 return
             if seq != st.seq:
                 raise TransferError(f"out of step: got a bucket of update {seq} while receiving update {st.seq}")
             if not 0 <= k < len(st.plans) or nbytes != st.plans[k].total_bytes:
                 raise TransferError(f"bucket descriptor {k} ({nbytes} bytes) is not in the manifest of update {st.seq}")
+            if bool(flag & CIPHERED) != (st.cipher is not None):
+                raise TransferError(f"bucket {k} is {'' if flag & CIPHERED else 'not '}encrypted; the header said "
+                                    f"{'aes-256-gcm' if st.cipher is not None else 'none'}")
             if self.staged:
-                buf = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+                full = torch.empty(nbytes + SLACK, dtype=torch.uint8, device=dev)
             else:
                 slot = k % 2
-                cur = self._rot[slot]
-                if cur is None or cur.numel() < nbytes:
-                    cur = self._rot[slot] = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-                buf = cur[:nbytes]
-            w = pg.broadcast([buf], opts)
-            if pending is not None:  # verify bucket k-1 while bucket k is in flight
-                wait_work(self.group, pending[2])
-                st.take(pending[0], pending[1])
-            pending = (k, buf, w)
+                full = self._rot[slot]
+                if full is None or full.numel() < nbytes + SLACK:
+                    full = self._rot[slot] = torch.empty(nbytes + SLACK, dtype=torch.uint8, device=dev)
+            buf = full[:nbytes]
+            if st.cipher is None:
+                w = pg.broadcast([buf], opts)
+                if pending is not None:  # verify bucket k-1 while bucket k is in flight
+                    settle(pending)
+                pending = (k, buf, w, None)
+                continue
+            # encrypted: every piece is posted at once; each is decrypted as soon as it arrived,
+            # while the next is on the wire; the tag comes last
+            works = [(off, end, pg.broadcast([full[off:end]], opts)) for off, end in pieces(nbytes)]
+            tag = torch.empty(16, dtype=torch.uint8)
+            wt = pg.broadcast([tag], opts)
+            if pending is not None:
+                settle(pending)
+            dec = st.cipher.decryptor(k, nbytes)
+            mv = writable_view(full)
+            for off, end, w in works:
+                wait_work(self.group, w)
+                dec.piece(mv, off, end)
+            wait_work(self.group, wt)
+            pending = (k, buf, None, dec.check(bytes(tag.numpy())))
+
+    # ---------------------------------------------------------------- socket path
+    def _recv_socket(self, st: "RecvState") -> None:
+        import socket as _socket
+
+        import torch
+
+        conn = self._conn
+        if conn is None or not self._ready:
+            raise TransferError("no authenticated IPC connection to the sender")
+        while True:
+            msg, fds = conn.recv(f"bucket data of update {st.seq} (still serving version {self.version!r})")
+            op = msg["op"]
+            if op == "stream":
+                if len(fds) != 1:
+                    for fd in fds:
+                        os.close(fd)
+                    raise TransferError("the sender's stream message is malformed")
+                if self._stream is not None:
+                    self._stream.close()
+                self._stream = _socket.socket(fileno=fds[0])
+            elif op == "bucket":
+                k, nbytes = msg["k"], msg["nbytes"]
+                if msg["u"] != st.seq or not 0 <= k < len(st.plans) or nbytes != st.plans[k].total_bytes:
+                    raise TransferError(f"the sender's bucket message does not fit update {st.seq} (update {msg['u']}, "
+                                        f"bucket {k}, {nbytes} bytes)")
+                if self._stream is None:
+                    raise TransferError("the sender sent a bucket before the socket for its bytes")
+                if self.staged:
+                    buf = torch.empty(nbytes, dtype=torch.uint8)
+                else:
+                    cur = self._rot[k % 2]
+                    if cur is None or cur.numel() < nbytes:
+                        cur = self._rot[k % 2] = torch.empty(nbytes, dtype=torch.uint8)
+                    buf = cur[:nbytes]
+                self._read_exact(buf, f"bucket {k} of update {st.seq}")
+                st.take(k, buf)
+            elif op == "end":
+                if msg["u"] != st.seq:
+                    raise TransferError(f"the sender ended update {msg['u']} while this side received update {st.seq}")
+                st.aborted = bool(msg["abort"])
+                return
+            else:
+                raise TransferError(f"unexpected message {op!r} from the sender during update {st.seq}")
+
+    def _read_exact(self, buf, what: str) -> None:
+        """Read ``buf.numel()`` bytes from the bucket socket into ``buf`` (liveness checked while waiting)."""
+        import socket as _socket
+
+        g, sock = self.group, self._stream
+        mv = memoryview(buf.numpy()).cast("B")
+        n, off = len(mv), 0
+        sock.settimeout(0.5)
+        t0 = time.monotonic()
+        while off < n:
+            try:
+                got = sock.recv_into(mv[off:], n - off)
+            except _socket.timeout:
+                g.check_alive([0])
+                if time.monotonic() - t0 > g.timeout_s:
+                    raise TransferError(f"timed out waiting for {what} from the sender") from None
+                continue
+            except OSError as e:
+                raise TransferError(f"the bucket socket failed while reading {what}: {e}") from e
+            if not got:
+                raise TransferError(f"the sender closed the bucket socket in the middle of {what} (it died or gave up)")
+            off += got
 
     # ---------------------------------------------------------------- IPC path
     def _connect(self, name: str) -> bool:
@@ -323,6 +433,9 @@ class WeightReceiver:
         for imp in self._imports.values():
             imp.close()
         self._imports.clear()
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
         if self._conn is not None:
             self._conn.close()
         self._conn = self._sock_name = None

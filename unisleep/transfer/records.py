@@ -26,7 +26,8 @@ from typing import Any, Optional
 from ..errors import TransferError
 from ..units import human_bytes
 
-PROTOCOL = 2  # 2: host bytes digested with GMAC (was keyed BLAKE3)
+PROTOCOL = 3  # 3: the group's own store, peers' network namespace, the header's transport and cipher
+# (2: host bytes digested with GMAC, was keyed BLAKE3)
 MAGIC = b"USXR"
 HEAD = struct.Struct("<4sHHI")
 TAG_BYTES = 32
@@ -177,10 +178,13 @@ def check_schema(body: dict, schema: dict) -> Optional[str]:
 HEX = re.compile(r"[0-9a-f]{1,128}")
 NAME = re.compile(r"[A-Za-z0-9._\-]{1,128}")
 
-PEER = {"rank": INT, "device_key": STR, "host": STR, "boot": STR, "pid": INT, "pidns": INT, "uid": INT,
+PEER = {"rank": INT, "device_key": STR, "host": STR, "boot": STR, "pid": INT, "pidns": INT, "netns": INT, "uid": INT,
         "nonce": HEX, "insecure": BOOL}
+#: ``via``: how the bytes move ("ipc": shared memory; "socket": a Unix socket on one machine;
+#: "backend": the process-group backend); ``cipher``: "aes-256-gcm" (every bucket encrypted) or "none"
 HEADER = {"version": VERSION, "previous_version": VERSION, "meta_id": HEX, "specs": SPECS, "bucket_bytes": INT,
-          "path": ("collective", "ipc"), "buckets": INT, "bytes": INT, "ipc": OPT_STR, "verify": BOOL}
+          "path": ("collective", "ipc"), "via": ("ipc", "socket", "backend"), "cipher": ("none", "aes-256-gcm"),
+          "buckets": INT, "bytes": INT, "ipc": OPT_STR, "verify": BOOL}
 ACK = {"ok": BOOL, "kind": STR, "msg": STR, "connected": BOOL}
 GO = {"go": BOOL, "why": STR}
 ABORT = {"why": STR}

@@ -4,18 +4,22 @@ acknowledgements, buckets streamed double buffered, then every receiver's commit
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping
 from typing import Any, Iterator, Optional, Sequence
 
 from ..errors import InvalidArgumentError, InvalidTransitionError, TransferError, UnisleepError, VersionError
-from .channels import CollectiveSendChannel, IpcSenderState, IpcSendChannel, named_error
+from .channels import CollectiveSendChannel, IpcSenderState, IpcSendChannel, SocketSendChannel, named_error
+from .cipher import BucketCipher
 from .group import TransferGroup
 from . import records as R
 from .manifest import BucketPlan, Manifest, UpdateSeal, check_tensor, plan_buckets, spec_of, write_trailer
 from .names import short_names, tensor_pairs
 from .records import check_version
 from .report import TransferReport
+
+log = logging.getLogger("unisleep.transfer")
 
 MiB = 2**20
 PATHS = ("auto", "collective", "ipc")
@@ -66,10 +70,20 @@ class WeightSender:
     ``"collective"`` or ``"ipc"``.  ``verify``: compute a keyed digest of every tensor (on by
     default; the receiver refuses an update whose bytes do not match).  ``allow_equal_versions``:
     accept a version equal to the previous one (e.g. several chunks of one version).
+
+    How the collective path moves host memory (docs/security.md): ``via=None`` — over a Unix socket
+    when every member runs on this machine (handed over the receivers' authenticated IPC
+    connections: nothing another user can connect to), else over the group's backend;
+    ``via="socket"`` or ``via=<backend>`` (e.g. ``"gloo"``) to choose.  Over gloo every pair of
+    the data channel first proves the group secret, and ``encrypt`` (``None``: on) sends every
+    bucket AES-256-GCM-encrypted under a key of its update, authenticated by its tag instead of the
+    keyed digests; ``encrypt=False`` sends them in the clear (a warning when the members are on
+    several machines).  Device memory (NCCL, RCCL, HCCL) is never encrypted.
     """
 
     def __init__(self, group: TransferGroup, *, bucket_bytes: Optional[int] = None, path: str = "auto",
-                 verify: bool = True, allow_equal_versions: bool = False):
+                 verify: bool = True, allow_equal_versions: bool = False, via: Optional[str] = None,
+                 encrypt: Optional[bool] = None):
         if not group.is_sender:
             raise InvalidArgumentError(f"WeightSender needs rank 0 of the group; this is rank {group.rank}")
         if not isinstance(path, str) or path not in PATHS:
@@ -80,6 +94,15 @@ class WeightSender:
         for what, v in (("verify", verify), ("allow_equal_versions", allow_equal_versions)):
             if not isinstance(v, bool):
                 raise InvalidArgumentError(f"{what} must be True or False, got {v!r}")
+        if via not in (None, "socket", group.backend):
+            raise InvalidArgumentError(f"via must be None (the default for the path), 'socket' or {group.backend!r}, "
+                                       f"got {via!r}")
+        if encrypt not in (None, True, False):
+            raise InvalidArgumentError(f"encrypt must be None (encrypt what crosses {group.backend}), True or False, "
+                                       f"got {encrypt!r}")
+        self.via = via
+        self.encrypt = encrypt
+        self._warned_plain = False
         self.group = group
         self.bucket_bytes = int(bucket_bytes) if bucket_bytes else default_bucket_bytes(group)
         self._path_buckets: Optional[dict] = None if bucket_bytes else {}  # path -> its default size
@@ -94,6 +117,40 @@ class WeightSender:
         self.last_report: Optional[TransferReport] = None
         self.version: Any = None
 
+    def resolve(self) -> tuple[str, str, str]:
+        """``(path, via, cipher)`` of the next update: how its bytes move (``"ipc"``: shared memory;
+        ``"socket"``: a Unix socket, host memory on one machine; ``"backend"``: the group's
+        collective) and whether they are encrypted (``"aes-256-gcm"`` or ``"none"``)."""
+        g = self.group
+        path = self.resolve_path()
+        if path == "ipc":
+            if self.encrypt:
+                raise InvalidArgumentError("encrypt=True: the colocated IPC path shares memory between two processes "
+                                           "of one machine; nothing crosses a wire to encrypt")
+            return path, "ipc", "none"
+        socket_ok = not g.platform.is_accelerator and g.local and g._collective.IPC_MODULE is not None
+        via = "socket" if self.via == "socket" or (self.via is None and socket_ok) else "backend"
+        if via == "socket":
+            if not socket_ok:
+                raise InvalidArgumentError("via='socket' needs host memory and every member on this machine, in its "
+                                           f"network namespace; use via={g.backend!r} between machines")
+            if self.encrypt:
+                raise InvalidArgumentError("encrypt=True: with via='socket' the bytes never leave this machine (a Unix "
+                                           f"socket only the receivers hold); encryption is for via={g.backend!r}")
+            return path, via, "none"
+        g.process_group(connect=False)
+        can = getattr(g._collective, "CIPHER", False)
+        if self.encrypt and not can:
+            raise InvalidArgumentError(f"encrypt=True: buckets on the {g.platform.name} platform's {g.backend} are "
+                                       "device memory, which unisleep does not encrypt; see docs/security.md (residual "
+                                       "risks) for what protects them")
+        cipher = "aes-256-gcm" if can and self.encrypt is not False else "none"
+        if can and cipher == "none" and not g.local and not self._warned_plain:
+            log.warning("encrypt=False: the weights cross the network between the group's machines in the clear "
+                        "(authenticated by keyed digests, readable by anyone on the path)")
+            self._warned_plain = True
+        return path, via, cipher
+
     def resolve_path(self) -> str:
         g = self.group
         if self.path == "ipc":
@@ -102,7 +159,8 @@ class WeightSender:
                 raise InvalidArgumentError("path='ipc' needs every receiver on the sender's device (same machine on host)")
             return "ipc"
         if self.path == "collective":
-            g.process_group(connect=False)  # raises when the vendor collective cannot connect these ranks
+            if g.platform.is_accelerator or not g.local:
+                g.process_group(connect=False)  # raises when the vendor collective cannot connect these ranks
             return "collective"
         return "ipc" if g.ipc_available else "collective"
 
@@ -159,7 +217,7 @@ class WeightSender:
         if len(set(names)) != len(names):
             dup = sorted({n for n in names if names.count(n) > 1})
             raise InvalidArgumentError(f"duplicate tensor names in the update: {short_names(dup)}")
-        path = self.resolve_path()
+        path, via, cipher = self.resolve()
         if self._path_buckets is not None:  # sized once per path, so the plan stays the same
             if path not in self._path_buckets:
                 self._path_buckets[path] = default_bucket_bytes(g, path)
@@ -169,15 +227,17 @@ class WeightSender:
         epoch = g.epoch
         reuse = manifest.meta_id == self._last_meta_id
         ipc_name = None
-        if path == "ipc":
+        sock = path == "ipc" or via == "socket"  # through the IPC socket's authenticated connections
+        if sock:
             if self._ipc is None:
                 self._ipc = IpcSenderState(g)
             ipc_name = self._ipc.name
+        digests = self.verify and cipher == "none"  # an encrypted bucket is authenticated by its tag
         header = {
             "version": version, "previous_version": self.version, "meta_id": manifest.meta_id,
             "specs": None if reuse else [[s.name, list(s.shape), s.dtype] for s in manifest.specs],
-            "bucket_bytes": self.bucket_bytes, "path": path, "buckets": len(plans), "bytes": manifest.nbytes,
-            "ipc": ipc_name, "verify": self.verify,
+            "bucket_bytes": self.bucket_bytes, "path": path, "via": via, "cipher": cipher, "buckets": len(plans),
+            "bytes": manifest.nbytes, "ipc": ipc_name, "verify": digests,
         }
         intrusions0 = len(g.intrusions)
         g.put("hdr", header, seq, epoch)
@@ -185,8 +245,9 @@ class WeightSender:
         # read the header (not after "go")
         ahead, self._seal_ahead = self._seal_ahead, None
         seal = None
-        if self.verify:
+        if digests:
             seal = ahead[2] if ahead is not None and ahead[:2] == (seq, epoch) else UpdateSeal.prepared(g, seq, epoch, plans)
+        crypt = BucketCipher.of(g, seq, epoch) if cipher != "none" else None
         # ---- colocated: the first bucket is packed (and hashed) while the receivers read the
         # header and answer; its bytes stay in this process's own buffer until "go"
         chan = first = packing = None
@@ -208,7 +269,7 @@ class WeightSender:
         refusals, connect = [], []
         try:
             g.check_alive(g.receivers)  # a dead receiver: say so now, not after a timeout
-            if path == "collective":
+            if via == "backend":
                 g.process_group()  # a new epoch connects here; the receivers follow when they read the header
             for r in g.receivers:
                 ack = g.take(f"u{seq}/ack/{r}", R.ACK, seq=seq, epoch=epoch, peer=f"receiver rank {r}", watch=[r],
@@ -238,9 +299,10 @@ class WeightSender:
         # ---- stream the buckets
         live = None  # the channel, once every receiver is connected to it
         try:
-            if path == "ipc":
+            if sock:
                 self._ipc.accept(connect)
-            live = chan or (IpcSendChannel(self, seq) if path == "ipc" else CollectiveSendChannel(self, seq))
+            live = chan or (IpcSendChannel(self, seq) if path == "ipc" else SocketSendChannel(self, seq)
+                            if via == "socket" else CollectiveSendChannel(self, seq, crypt))
             self._stream(items, manifest, plans, seq, live, seal, first)
         except Exception as e:  # the generator, a spec mismatch, the transport...
             ended = False
@@ -251,7 +313,7 @@ class WeightSender:
                     ended = True
             except Exception:
                 pass
-            if path == "ipc" and not ended:
+            if sock and not ended:
                 self._drop_ipc()  # the socket is out of step; an ended one stays (the receivers read 'end')
             else:
                 g.channel_broke(f"update {seq} broke off")
@@ -269,7 +331,7 @@ class WeightSender:
         t_sent = time.perf_counter()
         # ---- every receiver verified and committed?  Meanwhile the next update's keys are made
         # (derived from the group secret, the epoch and the update number: nothing new is learnt)
-        if self.verify:
+        if digests:
             self._seal_ahead = (seq + 1, epoch, UpdateSeal.prepared(g, seq + 1, epoch, plans))
         errors = []
         try:
@@ -279,7 +341,7 @@ class WeightSender:
                 if not done["ok"]:
                     errors.append(f"rank {r}: {done['msg']}")
         except BaseException:
-            if path == "collective":
+            if via == "backend":
                 g.channel_broke(f"update {seq}: no answer")
             raise
         if errors:
@@ -289,7 +351,7 @@ class WeightSender:
         self._last_meta_id = manifest.meta_id
         t1 = time.perf_counter()
         self.last_report = TransferReport(version, prev, path, len(manifest.specs), manifest.nbytes, len(plans), t1 - t0,
-                                          metadata_reused=reuse, verified=self.verify,
+                                          metadata_reused=reuse, verified=digests or cipher != "none",
                                           phases={"handshake": t_ack - t0, "stream": t_sent - t_ack, "commit_wait": t1 - t_sent},
                                           intrusions=list(g.intrusions[intrusions0:]))
         return self.last_report
@@ -353,12 +415,9 @@ class WeightSender:
                 buf = first
             else:
                 buf = self._pack(plan, chan, items, manifest.specs, seq, seal)
-            if plan.index in self._faults["corrupt"] and plan.slots:
-                o = plan.slots[0].offset
-                buf[o: o + 1].bitwise_not_()
             if plan.index in self._faults["skip"]:
                 continue
-            chan.post(plan.index % 2, plan, buf)
+            chan.post(plan.index % 2, plan, buf, corrupt=plan.index in self._faults["corrupt"])
         chan.end(abort=False)
 
     def _drop_ipc(self) -> None:
