@@ -48,7 +48,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("unisleep.transfer")
 
 ABORT, END = 1, -1  # descriptor flag: the update was aborted; descriptor bucket index: no more buckets
-CIPHERED = 2  # descriptor flag: the bucket follows in encrypted pieces, then its tag (.cipher)
+CIPHERED = 2  # descriptor flag: the bucket's pieces are encrypted, and its tag follows them (.cipher)
+PIECED = 4  # descriptor flag: the bucket follows in pieces of cipher.PIECE bytes
 MAX_MSG = 4096
 HANDSHAKE_S = 5.0
 #: how long a receiver retries connecting to a full IPC socket (the liveness window)
@@ -270,6 +271,7 @@ class CollectiveSendChannel:
         self.opts.rootRank = 0
         self.pending: list[list] = [[], []]
         self.cipher = cipher
+        self._open: Optional[_Sealer] = None  # the encrypted bucket being packed
 
     def _bcast(self, t):
         return self.pg.broadcast([t], self.opts)
@@ -289,35 +291,140 @@ class CollectiveSendChannel:
         self._settle(slot)
         return host_buffer(self.s, slot, nbytes, self.dev)
 
+    def begin(self, plan: BucketPlan, buf, corrupt: bool = False) -> Optional["_Sealer"]:
+        """Host memory: the bucket's descriptor goes out now, and each piece of it as soon as it is
+        packed (and, with a cipher, encrypted from where the tensors are straight into ``buf``:
+        one pass over the bytes) — :class:`_Sealer`.  Device memory: None (packed, then sent)."""
+        if buf.device.type != "cpu":
+            return None
+        d = self._desc(plan.index, plan.total_bytes, PIECED | (CIPHERED if self.cipher is not None else 0))
+        self._open = _Sealer(self, plan, buf, [self._bcast(d), d, buf], corrupt)
+        return self._open
+
     def post(self, slot: int, plan: BucketPlan, buf, corrupt: bool = False) -> None:
         n = plan.total_bytes
-        if self.cipher is None:
+        if self._open is None:
             if corrupt:
                 _corrupt(buf, plan)
             d = self._desc(plan.index, n, 0)
             self.pending[slot] = [self._bcast(d), self._bcast(buf[:n]), d, buf]
             return
-        import torch
-
-        from .cipher import pieces, writable_view
-
-        d = self._desc(plan.index, n, CIPHERED)
-        works = [self._bcast(d), d, buf]
-        enc = self.cipher.encryptor(plan.index, n)
-        mv = writable_view(buf)
-        for off, end in pieces(n):
-            enc.piece(mv, off, end)
-            if corrupt and off == 0:  # on the wire, after encryption
-                _corrupt(buf, plan)
-            works.append(self._bcast(buf[off:end]))
-        tag = torch.frombuffer(bytearray(enc.tag()), dtype=torch.uint8)
-        works += [self._bcast(tag), tag]
-        self.pending[slot] = works
+        sealer, self._open = self._open, None
+        assert sealer is not None and sealer.plan is plan, "an encrypted bucket is posted after it was packed"
+        self.pending[slot] = sealer.works
 
     def end(self, abort: bool) -> None:
+        if self._open is not None:  # a bucket broke off while packed: send the rest, unsealed (its tag fails)
+            sealer, self._open = self._open, None
+            sealer.abandon()
+            self.pending[sealer.plan.index % 2] = sealer.works
         for slot in (0, 1):
             self._settle(slot)
         wait_work(self.s.group, self._bcast(self._desc(END, 0, ABORT if abort else 0)))
+
+
+class _Streamer:
+    """One bucket being packed for :class:`SocketSendChannel`: how far it is packed."""
+
+    def __init__(self, plan: BucketPlan, buf, corrupt: bool):
+        self.plan, self.buf, self.corrupt = plan, buf, corrupt
+        self.ready = 0
+        self._cv = threading.Condition()
+
+    def advance(self, upto: int) -> None:
+        with self._cv:
+            self.ready = max(self.ready, upto)
+            self._cv.notify_all()
+
+    def wait_past(self, sent: int) -> int:
+        with self._cv:
+            while self.ready <= sent:
+                self._cv.wait(0.5)
+            return self.ready
+
+    def put(self, slot, t) -> None:
+        if slot.nbytes:
+            self.buf[slot.offset: slot.offset + slot.nbytes].view(t.dtype).view(t.shape).copy_(t)
+        if not self.corrupt:  # (test hook: a bucket to alter goes once its digests are made)
+            self.advance(slot.offset + slot.nbytes)
+
+    def close(self) -> None:
+        """After the trailer was written behind the data."""
+        if self.corrupt:
+            _corrupt(self.buf, self.plan)
+        self.advance(self.plan.total_bytes)
+
+
+class _Sealer:
+    """One host bucket being packed for the collective: every piece of :data:`~.cipher.PIECE`
+    bytes is broadcast as soon as it is packed, so packing overlaps the transfer even within one
+    bucket.  With a cipher each tensor is encrypted from its own memory into the bucket (the
+    padding between tensors is zeroed and encrypted in place), and the tag follows the last piece;
+    :meth:`close` (after the trailer was written behind the data) sends the rest."""
+
+    def __init__(self, chan: CollectiveSendChannel, plan: BucketPlan, buf, works: list, corrupt: bool):
+        from .cipher import pieces, writable_view
+
+        self.chan, self.plan, self.buf, self.works, self.corrupt = chan, plan, buf, works, corrupt
+        self.enc = chan.cipher.encryptor(plan.index, plan.total_bytes) if chan.cipher is not None else None
+        self.mv = writable_view(buf)
+        self.pieces = pieces(plan.total_bytes)
+        self.done = 0  # bytes packed (and sealed)
+        self.sent = 0  # pieces sent
+
+    def _gap(self, upto: int) -> None:
+        if upto > self.done:
+            if self.enc is not None:
+                self.buf[self.done: upto].zero_()
+                self.enc.piece(self.mv, self.done, upto)
+            self.done = upto
+
+    def put(self, slot, t) -> None:
+        import torch
+
+        self._gap(slot.offset)
+        if slot.nbytes and self.enc is not None:
+            src = t.detach()
+            if src.device.type != "cpu":
+                src = src.cpu()
+            src = src.contiguous().reshape(-1).view(torch.uint8)
+            self.enc.into(memoryview(src.numpy()), self.mv, slot.offset)
+        elif slot.nbytes:
+            self.buf[slot.offset: slot.offset + slot.nbytes].view(t.dtype).view(t.shape).copy_(t)
+        self.done = slot.offset + slot.nbytes
+        if not (self.corrupt and self.enc is None):  # (test hook: a plain bucket to alter goes once digested)
+            self._flush(final=False)
+
+    def close(self) -> None:
+        import torch
+
+        self._gap(self.plan.data_bytes)
+        if self.enc is not None:
+            self.enc.piece(self.mv, self.done, self.plan.total_bytes)
+        self.done = self.plan.total_bytes
+        self._flush(final=True)
+        if self.enc is not None:
+            tag = torch.frombuffer(bytearray(self.enc.tag()), dtype=torch.uint8)
+            self.works += [self.chan._bcast(tag), tag]
+
+    def abandon(self) -> None:
+        import torch
+
+        self.done = self.plan.total_bytes
+        self._flush(final=True)
+        if self.enc is not None:
+            tag = torch.zeros(16, dtype=torch.uint8)
+            self.works += [self.chan._bcast(tag), tag]
+
+    def _flush(self, final: bool) -> None:
+        while self.sent < len(self.pieces):
+            off, end = self.pieces[self.sent]
+            if end > self.done and not final:
+                return
+            if self.corrupt and off == 0:  # test hook: on the wire (after encryption, or once digested)
+                _corrupt(self.buf, self.plan)
+            self.works.append(self.chan._bcast(self.buf[off:end]))
+            self.sent += 1
 
 
 def _corrupt(buf, plan: BucketPlan) -> None:
@@ -331,7 +438,8 @@ class SocketSendChannel:
     """Host memory between processes of one machine: each bucket's bytes go over a Unix stream
     socket per receiver — one end of a socket pair whose other end was handed, as a descriptor,
     over the receiver's authenticated IPC connection (so nobody else can hold it) — after a sealed
-    ``bucket`` message on that connection.  A thread writes one bucket while the next is packed."""
+    ``bucket`` message on that connection.  A thread writes each bucket's bytes as soon as they are
+    packed, and one bucket while the next is packed."""
 
     WRITE = 4 << 20
 
@@ -346,6 +454,7 @@ class SocketSendChannel:
         for ev in self._free:
             ev.set()
         self._err: Optional[BaseException] = None
+        self._open: Optional[_Streamer] = None
         for r, conn in self.st.conns.items():
             if r not in self.st.streams:
                 try:
@@ -377,16 +486,28 @@ class SocketSendChannel:
         self._wait(slot)
         return host_buffer(self.s, slot, nbytes, self.dev)
 
-    def post(self, slot: int, plan: BucketPlan, buf, corrupt: bool = False) -> None:
+    def begin(self, plan: BucketPlan, buf, corrupt: bool = False) -> "_Streamer":
+        """The bucket's bytes start to go out as soon as its first tensor is packed: the writer
+        follows the packing (:class:`_Streamer`)."""
         self._check()
-        if corrupt:
-            _corrupt(buf, plan)
-        self._free[slot].clear()
-        self._q.put((slot, plan, buf))
+        st = _Streamer(plan, buf, corrupt)
+        self._free[plan.index % 2].clear()
+        self._open = st
+        self._q.put(st)
+        return st
+
+    def post(self, slot: int, plan: BucketPlan, buf, corrupt: bool = False) -> None:
+        st, self._open = self._open, None
+        assert st is not None and st.plan is plan, "a bucket is posted after it was packed"
+        self._check()
 
     def end(self, abort: bool) -> None:
+        if self._open is not None:  # a bucket broke off while packed: the rest goes as it is
+            self._open.advance(self._open.plan.total_bytes)
+            self._open = None
         self._q.put(None)
-        self._thread.join()
+        while self._thread.is_alive():
+            self._thread.join(0.5)
         self._check()
         for r, conn in self.st.conns.items():
             try:
@@ -396,22 +517,27 @@ class SocketSendChannel:
 
     def _writer(self) -> None:
         while True:
-            item = self._q.get()
-            if item is None:
+            st = self._q.get()
+            if st is None:
                 return
-            slot, plan, buf = item
+            plan = st.plan
             try:
                 if self._err is None:
                     for r, conn in self.st.conns.items():
                         try:
-                            conn.send("bucket", k=plan.index, slot=slot, nbytes=plan.total_bytes, u=self.seq)
+                            conn.send("bucket", k=plan.index, slot=plan.index % 2, nbytes=plan.total_bytes, u=self.seq)
                         except TransferError as e:
                             raise receiver_failure(self.s.group, self.seq, self.epoch, r, e) from e
-                        self._write(r, self.st.streams[r], buf[: plan.total_bytes])
+                    sent = 0
+                    while sent < plan.total_bytes:
+                        upto = st.wait_past(sent)
+                        for r in self.st.conns:
+                            self._write(r, self.st.streams[r], st.buf[sent:upto])
+                        sent = upto
             except BaseException as e:  # noqa: BLE001 - raised on the sender's thread
                 self._err = e
             finally:
-                self._free[slot].set()
+                self._free[plan.index % 2].set()
 
     def _write(self, r: int, sock: socket.socket, t) -> None:
         g = self.s.group

@@ -51,6 +51,13 @@ class Crypt:
         if end > off:
             self._ctx.update_into(mv[off:end], mv[off: end + SLACK - 1])
 
+    def into(self, src, mv, off: int) -> None:
+        """Encrypt all of ``src`` (a memoryview of bytes elsewhere) into ``mv[off:]``, in stream
+        order after what was encrypted before (``mv`` has :data:`SLACK` bytes after the end)."""
+        n = len(src)
+        if n:
+            self._ctx.update_into(src, mv[off: off + n + SLACK - 1])
+
     def tag(self) -> bytes:
         """Encryption: the tag, once every piece is done."""
         self._ctx.finalize()

@@ -10,7 +10,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from ..errors import InvalidArgumentError, InvalidTransitionError, TransferError, UnisleepError, VersionError
 from . import records as R
-from .channels import ABORT, CIPHERED, END, MAX_MSG, IpcConn, connect_ipc, handshake_receiver, wait_work
+from .channels import ABORT, CIPHERED, END, MAX_MSG, PIECED, IpcConn, connect_ipc, handshake_receiver, wait_work
 from .cipher import BucketCipher
 from .group import TransferGroup
 from .manifest import Manifest, UpdateSeal, plan_buckets, spec_of
@@ -330,15 +330,22 @@ class WeightReceiver:
                 if full is None or full.numel() < nbytes + SLACK:
                     full = self._rot[slot] = torch.empty(nbytes + SLACK, dtype=torch.uint8, device=dev)
             buf = full[:nbytes]
-            if st.cipher is None:
+            if not flag & PIECED:
                 w = pg.broadcast([buf], opts)
                 if pending is not None:  # verify bucket k-1 while bucket k is in flight
                     settle(pending)
                 pending = (k, buf, w, None)
                 continue
-            # encrypted: every piece is posted at once; each is decrypted as soon as it arrived,
+            # in pieces: every piece is posted at once; each is decrypted as soon as it arrived,
             # while the next is on the wire; the tag comes last
             works = [(off, end, pg.broadcast([full[off:end]], opts)) for off, end in pieces(nbytes)]
+            if st.cipher is None:
+                if pending is not None:
+                    settle(pending)
+                pending = (k, buf, works[-1][2] if works else None, None)
+                for _off, _end, w in works[:-1]:
+                    wait_work(self.group, w)
+                continue
             tag = torch.empty(16, dtype=torch.uint8)
             wt = pg.broadcast([tag], opts)
             if pending is not None:

@@ -78,7 +78,7 @@ class WeightSender:
     the data channel first proves the group secret, and ``encrypt`` (``None``: on) sends every
     bucket AES-256-GCM-encrypted under a key of its update, authenticated by its tag instead of the
     keyed digests; ``encrypt=False`` sends them in the clear (a warning when the members are on
-    several machines).  Device memory (NCCL, RCCL, HCCL) is never encrypted.
+    several machines).  Device memory (an accelerator's collective) is never encrypted.
     """
 
     def __init__(self, group: TransferGroup, *, bucket_bytes: Optional[int] = None, path: str = "auto",
@@ -379,14 +379,17 @@ class WeightSender:
         except TransferError:
             pass
 
-    def _pack(self, plan: BucketPlan, chan, items: Iterator, specs, seq: int, seal):
-        """Pack (and, on a device, hash in the same pass) the next tensors from ``items`` into
-        the channel's buffer for ``plan``; returns the buffer."""
+    def _pack(self, plan: BucketPlan, chan, items: Iterator, specs, seq: int, seal, corrupt: bool = False,
+              skip: bool = False):
+        """Pack (and, on a device, hash in the same pass; on an encrypting channel, encrypt in
+        the same pass and send each piece as soon as it is sealed) the next tensors from
+        ``items`` into the channel's buffer for ``plan``; returns the buffer."""
         import torch
 
         buf = chan.buffer(plan.index % 2, plan.total_bytes)
         # a device bucket is hashed while it is packed (one pass over each tensor)
         hasher = seal.hasher(buf, plan) if seal is not None and plan.slots and buf.device.type != "cpu" else None
+        sealer = chan.begin(plan, buf, corrupt) if hasattr(chan, "begin") and not skip else None
         with torch.no_grad():
             for i, s in enumerate(plan.slots):
                 spec = specs[s.index]
@@ -402,9 +405,13 @@ class WeightSender:
                 if name != spec.name or tuple(t.shape) != spec.shape or str(t.dtype).replace("torch.", "") != spec.dtype:
                     raise TransferError(f"tensor #{s.index} is {name!r} {tuple(t.shape)} {t.dtype}, "
                                         f"the specs say {spec.name!r} {spec.shape} {spec.dtype}")
-                if s.nbytes and not (hasher is not None and hasher.fill(i, t)):
+                if sealer is not None:
+                    sealer.put(s, t)
+                elif s.nbytes and not (hasher is not None and hasher.fill(i, t)):
                     buf[s.offset: s.offset + s.nbytes].view(t.dtype).view(t.shape).copy_(t)
             write_trailer(buf, plan, seq, seal, lanes=hasher.lanes() if hasher is not None else None)
+            if sealer is not None:
+                sealer.close()
         return buf
 
     def _stream(self, items: Iterator, manifest: Manifest, plans: list[BucketPlan], seq: int, chan, seal,
@@ -414,7 +421,8 @@ class WeightSender:
             if first is not None and plan.index == 0:
                 buf = first
             else:
-                buf = self._pack(plan, chan, items, manifest.specs, seq, seal)
+                buf = self._pack(plan, chan, items, manifest.specs, seq, seal,
+                                 corrupt=plan.index in self._faults["corrupt"], skip=plan.index in self._faults["skip"])
             if plan.index in self._faults["skip"]:
                 continue
             chan.post(plan.index % 2, plan, buf, corrupt=plan.index in self._faults["corrupt"])
