@@ -130,7 +130,7 @@ def _new_tcp_listeners(before: set) -> list[int]:
     return sorted({p for a, p in listening_sockets(os.getpid()) if (a, p) not in before and a == "127.0.0.1"})
 
 
-def _theft_attempt(g0, g1, tx, rx, version: int, tmp):
+def _theft_attempt(g0, g1, tx, rx, version: int, tmp, hold: float):
     """One update during which the thief races for the data channel: the data channel is made anew
     (as after an update that broke off), the sender starts, the thief connects to every loopback
     port this process listens on, then the receiver starts."""
@@ -144,7 +144,7 @@ def _theft_attempt(g0, g1, tx, rx, version: int, tmp):
         time.sleep(0.01)
     ports = sorted({p for a, p in listening_sockets(os.getpid()) if a == "127.0.0.1"})
     out = os.path.join(tmp, f"thief-{version}.bin")
-    thief = subprocess.Popen(_as_nobody(["-c", THIEF, ",".join(map(str, ports)), "8", out]), env=_nobody_env(),
+    thief = subprocess.Popen(_as_nobody(["-c", THIEF, ",".join(map(str, ports)), str(hold), out]), env=_nobody_env(),
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     first = thief.stdout.readline()
     assert first, thief.stderr.read()[-2000:]
@@ -177,7 +177,8 @@ def test_theft_through_the_data_channel(nobody_dir, via):
         rx = WeightReceiver(g1, target=tgt)
         hijacked, landed = 0, 0
         for attempt in range(1, 11):
-            send, recv, dt, got, stolen, w = _theft_attempt(g0, g1, tx, rx, attempt, nobody_dir)
+            send, recv, dt, got, stolen, w = _theft_attempt(g0, g1, tx, rx, attempt, nobody_dir,
+                                                            hold=8 if via == "gloo" else 3)
             for piece in _windows(w):
                 assert piece not in stolen, (f"attempt {attempt}: the thief (uid {NOBODY}) read the weights in plain "
                                              f"text ({got['bytes']} bytes received)")
@@ -195,7 +196,7 @@ def test_theft_through_the_data_channel(nobody_dir, via):
                     (send.error, g0.intrusions)
             if via == "gloo" and hijacked:
                 break
-            if via == "default" and landed >= 3:
+            if via == "default" and landed >= 2:
                 break
         if via == "gloo":
             assert hijacked, "the thief never took a gloo connection in 10 attempts: the test proved nothing"
@@ -206,7 +207,7 @@ def test_theft_through_the_data_channel(nobody_dir, via):
             assert r.error is None, r.error
             assert rep.version == 99 and _exact(tgt, _weights(99))
         else:
-            assert landed >= 3, f"only {landed} updates landed"
+            assert landed >= 2, f"only {landed} updates landed"
         assert any(f"uid {NOBODY}" in m for m in g0.intrusions + g1.intrusions), (g0.intrusions, g1.intrusions)
     finally:
         g0.close(), g1.close()
@@ -268,7 +269,7 @@ import torch.distributed as dist
 host, port, key = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 out = {"uid": os.getuid()}
 try:
-    st = dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=5))
+    st = dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=2))
     st.set(key, b"x")
     out["poisoned"] = True
 except Exception as e:
@@ -389,7 +390,7 @@ import torch.distributed as dist
 host, port, prefix, conns_n, hold = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), float(sys.argv[5])
 out = {"uid": os.getuid(), "set": False, "multi_get": 0, "append": 0, "idle": 0, "errors": []}
 try:
-    st = dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=5))
+    st = dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=2))
     big = b"z" * (8 << 20)
     st.set(prefix + "/big", big)
     out["set"] = True
@@ -424,7 +425,7 @@ def test_store_exhaustion_is_bounded_and_the_group_goes_on():
         rx = WeightReceiver(g1, target=tgt)
         tx = WeightSender(g0, bucket_bytes=64 << 10, path="ipc")
         rss0, fds0 = _rss(), _open_fds()
-        held = max(100, min(5000, resource.getrlimit(resource.RLIMIT_NOFILE)[0] - 200))
+        held = max(100, min(3000, resource.getrlimit(resource.RLIMIT_NOFILE)[0] - 200))
         flood = subprocess.Popen(_as_nobody(["-c", FLOOD, "127.0.0.1", str(g0.port), "unisleep/transfer/default",
                                              str(held), "20"]),
                                  env=_nobody_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
