@@ -88,3 +88,30 @@ def _until(cond, timeout_s: float = 5.0):
 def test_a_member_rank_out_of_range_is_refused(server):
     with pytest.raises(S.StoreAuthError):
         _connect(server, rank=3)
+
+
+def test_watch_answers_when_the_key_changes(server):
+    """A reader waiting for a key is answered as soon as another member (or rank 0 itself) sets
+    it — no polling — and a value it has seen already does not answer again."""
+    import threading
+
+    a, b = _connect(server, rank=1), _connect(server, rank=2)
+    local = S.LocalStore(server, 5)
+    ver, v = a.watch("w", wait_s=0.05)
+    assert v is None
+    for writer in (b, local):
+        t = threading.Timer(0.2, lambda w=writer: w.set("w", b"%d" % time.monotonic_ns()))
+        t0 = time.monotonic()
+        t.start()
+        ver, v = a.watch("w", after=ver, wait_s=5)
+        dt = time.monotonic() - t0
+        assert v is not None and 0.15 < dt < 1.0, dt
+        t.join()
+    t0 = time.monotonic()
+    same, v2 = a.watch("w", after=ver, wait_s=0.3)  # unchanged: answered when the wait is over
+    assert v2 is None and same == ver and 0.25 < time.monotonic() - t0 < 1.5
+    t = threading.Timer(0.2, lambda: a.set("w", b"again"))
+    t.start()
+    ver2, v3 = local.watch("w", after=ver, wait_s=5)  # rank 0 waits on the table itself
+    assert v3 == b"again" and ver2 > ver
+    t.join()

@@ -630,7 +630,7 @@ class TransferGroup:
         deadline = time.monotonic() + self.timeout_s
         while True:
             try:
-                raw = self.store.fetch(key, 1 << 17)
+                _ver, raw = self.store.watch(key, 1 << 17, 0, min(0.25, max(0.0, deadline - time.monotonic())))
             except RecordTooLargeError as e:
                 raise TransferError(f"waiting for {what}: {e}") from None
             except Exception as e:
@@ -639,55 +639,53 @@ class TransferGroup:
                 return raw
             if time.monotonic() > deadline:
                 raise TransferError(f"waiting for {what}: timed out after {self.timeout_s:.0f} s")
-            time.sleep(0.02)
 
     def take(self, key: str, schema: dict, *, seq: Optional[int], epoch: Optional[int], what: str = "",
              timeout_s: Optional[float] = None, peer: str = "a peer", watch=True, accept=None) -> dict:
         """Wait for an authentic record at ``key`` and return its body.
 
-        Records that fail authentication are logged as intrusions and skipped (the genuine one
-        overwrites them).  ``watch``: ranks whose death ends the wait at once (True: every
-        other rank).  ``accept(seq, epoch, body)`` may reject an authentic but stale record
-        (return False: keep waiting)."""
+        The store answers as soon as the key changes (no polling).  Records that fail
+        authentication are logged as intrusions and skipped (the genuine one overwrites them).
+        ``watch``: ranks whose death ends the wait at once (True: every other rank).
+        ``accept(seq, epoch, body)`` may reject an authentic but stale record (return False: keep
+        waiting)."""
         t = self.timeout_s if timeout_s is None else timeout_s
         t0 = time.monotonic()
         ranks = [p.rank for p in self.peers if p.rank != self.rank] if watch is True else list(watch or ())
-        bad: Optional[bytes] = None
-        delay, next_live = 0.0001, t0 + 0.2
+        seen = 0  # the version of the last value looked at: wait for a newer one
+        next_live = t0 + 0.2
+        limit = R.MAX_RECORD + R.HEAD.size + R.TAG_BYTES
         while True:
-            try:
-                raw = self.store.fetch(key, R.MAX_RECORD + R.HEAD.size + R.TAG_BYTES)
-            except RecordTooLargeError as e:  # its size is known, its bytes were not fetched
-                self._intrusion(str(e))
-                raw = None
-            except Exception as e:
-                self.broken = "the connection to the group's store is lost (its host, rank 0, may have died)"
-                raise TransferError(f"waiting for {what or key}: lost the connection to the transfer store after "
-                                    f"{time.monotonic() - t0:.1f} s (its host, rank 0, may have died): {e}; "
-                                    "recreate the group") from e
-            if raw is not None and raw != bad:
-                try:
-                    rs, re_, body = R.open_record(self._rec_key, self.group_id, raw, name=key, peer=peer, schema=schema,
-                                                  seq=seq, epoch=epoch)
-                    if accept is None or accept(rs, re_, body):
-                        return body if accept is None else (rs, re_, body)
-                except R.ForgedRecordError as e:
-                    self._intrusion(str(e))
-                except R.MalformedRecordError as e:  # authentic: the caller answers it, unless it is stale
-                    if accept is None or accept(e.seq, e.epoch, None):
-                        raise
-                bad = raw
             now = time.monotonic()
             if now - t0 >= t:
                 raise TransferError(f"waiting for {what or key}: timed out after {now - t0:.1f} s")
             if now >= next_live and ranks:
                 next_live = now + 0.25
                 self.check_alive(ranks)
-            time.sleep(delay)  # the store's wait() logs a warning on every timeout: poll instead
-            # an answer due within the update's steps is seen within 0.5 ms; a long wait (the next
-            # update) polls every 2 ms for 5 s, then every 10 ms
-            waited = now - t0
-            delay = min(delay * 2, 0.0005 if waited < 0.05 else 0.002 if waited < 5.0 else 0.01)
+            wait = max(0.0, min(next_live - now if ranks else 0.25, t - (now - t0)))
+            try:
+                seen, raw = self.store.watch(key, limit, seen, wait)
+            except RecordTooLargeError as e:  # its size is known, its bytes were not fetched
+                self._intrusion(str(e))
+                time.sleep(min(0.05, wait))
+                continue
+            except Exception as e:
+                self.broken = "the connection to the group's store is lost (its host, rank 0, may have died)"
+                raise TransferError(f"waiting for {what or key}: lost the connection to the transfer store after "
+                                    f"{time.monotonic() - t0:.1f} s (its host, rank 0, may have died): {e}; "
+                                    "recreate the group") from e
+            if raw is None:
+                continue
+            try:
+                rs, re_, body = R.open_record(self._rec_key, self.group_id, raw, name=key, peer=peer, schema=schema,
+                                              seq=seq, epoch=epoch)
+                if accept is None or accept(rs, re_, body):
+                    return body if accept is None else (rs, re_, body)
+            except R.ForgedRecordError as e:
+                self._intrusion(str(e))
+            except R.MalformedRecordError as e:  # authentic: the caller answers it, unless it is stale
+                if accept is None or accept(e.seq, e.epoch, None):
+                    raise
 
     def check(self, key: str) -> bool:
         try:

@@ -27,6 +27,7 @@ operation byte and its fields, the answer a status byte and its data.
 
 from __future__ import annotations
 
+import collections
 import datetime
 import errno
 import hashlib
@@ -72,7 +73,8 @@ AUTH_S = 5.0
 MAX_MEMBER_CONNS = 8
 MAX_FRAME = 1 + 2 + 4 + MAX_KEY + 2 * MAX_VALUE
 
-SET, GET, ADD, CHECK, DELETE, NUMKEYS, CAS = range(1, 8)
+SET, GET, ADD, CHECK, DELETE, NUMKEYS, CAS, WATCH = range(1, 9)
+W = struct.Struct("<IIQ")  # WATCH: limit, wait in ms, the version already seen
 OK, MISSING, TOOBIG, NOTINT, LIMIT, BAD = range(6)
 
 
@@ -128,12 +130,28 @@ def descriptor_error(e: OSError, what: str, who: str = "this process") -> Option
 
 # ------------------------------------------------------------------------------- the table
 class _Table:
-    """The values, with the limits; every method under one lock."""
+    """The values, with the limits; every method under one lock.  Every change of a key gives it
+    a new version (a counter over the whole table), so a reader can wait for a change instead of
+    polling: :meth:`watch`."""
 
     def __init__(self):
         self.data: dict[str, bytes] = {}
+        self.ver: dict[str, int] = {}
         self.total = 0
+        self._n = 0
         self.lock = threading.Lock()
+        self.cv = threading.Condition(self.lock)
+        self.on_change: Optional[Callable[[str], None]] = None  # called with the lock held: must be quick
+
+    def _changed(self, key: str) -> None:
+        self._n += 1
+        self.ver[key] = self._n
+        if len(self.ver) > 2 * MAX_KEYS:  # versions of deleted keys are forgotten, oldest first
+            for k in [k for k in self.ver if k not in self.data][: len(self.ver) - MAX_KEYS]:
+                del self.ver[k]
+        self.cv.notify_all()
+        if self.on_change is not None:
+            self.on_change(key)
 
     def _put(self, key: str, value: bytes) -> None:
         if len(key.encode()) > MAX_KEY:
@@ -148,19 +166,40 @@ class _Table:
         if total > MAX_TOTAL:
             raise StoreLimitError(f"the store would hold {human_bytes(total)}, over its limit of {human_bytes(MAX_TOTAL)}")
         self.data[key], self.total = value, total
+        self._changed(key)
 
     def set(self, key: str, value: bytes) -> None:
         with self.lock:
             self._put(key, value)
 
+    def _look(self, key: str, limit: int, after: int) -> tuple[int, int, bytes]:
+        v, ver = self.data.get(key), self.ver.get(key, 0)
+        if v is None or ver <= after:
+            return MISSING, ver, b""
+        if len(v) > limit:
+            return TOOBIG, ver, len(v).to_bytes(8, "little")
+        return OK, ver, v
+
     def fetch(self, key: str, limit: int) -> tuple[int, bytes]:
         with self.lock:
-            v = self.data.get(key)
-        if v is None:
-            return MISSING, b""
-        if len(v) > limit:
-            return TOOBIG, len(v).to_bytes(8, "little")
-        return OK, v
+            st, _ver, v = self._look(key, limit, 0)
+        return st, v
+
+    def _look_locked(self, key: str, limit: int, after: int) -> tuple[int, int, bytes]:
+        with self.lock:
+            return self._look(key, limit, after)
+
+    def watch(self, key: str, limit: int, after: int, wait_s: float) -> tuple[int, int, bytes]:
+        """(status, version, value) of ``key`` once its version is above ``after`` (waiting up to
+        ``wait_s``); MISSING when it is absent or unchanged by then."""
+        deadline = time.monotonic() + wait_s
+        with self.cv:
+            while True:
+                r = self._look(key, limit, after)
+                left = deadline - time.monotonic()
+                if r[0] != MISSING or left <= 0:
+                    return r
+                self.cv.wait(left)
 
     def add(self, key: str, delta: int) -> int:
         with self.lock:
@@ -171,7 +210,8 @@ class _Table:
                 raise StoreLimitError(f"store key {key!r} does not hold a counter") from None
             if not -(2**63) <= n < 2**63:
                 raise StoreLimitError(f"counter {key!r} would overflow")
-            self._put(key, str(n).encode())
+            if delta or key not in self.data:
+                self._put(key, str(n).encode())
             return n
 
     def check(self, keys: Iterable[str]) -> bool:
@@ -183,6 +223,7 @@ class _Table:
             v = self.data.pop(key, None)
             if v is not None:
                 self.total -= len(v)
+                self._changed(key)
             return v is not None
 
     def num_keys(self) -> int:
@@ -224,6 +265,10 @@ def _handle(table: _Table, payload: bytes) -> bytes:
             return bytes([OK, table.delete(payload[1:].decode())])
         if op == NUMKEYS:
             return bytes([OK]) + I64.pack(table.num_keys())
+        if op == WATCH:  # the server answers at once only when there is news; else it waits (StoreServer)
+            limit, _wait_ms, after = W.unpack_from(payload, 1)
+            st, ver, v = table._look_locked(payload[1 + W.size:].decode(), limit, after)
+            return bytes([st]) + ver.to_bytes(8, "little") + v
         if op == CAS:
             (kl,) = U16.unpack_from(payload, 1)
             key = payload[3: 3 + kl].decode()
@@ -239,7 +284,8 @@ def _handle(table: _Table, payload: bytes) -> bytes:
 
 # ------------------------------------------------------------------------------- the server
 class _Conn:
-    __slots__ = ("sock", "inbuf", "outbuf", "deadline", "nonce", "rank", "k_in", "k_out", "n_in", "n_out", "who")
+    __slots__ = ("sock", "inbuf", "outbuf", "deadline", "nonce", "rank", "k_in", "k_out", "n_in", "n_out", "who",
+                 "waiting")
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
@@ -251,6 +297,7 @@ class _Conn:
         self.k_in = self.k_out = b""
         self.n_in = self.n_out = 0
         self.who = ""
+        self.waiting: Optional[tuple] = None  # (key, limit, after, deadline) of a WATCH not answered yet
 
 
 class StoreServer:
@@ -274,6 +321,9 @@ class StoreServer:
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._pending: dict[socket.socket, _Conn] = {}
         self._members: dict[socket.socket, _Conn] = {}
+        self._waiters: dict[socket.socket, _Conn] = {}
+        self._changed_keys: collections.deque = collections.deque()
+        self.table.on_change = self._on_change
         self._listen_paused_until = 0.0
         self._refused: dict[str, int] = {}
         self._refused_reported = 0.0
@@ -288,7 +338,7 @@ class StoreServer:
     def _run(self) -> None:
         try:
             while not self._closed:
-                for k, mask in self._sel.select(timeout=0.25):
+                for k, mask in self._sel.select(timeout=0.02 if self._waiters else 0.25):
                     if k.data == "listen":
                         self._accept()
                     elif k.data == "wake":
@@ -302,6 +352,7 @@ class StoreServer:
                             self._flush(c)
                         if mask & selectors.EVENT_READ and (c.sock in self._pending or c.sock in self._members):
                             self._read(c)
+                self._serve_waiters()
                 self._tick()
         except Exception as e:  # noqa: BLE001 - never silently: every member then sees the store gone
             log.error("the transfer group's store stopped: %s: %s", type(e).__name__, e)
@@ -317,6 +368,8 @@ class StoreServer:
 
     def _tick(self) -> None:
         now = time.monotonic()
+        if self._waiters:
+            self._serve_waiters(expire=True)
         for c in [c for c in self._pending.values() if c.deadline < now]:
             self._refuse(c, f"it did not prove the group secret within {AUTH_S:.0f} s")
         if self._listen_paused_until and now >= self._listen_paused_until:
@@ -393,9 +446,44 @@ class StoreServer:
                 return
             c.n_in += 1
             answer = _handle(self.table, payload)
-            c.outbuf += LEN.pack(len(answer)) + answer + _mac(c.k_out, c.n_out, answer)
-            c.n_out += 1
-            self._flush(c)
+            if payload[:1] == bytes([WATCH]) and answer[0] == MISSING:
+                limit, wait_ms, after = W.unpack_from(payload, 1)
+                if wait_ms:  # answered when the key changes, or when the wait is over
+                    c.waiting = (payload[1 + W.size:].decode(), limit, after,
+                                 time.monotonic() + min(wait_ms, 60_000) / 1000)
+                    self._waiters[c.sock] = c
+                    return
+            self._reply(c, answer)
+
+    def _reply(self, c: _Conn, answer: bytes) -> None:
+        c.outbuf += LEN.pack(len(answer)) + answer + _mac(c.k_out, c.n_out, answer)
+        c.n_out += 1
+        self._flush(c)
+
+    def _on_change(self, key: str) -> None:
+        """A key changed (any thread, the table's lock held): the waiters on it are answered."""
+        if self._waiters:
+            self._changed_keys.append(key)
+            if threading.current_thread() is not self._thread:
+                try:
+                    self._wake_w.send(b"c")
+                except OSError:
+                    pass
+
+    def _serve_waiters(self, expire: bool = False) -> None:
+        keys = set()
+        while self._changed_keys:
+            keys.add(self._changed_keys.popleft())
+        now = time.monotonic()
+        for c in list(self._waiters.values()):
+            key, limit, after, deadline = c.waiting
+            if key in keys or (expire and now >= deadline):
+                st, ver, v = self.table._look_locked(key, limit, after)
+                if st == MISSING and now < deadline:
+                    continue
+                c.waiting = None
+                del self._waiters[c.sock]
+                self._reply(c, bytes([st]) + ver.to_bytes(8, "little") + v)
 
     def _answer(self, c: _Conn) -> None:
         cn, rank, proof = ANSWER.unpack_from(bytes(c.inbuf[: ANSWER.size]))
@@ -435,6 +523,7 @@ class StoreServer:
     def _drop(self, c: _Conn, why: str = "") -> None:
         self._pending.pop(c.sock, None)
         self._members.pop(c.sock, None)
+        self._waiters.pop(c.sock, None)
         try:
             self._sel.unregister(c.sock)
         except (KeyError, ValueError):
@@ -527,6 +616,25 @@ class _Api:
                                       f"{human_bytes(limit)} this side takes: not fetched", size)
         return self._ok(ans, f"to read {key!r}")
 
+    def watch(self, key: str, limit: int = MAX_VALUE, after: int = 0, wait_s: float = 0.0) -> tuple[int, Optional[bytes]]:
+        """``(version, value)`` of ``key`` as soon as its version is above ``after`` — the store
+        answers when it changes (no polling), or after ``wait_s`` with ``(version, None)``.
+        :class:`RecordTooLargeError` without fetching a value larger than ``limit``."""
+        ms = max(0, min(int(wait_s * 1000), 60_000))
+        ans = self._call(bytes([WATCH]) + W.pack(min(limit, MAX_VALUE), ms, after) + key.encode())
+        return self._watched(key, limit, ans[0], int.from_bytes(ans[1:9], "little"), ans[9:])
+
+    def _watched(self, key: str, limit: int, st: int, ver: int, v: bytes) -> tuple[int, Optional[bytes]]:
+        if st == MISSING:
+            return ver, None
+        if st == TOOBIG:
+            size = int.from_bytes(v[:8], "little")
+            raise RecordTooLargeError(f"store key {key!r} holds {human_bytes(size)}, more than the "
+                                      f"{human_bytes(limit)} this side takes: not fetched", size)
+        if st != OK:
+            raise TransferError(f"the group's store refused to read {key!r} (status {st})")
+        return ver, v
+
     def get(self, key: str) -> bytes:
         """The value of ``key``, waiting for it (the c10d ``get``)."""
         deadline, delay = time.monotonic() + self.timeout_s, 0.001
@@ -596,6 +704,9 @@ class _Prefixed(_Api):
     def fetch(self, key, limit=MAX_VALUE):
         return self._inner.fetch(self._k(key), limit)
 
+    def watch(self, key, limit=MAX_VALUE, after=0, wait_s=0.0):
+        return self._inner.watch(self._k(key), limit, after, wait_s)
+
     def add(self, key, amount):
         return self._inner.add(self._k(key), amount)
 
@@ -625,6 +736,12 @@ class LocalStore(_Api):
         if self.server._closed:
             raise ConnectionError("the group's store is closed (this group was closed)")
         return _handle(self.server.table, payload)
+
+    def watch(self, key: str, limit: int = MAX_VALUE, after: int = 0, wait_s: float = 0.0) -> tuple[int, Optional[bytes]]:
+        if self.server._closed:
+            raise ConnectionError("the group's store is closed (this group was closed)")
+        st, ver, v = self.server.table.watch(key, min(limit, MAX_VALUE), after, wait_s)
+        return self._watched(key, limit, st, ver, v)
 
     def close(self) -> None:
         pass
