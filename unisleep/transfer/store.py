@@ -810,7 +810,9 @@ class RemoteStore(_Api):
                     sock.close()
                 except OSError:
                     pass
-                last = f"{type(e).__name__}: {e}"
+                last = (f"it sent no greeting within {AUTH_S:.0f} s (a unisleep older than protocol 3, whose store "
+                        "was torch's TCPStore, or another service on that port?)" if isinstance(e, socket.timeout)
+                        else f"{type(e).__name__}: {e}")
                 time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
                 delay = min(delay * 2, 0.25)
                 continue
