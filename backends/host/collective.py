@@ -11,6 +11,11 @@ BACKEND = "gloo"
 SAME_DEVICE_OK = True
 #: module (relative to this package) with the colocated IPC buffers, or None
 IPC_MODULE = "ipc"
+#: gloo pairs a listening socket with whoever first sends the number it expects: every pair of a new
+#: data channel proves the group secret before use (unisleep.transfer.group, docs/security.md)
+PAIR_PROOF = True
+#: buckets are host memory: they can be encrypted (AES-256-GCM) on the wire
+CIPHER = True
 
 
 def boot_id() -> str:
