@@ -93,6 +93,26 @@ class TransferError(UnisleepError):
     """A weight update failed, was incomplete or corrupt; the previous version stays served."""
 
 
+class VersionError(TransferError, InvalidArgumentError):
+    """An update's version is not a version (an integer or a short string) or does not come after
+    the version sent last (on the sender) or served (on a receiver).  Nothing was sent or applied;
+    the receiver keeps its version, and the sender's error says which side refused and why."""
+
+
+class IntrusionError(TransferError):
+    """A process outside the group took part in an update — a connection to the data channel that
+    could not prove the group secret — so the update stopped before any weights reached it.  The
+    message and ``group.intrusions`` name what was refused (its uid where this machine can see it);
+    the next update uses a fresh data channel."""
+
+
+class DescriptorLimitError(TransferError):
+    """A process of the group ran out of file descriptors (``EMFILE``/``ENFILE``: its
+    ``RLIMIT_NOFILE`` or the system's limit) in the middle of an update.  The message names the
+    process, how many descriptors it holds and its limit, and how to raise it; the other side of
+    the update hears the same reason instead of waiting for a timeout."""
+
+
 class EngineError(UnisleepError):
     """An inference engine answered with an error (route, status and body are in the message)."""
 
@@ -113,5 +133,8 @@ __all__ = [
     "InvalidArgumentError",
     "UnknownTagError",
     "TransferError",
+    "VersionError",
+    "IntrusionError",
+    "DescriptorLimitError",
     "EngineError",
 ]

@@ -93,12 +93,17 @@ def _timed(fn):
         return None, e, time.monotonic() - t0
 
 
-@pytest.mark.parametrize("path", ["collective", "ipc"])
+#: how the sender moves the bytes: the collective path (a Unix socket on one machine), the same over
+#: gloo as between machines (encrypted), shared memory
+WAYS = {"collective": {"path": "collective"}, "gloo": {"path": "collective", "via": "gloo"}, "ipc": {"path": "ipc"}}
+
+
+@pytest.mark.parametrize("path", list(WAYS))
 def test_receive_timeout_then_next_update_works(session, path):
     g, rx = session("1,-")
     first = rx.outcome(0)
     assert not first["ok"] and first["type"] == "TransferError" and "timed out" in first["msg"], first
-    tx = WeightSender(g, bucket_bytes=256 << 10, path=path)
+    tx = WeightSender(g, bucket_bytes=256 << 10, **WAYS[path])
     rep, err, dt = _timed(lambda: tx.send(weights(1), 1))
     assert err is None, err
     assert dt < LIMIT_S, f"the update after a receive timeout took {dt:.1f} s"
@@ -106,13 +111,13 @@ def test_receive_timeout_then_next_update_works(session, path):
     assert nxt["ok"] and nxt["version"] == 1 and nxt["exact"], nxt
 
 
-@pytest.mark.parametrize("path", ["collective", "ipc"])
+@pytest.mark.parametrize("path", list(WAYS))
 @pytest.mark.parametrize("fail_at", [0, 5])
 def test_abort_then_next_update_works(session, path, fail_at):
     """The generator fails in the first bucket (on the colocated path it is packed while the
     receivers answer, before "go": the update is called off) or in a later one (aborted)."""
     g, rx = session("-,-")
-    tx = WeightSender(g, bucket_bytes=256 << 10, path=path)
+    tx = WeightSender(g, bucket_bytes=256 << 10, **WAYS[path])
     w = weights(1)
     specs = [(k, tuple(v.shape), v.dtype) for k, v in w.items()]
 
@@ -135,13 +140,13 @@ def test_abort_then_next_update_works(session, path, fail_at):
     assert nxt["ok"] and nxt["version"] == 2 and nxt["exact"], nxt
 
 
-@pytest.mark.parametrize("path", ["collective", "ipc"])
+@pytest.mark.parametrize("path", list(WAYS))
 @pytest.mark.parametrize("when", ["idle", "mid-update", "frozen-mid-update"])
 def test_sigkilled_receiver_is_named_at_once(session, path, when):
     """Killed (SIGKILL) while idle or mid-update, or frozen (SIGSTOP: alive, silent) mid-update:
     the sender names the receiver within 5 s, and its next send says at once to recreate the group."""
     g, rx = session("-,-")
-    tx = WeightSender(g, bucket_bytes=256 << 10, path=path)
+    tx = WeightSender(g, bucket_bytes=256 << 10, **WAYS[path])
     send = threading.Thread(target=lambda: None)
     if when != "idle":
         # a slow generator: the receiver is killed while buckets are moving

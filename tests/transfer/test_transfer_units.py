@@ -197,12 +197,19 @@ def _weights(v):
             "n": torch.arange(5) * v}
 
 
-@pytest.mark.parametrize("path", ["collective", "ipc"])
-def test_apply_callback_and_module_target(pair, path):
+#: the ways bytes move between two processes of one machine: the collective path over a Unix
+#: socket (its default there), over gloo as between machines (encrypted, or not), and shared memory
+WAYS = {"collective": {"path": "collective"}, "ipc": {"path": "ipc"},
+        "gloo": {"path": "collective", "via": "gloo"}, "gloo-plain": {"path": "collective", "via": "gloo", "encrypt": False}}
+
+
+@pytest.mark.parametrize("way", list(WAYS))
+def test_apply_callback_and_module_target(pair, way):
     g0, g1 = pair
+    path = WAYS[way]["path"]
     got = []
     rx = WeightReceiver(g1, apply=lambda pairs: got.extend((n, t.clone()) for n, t in pairs))
-    tx = WeightSender(g0, bucket_bytes=4096, path=path)
+    tx = WeightSender(g0, bucket_bytes=4096, **WAYS[way])
     s, r = _both(lambda: tx.send(_weights(1), "step-1"), rx.receive)
     assert not isinstance(r, Exception), r
     assert r.version == "step-1" and r.path == path and rx.version == "step-1"
@@ -216,6 +223,25 @@ def test_apply_callback_and_module_target(pair, path):
     s, r = _both(lambda: tx.send(src, "step-2"), rx2.receive)
     assert not isinstance(r, Exception), r
     assert torch.equal(m.weight, src["weight"]) and torch.equal(m.bias, src["bias"]) and m.weight.data_ptr() == ptr
+
+
+@pytest.mark.parametrize("way", ["collective", "gloo", "gloo-plain", "ipc"])
+def test_a_bucket_altered_on_the_way_is_refused(pair, way):
+    """Encrypted (gloo): the bucket's AES-GCM tag fails and all its tensors are named; otherwise the
+    keyed digest names the one altered tensor.  The receiver keeps its previous version."""
+    g0, g1 = pair
+    tgt = {k: torch.zeros_like(v) for k, v in _weights(0).items()}
+    rx = WeightReceiver(g1, target=tgt)
+    tx = WeightSender(g0, bucket_bytes=1 << 20, **WAYS[way])
+    tx._faults["corrupt"] = {0}
+    s, r = _both(lambda: tx.send(_weights(8), 8), rx.receive)
+    assert isinstance(r, TransferError) and "corrupt" in str(r) and "w" in str(r), r
+    if way == "gloo":
+        assert "AES-GCM" in str(r) and "AES-GCM" in str(s), (r, s)
+    else:
+        assert "keyed digest" in str(r), r
+    assert isinstance(s, TransferError) and rx.version is None
+    assert torch.count_nonzero(tgt["w"]) == 0
 
 
 def test_target_that_does_not_fit_is_refused_before_bytes_move(pair):

@@ -3,7 +3,11 @@
 Paths (each a sender process and a receiver process, spawned fresh):
 
 =================  ==========================================================================
-``gloo``           host memory over a gloo group on 127.0.0.1 (the collective path on CPU)
+``gloo``           host memory over gloo on 127.0.0.1, as between machines: every pair proves
+                   the group secret, every bucket AES-256-GCM encrypted (``via="gloo"``)
+``gloo-plain``     the same without encryption (``encrypt=False``): what the cipher costs
+``host-socket``    host memory over a Unix socket (the collective path between processes of
+                   one machine, its default there)
 ``host-ipc``       host memory shared through a memfd passed over a Unix socket
 ``device-ipc``     two processes on one accelerator, colocated IPC (when the platform has it)
 ``device-coll``    two accelerators, the platform's collective (when >= 2 devices)
@@ -33,7 +37,12 @@ from .common import print_table, progress, write_json
 
 GiB = 2**30
 MiB = 2**20
-PATHS = ("gloo", "host-ipc", "device-ipc", "device-coll", "allreduce")
+PATHS = ("gloo", "gloo-plain", "host-socket", "host-ipc", "device-ipc", "device-coll", "allreduce")
+HOST_PATHS = ("gloo", "gloo-plain", "host-socket", "host-ipc")
+#: the WeightSender arguments of each path
+SENDER = {"gloo": {"path": "collective", "via": "gloo"}, "gloo-plain": {"path": "collective", "via": "gloo", "encrypt": False},
+          "host-socket": {"path": "collective", "via": "socket"}, "host-ipc": {"path": "ipc"},
+          "device-ipc": {"path": "ipc"}, "device-coll": {"path": "collective"}}
 
 
 def _port() -> int:
@@ -68,8 +77,7 @@ def _run_side(rank: int, port: int, job: dict) -> dict:
     out: dict[str, Any] = {"rank": rank, "colocated": g.colocated, "backend": g.backend, "results": []}
     if rank == 0:
         src = torch.randint(0, 2**15, (chunk // 2,), dtype=torch.int16, device=device).view(torch.bfloat16)
-        path = "ipc" if job["path"].endswith("ipc") else "collective"
-        tx = WeightSender(g, bucket_bytes=job["bucket_bytes"], path=path, verify=job["verify"])
+        tx = WeightSender(g, bucket_bytes=job["bucket_bytes"], verify=job["verify"], **SENDER[job["path"]])
         version = 0  # versions must increase across sizes too
         for size in sizes:
             n = max(1, size // chunk)
@@ -86,7 +94,8 @@ def _run_side(rank: int, port: int, job: dict) -> dict:
                 progress(f"{job['path']}: {n * chunk / GiB:.2f} GiB {'warm-up' if not rep else f'run {rep}'}: {dt:.3f} s")
             best = min(times, key=lambda x: x[0])
             out["results"].append({"bytes": n * chunk, "seconds": best[0], "all_seconds": [t for t, _ in times],
-                                   "phases": best[1], "buckets": rep_.buckets, "bucket_bytes": tx.bucket_bytes})
+                                   "phases": best[1], "buckets": rep_.buckets, "bucket_bytes": tx.bucket_bytes,
+                                   "cipher": tx.resolve()[2]})
     else:
         landed = {"bytes": 0}
         dst = torch.empty(chunk // 2, dtype=torch.bfloat16, device=device)  # the "model" copy lands here
@@ -193,14 +202,14 @@ def main(argv: Optional[list] = None) -> int:
         results.append({"path": path, "skipped": why})
 
     for path in paths:
-        host = path in ("gloo", "host-ipc")
+        host = path in HOST_PATHS
         if not host and not plat.is_accelerator:
             skip(path, "no accelerator on this machine")
             continue
         if path in ("device-coll", "allreduce") and ndev < 2:
             skip(path, f"needs 2 devices, found {ndev}")
             continue
-        devices = [0, 0] if path in ("gloo", "host-ipc", "device-ipc") else [0, 1]
+        devices = [0, 0] if host or path == "device-ipc" else [0, 1]
         job = {"path": path, "platform": "host" if host else plat.name, "devices": devices, "sizes": sizes,
                "chunk_bytes": chunk, "bucket_bytes": bucket, "repeat": max(1, args.repeat),
                "verify": not args.no_verify, "allreduce_bytes": 1 * GiB}
@@ -227,11 +236,20 @@ def main(argv: Optional[list] = None) -> int:
         for r in out[0]["results"]:
             gbps = r["bytes"] / r["seconds"] / 1e9
             note = f"{r['buckets']} bucket{'' if r['buckets'] == 1 else 's'} of {r['bucket_bytes'] / MiB:.0f} MiB"
+            if r.get("cipher", "none") != "none":
+                note += f"; {r['cipher']}"
             if path == "device-ipc" and r["bytes"] >= 8 * GiB and not args.no_verify:
                 note += f"; goal 8 GiB verified <= 15 ms: {'met' if r['seconds'] <= 0.015 else 'not met'}"
             rows.append([path, f"{r['bytes'] / GiB:.2f}", r["seconds"], r["bytes"] / r["seconds"] / GiB, gbps, note])
             results.append({"path": path, "backend": out[0]["backend"], "colocated": out[0]["colocated"],
                             "verify": not args.no_verify, **r})
+    clear = {res["bytes"]: res["seconds"] for res in results if res.get("path") == "gloo-plain" and "seconds" in res}
+    for row, res in zip(rows, results):  # what encryption costs, beside the plain path in the same call
+        if res.get("path") == "gloo" and res.get("bytes") in clear:
+            cost = res["seconds"] / clear[res["bytes"]] - 1
+            res["cipher_cost"] = cost
+            goal = f" (goal <= 10 % at 1 GiB: {'met' if cost <= 0.10 else 'not met'})" if res["bytes"] == GiB else ""
+            row[5] += f"; encryption {cost * 100:+.1f} % against gloo-plain{goal}"
     if busbw:
         for row, res in zip(rows, results):
             if res.get("path") == "device-coll" and "seconds" in res:

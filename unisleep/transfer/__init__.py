@@ -40,8 +40,10 @@ Paths: ``collective`` (the group's process-group backend: gloo on host, the vend
 accelerators) or ``ipc`` (colocated: bucket memory shared through a file descriptor passed over a
 Unix socket; the vendor's ``ipc`` module makes the shareable memory).
 
-Modules: ``group`` (the private group, its store, heartbeats and epochs), ``records`` (the
-authenticated control records), ``secret`` (the group secret), ``manifest`` (specs, buckets, digests),
+Modules: ``group`` (the private group, heartbeats and epochs), ``store`` (the group's store: only
+members use it, bounded), ``netinfo`` (who is at the other end of a local TCP connection),
+``records`` (the authenticated control records), ``secret`` (the group secret), ``manifest``
+(specs, buckets, digests),
 ``sender`` (``WeightSender``), ``receiver`` (``WeightReceiver``), ``staging`` (the receiver's
 buckets of one update), ``channels`` (how bucket bytes move: collective and IPC), ``names``
 (``(name, tensor)`` pairs), ``report`` (``TransferReport``).

@@ -9,9 +9,11 @@
   connection per receiver, the exported buffers).
 
 Who may connect to the IPC socket (an abstract Unix name, random, published only in the
-authenticated header): the sender reads the connecting process's credentials (``SO_PEERCRED``)
+authenticated header, but listed in ``/proc/net/unix`` for anyone): a thread accepts from the
+moment the socket exists, reads the connecting process's credentials (``SO_PEERCRED``) at once
 and drops any process whose uid (and pid, in the same pid namespace) is not that of a receiver
-of the group; then a challenge-response proves the group secret on both sides — the sender sends
+of the group — so idle connections of another user never fill the backlog — then a
+challenge-response proves the group secret on both sides — the sender sends
 a fresh nonce, the receiver answers with its rank and that nonce sealed with a key of the group
 secret, the sender answers in kind — and only then does any descriptor travel.  Every refused
 connection is closed and logged as an intrusion; the accept loop goes on for the real receivers.
@@ -21,11 +23,14 @@ The receiving loops of both paths are methods of :class:`~unisleep.transfer.rece
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import queue
 import secrets
 import socket
 import struct
+import threading
 import time
 import uuid
 from typing import Any, Optional, Sequence
@@ -34,18 +39,60 @@ from ..errors import TransferError
 from . import records as R
 from .group import TransferGroup, _pidns
 from .manifest import BucketPlan
+from .netinfo import user_name
+from .store import descriptor_error
 
 
 log = logging.getLogger("unisleep.transfer")
 
 ABORT, END = 1, -1  # descriptor flag: the update was aborted; descriptor bucket index: no more buckets
+CIPHERED = 2  # descriptor flag: the bucket's pieces are encrypted, and its tag follows them (.cipher)
+PIECED = 4  # descriptor flag: the bucket follows in pieces of cipher.PIECE bytes
 MAX_MSG = 4096
 HANDSHAKE_S = 5.0
-OPS = ("hello", "proof", "welcome", "buf", "bucket", "free", "error", "end")
+#: how long a receiver retries connecting to a full IPC socket (the liveness window)
+CONNECT_RETRY_S = 5.0
+OPS = ("hello", "proof", "welcome", "buf", "bucket", "free", "error", "end", "stream")
 IPC_MSG = {"op": OPS, "id": R.OPT_STR, "slot": R.INT, "k": R.INT, "nbytes": R.INT, "u": R.INT, "abort": R.BOOL,
            "msg": R.STR, "nonce": R.OPT_STR, "rank": R.INT, "pid": R.INT}
 _BLANK = {"id": None, "slot": 0, "k": 0, "nbytes": 0, "u": 0, "abort": False, "msg": "", "nonce": None, "rank": 0,
           "pid": 0}
+
+
+def named_error(msg: str) -> TransferError:
+    """A peer's error message as the named error it was (``"...: DescriptorLimitError: ..."`` →
+    :class:`DescriptorLimitError`), else :class:`TransferError`."""
+    from ..errors import DescriptorLimitError, IntrusionError, VersionError
+
+    for cls in (DescriptorLimitError, VersionError, IntrusionError):
+        if f"{cls.__name__}: " in msg:
+            return cls(msg)
+    return TransferError(msg)
+
+
+def receiver_failure(group: TransferGroup, seq: int, epoch: int, r: int, e: TransferError,
+                     wait_s: float = 0.5) -> TransferError:
+    """The error to raise when receiver ``r``'s connection failed during update ``seq``: the
+    reason the receiver wrote in its ``done`` record (it writes it before hanging up; looked for
+    up to ``wait_s``), as the named error it was, else ``e``."""
+    if group.broken or ("receiver rank" in str(e) and type(e) is not TransferError):
+        return e  # a dead or frozen receiver (named already) writes no reason
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            raw = group.store.fetch(f"u{seq}/done/{r}", 1 << 16)
+            if raw is not None:
+                _, _, body = R.open_record(group._rec_key, group.group_id, raw, name=f"u{seq}/done/{r}",
+                                           peer=f"receiver rank {r}", schema=R.DONE, seq=seq, epoch=epoch,
+                                           limit=1 << 16)
+                if not body["ok"]:
+                    return named_error(f"receiver rank {r} stopped update {seq}: {body['msg']}")
+                return e
+        except Exception:  # noqa: BLE001 - no better reason than e
+            return e
+        if time.monotonic() > deadline:
+            return e
+        time.sleep(0.01)
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
@@ -113,7 +160,7 @@ def recv_sealed(sock: socket.socket, key: bytes, ctx: str, n: Optional[int], wha
     if timeout_s is not None:
         sock.settimeout(timeout_s)
     try:
-        data, fds, _flags, _addr = socket.recv_fds(sock, MAX_MSG + 64, 4)
+        data, fds, flags, _addr = socket.recv_fds(sock, MAX_MSG + 64, 4)
     except socket.timeout as e:
         if quiet_timeout:
             raise
@@ -124,11 +171,14 @@ def recv_sealed(sock: socket.socket, key: bytes, ctx: str, n: Optional[int], wha
         if timeout_s is not None:
             sock.settimeout(old)
     try:
+        if flags & socket.MSG_CTRUNC:  # the kernel dropped the descriptors sent: no room for them here
+            raise descriptor_error(OSError(errno.EMFILE, "descriptors dropped (MSG_CTRUNC)"),
+                                   f"receiving {what} from {peer}")
         if not data:
             raise TransferError(f"{peer} closed the IPC socket while this side waited for {what} (it died or gave up)")
         _, _, body = R.open_record(key, ctx, data, name="ipc", peer=peer, schema=IPC_MSG, seq=n, epoch=0,
                                    limit=MAX_MSG)
-        if fds and body["op"] != "buf":
+        if fds and body["op"] not in ("buf", "stream"):
             raise TransferError(f"{peer} attached descriptors to a {body['op']!r} message")
         return body, fds
     except BaseException:
@@ -142,15 +192,32 @@ def ipc_context(group: TransferGroup, name: str) -> str:
 
 
 def connect_ipc(group: TransferGroup, name: str) -> IpcConn:
-    """Receiver side: connect to the sender's socket (the handshake follows with :func:`handshake_receiver`)."""
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    s.settimeout(group.timeout_s)
-    try:
-        s.connect(name)
-    except OSError:
-        s.close()
-        raise
-    return IpcConn(s, group, ipc_context(group, name), "r", "s", "the sender (rank 0)", 0)
+    """Receiver side: connect to the sender's socket (the handshake follows with
+    :func:`handshake_receiver`).  A full backlog (``EAGAIN``) is retried for up to
+    :data:`CONNECT_RETRY_S` seconds: the sender's accepting thread drains it."""
+    deadline = time.monotonic() + min(CONNECT_RETRY_S, group.timeout_s)
+    delay = 0.002
+    while True:
+        try:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        except OSError as e:
+            raise (descriptor_error(e, "connecting to the sender's IPC socket", f"receiver rank {group.rank}")
+                   or e) from None
+        s.settimeout(group.timeout_s)
+        try:
+            s.connect(name)
+        except (BlockingIOError, InterruptedError) as e:
+            s.close()
+            if time.monotonic() > deadline:
+                raise TransferError(f"the sender's IPC socket stayed full for {CONNECT_RETRY_S:.0f} s ({e}): its "
+                                    "accepting thread is not draining it") from None
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+            continue
+        except OSError:
+            s.close()
+            raise
+        return IpcConn(s, group, ipc_context(group, name), "r", "s", "the sender (rank 0)", 0)
 
 
 def handshake_receiver(conn: IpcConn, timeout_s: float) -> None:
@@ -169,11 +236,29 @@ def handshake_receiver(conn: IpcConn, timeout_s: float) -> None:
     conn.ctx = f"{base}/{hello['nonce']}{mine}/{g.rank}"
 
 
+def host_buffer(sender: Any, slot: int, nbytes: int, device):  # sender: a WeightSender
+    """Send buffer ``slot`` of a sender, at least ``nbytes`` (+ :data:`~.cipher.SLACK`); a bucket
+    larger than the usual size (one big tensor) gets a buffer of its own."""
+    import torch
+
+    from .cipher import SLACK
+
+    cur = sender._coll_slots[slot]
+    if cur is None or cur.numel() < nbytes + SLACK:
+        if nbytes > sender.bucket_bytes + 4096:
+            return torch.empty(nbytes + SLACK, dtype=torch.uint8, device=device)
+        cur = sender._coll_slots[slot] = torch.empty(max(nbytes, sender.bucket_bytes + 4096) + SLACK,
+                                                     dtype=torch.uint8, device=device)
+    return cur
+
+
 class CollectiveSendChannel:
     """Buckets through the group's backend: a 4-word descriptor, then the bucket, both broadcast
-    from rank 0; two send buffers alternate so packing overlaps the transfer in flight."""
+    from rank 0; two send buffers alternate so packing overlaps the transfer in flight.  With a
+    cipher (:mod:`.cipher`) each bucket goes in pieces, each encrypted in place just before it is
+    broadcast, then its tag."""
 
-    def __init__(self, sender: Any, seq: int):  # sender: the WeightSender that owns this channel
+    def __init__(self, sender: Any, seq: int, cipher=None):  # sender: the WeightSender that owns this channel
         import torch.distributed as dist
 
         self.s = sender
@@ -183,6 +268,8 @@ class CollectiveSendChannel:
         self.opts = dist.BroadcastOptions()
         self.opts.rootRank = 0
         self.pending: list[list] = [[], []]
+        self.cipher = cipher
+        self._open: Optional[_Sealer] = None  # the encrypted bucket being packed
 
     def _bcast(self, t):
         return self.pg.broadcast([t], self.opts)
@@ -199,26 +286,273 @@ class CollectiveSendChannel:
         self.pending[slot] = []
 
     def buffer(self, slot: int, nbytes: int):
-        import torch
-
         self._finish_pending(slot)
-        cur = self.s._coll_slots[slot]
-        cap = max(nbytes, self.s.bucket_bytes + 4096)
-        if cur is None or cur.numel() < nbytes:
-            # a bucket larger than the usual size (one big tensor) gets a buffer of its own
-            if nbytes > self.s.bucket_bytes + 4096:
-                return torch.empty(nbytes, dtype=torch.uint8, device=self.dev)
-            cur = self.s._coll_slots[slot] = torch.empty(cap, dtype=torch.uint8, device=self.dev)
-        return cur
+        return host_buffer(self.s, slot, nbytes, self.dev)
 
-    def post(self, slot: int, plan: BucketPlan, buf) -> None:
-        d = self._desc(plan.index, plan.total_bytes, 0)
-        self.pending[slot] = [self._bcast(d), self._bcast(buf[: plan.total_bytes]), d, buf]
+    def begin(self, plan: BucketPlan, buf, corrupt: bool = False) -> Optional["_Sealer"]:
+        """Host memory: the bucket's descriptor goes out now, and each piece of it as soon as it is
+        packed (and, with a cipher, encrypted from where the tensors are straight into ``buf``:
+        one pass over the bytes) — :class:`_Sealer`.  Device memory: None (packed, then sent)."""
+        if buf.device.type != "cpu":
+            return None
+        d = self._desc(plan.index, plan.total_bytes, PIECED | (CIPHERED if self.cipher is not None else 0))
+        self._open = _Sealer(self, plan, buf, [self._bcast(d), d, buf], corrupt)
+        return self._open
+
+    def post(self, slot: int, plan: BucketPlan, buf, corrupt: bool = False) -> None:
+        n = plan.total_bytes
+        if self._open is None:
+            if corrupt:
+                _corrupt(buf, plan)
+            d = self._desc(plan.index, n, 0)
+            self.pending[slot] = [self._bcast(d), self._bcast(buf[:n]), d, buf]
+            return
+        sealer, self._open = self._open, None
+        assert sealer is not None and sealer.plan is plan, "an encrypted bucket is posted after it was packed"
+        self.pending[slot] = sealer.works
 
     def end(self, abort: bool) -> None:
+        if self._open is not None:  # a bucket broke off while packed: send the rest, unsealed (its tag fails)
+            sealer, self._open = self._open, None
+            sealer.abandon()
+            self.pending[sealer.plan.index % 2] = sealer.works
         for slot in (0, 1):
             self._finish_pending(slot)
         wait_work(self.s.group, self._bcast(self._desc(END, 0, ABORT if abort else 0)))
+
+
+class _Streamer:
+    """One bucket being packed for :class:`SocketSendChannel`: how far it is packed."""
+
+    def __init__(self, plan: BucketPlan, buf, corrupt: bool):
+        self.plan, self.buf, self.corrupt = plan, buf, corrupt
+        self.ready = 0
+        self._cv = threading.Condition()
+
+    def advance(self, upto: int) -> None:
+        with self._cv:
+            self.ready = max(self.ready, upto)
+            self._cv.notify_all()
+
+    def wait_past(self, sent: int) -> int:
+        with self._cv:
+            while self.ready <= sent:
+                self._cv.wait(0.5)
+            return self.ready
+
+    def put(self, slot, t) -> None:
+        if slot.nbytes:
+            self.buf[slot.offset: slot.offset + slot.nbytes].view(t.dtype).view(t.shape).copy_(t)
+        if not self.corrupt:  # (test hook: a bucket to alter goes once its digests are made)
+            self.advance(slot.offset + slot.nbytes)
+
+    def close(self) -> None:
+        """After the trailer was written behind the data."""
+        if self.corrupt:
+            _corrupt(self.buf, self.plan)
+        self.advance(self.plan.total_bytes)
+
+
+class _Sealer:
+    """One host bucket being packed for the collective: every piece of :data:`~.cipher.PIECE`
+    bytes is broadcast as soon as it is packed, so packing overlaps the transfer even within one
+    bucket.  With a cipher each tensor is encrypted from its own memory into the bucket (the
+    padding between tensors is zeroed and encrypted in place), and the tag follows the last piece;
+    :meth:`close` (after the trailer was written behind the data) sends the rest."""
+
+    def __init__(self, chan: CollectiveSendChannel, plan: BucketPlan, buf, works: list, corrupt: bool):
+        from .cipher import pieces, writable_view
+
+        self.chan, self.plan, self.buf, self.works, self.corrupt = chan, plan, buf, works, corrupt
+        self.enc = chan.cipher.encryptor(plan.index, plan.total_bytes) if chan.cipher is not None else None
+        self.mv = writable_view(buf)
+        self.pieces = pieces(plan.total_bytes)
+        self.done = 0  # bytes packed (and sealed)
+        self.sent = 0  # pieces sent
+
+    def _gap(self, upto: int) -> None:
+        if upto > self.done:
+            if self.enc is not None:
+                self.buf[self.done: upto].zero_()
+                self.enc.piece(self.mv, self.done, upto)
+            self.done = upto
+
+    def put(self, slot, t) -> None:
+        import torch
+
+        self._gap(slot.offset)
+        if slot.nbytes and self.enc is not None:
+            src = t.detach()
+            if src.device.type != "cpu":
+                src = src.cpu()
+            src = src.contiguous().reshape(-1).view(torch.uint8)
+            self.enc.into(memoryview(src.numpy()), self.mv, slot.offset)
+        elif slot.nbytes:
+            self.buf[slot.offset: slot.offset + slot.nbytes].view(t.dtype).view(t.shape).copy_(t)
+        self.done = slot.offset + slot.nbytes
+        if not (self.corrupt and self.enc is None):  # (test hook: a plain bucket to alter goes once digested)
+            self._flush(final=False)
+
+    def close(self) -> None:
+        import torch
+
+        self._gap(self.plan.data_bytes)
+        if self.enc is not None:
+            self.enc.piece(self.mv, self.done, self.plan.total_bytes)
+        self.done = self.plan.total_bytes
+        self._flush(final=True)
+        if self.enc is not None:
+            tag = torch.frombuffer(bytearray(self.enc.tag()), dtype=torch.uint8)
+            self.works += [self.chan._bcast(tag), tag]
+
+    def abandon(self) -> None:
+        import torch
+
+        self.done = self.plan.total_bytes
+        self._flush(final=True)
+        if self.enc is not None:
+            tag = torch.zeros(16, dtype=torch.uint8)
+            self.works += [self.chan._bcast(tag), tag]
+
+    def _flush(self, final: bool) -> None:
+        while self.sent < len(self.pieces):
+            off, end = self.pieces[self.sent]
+            if end > self.done and not final:
+                return
+            if self.corrupt and off == 0:  # test hook: on the wire (after encryption, or once digested)
+                _corrupt(self.buf, self.plan)
+            self.works.append(self.chan._bcast(self.buf[off:end]))
+            self.sent += 1
+
+
+def _corrupt(buf, plan: BucketPlan) -> None:
+    """Test hook (``WeightSender._faults["corrupt"]``): flip the first byte of the bucket's first tensor."""
+    if plan.slots:
+        o = plan.slots[0].offset
+        buf[o: o + 1].bitwise_not_()
+
+
+class SocketSendChannel:
+    """Host memory between processes of one machine: each bucket's bytes go over a Unix stream
+    socket per receiver — one end of a socket pair whose other end was handed, as a descriptor,
+    over the receiver's authenticated IPC connection (so nobody else can hold it) — after a sealed
+    ``bucket`` message on that connection.  A thread writes each bucket's bytes as soon as they are
+    packed, and one bucket while the next is packed."""
+
+    WRITE = 4 << 20
+
+    def __init__(self, sender: Any, seq: int):  # sender: the WeightSender that owns this channel
+        self.s = sender
+        self.st: IpcSenderState = sender._ipc
+        self.seq = seq
+        self.epoch = sender.group.epoch
+        self.dev = sender.group.device
+        self._q: queue.Queue = queue.Queue()
+        self._free = [threading.Event(), threading.Event()]
+        for ev in self._free:
+            ev.set()
+        self._err: Optional[BaseException] = None
+        self._open: Optional[_Streamer] = None
+        for r, conn in self.st.conns.items():
+            if r not in self.st.streams:
+                try:
+                    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+                except OSError as e:
+                    raise (descriptor_error(e, "opening a socket for the bucket bytes", "the sender") or e) from None
+                try:
+                    conn.send("stream", [theirs.fileno()])
+                except TransferError as e:
+                    mine.close()
+                    raise receiver_failure(sender.group, seq, self.epoch, r, e) from e
+                finally:
+                    theirs.close()
+                self.st.streams[r] = mine
+        self._thread = threading.Thread(target=self._writer, daemon=True, name="unisleep-transfer-socket-writer")
+        self._thread.start()
+
+    def _check(self) -> None:
+        if self._err is not None:
+            err, self._err = self._err, None
+            raise err
+
+    def _wait(self, slot: int) -> None:
+        while not self._free[slot].wait(0.5):
+            pass
+        self._check()
+
+    def buffer(self, slot: int, nbytes: int):
+        self._wait(slot)
+        return host_buffer(self.s, slot, nbytes, self.dev)
+
+    def begin(self, plan: BucketPlan, buf, corrupt: bool = False) -> "_Streamer":
+        """The bucket's bytes start to go out as soon as its first tensor is packed: the writer
+        follows the packing (:class:`_Streamer`)."""
+        self._check()
+        st = _Streamer(plan, buf, corrupt)
+        self._free[plan.index % 2].clear()
+        self._open = st
+        self._q.put(st)
+        return st
+
+    def post(self, slot: int, plan: BucketPlan, buf, corrupt: bool = False) -> None:
+        st, self._open = self._open, None
+        assert st is not None and st.plan is plan, "a bucket is posted after it was packed"
+        self._check()
+
+    def end(self, abort: bool) -> None:
+        if self._open is not None:  # a bucket broke off while packed: the rest goes as it is
+            self._open.advance(self._open.plan.total_bytes)
+            self._open = None
+        self._q.put(None)
+        while self._thread.is_alive():
+            self._thread.join(0.5)
+        self._check()
+        for r, conn in self.st.conns.items():
+            try:
+                conn.send("end", abort=abort, u=self.seq)
+            except TransferError as e:
+                raise receiver_failure(self.s.group, self.seq, self.epoch, r, e) from e
+
+    def _writer(self) -> None:
+        while True:
+            st = self._q.get()
+            if st is None:
+                return
+            plan = st.plan
+            try:
+                if self._err is None:
+                    for r, conn in self.st.conns.items():
+                        try:
+                            conn.send("bucket", k=plan.index, slot=plan.index % 2, nbytes=plan.total_bytes, u=self.seq)
+                        except TransferError as e:
+                            raise receiver_failure(self.s.group, self.seq, self.epoch, r, e) from e
+                    sent = 0
+                    while sent < plan.total_bytes:
+                        upto = st.wait_past(sent)
+                        for r in self.st.conns:
+                            self._write(r, self.st.streams[r], st.buf[sent:upto])
+                        sent = upto
+            except BaseException as e:  # noqa: BLE001 - raised on the sender's thread
+                self._err = e
+            finally:
+                self._free[plan.index % 2].set()
+
+    def _write(self, r: int, sock: socket.socket, t) -> None:
+        g = self.s.group
+        mv = memoryview(t.numpy()).cast("B")
+        n, off = len(mv), 0
+        sock.settimeout(0.5)
+        t0 = time.monotonic()
+        while off < n:
+            try:
+                off += sock.send(mv[off: off + self.WRITE])
+            except socket.timeout:
+                g.check_alive([r])  # a frozen or dead receiver is named within a few seconds
+                if time.monotonic() - t0 > g.timeout_s:
+                    raise TransferError(f"receiver rank {r} took no bucket bytes for {g.timeout_s:.0f} s") from None
+            except OSError as e:
+                raise receiver_failure(g, self.seq, self.epoch, r, TransferError(
+                    f"the bucket socket to receiver rank {r} failed: {e} (it died or gave up)")) from e
 
 
 def wait_work(group: TransferGroup, work) -> None:
@@ -242,22 +576,103 @@ def wait_work(group: TransferGroup, work) -> None:
 
 class IpcSenderState:
     """The sender's Unix socket (abstract namespace), one authenticated connection per receiver,
-    and the exported bucket buffers (reused across updates)."""
+    and the exported bucket buffers (reused across updates).
+
+    A thread accepts from the moment the socket exists, reads each caller's credentials at once
+    (``SO_PEERCRED``) and closes a process that is not a receiver of the group (named in
+    ``intrusions``, counted under a flood): idle connections of other users never fill the backlog.
+    Connections from a receiver's uid wait (at most :data:`MAX_QUEUED`) for :meth:`accept`, which
+    runs the secret handshake."""
+
+    MAX_QUEUED = 16
 
     def __init__(self, group: TransferGroup):
         self.group = group
         self.ipc = group.ipc_module()
         self.name = f"\0unisleep-transfer-{os.getpid()}-{uuid.uuid4().hex}"
-        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        except OSError as e:
+            raise (descriptor_error(e, "opening the IPC socket", "the sender") or e) from None
         self.listener.bind(self.name)
-        self.listener.listen(max(8, group.world_size))
+        self.listener.listen(max(128, 4 * group.world_size))
+        self.listener.settimeout(0.2)
         self.conns: dict[int, IpcConn] = {}
         self.slots: list = [None, None]  # (buffer id, ExportBuffer)
         self.shared: dict[str, set] = {}  # buffer id -> ranks that imported it
         self.busy: list[set] = [set(), set()]  # ranks still reading slot i
+        self.streams: dict[int, socket.socket] = {}  # rank -> our end of its bucket-bytes socket (SocketSendChannel)
+        self._queued: list[tuple[socket.socket, int, int]] = []  # (socket, pid, uid) of a receiver's uid
+        self._cv = threading.Condition()
+        self._closed = False
+        self.fd_error: Optional[Exception] = None
+        self._refused: dict[int, int] = {}  # uid -> connections refused
+        self._said = 0.0
+        self._thread = threading.Thread(target=self._accept_loop, daemon=True, name="unisleep-transfer-ipc-accept")
+        self._thread.start()
 
+    # -- the accepting thread
+    def _accept_loop(self) -> None:
+        g = self.group
+        receivers = [g.peers[r] for r in g.receivers]
+        ns = _pidns()
+        while not self._closed:
+            try:
+                sock, _ = self.listener.accept()
+            except socket.timeout:
+                self._say_refused()
+                continue
+            except OSError as e:
+                if self._closed:
+                    return
+                err = descriptor_error(e, "accepting a connection on the IPC socket", "the sender")
+                if err is not None:
+                    with self._cv:
+                        self.fd_error = err
+                        self._cv.notify_all()
+                    time.sleep(0.2)
+                    continue
+                log.warning("the IPC socket's accept failed: %s", e)
+                time.sleep(0.05)
+                continue
+            try:
+                pid, uid, _gid = peer_credentials(sock)
+            except OSError as e:
+                sock.close()
+                g._intrusion(f"an IPC connection without credentials was refused: {e}")
+                continue
+            if not any(p.uid == uid and (p.pidns != ns or p.pid == pid) for p in receivers):
+                sock.close()
+                self._refuse(pid, uid)
+                continue
+            with self._cv:
+                self._queued.append((sock, pid, uid))
+                while len(self._queued) > self.MAX_QUEUED:  # the same user as a receiver: trusted, still bounded
+                    self._queued.pop(0)[0].close()
+                self._cv.notify_all()
+
+    def _refuse(self, pid: int, uid: int) -> None:
+        n = self._refused.get(uid, 0)
+        self._refused[uid] = n + 1
+        if n == 0:
+            g = self.group
+            g._intrusion(f"refused an IPC connection from pid {pid}, {user_name(uid)}: not a receiver of this group "
+                         "(expected " + ", ".join(f"rank {p.rank} pid {p.pid} uid {p.uid}"
+                                                  for p in (g.peers[r] for r in g.receivers)) + ")")
+            self._said = time.monotonic()
+        else:
+            self._say_refused()
+
+    def _say_refused(self) -> None:
+        if self._said and time.monotonic() - self._said >= 2.0 and any(n > 1 for n in self._refused.values()):
+            self.group._intrusion("refused " + ", ".join(f"{n} IPC connections from {user_name(u)}"
+                                                         for u, n in self._refused.items())
+                                  + " so far: not receivers of this group")
+            self._said = time.monotonic()
+
+    # -- the sender's thread
     def accept(self, ranks: Sequence[int]) -> None:
-        """Accept one authenticated connection from each of ``ranks``; refuse everything else."""
+        """Take one authenticated connection from each of ``ranks``; refuse everything else."""
         g = self.group
         want = set(ranks)
         deadline = time.monotonic() + g.timeout_s
@@ -265,40 +680,34 @@ class IpcSenderState:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TransferError(f"receivers {sorted(want)} did not connect to the IPC socket within {g.timeout_s:.0f} s")
-            self.listener.settimeout(min(left, 0.5))
-            try:
-                sock, _ = self.listener.accept()
-            except socket.timeout:
+            with self._cv:
+                if not self._queued and self.fd_error is None:
+                    self._cv.wait(min(left, 0.5))
+                if self.fd_error is not None:
+                    err, self.fd_error = self.fd_error, None
+                    raise err
+                item = self._queued.pop(0) if self._queued else None
+            if item is None:
                 g.check_alive(sorted(want))
                 continue
-            got = self._admit(sock, want)
+            got = self._admit(*item, want)
             if got is None:
                 continue
             r, conn = got
             old = self.conns.pop(r, None)
             if old is not None:
                 old.close()
+            stream = self.streams.pop(r, None)
+            if stream is not None:
+                stream.close()
             self.conns[r] = conn
             for ranks_ in self.shared.values():
                 ranks_.discard(r)
             want.discard(r)
 
-    def _admit(self, sock: socket.socket, want: set) -> Optional[tuple[int, IpcConn]]:
+    def _admit(self, sock: socket.socket, pid: int, uid: int, want: set) -> Optional[tuple[int, IpcConn]]:
         g = self.group
-        try:
-            pid, uid, _gid = peer_credentials(sock)
-        except OSError as e:
-            sock.close()
-            g._intrusion(f"an IPC connection without credentials was refused: {e}")
-            return None
         who = f"pid {pid}, uid {uid}"
-        ns = _pidns()
-        if not any(g.peers[r].uid == uid and (g.peers[r].pidns != ns or g.peers[r].pid == pid) for r in want):
-            sock.close()
-            g._intrusion(f"refused an IPC connection from {who}: not a receiver of this group (expected "
-                         + ", ".join(f"rank {p.rank} pid {p.pid} uid {p.uid}" for p in (g.peers[r] for r in sorted(want)))
-                         + ")")
-            return None
         sock.settimeout(min(HANDSHAKE_S, g.timeout_s))
         key, base = g.subkey("ipc"), ipc_context(g, self.name)
         nonce = secrets.token_hex(16)
@@ -321,14 +730,24 @@ class IpcSenderState:
         return r, IpcConn(sock, g, f"{base}/{nonce}{mine}/{r}", "s", "r", f"receiver rank {r}", r)
 
     def close(self) -> None:
+        self._closed = True
         for c in self.conns.values():
             c.close()
         self.conns.clear()
+        for st in self.streams.values():
+            st.close()
+        self.streams.clear()
         for s in self.slots:
             if s is not None:
                 s[1].close()
         self.slots = [None, None]
         self.listener.close()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(2)
+        with self._cv:
+            for sock, _p, _u in self._queued:
+                sock.close()
+            self._queued.clear()
 
 
 class IpcSendChannel:
@@ -339,19 +758,26 @@ class IpcSendChannel:
         self.s = sender
         self.st: IpcSenderState = sender._ipc
         self.seq = seq
+        self.epoch = sender.group.epoch
         self.tmp = None
+
+    def _recv(self, r: int, what: str):
+        try:
+            return self.st.conns[r].recv(what)
+        except TransferError as e:
+            raise receiver_failure(self.s.group, self.seq, self.epoch, r, e) from e
 
     def _wait_free(self, slot: int) -> None:
         st = self.st
         while st.busy[slot]:
             for r in list(st.busy[slot]):
-                msg, _ = st.conns[r].recv(f"receiver rank {r} to release bucket memory")
+                msg, _ = self._recv(r, f"receiver rank {r} to release bucket memory")
                 if msg["op"] == "free" and msg["u"] != self.seq:
                     continue  # a late release from an aborted update
                 if msg["op"] == "free" and msg["slot"] in (0, 1):
                     st.busy[msg["slot"]].discard(r)
                 elif msg["op"] == "error":
-                    raise TransferError(f"receiver rank {r}: {msg['msg']}")
+                    raise named_error(f"receiver rank {r}: {msg['msg']}")
                 else:
                     raise TransferError(f"receiver rank {r} sent {msg['op']!r} while the sender waited for 'free'")
 
@@ -364,20 +790,28 @@ class IpcSendChannel:
                 cur[1].close()
                 st.shared.pop(cur[0], None)
             cap = max(nbytes, self.s.bucket_bytes + 4096)
-            buf = st.ipc.ExportBuffer(cap, self.s.group.device_index)
+            try:
+                buf = st.ipc.ExportBuffer(cap, self.s.group.device_index)
+            except OSError as e:
+                raise (descriptor_error(e, "making shareable bucket memory", "the sender") or e) from None
             cur = st.slots[slot] = (uuid.uuid4().hex[:12], buf)
         return cur[1].tensor
 
-    def post(self, slot: int, plan: BucketPlan, buf) -> None:
+    def post(self, slot: int, plan: BucketPlan, buf, corrupt: bool = False) -> None:
         st = self.st
+        if corrupt:
+            _corrupt(buf, plan)
         bid, eb = st.slots[slot]
         st.ipc.synchronize(self.s.group.device_index)  # the packing is finished before anyone reads
         have = st.shared.setdefault(bid, set())
         for r, conn in st.conns.items():
-            if r not in have:
-                conn.send("buf", [eb.fd()], id=bid, slot=slot, nbytes=eb.nbytes)
-                have.add(r)
-            conn.send("bucket", k=plan.index, id=bid, slot=slot, nbytes=plan.total_bytes, u=self.seq)
+            try:
+                if r not in have:
+                    conn.send("buf", [eb.fd()], id=bid, slot=slot, nbytes=eb.nbytes)
+                    have.add(r)
+                conn.send("bucket", k=plan.index, id=bid, slot=slot, nbytes=plan.total_bytes, u=self.seq)
+            except TransferError as e:
+                raise receiver_failure(self.s.group, self.seq, self.epoch, r, e) from e
             st.busy[slot].add(r)
 
     def end(self, abort: bool) -> None:

@@ -1,20 +1,22 @@
 """``TransferGroup``: a private trainer↔engine group from a rendezvous address.
 
-It is built from torch.distributed parts only — a ``TCPStore`` (hosted by rank 0, the sender)
-under a ``PrefixStore``, and the platform's process-group backend constructed directly on it — so
-the default process group of either side (the trainer's data-parallel group, the engine's
-tensor-parallel group) is never created or touched.  The store also carries the small control
-records of an update (header, acknowledgements); the backend carries the bytes.
+It has its own store (:mod:`.store`, served by rank 0, the sender) and the platform's
+process-group backend constructed directly on it, so the default process group of either side
+(the trainer's data-parallel group, the engine's tensor-parallel group) is never created or
+touched.  The store carries the small control records of an update (header, acknowledgements),
+the heartbeats and the backend's bootstrap values; the bytes go over the backend or a Unix socket.
 
 Security (see docs/security.md): rank 0 opens the listening socket itself, bound to exactly the
-address of the rendezvous (a loopback rendezvous listens on loopback only), and hands it to the
-store.  Every control record is JSON with a schema, authenticated with HMAC-SHA256 under the
-group secret over its key, update number and epoch (:mod:`.records`); nothing read from the store
-is unpickled.  A record that fails authentication is logged as an intrusion (``intrusions``) and
-skipped.  Each member beats a heartbeat into the store; a waiting side notices a dead peer within
-a few seconds and names it.  The data channel (the process-group backend) has an epoch: after an
-update broke off mid-stream the sender moves to a fresh backend (epoch + 1) and every receiver
-follows when it reads the next header.
+address of the rendezvous (a loopback rendezvous listens on loopback only).  Only members use the
+store: a connection proves the group secret before it may read or write anything, and every
+frame after is authenticated; the store bounds its connections, keys and values.  Every control
+record is JSON with a schema, authenticated with HMAC-SHA256 under the group secret over its key,
+update number and epoch (:mod:`.records`); nothing read from the store is unpickled.  What is
+refused (a record that fails authentication, a connection that cannot prove the secret) is logged
+as an intrusion (``intrusions``).  Each member beats a heartbeat into the store; a waiting side
+notices a dead peer within a few seconds and names it.  The data channel (the process-group
+backend) has an epoch: after an update broke off mid-stream the sender moves to a fresh backend
+(epoch + 1) and every receiver follows when it reads the next header.
 
 The vendor part (which backend class, how a device is identified) is the platform's collective
 module, named by its backend descriptor (:class:`unisleep.backend.Backend`).
@@ -38,6 +40,7 @@ from ..errors import InvalidArgumentError, TransferError, UnsupportedError
 from ..platform import Platform, detect_platform
 from . import records as R
 from .secret import resolve_secret
+from .store import LocalStore, RecordTooLargeError, RemoteStore, StoreAuthError, StoreServer
 
 log = logging.getLogger("unisleep.transfer")
 
@@ -45,6 +48,10 @@ DEFAULT_TIMEOUT_S = 300.0
 HEARTBEAT_S = 0.5
 #: a peer whose heartbeat did not move for this long is dead
 DEAD_AFTER_S = 4.0
+#: entries kept in ``TransferGroup.intrusions`` (the last one then counts the rest)
+MAX_INTRUSIONS = 256
+#: once both ends of a data-channel pair are up, the proof that it is theirs arrives within this
+PROOF_S = 5.0
 
 
 def parse_rendezvous(rendezvous: str) -> tuple[str, int]:
@@ -87,6 +94,13 @@ def _boot_id() -> str:
         return ""
 
 
+def _netns() -> int:
+    try:
+        return os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        return 0
+
+
 def _pidns() -> int:
     try:
         return os.stat("/proc/self/ns/pid").st_ino
@@ -103,6 +117,7 @@ class Peer:
     uid: int = -1
     pidns: int = 0
     boot: str = ""
+    netns: int = 0
 
     def describe(self) -> str:
         return f"rank {self.rank} (pid {self.pid} on {self.host})"
@@ -124,7 +139,7 @@ class TransferGroup:
     """
 
     def __init__(self, *, store, rank: int, world_size: int, platform: Platform, device_index: int,
-                 timeout_s: float, peers: list[Peer], host: str, port: int, master_store=None,
+                 timeout_s: float, peers: list[Peer], host: str, port: int, server=None,
                  secret: bytes, group_id: str, insecure: bool, hb_store=None):
         self.store = store
         self.rank = rank
@@ -134,7 +149,7 @@ class TransferGroup:
         self.timeout_s = timeout_s
         self.peers = peers
         self.host, self.port = host, port
-        self._master_store = master_store  # keep the TCPStore (server on rank 0) alive
+        self._server = server  # rank 0: the group's store (docs/security.md)
         self._collective = platform.backend.collective_module()
         self.closed = False
         self.insecure = insecure
@@ -142,6 +157,7 @@ class TransferGroup:
         self._secret = secret
         self._rec_key = R.derive_key(secret, "records")
         self.intrusions: list[str] = []
+        self._intrusions_more = 0
         self.epoch = 0
         self._pg = None
         self._pg_store = None  # the Python store under _pg, kept alive with it
@@ -157,6 +173,7 @@ class TransferGroup:
         self._hb_thread: Optional[threading.Thread] = None
         self._lock = threading.Lock()
         self._secret_path: Optional[str] = None
+        self.heartbeat_error: Optional[str] = None  # the last failure of this member's heartbeat, if any
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -174,12 +191,7 @@ class TransferGroup:
         loopback group of one user needs none); ``insecure=True`` lets a non-loopback group run
         without one.  Multi-node is the same call with a routable address (docs/security.md).
         """
-        if world_size < 2:
-            raise InvalidArgumentError(f"a transfer group needs a sender and at least one receiver; world_size={world_size}")
-        if not 0 <= rank < world_size:
-            raise InvalidArgumentError(f"rank must be in [0, {world_size}), got {rank}")
-        if not R.NAME.fullmatch(name):
-            raise InvalidArgumentError(f"group name must be 1-128 letters, digits, '.', '_' or '-'; got {name!r}")
+        _check_create_args(rank, world_size, timeout_s, name, device, insecure)
         plat = platform if isinstance(platform, Platform) else detect_platform(platform)
         host, port = parse_rendezvous(rendezvous)
         loopback = is_loopback(host)
@@ -188,29 +200,30 @@ class TransferGroup:
         if source == "insecure":
             log.warning("transfer group %s on %s:%d runs WITHOUT a secret (insecure=True): anyone who can reach "
                         "that address can feed this group weights", name, host, port)
-        import torch.distributed as dist
-
-        timeout = datetime.timedelta(seconds=timeout_s)
-        listener = None
+        server = None
         try:
             if rank == 0:
-                listener = listen_socket(host, port)
-                base = dist.TCPStore(host, port, world_size, True, timeout=timeout, wait_for_workers=False,
-                                     master_listen_fd=listener.fileno())
-                listener.detach()  # the store owns (and closes) the socket now
-                listener = None
+                try:
+                    listener = listen_socket(host, port)
+                except OSError as e:
+                    raise TransferError(f"cannot open the group's store at {host}:{port} (rank 0/{world_size}): {e}") \
+                        from e
+                server = StoreServer(listener, R.derive_key(key, "store"), world_size)
+                store, hb_store = LocalStore(server, timeout_s), LocalStore(server, timeout_s)
             else:
-                base = dist.TCPStore(host, port, world_size, False, timeout=timeout)
-            hb_base = dist.TCPStore(host, port, world_size, False, timeout=timeout)
+                key, store = _connect_store(host, port, key, rank, timeout_s, source, name)
+                hb_store = RemoteStore.connect(host, port, R.derive_key(key, "store"), rank, timeout_s)
+        except StoreAuthError as e:
+            raise TransferError(f"rank {rank}/{world_size}: {e}") from None
+        except TransferError:
+            if server is not None:
+                server.close()
+            raise
         except Exception as e:
-            if listener is not None:
-                listener.close()
-            raise TransferError(
-                f"cannot {'open' if rank == 0 else 'reach'} the rendezvous store at {host}:{port} "
-                f"(rank {rank}/{world_size}): {e}"
-            ) from e
-        prefix = f"unisleep/transfer/{name}"
-        store = dist.PrefixStore(prefix, base)
+            if server is not None:
+                server.close()
+            raise TransferError(f"cannot reach the group's store at {host}:{port} (rank {rank}/{world_size}): {e}") \
+                from e
         coll = plat.backend.collective_module()
         if device is None:
             device = 0
@@ -218,11 +231,13 @@ class TransferGroup:
                 import torch
 
                 device = torch.accelerator.current_device_index()
-        me = Peer(rank, coll.device_key(device), socket.gethostname(), os.getpid(), os.getuid(), _pidns(), _boot_id())
+        me = Peer(rank, coll.device_key(device), socket.gethostname(), os.getpid(), os.getuid(), _pidns(), _boot_id(),
+                  _netns())
         grp = cls(store=store, rank=rank, world_size=world_size, platform=plat, device_index=device,
-                  timeout_s=timeout_s, peers=[], host=host, port=port, master_store=base, secret=key,
-                  group_id=f"{name}/", insecure=source == "insecure",
-                  hb_store=dist.PrefixStore(prefix, hb_base))
+                  timeout_s=timeout_s, peers=[], host=host, port=port, server=server, secret=key,
+                  group_id=f"{name}/", insecure=source == "insecure", hb_store=hb_store)
+        if server is not None:
+            server.on_intrusion = grp._intrusion
         if rank == 0 and source == "loopback file":
             from .secret import loopback_secret_path
 
@@ -257,7 +272,7 @@ class TransferGroup:
                     else:
                         self._intrusion(str(e))
                     time.sleep(0.05)
-                    raw0 = self.store.get("peer/0")
+                    raw0 = self.store.fetch("peer/0", 1 << 17) or raw0
             nonce = p0[1]
             self.group_id = f"{name}/{nonce}"
             self._put_peer(me, "")
@@ -280,8 +295,8 @@ class TransferGroup:
         self._start_heartbeat()
         if self._shared and not self._collective.SAME_DEVICE_OK:
             log.info("ranks %s share a device: no collective backend, colocated IPC only", sorted(self._shared))
-        else:
-            self._connect_pg(0)
+        elif not getattr(self._collective, "PAIR_PROOF", False):
+            self._connect_pg(0)  # (a backend whose pairs must prove themselves connects when first used)
 
     def _set_secret(self, secret: bytes) -> None:
         self._secret = secret
@@ -289,7 +304,8 @@ class TransferGroup:
 
     def _put_peer(self, me: Peer, nonce: str) -> None:
         body = {"rank": me.rank, "device_key": me.device_key[:4096], "host": me.host[:4096], "boot": me.boot[:4096],
-                "pid": me.pid, "pidns": me.pidns, "uid": me.uid, "nonce": nonce or "0", "insecure": self.insecure}
+                "pid": me.pid, "pidns": me.pidns, "netns": me.netns, "uid": me.uid, "nonce": nonce or "0",
+                "insecure": self.insecure}
         gid = self.group_id if me.rank else "peer0"  # rank 0's record brings the group nonce
         self.store.set(f"peer/{me.rank}", R.seal(self._rec_key, gid, f"peer/{me.rank}", 0, 0, body))
 
@@ -321,6 +337,13 @@ class TransferGroup:
     def colocated(self) -> bool:
         """Every receiver is on the sender's device (same GPU; on host: same machine)."""
         return all(p.device_key == self.peers[0].device_key for p in self.peers)
+
+    @property
+    def local(self) -> bool:
+        """Every member runs on this machine (same boot) in this network namespace: they can reach
+        each other's Unix sockets."""
+        me = self.peers[self.rank]
+        return all(p.boot == me.boot and p.netns == me.netns and p.host == me.host for p in self.peers)
 
     @property
     def ipc_available(self) -> bool:
@@ -359,19 +382,19 @@ class TransferGroup:
         return self._pg
 
     def _connect_pg(self, epoch: int) -> None:
-        import torch.distributed as dist
+        from ..errors import IntrusionError
+        from .netinfo import listening_ports
 
         old, self._pg = self._pg, None
         if old is not None:
-            try:
-                old.shutdown()
-            except Exception:
-                pass
+            _shutdown(old)
         timeout = datetime.timedelta(seconds=self.timeout_s)
-        store = _sealed_store_class()(dist.PrefixStore(f"pg{epoch}", self.store), self, f"pg{epoch}")
+        store = _sealed_store_class()(self.store.prefixed(f"pg{epoch}"), self, f"pg{epoch}")
+        proof = getattr(self._collective, "PAIR_PROOF", False)
+        before = listening_ports() if proof else set()
         try:
-            self._pg = self._collective.create_backend(store, self.rank, self.world_size, timeout, self.device_index,
-                                                       host=self.host)
+            pg = self._collective.create_backend(store, self.rank, self.world_size, timeout, self.device_index,
+                                                 host=self.host)
         except Exception as e:
             self.broken = f"the data channel (epoch {epoch}) could not connect: {type(e).__name__}: {e}"
             raise TransferError(f"{self.broken}; recreate the group") from e
@@ -379,7 +402,106 @@ class TransferGroup:
         # it is collected, and a backend that bootstraps later (on its first collective)
         # finds no ``get`` to call ("Not implemented")
         self._pg_store = store
+        if proof:
+            ports = {p for _ip, p in listening_ports() - before}
+            try:
+                self._prove_pairs(pg, epoch, store, ports)
+            except IntrusionError as e:
+                self._intrusion(str(e))
+                _shutdown(pg)
+                self.channel_broke(f"the data channel of epoch {epoch} was not the group's")
+                raise
+            except BaseException:
+                _shutdown(pg)
+                raise
+            self._name_foreign(ports, epoch)
+        self._pg = pg
         self._pg_epoch = epoch
+
+    def _prove_pairs(self, pg, epoch: int, store, ports) -> None:
+        """Before a byte of weights moves over a new data channel, each end of every pair of it
+        proves the group secret to the other, over that very connection (an HMAC of the group, the
+        epoch and the direction).  A backend that connects whoever first sends the number it
+        expects (gloo) can have handed a pair to a process outside the group: then the proof never
+        arrives though both members are up (or a wrong one does), and :class:`IntrusionError` names
+        it within :data:`PROOF_S` seconds — the weights never went there."""
+        import hashlib
+        import hmac
+
+        import torch
+
+        from ..errors import IntrusionError
+
+        key = self.subkey("data channel proof")
+
+        def tag(i: int, j: int) -> bytes:
+            return hmac.new(key, f"{self.group_id}/pg{epoch}/{i}->{j}".encode(), hashlib.sha256).digest()
+
+        import torch.distributed as dist
+
+        n = self.world_size
+        others = [p.rank for p in self.peers if p.rank != self.rank]
+        # an all-to-all: every rank sends to every other over their pair, both ways (the pairs the
+        # broadcasts of the buckets use)
+        inp = torch.frombuffer(bytearray(b"".join(tag(self.rank, j) if j != self.rank else bytes(32)
+                                                  for j in range(n))), dtype=torch.uint8)
+        out = torch.zeros(32 * n, dtype=torch.uint8)
+        store.set(f"ready/{self.rank}", b"1")
+        w = pg.alltoall_base(out, inp, [], [], dist.AllToAllOptions())
+        t0 = time.monotonic()
+        up: dict[int, float] = {}
+        next_live = t0 + 0.5
+        delay = 0.0002
+        while not w.is_completed():
+            now = time.monotonic()
+            for j in others:
+                if j not in up and store.check([f"ready/{j}"]):
+                    up[j] = now
+            if len(up) == len(others) and now - max(up.values()) > PROOF_S:
+                raise IntrusionError(self._hijacked(epoch, others, ports, f"sent no proof of the group secret within "
+                                                                          f"{PROOF_S:.0f} s though every member is up"))
+            if now >= next_live:
+                next_live = now + 0.5
+                self.check_alive(others)
+                if now - t0 > self.timeout_s:
+                    raise TransferError(f"the data channel (epoch {epoch}) did not prove itself within "
+                                        f"{self.timeout_s:.0f} s")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.005)
+        try:
+            w.wait()
+        except Exception as e:  # noqa: BLE001 - a member that died is named first
+            self.check_alive(others)
+            raise IntrusionError(self._hijacked(epoch, others, ports, f"failed during their proof ({type(e).__name__}: "
+                                                                      f"{str(e)[:200]})")) from None
+        got = bytes(out.numpy())
+        wrong = [j for j in others if not hmac.compare_digest(got[32 * j: 32 * j + 32], tag(j, self.rank))]
+        if wrong:
+            raise IntrusionError(self._hijacked(epoch, wrong, ports, "answered with a wrong proof of the group secret"))
+
+    def _hijacked(self, epoch: int, ranks, ports, what: str) -> str:
+        foreign = self._foreign(ports)
+        who = ", ".join(f"rank {j}" for j in ranks)
+        return (f"the data channel (epoch {epoch}): the connections to {who} {what}: a process outside the group "
+                f"holds one" + (f" ({'; '.join(foreign)})" if foreign else
+                                " (not on this machine, or gone: no connection to it from another user is listed here)")
+                + "; no weights were sent over it, and the next update opens a new data channel")
+
+    def _foreign(self, ports) -> list:
+        from .netinfo import foreign_connections
+
+        if not ports:
+            return []
+        try:
+            return foreign_connections(ports, {p.uid for p in self.peers})
+        except OSError:
+            return []
+
+    def _name_foreign(self, ports, epoch: int) -> None:
+        """Connections of another user to this data channel's listening ports that gloo keeps
+        waiting (they sent a number no pair expects): named, though the channel proved itself."""
+        for f in self._foreign(ports):
+            self._intrusion(f"a connection to this rank's data channel (epoch {epoch}) that is not a member: {f}")
 
     def channel_broke(self, why: str) -> None:
         """The data channel may be out of step (an update broke off mid-stream): the sender moves
@@ -395,13 +517,26 @@ class TransferGroup:
         key = f"hb/{self.rank}"
         hb = self._hb_store
         hb.add(key, 1)
+        gname = self.group_id.split("/")[0]
 
         def beat():
+            failing = False
             while not self._hb_stop.wait(HEARTBEAT_S):
                 try:
                     hb.add(key, 1)
-                except Exception:
-                    return
+                    if failing:
+                        log.warning("transfer group %s rank %d: its heartbeat beats again", gname, self.rank)
+                        failing = False
+                except Exception as e:  # never silently: said, then retried while the store is there
+                    self.heartbeat_error = f"{type(e).__name__}: {e}"
+                    if isinstance(e, (ConnectionError, OSError)):
+                        log.warning("transfer group %s rank %d: the heartbeat stopped: %s", gname, self.rank, e)
+                        self.broken = self.broken or f"rank {self.rank} lost the group's store: {e}"
+                        return
+                    if not failing:
+                        log.warning("transfer group %s rank %d: a heartbeat failed (%s); retrying", gname, self.rank,
+                                    self.heartbeat_error)
+                        failing = True
 
         self._hb_thread = threading.Thread(target=beat, daemon=True, name=f"unisleep-transfer-hb-{self.rank}")
         self._hb_thread.start()
@@ -421,6 +556,9 @@ class TransferGroup:
                 pass
         try:
             n = int(self.store.add(f"hb/{r}", 0))
+        except TransferError as e:  # not a counter: only a member could have written it
+            self._intrusion(f"rank {r}'s heartbeat in the store is not a counter: {e}")
+            return None
         except Exception as e:
             return f"the group's store is gone (rank 0 may have died): {e}"
         now = time.monotonic()
@@ -448,9 +586,20 @@ class TransferGroup:
 
     # ------------------------------------------------------------------ control plane
     def _intrusion(self, msg: str) -> None:
-        if msg not in self.intrusions[-8:]:
-            log.warning("transfer group %s (rank %d): intrusion refused: %s", self.group_id.split("/")[0], self.rank, msg)
-            self.intrusions.append(msg)
+        """Record (and log) something refused; at most :data:`MAX_INTRUSIONS` entries are kept, the
+        last one then counts the rest (a flood cannot grow this list or the log without bound)."""
+        with self._lock:
+            if msg in self.intrusions[-8:]:
+                return
+            if len(self.intrusions) >= MAX_INTRUSIONS:
+                self._intrusions_more += 1
+                self.intrusions[-1] = (f"... and {self._intrusions_more} more refused since (the latest: {msg[:300]}); "
+                                       "see the unisleep.transfer log")
+                if self._intrusions_more % 1000:
+                    return
+            else:
+                self.intrusions.append(msg)
+        log.warning("transfer group %s (rank %d): intrusion refused: %s", self.group_id.split("/")[0], self.rank, msg)
 
     def put(self, key: str, body: dict, seq: int, epoch: int) -> None:
         try:
@@ -466,55 +615,62 @@ class TransferGroup:
         deadline = time.monotonic() + self.timeout_s
         while True:
             try:
-                if self.store.check([key]):
-                    return self.store.get(key)
+                _ver, raw = self.store.watch(key, 1 << 17, 0, min(0.25, max(0.0, deadline - time.monotonic())))
+            except RecordTooLargeError as e:
+                raise TransferError(f"waiting for {what}: {e}") from None
             except Exception as e:
                 raise TransferError(f"lost the connection to the transfer store waiting for {what}: {e}") from e
+            if raw is not None:
+                return raw
             if time.monotonic() > deadline:
                 raise TransferError(f"waiting for {what}: timed out after {self.timeout_s:.0f} s")
-            time.sleep(0.02)
 
     def take(self, key: str, schema: dict, *, seq: Optional[int], epoch: Optional[int], what: str = "",
              timeout_s: Optional[float] = None, peer: str = "a peer", watch=True, accept=None) -> dict:
         """Wait for an authentic record at ``key`` and return its body.
 
-        Records that fail authentication are logged as intrusions and skipped (the genuine one
-        overwrites them).  ``watch``: ranks whose death ends the wait at once (True: every
-        other rank).  ``accept(seq, epoch, body)`` may reject an authentic but stale record
-        (return False: keep waiting)."""
+        The store answers as soon as the key changes (no polling).  Records that fail
+        authentication are logged as intrusions and skipped (the genuine one overwrites them).
+        ``watch``: ranks whose death ends the wait at once (True: every other rank).
+        ``accept(seq, epoch, body)`` may reject an authentic but stale record (return False: keep
+        waiting)."""
         t = self.timeout_s if timeout_s is None else timeout_s
         t0 = time.monotonic()
         ranks = [p.rank for p in self.peers if p.rank != self.rank] if watch is True else list(watch or ())
-        bad: Optional[bytes] = None
-        delay, next_live = 0.0001, t0 + 0.2
+        seen = 0  # the version of the last value looked at: wait for a newer one
+        next_live = t0 + 0.2
+        limit = R.MAX_RECORD + R.HEAD.size + R.TAG_BYTES
         while True:
-            try:
-                raw = self.store.get(key) if self.store.check([key]) else None
-            except Exception as e:
-                self.broken = "the connection to the group's store is lost (its host, rank 0, may have died)"
-                raise TransferError(f"waiting for {what or key}: lost the connection to the transfer store after "
-                                    f"{time.monotonic() - t0:.1f} s (its host, rank 0, may have died): {e}; "
-                                    "recreate the group") from e
-            if raw is not None and raw != bad:
-                try:
-                    rs, re_, body = R.open_record(self._rec_key, self.group_id, raw, name=key, peer=peer, schema=schema,
-                                                  seq=seq, epoch=epoch)
-                    if accept is None or accept(rs, re_, body):
-                        return body if accept is None else (rs, re_, body)
-                except R.ForgedRecordError as e:
-                    self._intrusion(str(e))
-                bad = raw
             now = time.monotonic()
             if now - t0 >= t:
                 raise TransferError(f"waiting for {what or key}: timed out after {now - t0:.1f} s")
             if now >= next_live and ranks:
                 next_live = now + 0.25
                 self.check_alive(ranks)
-            time.sleep(delay)  # the store's wait() logs a warning on every timeout: poll instead
-            # an answer due within the update's steps is seen within 0.5 ms; a long wait (the next
-            # update) polls every 2 ms for 5 s, then every 10 ms
-            waited = now - t0
-            delay = min(delay * 2, 0.0005 if waited < 0.05 else 0.002 if waited < 5.0 else 0.01)
+            wait = max(0.0, min(next_live - now if ranks else 0.25, t - (now - t0)))
+            try:
+                seen, raw = self.store.watch(key, limit, seen, wait)
+            except RecordTooLargeError as e:  # its size is known, its bytes were not fetched
+                self._intrusion(str(e))
+                time.sleep(min(0.05, wait))
+                continue
+            except Exception as e:
+                self.broken = "the connection to the group's store is lost (its host, rank 0, may have died)"
+                raise TransferError(f"waiting for {what or key}: lost the connection to the transfer store after "
+                                    f"{time.monotonic() - t0:.1f} s (its host, rank 0, may have died): {e}; "
+                                    "recreate the group") from e
+            if raw is None:
+                continue
+            try:
+                rs, re_, body = R.open_record(self._rec_key, self.group_id, raw, name=key, peer=peer, schema=schema,
+                                              seq=seq, epoch=epoch)
+                if accept is None or accept(rs, re_, body):
+                    return body if accept is None else (rs, re_, body)
+            except R.ForgedRecordError as e:
+                self._intrusion(str(e))
+            except R.MalformedRecordError as e:  # authentic: the caller answers it, unless it is stale
+                if accept is None or accept(e.seq, e.epoch, None):
+                    raise
 
     def check(self, key: str) -> bool:
         try:
@@ -529,7 +685,8 @@ class TransferGroup:
             pass
 
     def close(self) -> None:
-        """Shut the backend down, stop the heartbeat (the store closes when the last reference goes)."""
+        """Shut the backend down, stop the heartbeat, close the store connections (rank 0: the store
+        itself, so the other members' next step says the group is gone)."""
         if self.closed:
             return
         self.closed = True
@@ -546,6 +703,13 @@ class TransferGroup:
                 pg.shutdown()
             except Exception:
                 pass
+        for st in (self._hb_store, self.store):
+            try:
+                st.close()
+            except Exception:
+                pass
+        if self._server is not None:
+            self._server.close()
 
     def __enter__(self):
         return self
@@ -622,8 +786,61 @@ def _sealed_store_class():
     return SealedStore
 
 
+def _shutdown(pg) -> None:
+    """Shut a backend down without waiting on work that can never finish (a pair a process
+    outside the group holds)."""
+    t = threading.Thread(target=lambda: _quiet(pg.shutdown), daemon=True, name="unisleep-transfer-pg-shutdown")
+    t.start()
+    t.join(2.0)
+
+
+def _quiet(fn) -> None:
+    try:
+        fn()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def _connect_store(host: str, port: int, key: bytes, rank: int, timeout_s: float, source: str,
+                   name: str) -> tuple[bytes, "RemoteStore"]:
+    """A receiver's connection to rank 0's store: (the secret it proved, the connection).  A
+    loopback group's secret file may still be one of an earlier group on the same port when this
+    rank reads it first: it is read again until rank 0's new one opens the store."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return key, RemoteStore.connect(host, port, R.derive_key(key, "store"), rank,
+                                            max(0.1, deadline - time.monotonic()))
+        except StoreAuthError:
+            if source != "loopback file" or time.monotonic() > deadline:
+                raise
+            from .secret import loopback_secret_path, read_secret_file
+
+            time.sleep(0.05)
+            key = read_secret_file(loopback_secret_path(port, name))
+
+
+def _check_create_args(rank, world_size, timeout_s, name, device, insecure) -> None:
+    """:class:`InvalidArgumentError` at once for an argument of :meth:`TransferGroup.create` that
+    cannot be right (before any socket is opened or waited on)."""
+    if not R._is_int(world_size) or world_size < 2:
+        raise InvalidArgumentError(f"world_size must be an integer >= 2 (a sender and at least one receiver), "
+                                   f"got {world_size!r}")
+    if not R._is_int(rank) or not 0 <= rank < world_size:
+        raise InvalidArgumentError(f"rank must be an integer in [0, {world_size}), got {rank!r}")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < 1e9:
+        raise InvalidArgumentError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    if not isinstance(name, str) or not R.NAME.fullmatch(name):
+        raise InvalidArgumentError(f"group name must be 1-128 letters, digits, '.', '_' or '-'; got {name!r}")
+    if device is not None and (not R._is_int(device) or device < 0):
+        raise InvalidArgumentError(f"device must be a device index >= 0 or None (the current one), got {device!r}")
+    if not isinstance(insecure, bool):
+        raise InvalidArgumentError(f"insecure must be True or False, got {insecure!r}")
+
+
 def _peer_of(body: dict) -> Peer:
-    return Peer(body["rank"], body["device_key"], body["host"], body["pid"], body["uid"], body["pidns"], body["boot"])
+    return Peer(body["rank"], body["device_key"], body["host"], body["pid"], body["uid"], body["pidns"], body["boot"],
+                body["netns"])
 
 
 def _same_device_ranks(peers: list[Peer]) -> set[int]:

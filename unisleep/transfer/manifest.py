@@ -62,6 +62,78 @@ class TensorSpec:
         return cls(name, tuple(int(s) for s in tensor.shape), str(tensor.dtype).replace("torch.", ""))
 
 
+def spec_of(s, i: int) -> TensorSpec:
+    """The :class:`TensorSpec` of entry ``i`` of a ``specs`` list (a TensorSpec or ``(name, shape,
+    dtype)``, dtype a ``torch.dtype`` or its name); :class:`InvalidArgumentError` naming the entry
+    and what is wrong with it."""
+    from ..errors import InvalidArgumentError
+
+    if isinstance(s, TensorSpec):
+        name, shape, dtype = s.name, s.shape, s.dtype
+    else:
+        if isinstance(s, (str, bytes)) or not hasattr(s, "__len__") or len(s) != 3:
+            raise InvalidArgumentError(f"spec #{i} must be a TensorSpec or (name, shape, dtype), got {str(s)[:120]}")
+        name, shape, dtype = s
+    return TensorSpec(check_name(name, i), check_shape(shape, name, i), check_dtype(dtype, name, i))
+
+
+def check_name(name, i: int) -> str:
+    from ..errors import InvalidArgumentError
+    from .records import MAX_NAME
+
+    if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME:
+        raise InvalidArgumentError(f"tensor #{i}: its name must be a string of 1-{MAX_NAME} characters, "
+                                   f"got {str(name)[:80]!r} ({type(name).__name__})")
+    return name
+
+
+def check_shape(shape, name: str, i: int) -> tuple:
+    from ..errors import InvalidArgumentError
+    from .records import MAX_DIMS
+
+    try:
+        dims = tuple(shape)
+    except TypeError:
+        dims = None
+    if dims is None or len(dims) > MAX_DIMS or not all(
+            isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**48 for d in dims):
+        raise InvalidArgumentError(f"tensor #{i} {name!r}: shape {shape!r} must be at most {MAX_DIMS} integers, "
+                                   "each >= 0")
+    return tuple(int(d) for d in dims)
+
+
+def check_dtype(dtype, name: str, i: int) -> str:
+    from ..errors import InvalidArgumentError
+    from .records import DTYPES
+
+    d = str(dtype).replace("torch.", "") if not isinstance(dtype, str) else dtype.replace("torch.", "")
+    if d not in DTYPES or _torch_dtype(d) is None:
+        raise InvalidArgumentError(f"tensor #{i} {name!r}: unknown dtype {str(dtype)[:40]!r}; a weight update carries "
+                                   f"{', '.join(sorted(x for x in DTYPES if _torch_dtype(x) is not None))}")
+    return d
+
+
+def check_tensor(name, t, i: int):
+    """``t`` when it is a tensor whose name, shape and dtype can travel; else
+    :class:`InvalidArgumentError` naming it."""
+    import torch
+
+    from ..errors import InvalidArgumentError
+
+    check_name(name, i)
+    if not isinstance(t, torch.Tensor):
+        raise InvalidArgumentError(f"tensor #{i} {name!r} is a {type(t).__name__}, not a torch.Tensor")
+    check_dtype(t.dtype, name, i)
+    return t
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    d = getattr(torch, name, None)
+    return d if isinstance(d, torch.dtype) else None
+
+
 _ITEMSIZE: dict[str, int] = {}
 
 
@@ -334,6 +406,8 @@ __all__ = [
     "BucketPlan",
     "Manifest",
     "plan_buckets",
+    "spec_of",
+    "check_tensor",
     "UpdateSeal",
     "write_trailer",
     "check_bucket",

@@ -8,11 +8,13 @@ import os
 import time
 from typing import Any, Callable, Optional, Sequence
 
-from ..errors import InvalidArgumentError, InvalidTransitionError, LifecycleClosedError, TransferError, UnisleepError
+from ..errors import (InvalidArgumentError, InvalidTransitionError, LifecycleClosedError, TransferError, UnisleepError,
+                      VersionError)
 from . import records as R
-from .channels import ABORT, END, IpcConn, connect_ipc, handshake_receiver, wait_work
+from .channels import ABORT, CIPHERED, END, MAX_MSG, PIECED, IpcConn, connect_ipc, handshake_receiver, wait_work
+from .cipher import BucketCipher
 from .group import TransferGroup
-from .manifest import Manifest, TensorSpec, UpdateSeal, plan_buckets
+from .manifest import Manifest, UpdateSeal, plan_buckets, spec_of
 from .records import check_version
 from .names import short_names, tensor_pairs
 from .report import TransferReport
@@ -61,6 +63,7 @@ class WeightReceiver:
         self.consistent = True
         self._meta: dict[str, tuple] = {}
         self._conn: Optional[IpcConn] = None
+        self._stream = None  # socket for the bucket bytes of the socket path
         self._sock_name: Optional[str] = None
         self._ready = False
         self.allow_equal_versions = allow_equal_versions
@@ -124,6 +127,34 @@ class WeightReceiver:
                     + (f"shape/dtype differ: {short_names(wrong, 4)}" if wrong else ""))
         return None
 
+    def _header_plan(self, hdr: dict) -> tuple:
+        """The specs and bucket plan an authentic header describes, or an error (with ``kind``) for
+        the sender: specs that do not match their id, metadata never received, a target they do
+        not fit, counts that do not add up."""
+        def bad(kind: str, msg: str) -> TransferError:
+            e = TransferError(msg)
+            e.kind = kind
+            return e
+
+        if not 0 < hdr["bucket_bytes"] <= 1 << 40 or hdr["buckets"] < 0 or hdr["bytes"] < 0:
+            raise bad("header", f"bucket size {hdr['bucket_bytes']}, {hdr['buckets']} buckets, {hdr['bytes']} bytes: "
+                                "not an update")
+        if hdr["specs"] is not None:
+            specs_ = tuple(spec_of(s, i) for i, s in enumerate(hdr["specs"]))
+            if Manifest(specs_).meta_id != hdr["meta_id"]:
+                raise bad("metadata", "the specs do not match their id")
+            self._meta = {hdr["meta_id"]: specs_}
+        specs = self._meta.get(hdr["meta_id"])
+        if specs is None:
+            raise bad("metadata", f"metadata {hdr['meta_id']} was never received here; resend with the tensor specs")
+        problem = self._check_target(specs)
+        if problem:
+            raise bad("target", problem)
+        plans = plan_buckets(specs, hdr["bucket_bytes"])
+        if len(plans) != hdr["buckets"] or sum(s.nbytes for s in specs) != hdr["bytes"]:
+            raise bad("metadata", "the bucket count or size does not match the specs")
+        return specs, plans
+
     # ---------------------------------------------------------------- one update
     def receive(self, *, timeout_s: Optional[float] = None) -> TransferReport:
         """Receive, verify and apply the next update; return its report.
@@ -136,11 +167,24 @@ class WeightReceiver:
         """
         g = self.group
         g.check_usable()
+        if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool)
+                                          and 0 < timeout_s < float("inf")):
+            raise InvalidArgumentError(f"timeout_s must be a positive number of seconds (or None: the group's), "
+                                       f"got {timeout_s!r}")
         t0 = time.perf_counter()
         intrusions0 = len(g.intrusions)
-        seq, epoch, hdr = g.take("hdr", R.HEADER, seq=None, epoch=None, timeout_s=timeout_s, peer="the sender (rank 0)",
-                                 watch=[0], accept=lambda rs, _e, _b: rs > g.last_seq,
-                                 what=f"the next update from the sender (still serving version {self.version!r})")
+        try:
+            seq, epoch, hdr = g.take("hdr", R.HEADER, seq=None, epoch=None, timeout_s=timeout_s,
+                                     peer="the sender (rank 0)", watch=[0], accept=lambda rs, _e, _b: rs > g.last_seq,
+                                     what=f"the next update from the sender (still serving version {self.version!r})")
+        except R.MalformedRecordError as e:  # authentic, but this side cannot take it: the sender hears why
+            g.last_seq = e.seq
+            try:
+                g.put(f"u{e.seq}/ack/{g.rank}", {"ok": False, "kind": "header", "msg": str(e)[:4000], "connected": False},
+                      e.seq, e.epoch)
+            except TransferError:
+                pass
+            raise TransferError(f"update {e.seq} refused: {e}; still serving version {self.version!r}") from None
         g.last_seq = seq
         if epoch != g.epoch:
             g.epoch = epoch  # the sender moved the data channel on after a broken update
@@ -150,8 +194,14 @@ class WeightReceiver:
         def refuse(kind: str, msg: str) -> None:
             g.put(ack_key, {"ok": False, "kind": kind, "msg": msg[:4000], "connected": False}, seq, epoch)
 
+        via, sock = hdr["via"], hdr["path"] == "ipc" or hdr["via"] == "socket"
+        if (hdr["path"] == "ipc") != (via == "ipc") or (via == "socket" and not g.local) or (
+                hdr["cipher"] != "none" and via != "backend"):
+            msg = f"path {hdr['path']!r} via {via!r} with cipher {hdr['cipher']!r} is not a way to this receiver"
+            refuse("header", msg)
+            raise TransferError(f"update {seq} refused: {msg}")
         try:
-            if hdr["path"] == "collective":
+            if via == "backend":
                 g.process_group()  # the data channel of this epoch (a new one connects with the sender's)
         except Exception as e:
             refuse("channel", str(e))
@@ -164,32 +214,22 @@ class WeightReceiver:
         why = check_version(version, self.version, self.allow_equal_versions, "this receiver")
         if why:
             refuse("version", why)
-            raise TransferError(f"update {seq} refused: {why}; still serving version {self.version!r}")
-        if hdr["specs"] is not None:
-            specs_ = tuple(TensorSpec(n, tuple(sh), dt) for n, sh, dt in hdr["specs"])
-            if Manifest(specs_).meta_id != hdr["meta_id"]:
-                refuse("metadata", "the specs do not match their id")
-                raise TransferError(f"update {seq} (version {version!r}) refused: its specs do not match their id")
-            self._meta = {hdr["meta_id"]: specs_}
-        specs = self._meta.get(hdr["meta_id"])
-        if specs is None:
-            msg = f"metadata {hdr['meta_id']} was never received here; resend with the tensor specs"
-            refuse("metadata", msg)
-            raise TransferError(f"update {seq} (version {version!r}) refused: {msg}")
-        problem = self._check_target(specs)
-        if problem:
-            refuse("target", problem)
-            raise TransferError(f"update {seq} (version {version!r}) refused before any byte moved: {problem}")
-        plans = plan_buckets(specs, hdr["bucket_bytes"])
-        if len(plans) != hdr["buckets"] or sum(s.nbytes for s in specs) != hdr["bytes"]:
-            refuse("metadata", "the bucket count or size does not match the specs")
-            raise TransferError(f"update {seq} (version {version!r}) refused: its header does not add up")
+            raise VersionError(f"update {seq} refused: {why}; still serving version {self.version!r}")
+        try:
+            specs, plans = self._header_plan(hdr)
+        except Exception as e:  # noqa: BLE001 - whatever is wrong with it, the sender hears it
+            kind = getattr(e, "kind", "header")
+            msg = str(e) if isinstance(e, UnisleepError) else f"{type(e).__name__}: {e}"
+            refuse(kind, msg)
+            raise TransferError(f"update {seq} (version {version!r}) refused before any byte moved: {msg}") from None
         connected = False
         try:
-            if hdr["path"] == "ipc":
+            if sock:
                 connected = self._connect(hdr["ipc"] or "")
         except Exception as e:
-            refuse("ipc", f"cannot connect to the sender's IPC socket: {e}")
+            refuse("ipc", f"cannot connect to the sender's IPC socket: {type(e).__name__}: {e}")
+            if isinstance(e, UnisleepError):
+                raise
             raise TransferError(f"update {seq}: cannot connect to the sender's IPC socket: {e}") from e
         g.put(ack_key, {"ok": True, "kind": "", "msg": "", "connected": connected}, seq, epoch)
         # the update's keys are made while the sender collects the acknowledgements
@@ -202,13 +242,16 @@ class WeightReceiver:
             raise TransferError(f"update {seq} (version {version!r}) was called off by the sender: {go['why']}; "
                                 f"still serving version {self.version!r}")
         t_ack = time.perf_counter()
-        state = RecvState(self, seq, specs, plans, hdr["verify"], seal, epoch)
+        crypt = BucketCipher.of(g, seq, epoch) if hdr["cipher"] != "none" else None
+        state = RecvState(self, seq, specs, plans, hdr["verify"], seal, epoch, cipher=crypt)
         try:
+            if sock and connected:
+                handshake_receiver(self._conn, min(g.timeout_s, 30.0))
+                self._ready = True
             if hdr["path"] == "ipc":
-                if connected:
-                    handshake_receiver(self._conn, min(g.timeout_s, 30.0))
-                    self._ready = True
                 self._recv_ipc(state)
+            elif via == "socket":
+                self._recv_socket(state)
             else:
                 self._recv_collective(state)
             t_recv = time.perf_counter()
@@ -216,8 +259,6 @@ class WeightReceiver:
             self.check_guard()  # nobody put the weights to sleep meanwhile
             state.commit()
         except Exception as e:
-            if hdr["path"] == "ipc" and not isinstance(e, VerifyError):
-                self._drop_ipc()  # the socket may be out of step: reconnect on the next update
             if state.applied:
                 self.consistent = False
             if isinstance(e, VerifyError):
@@ -225,15 +266,29 @@ class WeightReceiver:
             else:
                 tail = (f"the target was partly updated ({state.applied} buckets applied) and is inconsistent"
                         if state.applied else f"still serving version {self.version!r}")
-                if isinstance(e, UnisleepError):
+                dead = g.peer_dead(0) if type(e) is TransferError else None
+                if dead:  # the sender's socket closed because it died: say so
+                    g.broken = dead
+                    err = TransferError(f"update {seq} (version {version!r}) broke off: the sender died ({dead}; "
+                                        f"{e}); {tail}; recreate the group")
+                elif isinstance(e, UnisleepError):
                     err = type(e)(f"{e}; {tail}")
                 else:
                     err = TransferError(f"update {seq} (version {version!r}) broke off (the sender died, "
                                         f"timed out or the connection failed): {type(e).__name__}: {e}; {tail}")
+            # the sender hears why: the done record first (it looks there when the connection fails),
+            # then, on the IPC socket, an error message before this side hangs up
             try:
-                g.put(done_key, {"ok": False, "msg": str(err)[:4000], "version": None}, seq, epoch)
+                g.put(done_key, {"ok": False, "msg": f"{type(err).__name__}: {err}"[:4000], "version": None}, seq, epoch)
             except Exception:
                 pass
+            if sock and not isinstance(e, VerifyError):
+                if self._conn is not None and self._ready:
+                    try:
+                        self._conn.send("error", msg=f"{type(err).__name__}: {err}"[:MAX_MSG - 512])
+                    except Exception:  # noqa: BLE001
+                        pass
+                self._drop_ipc()  # the socket may be out of step: reconnect on the next update
             raise err from e
         finally:
             if seal is not None:
@@ -243,7 +298,7 @@ class WeightReceiver:
         t1 = time.perf_counter()
         g.put(done_key, {"ok": True, "msg": "", "version": version}, seq, epoch)
         self.last_report = TransferReport(version, prev, hdr["path"], len(specs), hdr["bytes"], len(plans), t1 - t0,
-                                          metadata_reused=hdr["specs"] is None, verified=state.verify,
+                                          metadata_reused=hdr["specs"] is None, verified=state.verify or crypt is not None,
                                           phases={"handshake": t_ack - t0, "stream": t_recv - t_ack, "commit": t1 - t_recv},
                                           intrusions=list(g.intrusions[intrusions0:]))
         return self.last_report
@@ -253,38 +308,137 @@ class WeightReceiver:
         import torch
         import torch.distributed as dist
 
+        from .cipher import SLACK, pieces, writable_view
+
         pg = self.group.process_group()
         dev = self.group.device
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        pending = None
+        pending = None  # (bucket, buffer, its work or None, authentic or None)
+
+        def settle(p) -> None:
+            if p[2] is not None:
+                wait_work(self.group, p[2])
+            st.take(p[0], p[1], authentic=p[3])
+
         while True:
             d = torch.empty(4, dtype=torch.int64, device=dev)
             wait_work(self.group, pg.broadcast([d], opts))
             seq, k, nbytes, flag = d.tolist()
             if k == END:
                 if pending is not None:
-                    wait_work(self.group, pending[2])
-                    st.take(pending[0], pending[1])
+                    settle(pending)
                 st.aborted = bool(flag & ABORT)
                 return
             if seq != st.seq:
                 raise TransferError(f"out of step: got a bucket of update {seq} while receiving update {st.seq}")
             if not 0 <= k < len(st.plans) or nbytes != st.plans[k].total_bytes:
                 raise TransferError(f"bucket descriptor {k} ({nbytes} bytes) is not in the manifest of update {st.seq}")
+            if bool(flag & CIPHERED) != (st.cipher is not None):
+                raise TransferError(f"bucket {k} is {'' if flag & CIPHERED else 'not '}encrypted; the header said "
+                                    f"{'aes-256-gcm' if st.cipher is not None else 'none'}")
             if self.staged:
-                buf = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+                full = torch.empty(nbytes + SLACK, dtype=torch.uint8, device=dev)
             else:
                 slot = k % 2
-                cur = self._rot[slot]
-                if cur is None or cur.numel() < nbytes:
-                    cur = self._rot[slot] = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-                buf = cur[:nbytes]
-            w = pg.broadcast([buf], opts)
-            if pending is not None:  # verify bucket k-1 while bucket k is in flight
-                wait_work(self.group, pending[2])
-                st.take(pending[0], pending[1])
-            pending = (k, buf, w)
+                full = self._rot[slot]
+                if full is None or full.numel() < nbytes + SLACK:
+                    full = self._rot[slot] = torch.empty(nbytes + SLACK, dtype=torch.uint8, device=dev)
+            buf = full[:nbytes]
+            if not flag & PIECED:
+                w = pg.broadcast([buf], opts)
+                if pending is not None:  # verify bucket k-1 while bucket k is in flight
+                    settle(pending)
+                pending = (k, buf, w, None)
+                continue
+            # in pieces: every piece is posted at once; each is decrypted as soon as it arrived,
+            # while the next is on the wire; the tag comes last
+            works = [(off, end, pg.broadcast([full[off:end]], opts)) for off, end in pieces(nbytes)]
+            if st.cipher is None:
+                if pending is not None:
+                    settle(pending)
+                pending = (k, buf, works[-1][2] if works else None, None)
+                for _off, _end, w in works[:-1]:
+                    wait_work(self.group, w)
+                continue
+            tag = torch.empty(16, dtype=torch.uint8)
+            wt = pg.broadcast([tag], opts)
+            if pending is not None:
+                settle(pending)
+            dec = st.cipher.decryptor(k, nbytes)
+            mv = writable_view(full)
+            for off, end, w in works:
+                wait_work(self.group, w)
+                dec.piece(mv, off, end)
+            wait_work(self.group, wt)
+            pending = (k, buf, None, dec.check(bytes(tag.numpy())))
+
+    # ---------------------------------------------------------------- socket path
+    def _recv_socket(self, st: "RecvState") -> None:
+        import socket as _socket
+
+        import torch
+
+        conn = self._conn
+        if conn is None or not self._ready:
+            raise TransferError("no authenticated IPC connection to the sender")
+        while True:
+            msg, fds = conn.recv(f"bucket data of update {st.seq} (still serving version {self.version!r})")
+            op = msg["op"]
+            if op == "stream":
+                if len(fds) != 1:
+                    for fd in fds:
+                        os.close(fd)
+                    raise TransferError("the sender's stream message is malformed")
+                if self._stream is not None:
+                    self._stream.close()
+                self._stream = _socket.socket(fileno=fds[0])
+            elif op == "bucket":
+                k, nbytes = msg["k"], msg["nbytes"]
+                if msg["u"] != st.seq or not 0 <= k < len(st.plans) or nbytes != st.plans[k].total_bytes:
+                    raise TransferError(f"the sender's bucket message does not fit update {st.seq} (update {msg['u']}, "
+                                        f"bucket {k}, {nbytes} bytes)")
+                if self._stream is None:
+                    raise TransferError("the sender sent a bucket before the socket for its bytes")
+                if self.staged:
+                    buf = torch.empty(nbytes, dtype=torch.uint8)
+                else:
+                    cur = self._rot[k % 2]
+                    if cur is None or cur.numel() < nbytes:
+                        cur = self._rot[k % 2] = torch.empty(nbytes, dtype=torch.uint8)
+                    buf = cur[:nbytes]
+                self._read_exact(buf, f"bucket {k} of update {st.seq}")
+                st.take(k, buf)
+            elif op == "end":
+                if msg["u"] != st.seq:
+                    raise TransferError(f"the sender ended update {msg['u']} while this side received update {st.seq}")
+                st.aborted = bool(msg["abort"])
+                return
+            else:
+                raise TransferError(f"unexpected message {op!r} from the sender during update {st.seq}")
+
+    def _read_exact(self, buf, what: str) -> None:
+        """Read ``buf.numel()`` bytes from the bucket socket into ``buf`` (liveness checked while waiting)."""
+        import socket as _socket
+
+        g, sock = self.group, self._stream
+        mv = memoryview(buf.numpy()).cast("B")
+        n, off = len(mv), 0
+        sock.settimeout(0.5)
+        t0 = time.monotonic()
+        while off < n:
+            try:
+                got = sock.recv_into(mv[off:], n - off)
+            except _socket.timeout:
+                g.check_alive([0])
+                if time.monotonic() - t0 > g.timeout_s:
+                    raise TransferError(f"timed out waiting for {what} from the sender") from None
+                continue
+            except OSError as e:
+                raise TransferError(f"the bucket socket failed while reading {what}: {e}") from e
+            if not got:
+                raise TransferError(f"the sender closed the bucket socket in the middle of {what} (it died or gave up)")
+            off += got
 
     # ---------------------------------------------------------------- IPC path
     def _connect(self, name: str) -> bool:
@@ -301,6 +455,9 @@ class WeightReceiver:
         for imp in self._imports.values():
             imp.close()
         self._imports.clear()
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
         if self._conn is not None:
             self._conn.close()
         self._conn = self._sock_name = None

@@ -26,7 +26,8 @@ from typing import Any, Optional
 from ..errors import TransferError
 from ..units import human_bytes
 
-PROTOCOL = 2  # 2: host bytes digested with GMAC (was keyed BLAKE3)
+PROTOCOL = 3  # 3: the group's own store, peers' network namespace, the header's transport and cipher
+# (2: host bytes digested with GMAC, was keyed BLAKE3)
 MAGIC = b"USXR"
 HEAD = struct.Struct("<4sHHI")
 TAG_BYTES = 32
@@ -46,6 +47,16 @@ class ForgedRecordError(TransferError):
     """A record failed authentication: planted or replayed by someone without the group secret
     (or written for another key, update or group).  The receiving side logs it and goes on
     waiting for the genuine record."""
+
+
+class MalformedRecordError(TransferError):
+    """An authentic record (right key, update number and epoch known) whose body does not fit its
+    schema: a peer of another version or a bug.  ``seq`` and ``epoch`` say which update it was for,
+    so the reader can refuse that update and the writer hears why."""
+
+    def __init__(self, msg: str, seq: int, epoch: int):
+        super().__init__(msg)
+        self.seq, self.epoch = seq, epoch
 
 
 def derive_key(secret: bytes, purpose: str) -> bytes:
@@ -108,7 +119,7 @@ def open_record(key: bytes, group_id: str, raw: bytes, *, name: str, peer: str, 
     body = doc["b"]
     problem = check_schema(body, schema)
     if problem:
-        raise TransferError(f"record {name!r} from {peer} does not fit its schema: {problem}")
+        raise MalformedRecordError(f"record {name!r} from {peer} does not fit its schema: {problem}", rs, re_)
     return rs, re_, body
 
 
@@ -167,10 +178,13 @@ def check_schema(body: dict, schema: dict) -> Optional[str]:
 HEX = re.compile(r"[0-9a-f]{1,128}")
 NAME = re.compile(r"[A-Za-z0-9._\-]{1,128}")
 
-PEER = {"rank": INT, "device_key": STR, "host": STR, "boot": STR, "pid": INT, "pidns": INT, "uid": INT,
+PEER = {"rank": INT, "device_key": STR, "host": STR, "boot": STR, "pid": INT, "pidns": INT, "netns": INT, "uid": INT,
         "nonce": HEX, "insecure": BOOL}
+#: ``via``: how the bytes move ("ipc": shared memory; "socket": a Unix socket on one machine;
+#: "backend": the process-group backend); ``cipher``: "aes-256-gcm" (every bucket encrypted) or "none"
 HEADER = {"version": VERSION, "previous_version": VERSION, "meta_id": HEX, "specs": SPECS, "bucket_bytes": INT,
-          "path": ("collective", "ipc"), "buckets": INT, "bytes": INT, "ipc": OPT_STR, "verify": BOOL}
+          "path": ("collective", "ipc"), "via": ("ipc", "socket", "backend"), "cipher": ("none", "aes-256-gcm"),
+          "buckets": INT, "bytes": INT, "ipc": OPT_STR, "verify": BOOL}
 ACK = {"ok": BOOL, "kind": STR, "msg": STR, "connected": BOOL}
 GO = {"go": BOOL, "why": STR}
 ABORT = {"why": STR}
@@ -194,9 +208,10 @@ def version_order(new: Any, old: Any) -> int:
 
 
 def check_version(new: Any, old: Any, allow_equal: bool, who: str) -> Optional[str]:
-    """Why ``new`` may not follow ``old`` (None: it may)."""
-    if _check_value(new, VERSION):
-        return f"version {new!r} must be an integer or a short string"
+    """Why ``new`` may not follow ``old`` (None: it may); ``old`` None: nothing came before."""
+    if new is None or _check_value(new, VERSION):
+        return (f"version {new!r} is not a version: give an integer (e.g. the training step) or a string of at "
+                "most 256 characters; versions must increase from one update to the next")
     if old is None:
         return None
     order = version_order(new, old)
@@ -206,5 +221,5 @@ def check_version(new: Any, old: Any, allow_equal: bool, who: str) -> Optional[s
             "(pass allow_equal_versions=True to resend an equal version)")
 
 
-__all__ = ["PROTOCOL", "MAX_RECORD", "ForgedRecordError", "derive_key", "seal", "open_record", "check_schema",
+__all__ = ["PROTOCOL", "MAX_RECORD", "ForgedRecordError", "MalformedRecordError", "derive_key", "seal", "open_record", "check_schema",
            "version_order", "check_version", "PEER", "HEADER", "ACK", "GO", "ABORT", "DONE"]

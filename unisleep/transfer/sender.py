@@ -4,21 +4,27 @@ acknowledgements, buckets streamed double buffered, then every receiver's commit
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping
 from typing import Any, Iterator, Optional, Sequence
 
-from ..errors import InvalidArgumentError, InvalidTransitionError, TransferError, UnisleepError
-from .channels import CollectiveSendChannel, IpcSenderState, IpcSendChannel
+from ..errors import InvalidArgumentError, InvalidTransitionError, TransferError, UnisleepError, VersionError
+from .channels import CollectiveSendChannel, IpcSenderState, IpcSendChannel, SocketSendChannel, named_error
+from .cipher import BucketCipher
 from .group import TransferGroup
 from . import records as R
-from .manifest import BucketPlan, Manifest, TensorSpec, UpdateSeal, plan_buckets, write_trailer
+from .manifest import BucketPlan, Manifest, UpdateSeal, check_tensor, plan_buckets, spec_of, write_trailer
 from .names import short_names, tensor_pairs
 from .records import check_version
 from .report import TransferReport
 
+log = logging.getLogger("unisleep.transfer")
+
 MiB = 2**20
 PATHS = ("auto", "collective", "ipc")
+#: the largest bucket a sender takes (more than any machine's memory)
+MAX_BUCKET_BYTES = 1 << 40
 
 
 #: the largest default bucket: colocated IPC on a device (both processes share the device's
@@ -64,16 +70,39 @@ class WeightSender:
     ``"collective"`` or ``"ipc"``.  ``verify``: compute a keyed digest of every tensor (on by
     default; the receiver refuses an update whose bytes do not match).  ``allow_equal_versions``:
     accept a version equal to the previous one (e.g. several chunks of one version).
+
+    How the collective path moves host memory (docs/security.md): ``via=None`` — over a Unix socket
+    when every member runs on this machine (handed over the receivers' authenticated IPC
+    connections: nothing another user can connect to), else over the group's backend;
+    ``via="socket"`` or ``via=<backend>`` (e.g. ``"gloo"``) to choose.  Over gloo every pair of
+    the data channel first proves the group secret, and ``encrypt`` (``None``: on) sends every
+    bucket AES-256-GCM-encrypted under a key of its update, authenticated by its tag instead of the
+    keyed digests; ``encrypt=False`` sends them in the clear (a warning when the members are on
+    several machines).  Device memory (an accelerator's collective) is never encrypted.
     """
 
     def __init__(self, group: TransferGroup, *, bucket_bytes: Optional[int] = None, path: str = "auto",
-                 verify: bool = True, allow_equal_versions: bool = False):
+                 verify: bool = True, allow_equal_versions: bool = False, via: Optional[str] = None,
+                 encrypt: Optional[bool] = None):
         if not group.is_sender:
             raise InvalidArgumentError(f"WeightSender needs rank 0 of the group; this is rank {group.rank}")
-        if path not in PATHS:
+        if not isinstance(path, str) or path not in PATHS:
             raise InvalidArgumentError(f"path must be one of {PATHS}, got {path!r}")
-        if bucket_bytes is not None and bucket_bytes <= 0:
-            raise InvalidArgumentError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+        if bucket_bytes is not None and not (R._is_int(bucket_bytes) and 0 < bucket_bytes <= MAX_BUCKET_BYTES):
+            raise InvalidArgumentError(f"bucket_bytes must be a whole number of bytes in [1, 2**40] (or None: sized "
+                                       f"from free memory), got {bucket_bytes!r}")
+        for what, v in (("verify", verify), ("allow_equal_versions", allow_equal_versions)):
+            if not isinstance(v, bool):
+                raise InvalidArgumentError(f"{what} must be True or False, got {v!r}")
+        if via not in (None, "socket", group.backend):
+            raise InvalidArgumentError(f"via must be None (the default for the path), 'socket' or {group.backend!r}, "
+                                       f"got {via!r}")
+        if encrypt not in (None, True, False):
+            raise InvalidArgumentError(f"encrypt must be None (encrypt what crosses {group.backend}), True or False, "
+                                       f"got {encrypt!r}")
+        self.via = via
+        self.encrypt = encrypt
+        self._warned_plain = False
         self.group = group
         self.bucket_bytes = int(bucket_bytes) if bucket_bytes else default_bucket_bytes(group)
         self._path_buckets: Optional[dict] = None if bucket_bytes else {}  # path -> its default size
@@ -88,6 +117,40 @@ class WeightSender:
         self.last_report: Optional[TransferReport] = None
         self.version: Any = None
 
+    def resolve(self) -> tuple[str, str, str]:
+        """``(path, via, cipher)`` of the next update: how its bytes move (``"ipc"``: shared memory;
+        ``"socket"``: a Unix socket, host memory on one machine; ``"backend"``: the group's
+        collective) and whether they are encrypted (``"aes-256-gcm"`` or ``"none"``)."""
+        g = self.group
+        path = self.resolve_path()
+        if path == "ipc":
+            if self.encrypt:
+                raise InvalidArgumentError("encrypt=True: the colocated IPC path shares memory between two processes "
+                                           "of one machine; nothing crosses a wire to encrypt")
+            return path, "ipc", "none"
+        socket_ok = not g.platform.is_accelerator and g.local and g.platform.backend.ipc is not None
+        via = "socket" if self.via == "socket" or (self.via is None and socket_ok) else "backend"
+        if via == "socket":
+            if not socket_ok:
+                raise InvalidArgumentError("via='socket' needs host memory and every member on this machine, in its "
+                                           f"network namespace; use via={g.backend!r} between machines")
+            if self.encrypt:
+                raise InvalidArgumentError("encrypt=True: with via='socket' the bytes never leave this machine (a Unix "
+                                           f"socket only the receivers hold); encryption is for via={g.backend!r}")
+            return path, via, "none"
+        g.process_group(connect=False)
+        can = getattr(g._collective, "CIPHER", False)
+        if self.encrypt and not can:
+            raise InvalidArgumentError(f"encrypt=True: buckets on the {g.platform.name} platform's {g.backend} are "
+                                       "device memory, which unisleep does not encrypt; see docs/security.md (residual "
+                                       "risks) for what protects them")
+        cipher = "aes-256-gcm" if can and self.encrypt is not False else "none"
+        if can and cipher == "none" and not g.local and not self._warned_plain:
+            log.warning("encrypt=False: the weights cross the network between the group's machines in the clear "
+                        "(authenticated by keyed digests, readable by anyone on the path)")
+            self._warned_plain = True
+        return path, via, cipher
+
     def resolve_path(self) -> str:
         g = self.group
         if self.path == "ipc":
@@ -96,7 +159,8 @@ class WeightSender:
                 raise InvalidArgumentError("path='ipc' needs every receiver on the sender's device (same machine on host)")
             return "ipc"
         if self.path == "collective":
-            g.process_group(connect=False)  # raises when the vendor collective cannot connect these ranks
+            if g.platform.is_accelerator or not g.local:
+                g.process_group(connect=False)  # raises when the vendor collective cannot connect these ranks
             return "collective"
         return "ipc" if g.ipc_available else "collective"
 
@@ -107,33 +171,53 @@ class WeightSender:
         an iterable of ``(name, tensor)`` pairs.  With ``specs`` (a list of :class:`TensorSpec`
         or ``(name, shape, dtype)``) the iterable may be a lazy generator that produces the
         tensors in that order, so the whole model never has to exist at once.
-        ``version``: an integer or a short string; it must come after the previous version sent
-        (unless ``allow_equal_versions``: then equal is fine).
+        ``version``: an integer or a string of at most 256 characters (never None); it must come
+        after the previous version sent (unless ``allow_equal_versions``: then equal is fine), and
+        every receiver refuses one that does not come after the version it serves.
+
+        A bad argument (a tensor that is not a ``torch.Tensor``, a spec with an unknown dtype or a
+        negative dimension, a version that does not increase) raises :class:`InvalidArgumentError`
+        (:class:`VersionError` for versions) before anything is sent; found only while streaming a
+        lazy generator, it aborts the update and every receiver hears why.
 
         Raises :class:`InvalidTransitionError` when a receiver's memory is asleep (nothing was
-        sent), :class:`TransferError` when a receiver refused or rejected the update, or is dead
-        (then the message says to recreate the group).
+        sent), :class:`VersionError` when a receiver serves a version this one does not come after,
+        :class:`TransferError` when a receiver refused or rejected the update, or is dead (then the
+        message says to recreate the group).
         """
         g = self.group
         g.check_usable()
         t0 = time.perf_counter()
         why = check_version(version, self.version, self.allow_equal_versions, "this sender")
         if why:
-            raise InvalidArgumentError(why)
+            raise VersionError(why)
         if specs is not None:
-            manifest = Manifest(tuple(s if isinstance(s, TensorSpec) else
-                                      TensorSpec(s[0], tuple(int(x) for x in s[1]), str(s[2]).replace("torch.", ""))
-                                      for s in specs))
-            items: Iterator = iter(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+            if isinstance(specs, (str, bytes, Mapping)) or not hasattr(specs, "__iter__"):
+                raise InvalidArgumentError(f"specs must be a list of TensorSpec or (name, shape, dtype), got "
+                                           f"{type(specs).__name__}")
+            manifest = Manifest(tuple(spec_of(s, i) for i, s in enumerate(specs)))
+            try:
+                items: Iterator = iter(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+            except TypeError:
+                raise InvalidArgumentError(f"the tensors must be a module, a mapping or (name, tensor) pairs, got "
+                                           f"{type(named_tensors).__name__}") from None
         else:
-            pairs = tensor_pairs(named_tensors)
+            try:
+                pairs = tensor_pairs(named_tensors)
+            except TypeError:
+                raise InvalidArgumentError(f"the tensors must be a module, a mapping or (name, tensor) pairs, got "
+                                           f"{type(named_tensors).__name__}") from None
+            for i, p in enumerate(pairs):
+                if not isinstance(p, tuple) or len(p) != 2:
+                    raise InvalidArgumentError(f"item #{i} of the tensors is not a (name, tensor) pair: {str(p)[:80]}")
+                check_tensor(p[0], p[1], i)
             manifest = Manifest.of(pairs)
             items = iter(pairs)
         names = manifest.names
         if len(set(names)) != len(names):
             dup = sorted({n for n in names if names.count(n) > 1})
             raise InvalidArgumentError(f"duplicate tensor names in the update: {short_names(dup)}")
-        path = self.resolve_path()
+        path, via, cipher = self.resolve()
         if self._path_buckets is not None:  # sized once per path, so the plan stays the same
             if path not in self._path_buckets:
                 self._path_buckets[path] = default_bucket_bytes(g, path)
@@ -143,15 +227,17 @@ class WeightSender:
         epoch = g.epoch
         reuse = manifest.meta_id == self._last_meta_id
         ipc_name = None
-        if path == "ipc":
+        sock = path == "ipc" or via == "socket"  # through the IPC socket's authenticated connections
+        if sock:
             if self._ipc is None:
                 self._ipc = IpcSenderState(g)
             ipc_name = self._ipc.name
+        digests = self.verify and cipher == "none"  # an encrypted bucket is authenticated by its tag
         header = {
             "version": version, "previous_version": self.version, "meta_id": manifest.meta_id,
             "specs": None if reuse else [[s.name, list(s.shape), s.dtype] for s in manifest.specs],
-            "bucket_bytes": self.bucket_bytes, "path": path, "buckets": len(plans), "bytes": manifest.nbytes,
-            "ipc": ipc_name, "verify": self.verify,
+            "bucket_bytes": self.bucket_bytes, "path": path, "via": via, "cipher": cipher, "buckets": len(plans),
+            "bytes": manifest.nbytes, "ipc": ipc_name, "verify": digests,
         }
         intrusions0 = len(g.intrusions)
         g.put("hdr", header, seq, epoch)
@@ -159,8 +245,9 @@ class WeightSender:
         # read the header (not after "go")
         ahead, self._seal_ahead = self._seal_ahead, None
         seal = None
-        if self.verify:
+        if digests:
             seal = ahead[2] if ahead is not None and ahead[:2] == (seq, epoch) else UpdateSeal.prepared(g, seq, epoch, plans)
+        crypt = BucketCipher.of(g, seq, epoch) if cipher != "none" else None
         # ---- colocated: the first bucket is packed (and hashed) while the receivers read the
         # header and answer; its bytes stay in this process's own buffer until "go"
         chan = first = packing = None
@@ -182,7 +269,7 @@ class WeightSender:
         refusals, connect = [], []
         try:
             g.check_alive(g.receivers)  # a dead receiver: say so now, not after a timeout
-            if path == "collective":
+            if via == "backend":
                 g.process_group()  # a new epoch connects here; the receivers follow when they read the header
             for r in g.receivers:
                 ack = g.take(f"u{seq}/ack/{r}", R.ACK, seq=seq, epoch=epoch, peer=f"receiver rank {r}", watch=[r],
@@ -199,7 +286,7 @@ class WeightSender:
             r, ack = refusals[0]
             if any(a["kind"] == "metadata" for _, a in refusals):
                 self._last_meta_id = None
-            cls = InvalidTransitionError if ack["kind"] == "asleep" else TransferError
+            cls = {"asleep": InvalidTransitionError, "version": VersionError}.get(ack["kind"], TransferError)
             raise cls(f"receiver rank {r} refused update {seq} (version {version!r}); nothing was sent: {ack['msg']}")
         if packing is not None:  # every receiver that read the header hears why, as "called off"
             self._call_off(seq, epoch, f"{type(packing).__name__}: {packing}")
@@ -212,9 +299,10 @@ class WeightSender:
         # ---- stream the buckets
         live = None  # the channel, once every receiver is connected to it
         try:
-            if path == "ipc":
+            if sock:
                 self._ipc.accept(connect)
-            live = chan or (IpcSendChannel(self, seq) if path == "ipc" else CollectiveSendChannel(self, seq))
+            live = chan or (IpcSendChannel(self, seq) if path == "ipc" else SocketSendChannel(self, seq)
+                            if via == "socket" else CollectiveSendChannel(self, seq, crypt))
             self._stream(items, manifest, plans, seq, live, seal, first)
         except Exception as e:  # the generator, a spec mismatch, the transport...
             ended = False
@@ -225,7 +313,7 @@ class WeightSender:
                     ended = True
             except Exception:
                 pass
-            if path == "ipc" and not ended:
+            if sock and not ended:
                 self._drop_ipc()  # the socket is out of step; an ended one stays (the receivers read 'end')
             else:
                 g.channel_broke(f"update {seq} broke off")
@@ -243,7 +331,7 @@ class WeightSender:
         t_sent = time.perf_counter()
         # ---- every receiver verified and committed?  Meanwhile the next update's keys are made
         # (derived from the group secret, the epoch and the update number: nothing new is learnt)
-        if self.verify:
+        if digests:
             self._seal_ahead = (seq + 1, epoch, UpdateSeal.prepared(g, seq + 1, epoch, plans))
         errors = []
         try:
@@ -253,17 +341,17 @@ class WeightSender:
                 if not done["ok"]:
                     errors.append(f"rank {r}: {done['msg']}")
         except BaseException:
-            if path == "collective":
+            if via == "backend":
                 g.channel_broke(f"update {seq}: no answer")
             raise
         if errors:
-            raise TransferError(f"update {seq} (version {version!r}) was rejected; receivers keep their previous version: "
-                                + "; ".join(errors))
+            raise named_error(f"update {seq} (version {version!r}) was rejected; receivers keep their previous version: "
+                              + "; ".join(errors))
         prev, self.version = self.version, version
         self._last_meta_id = manifest.meta_id
         t1 = time.perf_counter()
         self.last_report = TransferReport(version, prev, path, len(manifest.specs), manifest.nbytes, len(plans), t1 - t0,
-                                          metadata_reused=reuse, verified=self.verify,
+                                          metadata_reused=reuse, verified=digests or cipher != "none",
                                           phases={"handshake": t_ack - t0, "stream": t_sent - t_ack, "commit_wait": t1 - t_sent},
                                           intrusions=list(g.intrusions[intrusions0:]))
         return self.last_report
@@ -291,27 +379,39 @@ class WeightSender:
         except TransferError:
             pass
 
-    def _pack(self, plan: BucketPlan, chan, items: Iterator, specs, seq: int, seal):
-        """Pack (and, on a device, hash in the same pass) the next tensors from ``items`` into
-        the channel's buffer for ``plan``; returns the buffer."""
+    def _pack(self, plan: BucketPlan, chan, items: Iterator, specs, seq: int, seal, corrupt: bool = False,
+              skip: bool = False):
+        """Pack (and, on a device, hash in the same pass; on an encrypting channel, encrypt in
+        the same pass and send each piece as soon as it is sealed) the next tensors from
+        ``items`` into the channel's buffer for ``plan``; returns the buffer."""
         import torch
 
         buf = chan.buffer(plan.index % 2, plan.total_bytes)
         # a device bucket is hashed while it is packed (one pass over each tensor)
         hasher = seal.hasher(buf, plan) if seal is not None and plan.slots and buf.device.type != "cpu" else None
+        sealer = chan.begin(plan, buf, corrupt) if hasattr(chan, "begin") and not skip else None
         with torch.no_grad():
             for i, s in enumerate(plan.slots):
                 spec = specs[s.index]
                 try:
-                    name, t = next(items)
+                    item = next(items)
                 except StopIteration:
                     raise TransferError(f"the tensors ran out at {spec.name!r} (#{s.index}); the specs list {len(specs)}") from None
+                if not isinstance(item, tuple) or len(item) != 2:
+                    raise InvalidArgumentError(f"item #{s.index} of the tensors is not a (name, tensor) pair: "
+                                               f"{str(item)[:80]}")
+                name, t = item
+                check_tensor(name, t, s.index)
                 if name != spec.name or tuple(t.shape) != spec.shape or str(t.dtype).replace("torch.", "") != spec.dtype:
                     raise TransferError(f"tensor #{s.index} is {name!r} {tuple(t.shape)} {t.dtype}, "
                                         f"the specs say {spec.name!r} {spec.shape} {spec.dtype}")
-                if s.nbytes and not (hasher is not None and hasher.fill(i, t)):
+                if sealer is not None:
+                    sealer.put(s, t)
+                elif s.nbytes and not (hasher is not None and hasher.fill(i, t)):
                     buf[s.offset: s.offset + s.nbytes].view(t.dtype).view(t.shape).copy_(t)
             write_trailer(buf, plan, seq, seal, lanes=hasher.lanes() if hasher is not None else None)
+            if sealer is not None:
+                sealer.close()
         return buf
 
     def _stream(self, items: Iterator, manifest: Manifest, plans: list[BucketPlan], seq: int, chan, seal,
@@ -321,13 +421,11 @@ class WeightSender:
             if first is not None and plan.index == 0:
                 buf = first
             else:
-                buf = self._pack(plan, chan, items, manifest.specs, seq, seal)
-            if plan.index in self._faults["corrupt"] and plan.slots:
-                o = plan.slots[0].offset
-                buf[o: o + 1].bitwise_not_()
+                buf = self._pack(plan, chan, items, manifest.specs, seq, seal,
+                                 corrupt=plan.index in self._faults["corrupt"], skip=plan.index in self._faults["skip"])
             if plan.index in self._faults["skip"]:
                 continue
-            chan.post(plan.index % 2, plan, buf)
+            chan.post(plan.index % 2, plan, buf, corrupt=plan.index in self._faults["corrupt"])
         chan.end(abort=False)
 
     def _drop_ipc(self) -> None:

@@ -21,9 +21,9 @@ class RecvState:
     ``rx`` is the :class:`~unisleep.transfer.receiver.WeightReceiver` receiving them."""
 
     def __init__(self, rx: Any, seq: int, specs: Sequence[TensorSpec], plans: list[BucketPlan], verify: bool,
-                 seal=None, epoch: int = 0):
+                 seal=None, epoch: int = 0, cipher=None):
         self.rx, self.seq, self.specs, self.plans, self.verify = rx, seq, specs, plans, verify
-        self.seal, self.epoch = seal, epoch
+        self.seal, self.epoch, self.cipher = seal, epoch, cipher
         self.got: dict[int, Any] = {}
         self.rejected: set[int] = set()
         self.corrupt: list[str] = []
@@ -32,7 +32,9 @@ class RecvState:
         self.applied = 0
         self._tmap: Optional[dict] = None
 
-    def take(self, k: int, buf) -> None:
+    def take(self, k: int, buf, authentic: Optional[bool] = None) -> None:
+        """Bucket ``k`` arrived in ``buf``; ``authentic``: the verdict of its AES-GCM tag when it
+        came encrypted (its tensors are then not digested again)."""
         if not 0 <= k < len(self.plans):
             self.problems.append(f"bucket {k} is not in the manifest ({len(self.plans)} buckets)")
             return
@@ -45,8 +47,13 @@ class RecvState:
             self.corrupt += [self.specs[s.index].name for s in plan.slots]
             self.rejected.add(k)
             return
-        if self.verify:
-            problem, bad = check_bucket(buf, plan, self.seq, self.seal)
+        if authentic is False:
+            self.problems.append(f"bucket {k} fails authentication (its AES-GCM tag): altered or forged on the way")
+            self.corrupt += [self.specs[s.index].name for s in plan.slots]
+            self.rejected.add(k)
+            return
+        if self.verify or authentic:
+            problem, bad = check_bucket(buf, plan, self.seq, self.seal if self.verify else None)
             if problem:
                 self.problems.append(problem)
             if bad:
