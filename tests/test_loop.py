@@ -217,6 +217,7 @@ class Speculative(TorchGenerator):
         return self.acceptance
 
 
+@pytest.mark.slow
 def test_draft_reload_and_acceptance_collapse_warning(lifecycle):
     eng = Speculative(lifecycle=lifecycle)
     h = Handoff(eng, min_acceptance=0.3)

@@ -44,6 +44,7 @@ def test_members_read_write_add_check_delete(server):
     assert local.fetch("pg0/0") == b"addr"
 
 
+@pytest.mark.slow
 def test_limits(server):
     a = _connect(server)
     with pytest.raises(S.StoreLimitError, match="over the store's limit"):
@@ -62,6 +63,7 @@ def test_limits(server):
         a.set("k" * (S.MAX_KEY + 1), b"")
 
 
+@pytest.mark.slow
 def test_strangers_are_refused_and_bounded(server):
     seen.clear()
     with pytest.raises(S.StoreAuthError, match="authentication"):
@@ -90,6 +92,7 @@ def test_a_member_rank_out_of_range_is_refused(server):
         _connect(server, rank=3)
 
 
+@pytest.mark.slow
 def test_watch_answers_when_the_key_changes(server):
     """A reader waiting for a key is answered as soon as another member (or rank 0 itself) sets
     it — no polling — and a value it has seen already does not answer again."""
