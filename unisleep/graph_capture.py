@@ -18,8 +18,8 @@ sleep.  So one process-wide gate orders them:
   work is part of its capture).
 
 Captures are seen where they begin: :func:`watch` wraps a graph class's ``capture_begin`` and
-``capture_end`` (each accelerator backend watches its framework's graph class when its driver is
-made), so a capture by any code of the process — vLLM's, the user's — goes through the gate, not
+``capture_end`` (a lifecycle watches the graph class its backend's descriptor names, on every
+platform, before any background work can start), so a capture by any code of the process — vLLM's, the user's — goes through the gate, not
 only captures into unisleep's pools.  unisleep's own capture contexts hold :func:`capture` as well.
 
 Lifecycle verbs that touch the device (sleep, wake, discard) called on a thread that is capturing

@@ -138,7 +138,7 @@ class CudaDriver(Driver):
         self._pools = None  # created by pool()
         self._after_work_until = 0.0  # time.monotonic() when the after-release work is done
         self._held_off_ms = 0.0  # what of it the last restores read by the SMs held off
-        if config is None and os.environ.get("UNISLEEP_RESTORE_READS"):
+        if config is None and "UNISLEEP_RESTORE_READS" in os.environ:  # checked by the config
             self.configure(restore_reads=os.environ["UNISLEEP_RESTORE_READS"])
         self.last_restore_by_sms = False
         self.last_zeroed_by_sms = 0  # bytes the last restore's SM reads zeroed besides
