@@ -81,14 +81,18 @@ def is_mapped():
 
 # ---------------------------------------------------------------------------- the fast lane
 # `pytest -m "not slow"` is the developer's loop (under a minute on a 2-core machine); `make test`
-# runs everything.  A test that starts a process or a server is slow by definition: one that is
-# not marked so and starts one fails here, naming the mark, so the fast lane stays fast.
+# runs everything.  A test that starts a Python process (a unisleep child, a server) is slow by
+# definition: one that is not marked so and starts one fails here, naming the mark, so the fast lane
+# stays fast.  Tools the code under test runs once (a compiler building a simulated library) are not
+# counted.
 _PROCESS_STARTS = (("subprocess", "Popen", "_execute_child"), ("multiprocessing.process", "BaseProcess", "start"))
 
 
 @contextlib.contextmanager
 def _no_process_starts(item):
-    if item.get_closest_marker("slow") is not None:
+    # hardware-marked tests never run in the CPU fast lane; on their hardware the libraries under
+    # test start processes of their own (Triton compiles its kernels with ptxas and ldconfig)
+    if any(item.get_closest_marker(m) is not None for m in ("slow", "cuda", "rocm", "ascend")):
         yield
         return
     import importlib
@@ -102,12 +106,28 @@ def _no_process_starts(item):
     for module, cls, attr in _PROCESS_STARTS:
         owner = getattr(importlib.import_module(module), cls)
         saved.append((owner, attr, owner.__dict__[attr]))
-        setattr(owner, attr, refuse)
+        if attr == "_execute_child":  # Popen: only a Python child is refused
+            def guard(self, args, *rest, _orig=owner.__dict__[attr], **kw):
+                if _is_python(args if isinstance(args, (list, tuple)) else [args]):
+                    refuse()
+                return _orig(self, args, *rest, **kw)
+            setattr(owner, attr, guard)
+        else:
+            setattr(owner, attr, refuse)
     try:
         yield
     finally:
         for owner, attr, fn in saved:
             setattr(owner, attr, fn)
+
+
+def _is_python(argv) -> bool:
+    """Whether a command starts a Python interpreter (the test's own child: a unisleep process)."""
+    import sys
+
+    first = os.fspath(argv[0]) if argv else ""
+    name = os.path.basename(first)
+    return first == sys.executable or name.startswith("python") or name == "setpriv" or name == "unisleep"
 
 
 @pytest.hookimpl(hookwrapper=True)
