@@ -394,6 +394,10 @@ class StoreServer:
                     self._listen_paused_until = time.monotonic() + 0.2
                 return
             sock.setblocking(False)
+            try:  # answers go out at once (Nagle would hold one behind the last, unacknowledged)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:
+                pass
             if len(self._pending) < 8 and time.monotonic() - self._refused_reported >= 2.0:
                 who = describe_peer(sock)  # while its socket is surely there (not under a flood: costly)
             else:
