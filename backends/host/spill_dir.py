@@ -131,7 +131,9 @@ def _reap(pfd: int, parent: str, name: str, boot: str, remove: bool) -> bool:
             log.warning("could not remove the spill directory %s left by a process that is gone (now %s): %s",
                         shown, os.path.join(parent, name), e.strerror)
             return False
-        log.warning("removed the spill directory %s left by a process that is gone", shown)
+        # routine housekeeping (a killed run leaves one behind): not for the user's console;
+        # ``unisleep doctor --clean`` prints what it removes
+        log.debug("removed the spill directory %s left by a process that is gone", shown)
         return True
     finally:
         if ofd >= 0:
