@@ -349,8 +349,10 @@ def _memfd_buffers() -> tuple[int, int]:
     return fds, maps
 
 
-@pytest.mark.parametrize("way,staged", [("collective", True), ("collective", False), ("ipc", True),
-                                        ("gloo", False), ("gloo-plain", True)])
+@pytest.mark.parametrize("way,staged", [("collective", True), ("ipc", True),  # each ~0.6 s: the rest in the slow lane
+                                        pytest.param("collective", False, marks=pytest.mark.slow),
+                                        pytest.param("gloo", False, marks=pytest.mark.slow),
+                                        pytest.param("gloo-plain", True, marks=pytest.mark.slow)])
 def test_an_update_leaves_no_bucket_memory_behind(pair, way, staged):
     """When send() and receive() return, neither side holds bucket memory any more — neither the
     sender's send buffers (host buffers, shared memfds) nor the receiver's (imported memfds,

@@ -171,7 +171,9 @@ class UnisleepAllocator:
     @contextlib.contextmanager
     def use_memory_pool(self, tag: Optional[str] = None) -> Iterator[None]:
         """Allocations made inside land in ``tag`` (vLLM: ``"weights"``, ``"kv_cache"``,
-        ``"runtime"``, ``"workspace"``; ``None`` = ``"default"``)."""
+        ``"runtime"``, ``"workspace"``; ``None`` = ``"default"``).  Entering another tag than the
+        weights first waits for the backup room prepared behind an earlier pool; closing a tag
+        that a level-1 sleep backs up starts preparing its room (the module docstring)."""
         tag = DEFAULT_TAG if tag is None else tag
         if not isinstance(tag, str) or not tag:
             raise InvalidArgumentError(f"tag must be a non-empty string or None, got {tag!r}")
@@ -204,8 +206,9 @@ class UnisleepAllocator:
     def cudagraph_pool(self) -> Iterator[object]:
         """What ``vllm/compilation/cudagraph_pool.py`` calls: yields the pool id to capture into;
         the graphs' memory is tag ``"cudagraph"`` (offloaded at every level by vLLM's backend,
-        restored in place, so replays stay valid).  unisleep's background device work (the
-        backup arena's growth, releases behind a sleep) waits while the context is open."""
+        restored in place, so replays stay valid).  The backup room prepared behind earlier pools
+        is waited for first; unisleep's background device work (the backup arena's growth,
+        releases behind a sleep) waits while the context is open."""
         graph_pool = getattr(self.lifecycle.driver, "graph_pool", None)
         if graph_pool is None:
             raise UnsupportedError(
