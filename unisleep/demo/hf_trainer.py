@@ -75,10 +75,20 @@ def largest_live_blocks(torch, device, n: int = 8) -> list[int]:
     return sorted(sizes, reverse=True)[:n]
 
 
-def empty_cache(torch, device) -> None:
+def empty_cache(torch, device, lc=None) -> None:
+    """Empty the framework allocator's cache on the device; with ``lc`` (a side going to sleep)
+    first give back what the platform's device libraries keep (``release_library_caches``: on
+    CUDA torch's cuBLAS workspaces, one per thread that ran a matmul — backward's among them)."""
     mod = _dev_mod(torch, device)
-    if device.type != "cpu" and mod is not None and hasattr(mod, "empty_cache"):
-        mod.empty_cache()
+    if device.type == "cpu" or mod is None or not hasattr(mod, "empty_cache"):
+        return
+    if lc is not None:
+        from ..registry import backend_of
+
+        described = backend_of(lc.driver)
+        if described is not None:
+            described.release_library_caches()
+    mod.empty_cache()
 
 
 def copy_limit(torch, device, nbytes: int = 1 << 30) -> dict:
@@ -229,7 +239,7 @@ def hf_trainer_main(conn, rendezvous: str, model_name: str, platform_name: str, 
             if cmd == "offload":  # the engine is about to generate: give the device back
                 before = memory()
                 outgoing = served = None
-                empty_cache(torch, device)
+                empty_cache(torch, device, lc)
                 rep = lc.sleep(1, offload_tags=["optimizer"])  # already asleep after a step: nothing moves
                 conn.send(("offloaded", {"seconds": rep.seconds, "bytes_copied": rep.bytes_copied,
                                          "bytes_released": rep.bytes_released, "before": before,
@@ -280,7 +290,7 @@ def hf_trainer_main(conn, rendezvous: str, model_name: str, platform_name: str, 
                 # to host memory now, before the engine wakes to receive (the trainer keeps the copy)
                 awake = lc.resident_bytes()
                 off = lc.sleep(1, offload_tags=["optimizer"])
-                empty_cache(torch, device)
+                empty_cache(torch, device, lc)
                 mark("trainer: offloaded (serving copy kept)")
                 conn.send(("trained", {
                     "logprobs": lp_list, "logprobs_served": lp_served, "loss": loss_v,
