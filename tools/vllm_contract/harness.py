@@ -203,7 +203,7 @@ def run_backend(name: str, args) -> Run:
         store = lc.backup_store
         recs: list = []
         before = {"arena_bytes": getattr(store, "capacity", None), "held_bytes": store.held_bytes,
-                  "backup_room": dict(alloc.backup_room)}
+                  "backup_room": dict(getattr(alloc, "backup_room", None) or {})}
         add_trace_sink(recs.append)
         try:
             run()
@@ -363,12 +363,13 @@ def breakdown_table(b: dict) -> str:
     lines.append("| **whole sleep** | " + " | ".join(f"**{b[k]['seconds'] * 1e3:.1f}**" for k in keys) + " |")
     for k in keys:
         sus = next((t for t in b[k]["traces"] if t["what"] == "suspend"), {})
-        before, room = b[k]["before"], b[k]["before"]["backup_room"]
+        room = b[k]["before"]["backup_room"]
+        prepared = (f"prepared while the engine started: {room['bytes'] / GiB:.2f} GiB, the start waited "
+                    f"{room['wait_s'] * 1e3:.0f} ms for it" + (f" (error: {room['error']})" if room.get("error") else "")
+                    if room else "nothing prepared (not unisleep's allocator)")
         lines.append(f"{k.replace('_', ' ')}: {sus.get('copy_bytes', 0) / GiB:.2f} GiB to copy; the arena held "
                      f"{(sus.get('arena_bytes') or 0) / GiB:.2f} GiB ({(sus.get('arena_held_bytes') or 0) / GiB:.2f} GiB "
-                     f"of backups) and was {'still growing' if sus.get('arena_growing') else 'not growing'}; "
-                     f"prepared while the engine started: {room['bytes'] / GiB:.2f} GiB, the start waited "
-                     f"{room['wait_s'] * 1e3:.0f} ms for it" + (f" (error: {room['error']})" if room.get("error") else ""))
+                     f"of backups) and was {'still growing' if sus.get('arena_growing') else 'not growing'}; {prepared}")
     return "\n".join(lines)
 
 
