@@ -179,3 +179,14 @@ def test_entry_point_absent_without_distribution():
     assert "tinyhost" not in available_backends()
     with pytest.raises(PlatformError, match="tinyhost"):
         MemoryLifecycle("tinyhost")
+
+
+def test_library_caches_are_named_where_a_platform_has_them():
+    """A side going to sleep gives back what the framework's device libraries keep beyond its
+    allocator (CUDA: torch's cuBLAS workspaces, one per thread that ran a matmul); the CUDA
+    descriptor's function loads and, on a build without CUDA, does nothing; the host names none."""
+    cuda = backend("cuda")
+    assert cuda.library_caches is not None and callable(cuda.load(cuda.library_caches))
+    cuda.release_library_caches()  # a CPU build of torch has no cuBLAS: nothing to give back, no error
+    assert backend("host").library_caches is None
+    backend("host").release_library_caches()

@@ -78,6 +78,10 @@ class Backend:
     pool: Optional[str] = None
     #: the framework's graph class whose captures unisleep watches (:mod:`unisleep.graph_capture`)
     graph_class: Optional[str] = None
+    #: ``() -> None``: give back to the framework's allocator what its device libraries keep
+    #: beyond it (e.g. torch's per-handle BLAS workspaces), so that a side going to sleep can
+    #: empty that cache too (:meth:`release_library_caches`); None: nothing such on this platform
+    library_caches: Optional[str] = None
     #: ``() -> list[str]``: settings of this environment known to break sleep mode, with the fix
     environment_warnings: Optional[str] = None
     #: where torch reads its allocator settings on this platform (expandable segments are
@@ -158,6 +162,13 @@ class Backend:
         except Exception as e:
             log.debug("detecting %s failed: %s", self.name, e)
             return None
+
+    def release_library_caches(self) -> None:
+        """What the framework's device libraries keep (``library_caches``) back into its
+        allocator, whose cache the caller then empties; the next call into such a library makes
+        it again.  A no-op where the descriptor names nothing."""
+        if self.library_caches is not None:
+            self.load(self.library_caches)()
 
     def warnings(self) -> list[str]:
         return list(self.load(self.environment_warnings)()) if self.environment_warnings else []

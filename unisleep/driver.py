@@ -483,23 +483,55 @@ class Driver(abc.ABC):
         return copied
 
 
+#: callables given every finished trace as a dict (:func:`add_trace_sink`)
+_TRACE_SINKS: list = []
+
+
+def add_trace_sink(fn) -> None:
+    """Give ``fn`` every per-phase trace of a sleep or wake from now on (also without
+    ``UNISLEEP_TRACE``): ``{"what", "seconds", "phases": [(phase, seconds)], "copied", **notes}``
+    (e.g. a harness breaking a first sleep down); :func:`remove_trace_sink` stops it."""
+    if fn not in _TRACE_SINKS:
+        _TRACE_SINKS.append(fn)
+
+
+def remove_trace_sink(fn) -> None:
+    if fn in _TRACE_SINKS:
+        _TRACE_SINKS.remove(fn)
+
+
 class _Trace:
-    """Per-phase timings of a sleep/wake, logged when ``UNISLEEP_TRACE=1`` (logger ``unisleep.trace``)."""
+    """Per-phase timings of a sleep/wake, logged when ``UNISLEEP_TRACE=1`` (logger ``unisleep.trace``)
+    and given to the trace sinks (:func:`add_trace_sink`)."""
 
     def __init__(self, what: str):
-        self.on = os.environ.get("UNISLEEP_TRACE", "") not in ("", "0")
+        self.log = os.environ.get("UNISLEEP_TRACE", "") not in ("", "0")
+        self.on = self.log or bool(_TRACE_SINKS)
         if self.on:
-            self.what, self.t0, self.last, self.parts = what, time.perf_counter(), time.perf_counter(), []
+            self.what, self.t0, self.last, self.parts, self.notes = what, time.perf_counter(), time.perf_counter(), [], {}
 
     def mark(self, phase: str) -> None:
         if self.on:
             now = time.perf_counter()
-            self.parts.append(f"{phase} {1e3 * (now - self.last):.2f} ms")
+            self.parts.append((phase, now - self.last))
             self.last = now
 
-    def done(self, copied: int) -> None:
+    def note(self, **values) -> None:
+        """Figures that explain the phases (e.g. how much room a backup found ready)."""
         if self.on:
-            total = time.perf_counter() - self.t0
+            self.notes.update(values)
+
+    def done(self, copied: int) -> None:
+        if not self.on:
+            return
+        total = time.perf_counter() - self.t0
+        if self.log:
             logging.getLogger("unisleep.trace").warning(
-                "%s %.2f ms (%s; %.2f GiB copied)", self.what, 1e3 * total, ", ".join(self.parts), copied / 2**30
-            )
+                "%s %.2f ms (%s; %.2f GiB copied)", self.what, 1e3 * total,
+                ", ".join(f"{p} {1e3 * s:.2f} ms" for p, s in self.parts), copied / 2**30)
+        rec = {"what": self.what, "seconds": total, "phases": list(self.parts), "copied": copied, **self.notes}
+        for fn in list(_TRACE_SINKS):
+            try:
+                fn(rec)
+            except Exception as e:  # a sink never breaks a sleep
+                logging.getLogger("unisleep.trace").warning("a trace sink failed: %s", e)

@@ -354,6 +354,27 @@ class _Layout:
         return lay
 
 
+def drop_layouts(device=None) -> int:
+    """Forget the block tables kept for the bucket layouts in use (on ``device``, or every
+    device): they are device memory of the framework's allocator, made again (host work and one
+    copy) the next time a layout is hashed.  The transfer calls this when an update that keeps
+    no buffers ends.  Returns how many layouts were dropped."""
+    keys = [k for k in _LAYOUTS if device is None or k[0] == str(device)]
+    for k in keys:
+        del _LAYOUTS[k]
+    return len(keys)
+
+
+def layout_bytes(device=None) -> int:
+    """Bytes of the block tables kept for bucket layouts (on ``device``, or every device)."""
+    n = 0
+    for (dev, _), lay in list(_LAYOUTS.items()):
+        if device is None or dev == str(device):
+            n += sum(t.numel() * t.element_size() for t in lay.tables)
+            n += sum(t.numel() * t.element_size() for t in lay._columns.values())
+    return n
+
+
 def segment_level(device_type: str) -> Optional[SegmentLevel]:
     """The backend's segmented NH level kernel (``nh_segments`` in its ``checksum`` module), or None."""
     return _backend_checksum_attr(device_type, "nh_segments")

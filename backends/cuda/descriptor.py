@@ -16,6 +16,7 @@ BACKEND = Backend(
     checksum=".checksum",
     pool=".pool",
     graph_class="torch.cuda:CUDAGraph",
+    library_caches=".pool:release_library_caches",
     alloc_conf_vars=("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"),
     packages=(("cuda-bindings", "cuda.bindings"), ("pynvml (nvidia-ml-py)", "pynvml")),
     extra="cuda12",

@@ -325,6 +325,11 @@ class CudaDriver(Driver):
         tr = _Trace("suspend")
         copied, tracked = 0, []
         pieces = [((job.key, off), n) for job in saves if not job.skip_copy for off, n in job.ranges]
+        # what the copies found: room registered (some of it held by backups this sleep reuses)
+        # and whether the arena was still growing (its copies then wait for new segments)
+        if tr.on:
+            tr.note(arena_bytes=store.capacity, arena_held_bytes=store.held_bytes,
+                    arena_growing=store._grower is not None, copy_bytes=sum(n for _, n in pieces))
         try:
             for key, n in pieces:  # a no-op for the room the lifecycle has reserved already
                 store.reserve(key, n)  # HostBudgetError before any copy is queued
@@ -336,7 +341,7 @@ class CudaDriver(Driver):
                     if (off, n) == (0, job.region.size):
                         tracked.append((job, marks))
                     copied += n
-            tr.mark("queue copies")
+            tr.mark("queue copies")  # with the arena short: mostly waiting for its next segments
             # the digests run on the compute stream while the copy engine works; their values
             # are read once the copies are done (a read now would queue behind them)
             finish_digests = self.start_digests(saves)

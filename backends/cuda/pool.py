@@ -16,6 +16,17 @@ from .descriptor import BACKEND
 CONF_VARS = BACKEND.alloc_conf_vars
 
 
+def release_library_caches() -> None:
+    """torch's cuBLAS (and cuBLASLt) workspaces, kept per (handle, stream) until cleared — one
+    per thread that ran a matmul, e.g. autograd's backward thread besides the caller's — back to
+    the caching allocator; torch makes them again at the next matmul."""
+    import torch
+
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+
+
 def custom_allocator(malloc_ptr: int, free_ptr: int):
     """torch's pluggable allocator over two C callbacks (the call ``CUDAPluggableAllocator``
     makes after loading a library)."""

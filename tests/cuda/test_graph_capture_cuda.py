@@ -87,8 +87,9 @@ def test_arena_growth_started_inside_a_capture_waits_for_it_to_end():
 
 def test_vllm_allocator_capture_right_after_the_weights_load():
     """vLLM's order: weights under use_memory_pool("weights") (which starts the arena's
-    preparation behind the load), KV cache, warm-up, capture in cudagraph_pool() at once, with a
-    second large preparation started inside the capture."""
+    preparation behind the load; the KV cache's pool waits for it), KV cache, warm-up, capture in
+    cudagraph_pool() at once, with a second large preparation started inside the capture (which
+    waits for the capture to end)."""
     p = _run("""
         from unisleep.vllm_worker.allocator import UnisleepAllocator
         alloc = UnisleepAllocator()

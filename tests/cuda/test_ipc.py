@@ -144,3 +144,89 @@ def test_ipc_from_lifecycle_memory():
     # no skip when the lifecycle fails here: with a GPU and cuda-bindings present, that failure is unisleep's
     out = _run(use_lifecycle=True)
     assert out[1]["v1_exact"] and out[1]["v2_exact"]
+
+
+def _side_residue(rank: int, port: int, q, barrier) -> None:
+    """Four updates over colocated IPC; around the third (default: buffers made per update) and
+    the fourth (``keep_buffers=True``) both sides empty their allocator caches and rank 0 reads
+    the device's free memory (cuMemGetInfo) with the other side waiting."""
+    try:
+        import torch
+
+        from unisleep import keyed_hash
+        from unisleep.transfer import TransferGroup, WeightReceiver, WeightSender
+
+        torch.cuda.set_device(0)
+        g = TransferGroup.create(f"tcp://127.0.0.1:{port}", rank, 2, timeout_s=60)
+        res = {"rank": rank, "free": [], "allocated": [], "held": [], "layouts": [], "phases": []}
+        tx = rx = None
+        if rank == 0:
+            tx = WeightSender(g, bucket_bytes=64 * 2**20)
+        else:
+            tgt = {k: torch.zeros_like(v) for k, v in model(0).items()}
+            rx = WeightReceiver(g, target=tgt)
+
+        def settle():
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            barrier.wait()
+            res["allocated"].append(torch.cuda.memory_allocated())
+            res["held"].append((tx or rx).buffer_bytes())
+            res["layouts"].append(len(keyed_hash._LAYOUTS))
+            if rank == 0:
+                res["free"].append(torch.cuda.mem_get_info()[0])
+            barrier.wait()
+
+        for v in (1, 2, 3, 4):
+            if v == 3:
+                settle()
+            if rank == 0:
+                tx.keep_buffers = v == 4
+                res["phases"].append(tx.send(model(v), v).phases)
+            else:
+                res["phases"].append(rx.receive().phases)
+            if v >= 3:
+                settle()
+        if rank == 1:
+            res["exact"] = all(_same(tgt[k], w) for k, w in model(4).items())
+        q.put(res)
+    except BaseException:
+        q.put({"rank": rank, "error": traceback.format_exc()})
+
+
+@needs_gpu
+@needs_bindings
+def test_an_update_leaves_no_device_memory_behind():
+    """After an update (the default: bucket memory made per update), the device has as much free
+    memory as before it, each side's allocator holds what it held before, neither side holds
+    bucket memory or the hash's block tables; with ``keep_buffers=True`` the buckets stay (so the
+    measure can see them)."""
+    ctx = mp.get_context("spawn")
+    q, barrier = ctx.Queue(), ctx.Barrier(2)
+    port = _port()
+    ps = [ctx.Process(target=_side_residue, args=(r, port, q, barrier)) for r in (0, 1)]
+    [p.start() for p in ps]
+    out = {}
+    try:
+        for _ in ps:
+            res = q.get(timeout=240)
+            out[res["rank"]] = res
+    finally:
+        for p in ps:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    for r in (0, 1):
+        assert "error" not in out[r], f"rank {r}:\n{out[r]['error']}"
+    s, r = out[0], out[1]
+    assert r["exact"]
+    MiB = 2**20
+    before, after, kept = s["free"]
+    print("free MiB before/after/kept:", before / MiB, after / MiB, kept / MiB, "phases:", s["phases"][2], r["phases"][2])
+    assert after >= before - 2 * MiB, f"the update left {(before - after) / MiB:.1f} MiB of device memory behind"
+    for side in (s, r):
+        a0, a1, _ = side["allocated"]
+        assert abs(a1 - a0) <= MiB, f"rank {side['rank']}: its allocator holds {(a1 - a0) / MiB:.1f} MiB more"
+        assert side["held"][:2] == [0, 0] and side["layouts"][:2] == [0, 0], side
+        assert side["held"][2] > 0  # keep_buffers=True: the buffers (and tables) stay, and are counted
+    assert kept <= after - 64 * MiB, "with keep_buffers=True the buckets should still take device memory"

@@ -59,3 +59,19 @@ def test_same_memory_freed_as_vllm(contract):
     for key in ("first_sleep_freed_bytes", "l2_sleep_freed_bytes", "discard_freed_bytes"):
         # unisleep frees at least what vLLM frees (within one 2 MiB granule per tensor)
         assert u[key] >= c[key] - 64 * (2 << 20), (key, u[key] / gib, c[key] / gib)
+
+
+def test_the_first_sleep_found_its_room_prepared(contract):
+    """The allocator prepared the first level-1 sleep's backup room while the engine started (the
+    weights and the runtime buffer), the start waited for it before the KV cache, and the first
+    sleep's copies found it registered; the harness prints the sleep's breakdown beside a steady one."""
+    data, log = contract
+    b = data["backends"]["unisleep"]["breakdown"]
+    first, steady = b["first_sleep"], b["steady_sleep"]
+    room = first["before"]["backup_room"]
+    assert room["error"] is None and room["bytes"] >= int(0.5 * (1 << 30)), room
+    for k in (first, steady):
+        assert {t["what"] for t in k["traces"]} == {"sleep", "suspend"}, k["traces"]
+    sus = next(t for t in first["traces"] if t["what"] == "suspend")
+    assert sus["arena_bytes"] >= int(0.5 * (1 << 30)) and sus["copy_bytes"] >= int(0.5 * (1 << 30)), sus
+    assert "unisleep sleep, phase (ms)" in log and "queue the copies" in log

@@ -315,3 +315,80 @@ def test_the_collectives_sealed_store_lives_as_long_as_its_backend():
         assert r.get("k") == b"v"  # still the Python store: its authenticated get answers
     finally:
         g0.close(), g1.close()
+
+
+# ------------------------------------------------------------ bucket memory after the update
+BIG = 40 << 20  # above glibc's largest mmap threshold (32 MiB): each such buffer is its own mapping
+
+
+def _big_anonymous_mappings() -> set:
+    """Address ranges of this process's anonymous read-write mappings the size of a bucket
+    buffer of BIG bytes (read from the kernel, not from any bookkeeping); the heaps of glibc's
+    per-thread arenas (64 MiB-aligned reservations) are not buffers."""
+    out = set()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split()
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            if (len(parts) == 5 and parts[1] == "rw-p" and parts[4] == "0" and BIG - (4 << 20) <= hi - lo <= 2 * BIG
+                    and lo % (64 << 20)):
+                out.add((lo, hi))
+    return out
+
+
+def _memfd_buffers() -> tuple[int, int]:
+    """(open descriptors, mappings) of the transfer's shared bucket memory in this process."""
+    fds = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds += "memfd:unisleep-transfer" in os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            pass
+    with open("/proc/self/maps") as f:
+        maps = sum("memfd:unisleep-transfer" in line for line in f)
+    return fds, maps
+
+
+@pytest.mark.parametrize("way,staged", [("collective", True), ("ipc", True),  # each ~0.6 s: the rest in the slow lane
+                                        pytest.param("collective", False, marks=pytest.mark.slow),
+                                        pytest.param("gloo", False, marks=pytest.mark.slow),
+                                        pytest.param("gloo-plain", True, marks=pytest.mark.slow)])
+def test_an_update_leaves_no_bucket_memory_behind(pair, way, staged):
+    """When send() and receive() return, neither side holds bucket memory any more — neither the
+    sender's send buffers (host buffers, shared memfds) nor the receiver's (imported memfds,
+    receive buffers, staged copies): read from /proc/self, not from the objects' own counts.
+    ``keep_buffers=True`` keeps them for the next update (and says so)."""
+    g0, g1 = pair
+    src = {"w": torch.arange(BIG // 4 - 1024, dtype=torch.int32)}
+    tgt = {"w": torch.zeros_like(src["w"])}
+    rx = WeightReceiver(g1, target=tgt, staged=staged)
+    tx = WeightSender(g0, bucket_bytes=BIG, **WAYS[way])
+    before_maps, before_fds = _big_anonymous_mappings(), _memfd_buffers()
+    s, r = _both(lambda: tx.send(src, 1), rx.receive)
+    assert not isinstance(s, Exception) and not isinstance(r, Exception), (s, r)
+    assert torch.equal(tgt["w"], src["w"])
+    leaked = sorted(_big_anonymous_mappings() - before_maps)
+    assert not leaked, f"{way}: {len(leaked)} bucket-sized mapping(s) still there after the update: {leaked}"
+    assert _memfd_buffers() == before_fds == (0, 0), f"{way}: shared bucket memory still open/mapped"
+    assert tx.buffer_bytes() == 0 and rx.buffer_bytes() == 0
+    assert {"buffers", "release"} <= set(s.phases) and {"buffers", "release"} <= set(r.phases), (s.phases, r.phases)
+    # kept on request: the next update reuses them, and both sides say how much they hold
+    tx.keep_buffers = True
+    s, r = _both(lambda: tx.send({"w": src["w"] + 1}, 2), rx.receive)
+    assert not isinstance(s, Exception) and not isinstance(r, Exception), (s, r)
+    assert torch.equal(tgt["w"], src["w"] + 1)
+    assert tx.buffer_bytes() >= BIG
+    if way == "ipc":
+        assert _memfd_buffers()[0] >= 1 and rx.buffer_bytes() >= BIG
+    # and given back by the next update that does not keep them
+    tx.keep_buffers = False
+    s, r = _both(lambda: tx.send({"w": src["w"] + 2}, 3), rx.receive)
+    assert not isinstance(s, Exception) and not isinstance(r, Exception), (s, r)
+    assert torch.equal(tgt["w"], src["w"] + 2)
+    assert not sorted(_big_anonymous_mappings() - before_maps) and _memfd_buffers() == (0, 0)
+    assert tx.buffer_bytes() == 0 and rx.buffer_bytes() == 0
+
+
+def test_keep_buffers_must_be_a_bool(pair):
+    with pytest.raises(InvalidArgumentError, match="keep_buffers"):
+        WeightSender(pair[0], keep_buffers="yes")

@@ -10,7 +10,8 @@ mode, through vLLM's real code (extracted by ``fetch.py``): ``SleepModeBackendFa
 backend named by the config, ``get_mem_allocator_instance()`` answers (the unisleep plugin makes
 it unisleep's allocator for ``unisleep*``), the weights (``--weights-gib`` of bytes plus a 1 GiB
 bf16 MLP) are allocated under ``use_memory_pool(tag="weights")`` — with unisleep that starts the
-backup arena's preparation in the background — the KV cache under ``"kv_cache"``; the MLP is
+backup arena's preparation in the background, which the KV cache's pool waits for — the KV cache
+under ``"kv_cache"``; the MLP is
 warmed up on a side stream, then captured through ``compilation/cudagraph_pool.capture_pool``
 (the allocator's ``cudagraph_pool()``) with ``torch.cuda.graph`` in its default global mode.
 The run then replays the graph against eager, sleeps and wakes once, replays again and exits

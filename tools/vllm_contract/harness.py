@@ -20,6 +20,13 @@ vLLM's ``get_mem_allocator_instance()`` answers — the unisleep plugin makes it
 checking each time: weights bytes exact against a reference copy, runtime bytes exact, graph
 replay exact against eager, the memory freed by ``cuMemGetInfo`` (``torch.cuda.mem_get_info``).
 Prints a table and writes JSON.  Exit 1 when a check fails.
+
+For ``unisleep`` it also breaks the first level-1 sleep down beside the first steady one (the
+lifecycle's and the CUDA driver's per-phase traces, ``unisleep.driver.add_trace_sink``): what the
+backup arena held when the sleep began and whether it was still growing (the copies then wait for
+its segments: "queue copies"), the copies, the digests, the releases; and what the allocator
+prepared while the engine started (``UnisleepAllocator.backup_room``: bytes, seconds the start
+waited for it).
 """
 
 from __future__ import annotations
@@ -78,6 +85,7 @@ class Run:
         self.checks: list[tuple[str, bool, str]] = []
         self.t: dict[str, list[float]] = {}
         self.mem: dict[str, int] = {}
+        self.breakdown: dict[str, dict] = {}  # unisleep: the first and first steady sleep, phase by phase
 
     def check(self, what, ok, detail=""):
         self.checks.append((what, bool(ok), detail))
@@ -120,6 +128,7 @@ def run_backend(name: str, args) -> Run:
     free0 = _free()
 
     # 1. load -----------------------------------------------------------------------------
+    t_load = time.perf_counter()
     r.check("usage 0 before weights", alloc.get_current_usage() == 0, str(alloc.get_current_usage()))
     with alloc.use_memory_pool(tag="weights"):
         weights = [torch.randint(0, 256, (W // nw,), dtype=torch.uint8, device=dev, generator=gen)
@@ -145,6 +154,7 @@ def run_backend(name: str, args) -> Run:
         with torch.cuda.graph(graph, pool=pool):
             y = x * 3 + weights[0][:n].to(torch.int32) + rt[:n].to(torch.int32)
     _sync()
+    r.t["load"] = [time.perf_counter() - t_load]  # unisleep: with the wait for the backup room before the KV cache
     loaded = free0 - _free()
     r.mem["loaded_bytes"] = loaded
     r.mem["usage_bytes"] = alloc.get_current_usage()
@@ -163,7 +173,10 @@ def run_backend(name: str, args) -> Run:
 
     def sleep(level, key):
         before = _free()
-        r.time(key, lambda: backend.suspend(level))
+        if name == "unisleep" and key in ("first_sleep", "steady_sleep") and key not in r.breakdown:
+            traced(key, lambda: r.time(key, lambda: backend.suspend(level)))
+        else:
+            r.time(key, lambda: backend.suspend(level))
         freed = _free() - before
         want = K + (W if level >= 1 else 0)
         if behind:  # the memory comes back behind the return: how long after it (polled)
@@ -181,6 +194,23 @@ def run_backend(name: str, args) -> Run:
         replay_ok(key + " after weights")  # runtime + graph pool came back with the weights
         r.time(key + "_kv", lambda: backend.resume(["kv_cache"]))
         r.t.setdefault(key, []).append(r.t[key + "_weights"][-1] + r.t[key + "_kv"][-1])
+
+    def traced(key, run):
+        """Run a sleep with the lifecycle's and the driver's traces collected: its breakdown."""
+        from unisleep.driver import add_trace_sink, remove_trace_sink
+
+        lc = alloc.lifecycle
+        store = lc.backup_store
+        recs: list = []
+        before = {"arena_bytes": getattr(store, "capacity", None), "held_bytes": store.held_bytes,
+                  "backup_room": dict(getattr(alloc, "backup_room", None) or {})}
+        add_trace_sink(recs.append)
+        try:
+            run()
+        finally:
+            remove_trace_sink(recs.append)
+        r.breakdown[key] = {"seconds": r.t[key][-1], "before": before,
+                            "traces": [{**t, "phases": [[p, s] for p, s in t["phases"]]} for t in recs]}
 
     # 2. first sleep ----------------------------------------------------------------------
     if args.settle_s:
@@ -262,7 +292,7 @@ def summarize(runs, args) -> dict:
              for k, v in r.t.items()}
         out["backends"][r.name] = {
             "allocator": getattr(r, "allocator", None), "backend": getattr(r, "backend", None),
-            "times_s": t, "memory": r.mem,
+            "times_s": t, "memory": r.mem, "breakdown": r.breakdown,
             "checks": [{"what": w, "ok": ok, "detail": d} for w, ok, d in r.checks],
             "passed": all(ok for _, ok, _ in r.checks),
         }
@@ -270,7 +300,8 @@ def summarize(runs, args) -> dict:
 
 
 def table(out) -> str:
-    rows = [("first sleep (L1)", "first_sleep"), ("first wake (weights+kv)", "first_wake"),
+    rows = [("load (weights, KV cache, runtime, graph capture)", "load"),
+            ("first sleep (L1)", "first_sleep"), ("first wake (weights+kv)", "first_wake"),
             ("steady L1 sleep", "steady_sleep"), ("steady L1 wake", "steady_wake"),
             ("unchanged L1 sleep", "unchanged_sleep"), ("unchanged L1 wake", "unchanged_wake"),
             ("L2 sleep", "l2_sleep"), ("L2 wake weights", "l2_wake_weights"),
@@ -286,6 +317,59 @@ def table(out) -> str:
             t = out["backends"][nm]["times_s"].get(key)
             cells.append(f"{t['median']:.4f}" if t else "-")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+#: the breakdown's rows: (label, the trace and phase it is read from)
+BREAKDOWN = [
+    ("vLLM backend + allocator, outside the lifecycle", None),
+    ("plan + check of retained digests", ("sleep", "plan + unchanged check")),
+    ("reserve the backup's room", ("sleep", "reserve")),
+    ("queue the copies (waits for the arena's growth)", ("suspend", "queue copies")),
+    ("queue the digests", ("suspend", "queue digests")),
+    ("release the discarded tags (KV cache)", ("suspend", "release discarded")),
+    ("copies complete, their chunks released", ("suspend", "release copied chunks")),
+    ("read the digests", ("suspend", "read digests")),
+    ("release the rest", ("suspend", "release the rest")),
+    ("bookkeeping", ("sleep", "bookkeeping")),
+]
+
+
+def breakdown_table(b: dict) -> str:
+    """The unisleep run's first and first steady sleep, phase by phase (ms), and what the backup
+    arena held when each began."""
+    keys = [k for k in ("first_sleep", "steady_sleep") if k in b]
+    if not keys:
+        return ""
+
+    def phase(k, what, ph):
+        tr = next((t for t in b[k]["traces"] if t["what"] == what), None)
+        if tr is None:
+            return None
+        return sum(s for p, s in tr["phases"] if p == ph)
+
+    lines = ["| unisleep sleep, phase (ms) | " + " | ".join(k.replace("_", " ") for k in keys) + " |",
+             "|---|" + "---|" * len(keys)]
+    for label, src in BREAKDOWN:
+        cells = []
+        for k in keys:
+            if src is None:
+                sl = next((t for t in b[k]["traces"] if t["what"] == "sleep"), None)
+                v = None if sl is None else b[k]["seconds"] - sl["seconds"]
+            else:
+                v = phase(k, *src)
+            cells.append("-" if v is None else f"{v * 1e3:.1f}")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines.append("| **whole sleep** | " + " | ".join(f"**{b[k]['seconds'] * 1e3:.1f}**" for k in keys) + " |")
+    for k in keys:
+        sus = next((t for t in b[k]["traces"] if t["what"] == "suspend"), {})
+        room = b[k]["before"]["backup_room"]
+        prepared = (f"prepared while the engine started: {room['bytes'] / GiB:.2f} GiB, the start waited "
+                    f"{room['wait_s'] * 1e3:.0f} ms for it" + (f" (error: {room['error']})" if room.get("error") else "")
+                    if room else "nothing prepared (not unisleep's allocator)")
+        lines.append(f"{k.replace('_', ' ')}: {sus.get('copy_bytes', 0) / GiB:.2f} GiB to copy; the arena held "
+                     f"{(sus.get('arena_bytes') or 0) / GiB:.2f} GiB ({(sus.get('arena_held_bytes') or 0) / GiB:.2f} GiB "
+                     f"of backups) and was {'still growing' if sus.get('arena_growing') else 'not growing'}; {prepared}")
     return "\n".join(lines)
 
 
@@ -323,6 +407,10 @@ def main() -> int:
             runs.append(r)
     out = summarize(runs, args)
     print(table(out))
+    if "unisleep" in out["backends"]:
+        bt = breakdown_table(out["backends"]["unisleep"].get("breakdown") or {})
+        if bt:
+            print(bt)
     for nm, b in out["backends"].items():
         print(nm, "passed" if b["passed"] else "FAILED", json.dumps(b["memory"]))
     if args.json:

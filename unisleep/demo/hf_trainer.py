@@ -28,6 +28,7 @@ from ..errors import UnisleepError
 from ..platform import detect_platform
 from .presets import action_logprobs, build_model, fingerprint, preset, torch_dtype
 from .hf_engine import flat_pieces
+from .residue import host_backup, rss_bytes
 from .trainer_process import _report, commands
 
 BUCKET_BYTES_MODEL = 512 << 20
@@ -51,10 +52,43 @@ def allocator_bytes(torch, device) -> int:
     return int(mod.memory_reserved(device))
 
 
-def empty_cache(torch, device) -> None:
+def allocated_live(torch, device) -> int:
+    """Bytes of live tensors in the framework allocator on the device (what ``empty_cache`` cannot
+    give back; 0 on host)."""
     mod = _dev_mod(torch, device)
-    if device.type != "cpu" and mod is not None and hasattr(mod, "empty_cache"):
-        mod.empty_cache()
+    if device.type == "cpu" or mod is None or not hasattr(mod, "memory_allocated"):
+        return 0
+    return int(mod.memory_allocated(device))
+
+
+def largest_live_blocks(torch, device, n: int = 8) -> list[int]:
+    """The sizes of the ``n`` largest live blocks in the framework allocator (what a sleeping
+    process still holds there); empty on host or where the allocator cannot say."""
+    mod = _dev_mod(torch, device)
+    if device.type == "cpu" or mod is None or not hasattr(mod, "memory_snapshot"):
+        return []
+    try:
+        sizes = [b["size"] for seg in mod.memory_snapshot() for b in seg.get("blocks", ())
+                 if b.get("state") == "active_allocated"]
+    except Exception:  # a figure for a table
+        return []
+    return sorted(sizes, reverse=True)[:n]
+
+
+def empty_cache(torch, device, lc=None) -> None:
+    """Empty the framework allocator's cache on the device; with ``lc`` (a side going to sleep)
+    first give back what the platform's device libraries keep (``release_library_caches``: on
+    CUDA torch's cuBLAS workspaces, one per thread that ran a matmul — backward's among them)."""
+    mod = _dev_mod(torch, device)
+    if device.type == "cpu" or mod is None or not hasattr(mod, "empty_cache"):
+        return
+    if lc is not None:
+        from ..registry import backend_of
+
+        described = backend_of(lc.driver)
+        if described is not None:
+            described.release_library_caches()
+    mod.empty_cache()
 
 
 def copy_limit(torch, device, nbytes: int = 1 << 30) -> dict:
@@ -106,13 +140,18 @@ def hf_trainer_main(conn, rendezvous: str, model_name: str, platform_name: str, 
     from ..transfer import TransferGroup, WeightSender
 
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
-    group = None
+    group = sender = None
     marks: list = []
 
+    def memory() -> dict:
+        """Where this process's memory is now: its lifecycle, its allocator, the device, its
+        resident set, the transfer's buckets it holds, its backups' host memory."""
+        return {"resident": lc.resident_bytes(), "allocator": allocator_bytes(torch, device),
+                "allocated": allocated_live(torch, device), "device_used": device_used(torch, device), "rss": rss_bytes(),
+                "transfer": sender.buffer_bytes() if sender is not None else 0, "host_backup": host_backup(lc)}
+
     def mark(phase: str) -> None:
-        """Where this process's device memory is now: its lifecycle, its allocator, the device."""
-        marks.append({"t": time.monotonic(), "phase": phase, "resident": lc.resident_bytes(),
-                      "allocator": allocator_bytes(torch, device), "device_used": device_used(torch, device)})
+        marks.append({"t": time.monotonic(), "phase": phase, **memory()})
 
     try:
         p = preset(model_name)
@@ -167,10 +206,6 @@ def hf_trainer_main(conn, rendezvous: str, model_name: str, platform_name: str, 
             group.close()
         raise SystemExit(1)
 
-    def memory() -> dict:
-        return {"resident": lc.resident_bytes(), "allocator": allocator_bytes(torch, device),
-                "device_used": device_used(torch, device)}
-
     def logprobs(prompts, tokens, served=None):
         """Action logprobs of ``tokens`` after ``prompts`` in one full forward: the trainer's own
         numerics (its float32 master weights, bf16 autocast for the bf16 presets), or with
@@ -204,10 +239,11 @@ def hf_trainer_main(conn, rendezvous: str, model_name: str, platform_name: str, 
             if cmd == "offload":  # the engine is about to generate: give the device back
                 before = memory()
                 outgoing = served = None
-                empty_cache(torch, device)
+                empty_cache(torch, device, lc)
                 rep = lc.sleep(1, offload_tags=["optimizer"])  # already asleep after a step: nothing moves
                 conn.send(("offloaded", {"seconds": rep.seconds, "bytes_copied": rep.bytes_copied,
-                                         "bytes_released": rep.bytes_released, "before": before, "after": memory(),
+                                         "bytes_released": rep.bytes_released, "before": before,
+                                         "after": {**memory(), "live_blocks": largest_live_blocks(torch, device)},
                                          "state": lc.state()}))
             elif cmd == "train":
                 marks.clear()
@@ -254,7 +290,7 @@ def hf_trainer_main(conn, rendezvous: str, model_name: str, platform_name: str, 
                 # to host memory now, before the engine wakes to receive (the trainer keeps the copy)
                 awake = lc.resident_bytes()
                 off = lc.sleep(1, offload_tags=["optimizer"])
-                empty_cache(torch, device)
+                empty_cache(torch, device, lc)
                 mark("trainer: offloaded (serving copy kept)")
                 conn.send(("trained", {
                     "logprobs": lp_list, "logprobs_served": lp_served, "loss": loss_v,

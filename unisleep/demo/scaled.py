@@ -43,6 +43,7 @@ from .cli import platform_for
 from .constants import PROBE_PROMPTS, RELEASED_MIN
 from .presets import ACTIONS, fingerprint, preset
 from .report import finish_with_reward, print_checks, step_progress, three_panels, verdict, write_json
+from . import residue as R
 from .trainer_process import TrainerProcess, free_port
 
 GiB = 1 << 30
@@ -131,7 +132,8 @@ def format_table_scaled(steps: list[ScaledStep]) -> str:
     return "\n".join(lines)
 
 
-def scaled_checks(steps: list[ScaledStep], monitor, failure: Optional[str], target: int, tol: float) -> list[Check]:
+def scaled_checks(steps: list[ScaledStep], monitor, failure: Optional[str], target: int, tol: float,
+                  timeline: Optional[list] = None) -> list[Check]:
     checks = _loop_ran(failure)
     if not steps:
         return checks
@@ -157,6 +159,8 @@ def scaled_checks(steps: list[ScaledStep], monitor, failure: Optional[str], targ
          "generated") if not low_e and not low_t else
         f"engine released too little at steps {low_e}; trainer at steps {low_t}",
     ))
+    if timeline is not None:
+        checks.append(R.check(timeline))
     checks.append(_gap_steady(steps, monitor))
     checks.append(learned(steps, target))
     return checks
@@ -221,24 +225,41 @@ def plot_scaled(steps, timeline, path: str, title: str, total: Optional[int] = N
 def memory_rows(timeline: list[dict], step: int) -> list[dict]:
     """The timeline's marks of ``step`` (0: the start), each with what no lifecycle or allocator
     of the two processes accounts for (device contexts, communication buffers, the transfer's
-    shared bucket buffers): ``other``."""
+    shared bucket buffers; on the host: interpreters, libraries, heaps): ``other``; the memory in
+    use (``in_use``); the transfer's buckets both sides hold (``transfer``); and, where one side
+    works and the other sleeps, what the sleeping side leaves (``residue``, :mod:`.residue`)."""
+    base = R.baseline(timeline)
     rows = []
     for e in timeline:
         if e["step"] != step:
             continue
-        known = e["engine"] + e["engine_allocator"] + e["trainer"] + e["trainer_allocator"]
-        rows.append({**e, "other": None if e.get("device_used") is None else e["device_used"] - known})
+        rows.append({**e, "other": R.other(e), "in_use": R.in_use(e),
+                     "transfer": e.get("engine_transfer", 0) + e.get("trainer_transfer", 0),
+                     "residue": R.residue(e, base)})
     return rows
 
 
+def _backup_total(hb) -> Optional[int]:
+    return None if hb is None else sum(hb.values())
+
+
 def format_memory(timeline: list[dict], step: int) -> str:
-    head = (f"{'phase (step ' + str(step) + ')':<44} {'eng life':>8} {'eng alloc':>9} {'trn life':>8} "
-            f"{'trn alloc':>9} {'other':>6} {'device':>7}")
+    rows = memory_rows(timeline, step)
+    backups = any(e.get("engine_host_backup") is not None or e.get("trainer_host_backup") is not None for e in rows)
+    head = (f"{'phase (step ' + str(step) + ')':<44} {'works':>7} {'eng life':>8} {'eng alloc':>9} {'trn life':>8} "
+            f"{'trn alloc':>9} {'xfer':>5} {'other':>6} {'in use':>7} {'residue/allowed':>16}"
+            + (f" {'eng host':>8} {'trn host':>8}" if backups else ""))
     lines = [head, "-" * len(head)]
-    for e in memory_rows(timeline, step):
-        lines.append(f"{e['phase'][:44]:<44} {gib(e['engine']):>8} {gib(e['engine_allocator']):>9} "
-                     f"{gib(e['trainer']):>8} {gib(e['trainer_allocator']):>9} {gib(e['other']):>6} "
-                     f"{gib(e.get('device_used')):>7}")
+    for e in rows:
+        r = e["residue"]
+        res = "" if r is None else f"{gib(r['bytes'])}/{gib(r['allowed'])}{' !' if r['bytes'] > r['allowed'] else ''}"
+        line = (f"{e['phase'][:44]:<44} {e.get('works') or '':>7} {gib(e['engine']):>8} "
+                f"{gib(e.get('engine_allocator', 0)):>9} {gib(e['trainer']):>8} {gib(e.get('trainer_allocator', 0)):>9} "
+                f"{gib(e['transfer']):>5} {gib(e['other']):>6} {gib(e['in_use']):>7} {res:>16}")
+        if backups:
+            line += (f" {gib(_backup_total(e.get('engine_host_backup'))):>8}"
+                     f" {gib(_backup_total(e.get('trainer_host_backup'))):>8}")
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -260,7 +281,7 @@ def run_model(args) -> int:
     from ..loop import Handoff
     from ..transfer import TransferGroup, WeightReceiver
     from .hf_engine import HFGenerator, flat_pieces
-    from .hf_trainer import allocator_bytes, hf_trainer_main
+    from .hf_trainer import allocated_live, allocator_bytes, hf_trainer_main, largest_live_blocks
 
     p = preset(args.model)
     platform = platform_for(args.device)
@@ -285,7 +306,9 @@ def run_model(args) -> int:
     eng = None
     lc = MemoryLifecycle(platform)
     mod = getattr(torch, dev.type, None)
-    tr_mem = {"resident": 0, "allocator": 0}
+    tr_mem = {"resident": 0, "allocator": 0, "allocated": 0, "rss": None, "transfer": 0, "host_backup": None,
+              "live_blocks": []}
+    receiver = None
     device_total = None
     if dev.type != "cpu" and mod is not None and hasattr(mod, "mem_get_info"):
         device_total = int(mod.mem_get_info(dev)[1])
@@ -296,21 +319,35 @@ def run_model(args) -> int:
         free, total = mod.mem_get_info(dev)
         return int(total - free)
 
+    def engine_side() -> dict:
+        return {"engine": lc.resident_bytes(), "engine_allocator": allocator_bytes(torch, dev),
+                "engine_allocated": allocated_live(torch, dev), "engine_rss": R.rss_bytes(), "engine_transfer": receiver.buffer_bytes() if receiver is not None else 0,
+                "engine_host_backup": R.host_backup(lc)}
+
+    def take(mem: dict) -> None:
+        """The trainer's figures as it last reported them (it does not change while it waits)."""
+        tr_mem.update(resident=mem["resident"], allocator=mem["allocator"], allocated=mem.get("allocated", 0),
+                      rss=mem.get("rss"), transfer=mem.get("transfer", 0), host_backup=mem.get("host_backup"),
+                      live_blocks=mem.get("live_blocks", []))
+
     def mark(phase: str, step: int) -> None:
-        timeline.append({"t": time.monotonic() - t_mono, "phase": phase, "step": step,
-                         "engine": lc.resident_bytes(), "trainer": tr_mem["resident"],
-                         "trainer_allocator": tr_mem["allocator"], "engine_allocator": allocator_bytes(torch, dev),
-                         "device_used": used_now()})
+        timeline.append({"t": time.monotonic() - t_mono, "phase": phase, "step": step, "works": R.WORKS.get(phase),
+                         **engine_side(), "trainer": tr_mem["resident"], "trainer_allocator": tr_mem["allocator"],
+                         "trainer_allocated": tr_mem["allocated"], "trainer_live_blocks": tr_mem["live_blocks"],
+                         "trainer_rss": R.rss_bytes(proc.pid), "trainer_transfer": tr_mem["transfer"],
+                         "trainer_host_backup": tr_mem["host_backup"], "device_used": used_now()})
 
     def trainer_marks(phases: list, step: int) -> None:
         """The trainer's own marks (inside a command), with the engine side as it is now."""
         for ph in phases:
             timeline.append({"t": ph["t"] - t_mono, "phase": ph["phase"], "step": step,
-                             "engine": lc.resident_bytes(), "trainer": ph["resident"],
-                             "trainer_allocator": ph["allocator"], "engine_allocator": allocator_bytes(torch, dev),
+                             "works": R.WORKS.get(ph["phase"]), **engine_side(), "trainer": ph["resident"],
+                             "trainer_allocator": ph["allocator"], "trainer_allocated": ph.get("allocated", 0),
+                             "trainer_rss": ph.get("rss"),
+                             "trainer_transfer": ph.get("transfer", 0), "trainer_host_backup": ph.get("host_backup"),
                              "device_used": ph["device_used"]})
         if phases:
-            tr_mem.update(resident=phases[-1]["resident"], allocator=phases[-1]["allocator"])
+            take(phases[-1])
 
     try:
         # the trainer builds its model, optimizer state and gradients and offloads them before the
@@ -353,8 +390,8 @@ def run_model(args) -> int:
                 print(f"copy limit measured now (pinned, 1 GiB): host->device {cl['h2d_gbps']:.1f} GB/s, "
                       f"device->host {cl['d2h_gbps']:.1f} GB/s")
         off = trainer.call("offload", None, "offloaded")
-        tr_mem.update(resident=off["after"]["resident"], allocator=off["after"]["allocator"])
-        mark("start: engine awake, trainer offloaded", 0)
+        take(off["after"])
+        mark(R.BASELINE, 0)
         for step in range(1, args.steps + 1):
             prompts = torch.randint(0, p.config["vocab_size"], (args.batch, p.prompt_len), generator=rng).tolist()
             t0 = time.perf_counter()
@@ -371,7 +408,7 @@ def run_model(args) -> int:
             tr = trainer.call("train", {"prompts": prompts, "tokens": tokens, "rewards": rewards}, "trained")
             train_ms = (time.perf_counter() - t0) * 1e3
             trainer_marks(tr["phases"], step)
-            tr_mem.update(resident=tr["after"]["resident"], allocator=tr["after"]["allocator"])
+            take(tr["after"])
             gs = monitor.observe([g.logprobs for g in gens], tr["logprobs"], top_p=args.top_p, step=step,
                                  version=version_served)
             served = tr["logprobs_served"] or tr["logprobs"]
@@ -398,11 +435,12 @@ def run_model(args) -> int:
             probe_tokens = [g.token_ids for g in probe]
             full = eng.full_logprobs(PROBE_PROMPTS, probe_tokens)
             sc = trainer.call("score", {"prompts": PROBE_PROMPTS, "tokens": probe_tokens}, "scored")
+            take(sc["memory"])
             probe_gap = max(abs(a - b) for e, t in zip(full, sc["logprobs"]) for a, b in zip(e, t))
             probe_decode_gap = max_logprob_gap(probe, sc["logprobs"])
             mark("probe scored by both sides", step)
             off = trainer.call("offload", None, "offloaded")
-            tr_mem.update(resident=off["after"]["resident"], allocator=off["after"]["allocator"])
+            take(off["after"])
             mark("trainer dropped its serving copy", step)
             tm = rep.timings
             ph = sent["recv"].get("phases", {})
@@ -436,7 +474,7 @@ def run_model(args) -> int:
             eng.close()
         lc.close()
     elapsed = time.perf_counter() - t_start
-    checks = scaled_checks(steps, monitor, failure, args.target, p.probe_tol)
+    checks = scaled_checks(steps, monitor, failure, args.target, p.probe_tol, timeline)
     ok = bool(steps) and all(c.ok is not False for c in checks) and len(steps) == args.steps
     gl = goals(steps, init.get("copy_limit") or {})
     peak = memory_peak(timeline, device_total)
@@ -449,8 +487,12 @@ def run_model(args) -> int:
               + f"; {len(steps)} steps in {elapsed:.1f} s")
     if timeline:
         print()
-        print("device memory by phase, GiB (life: lifecycle memory; alloc: the framework allocator of that process; "
-              "other: device in use minus those four)")
+        on_device = any(e.get("device_used") is not None for e in timeline)
+        print(("device memory by phase, GiB (in use: the device's, all processes" if on_device else
+               "host memory by phase, GiB (in use: the two processes' resident sets") +
+              "; life: lifecycle memory; alloc: the framework allocator of that process; xfer: the transfer's "
+              "buckets both sides hold; other: in use minus the four before; residue: in use minus the working "
+              "side's own, against what the start allows, where one side works and the other sleeps)")
         print(format_memory(timeline, 0))
         if steps:
             print(format_memory(timeline, steps[-1].step))
@@ -467,7 +509,7 @@ def run_model(args) -> int:
         "ok": ok, "engine": "hf", "model": p.name, "params": init.get("params"), "platform": platform.name,
         "args": vars(args), "seconds": elapsed, "copy_limit": init.get("copy_limit"),
         "trainer_tags": init.get("tags"), "steps": [s.as_dict() for s in steps], "timeline": timeline,
-        "memory_peak": peak,
+        "memory_peak": peak, "residue": R.summary(timeline),
         "goals": [{"goal": g, "figure": f, "met": m} for g, f, m in gl], "checks": [c.__dict__ for c in checks],
         "gap": monitor.summary(), "failure": failure, "engine_pid": os.getpid(), "trainer_pid": proc.pid,
         "transfer": {"backend": getattr(group, "backend", None), "path": (steps and sent.get("recv", {}).get("path"))},

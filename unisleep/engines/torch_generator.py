@@ -324,9 +324,15 @@ class TorchGenerator(Engine):
     def release_cache(self) -> None:
         """Give the framework allocator's cached blocks on the engine's device back to the device:
         what generation and a staged weight update left there (the received buckets are freed
-        after the update but stay cached until now).  A no-op on host."""
+        after the update but stay cached until now), and what its device libraries kept (the
+        platform's ``release_library_caches``: on CUDA torch's cuBLAS workspaces).  A no-op on host."""
         if self.device.type == "cpu":
             return
+        from ..registry import backend_of
+
+        described = backend_of(self.lifecycle.driver)
+        if described is not None:
+            described.release_library_caches()
         mod = getattr(torch, self.device.type, None)
         if mod is not None and hasattr(mod, "empty_cache"):
             mod.empty_cache()

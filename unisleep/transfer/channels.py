@@ -245,10 +245,14 @@ def host_buffer(sender: Any, slot: int, nbytes: int, device):  # sender: a Weigh
 
     cur = sender._coll_slots[slot]
     if cur is None or cur.numel() < nbytes + SLACK:
-        if nbytes > sender.bucket_bytes + 4096:
-            return torch.empty(nbytes + SLACK, dtype=torch.uint8, device=device)
-        cur = sender._coll_slots[slot] = torch.empty(max(nbytes, sender.bucket_bytes + 4096) + SLACK,
-                                                     dtype=torch.uint8, device=device)
+        t0 = time.perf_counter()
+        try:
+            if nbytes > sender.bucket_bytes + 4096:
+                return torch.empty(nbytes + SLACK, dtype=torch.uint8, device=device)
+            cur = sender._coll_slots[slot] = torch.empty(max(nbytes, sender.bucket_bytes + 4096) + SLACK,
+                                                         dtype=torch.uint8, device=device)
+        finally:
+            sender._buffer_s += time.perf_counter() - t0
     return cur
 
 
@@ -729,6 +733,19 @@ class IpcSenderState:
         sock.settimeout(g.timeout_s)
         return r, IpcConn(sock, g, f"{base}/{nonce}{mine}/{r}", "s", "r", f"receiver rank {r}", r)
 
+    def release_buffers(self) -> None:
+        """Give the exported bucket buffers back (a receiver's mapping keeps its memory until it
+        unmaps it); the socket and the connections stay for the next update."""
+        for s in self.slots:
+            if s is not None:
+                s[1].close()
+        self.slots = [None, None]
+        self.shared.clear()
+        self.busy = [set(), set()]
+
+    def buffer_bytes(self) -> int:
+        return sum(s[1].nbytes for s in self.slots if s is not None)
+
     def close(self) -> None:
         self._closed = True
         for c in self.conns.values():
@@ -790,10 +807,13 @@ class IpcSendChannel:
                 cur[1].close()
                 st.shared.pop(cur[0], None)
             cap = max(nbytes, self.s.bucket_bytes + 4096)
+            t0 = time.perf_counter()
             try:
                 buf = st.ipc.ExportBuffer(cap, self.s.group.device_index)
             except OSError as e:
                 raise (descriptor_error(e, "making shareable bucket memory", "the sender") or e) from None
+            finally:
+                self.s._buffer_s += time.perf_counter() - t0
             cur = st.slots[slot] = (uuid.uuid4().hex[:12], buf)
         return cur[1].tensor
 
@@ -807,7 +827,10 @@ class IpcSendChannel:
         for r, conn in st.conns.items():
             try:
                 if r not in have:
-                    conn.send("buf", [eb.fd()], id=bid, slot=slot, nbytes=eb.nbytes)
+                    t0 = time.perf_counter()
+                    fd = eb.fd()  # exported once per buffer
+                    self.s._buffer_s += time.perf_counter() - t0
+                    conn.send("buf", [fd], id=bid, slot=slot, nbytes=eb.nbytes)
                     have.add(r)
                 conn.send("bucket", k=plan.index, id=bid, slot=slot, nbytes=plan.total_bytes, u=self.seq)
             except TransferError as e:

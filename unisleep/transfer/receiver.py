@@ -69,6 +69,7 @@ class WeightReceiver:
         self.allow_equal_versions = allow_equal_versions
         self._imports: dict[str, Any] = {}
         self._rot: list = [None, None]
+        self._buffer_s = 0.0  # seconds this update spent mapping or allocating bucket memory
         self.last_report: Optional[TransferReport] = None
 
     # ---------------------------------------------------------------- checks before bytes
@@ -244,6 +245,8 @@ class WeightReceiver:
         t_ack = time.perf_counter()
         crypt = BucketCipher.of(g, seq, epoch) if hdr["cipher"] != "none" else None
         state = RecvState(self, seq, specs, plans, hdr["verify"], seal, epoch, cipher=crypt)
+        self._buffer_s = 0.0
+        keep = hdr["keep_buffers"]
         try:
             if sock and connected:
                 handshake_receiver(self._conn, min(g.timeout_s, 30.0))
@@ -258,7 +261,15 @@ class WeightReceiver:
             state.finish(version)
             self.check_guard()  # nobody put the weights to sleep meanwhile
             state.commit()
+            t_commit = time.perf_counter()
+            if not keep:  # the update has ended: its bucket memory goes back before the sender hears "done"
+                self._release_buffers()
         except Exception as e:
+            if not keep:
+                try:
+                    self._release_buffers()
+                except Exception:  # noqa: BLE001 - the update's own error is the one raised
+                    pass
             if state.applied:
                 self.consistent = False
             if isinstance(e, VerifyError):
@@ -299,7 +310,9 @@ class WeightReceiver:
         g.put(done_key, {"ok": True, "msg": "", "version": version}, seq, epoch)
         self.last_report = TransferReport(version, prev, hdr["path"], len(specs), hdr["bytes"], len(plans), t1 - t0,
                                           metadata_reused=hdr["specs"] is None, verified=state.verify or crypt is not None,
-                                          phases={"handshake": t_ack - t0, "stream": t_recv - t_ack, "commit": t1 - t_recv},
+                                          phases={"handshake": t_ack - t0, "stream": t_recv - t_ack,
+                                                  "commit": t_commit - t_recv, "buffers": self._buffer_s,
+                                                  "release": t1 - t_commit},
                                           intrusions=list(g.intrusions[intrusions0:]))
         return self.last_report
 
@@ -337,6 +350,7 @@ class WeightReceiver:
             if bool(flag & CIPHERED) != (st.cipher is not None):
                 raise TransferError(f"bucket {k} is {'' if flag & CIPHERED else 'not '}encrypted; the header said "
                                     f"{'aes-256-gcm' if st.cipher is not None else 'none'}")
+            tb = time.perf_counter()
             if self.staged:
                 full = torch.empty(nbytes + SLACK, dtype=torch.uint8, device=dev)
             else:
@@ -344,6 +358,7 @@ class WeightReceiver:
                 full = self._rot[slot]
                 if full is None or full.numel() < nbytes + SLACK:
                     full = self._rot[slot] = torch.empty(nbytes + SLACK, dtype=torch.uint8, device=dev)
+            self._buffer_s += time.perf_counter() - tb
             buf = full[:nbytes]
             if not flag & PIECED:
                 w = pg.broadcast([buf], opts)
@@ -400,6 +415,7 @@ class WeightReceiver:
                                         f"bucket {k}, {nbytes} bytes)")
                 if self._stream is None:
                     raise TransferError("the sender sent a bucket before the socket for its bytes")
+                tb = time.perf_counter()
                 if self.staged:
                     buf = torch.empty(nbytes, dtype=torch.uint8)
                 else:
@@ -407,6 +423,7 @@ class WeightReceiver:
                     if cur is None or cur.numel() < nbytes:
                         cur = self._rot[k % 2] = torch.empty(nbytes, dtype=torch.uint8)
                     buf = cur[:nbytes]
+                self._buffer_s += time.perf_counter() - tb
                 self._read_exact(buf, f"bucket {k} of update {st.seq}")
                 st.take(k, buf)
             elif op == "end":
@@ -450,6 +467,29 @@ class WeightReceiver:
         self._conn = connect_ipc(self.group, name)
         self._sock_name, self._ready = name, False
         return True
+
+    def _release_buffers(self) -> None:
+        """Give back the bucket memory of the update that ended: the sender's buffers this side
+        mapped (the connection stays) and its own receive buffers."""
+        from ..keyed_hash import drop_layouts
+
+        self._rot = [None, None]
+        imports, self._imports = self._imports, {}
+        for imp in imports.values():
+            imp.close()
+        if self.group.device.type != "cpu":
+            drop_layouts(self.group.device)
+
+    def buffer_bytes(self) -> int:
+        """Bytes of bucket memory this receiver holds now (mapped from the sender, its own
+        receive buffers, on a device the hash's block tables kept in this process): 0 between
+        updates unless the sender keeps its buffers."""
+        from ..keyed_hash import layout_bytes
+
+        n = sum(imp.nbytes for imp in self._imports.values()) + sum(t.numel() for t in self._rot if t is not None)
+        if self.group.device.type != "cpu":
+            n += layout_bytes(self.group.device)
+        return n
 
     def _drop_ipc(self) -> None:
         for imp in self._imports.values():
@@ -498,7 +538,9 @@ class WeightReceiver:
                 prev = self._imports.pop(msg["id"], None)
                 if prev is not None:
                     prev.close()
+                tb = time.perf_counter()
                 self._imports[msg["id"]] = ipc.ImportedBuffer(fds[0], msg["nbytes"], self.group.device_index)
+                self._buffer_s += time.perf_counter() - tb
                 slot_of[msg["id"]] = msg["slot"]
             elif op == "bucket":
                 imp = self._imports.get(msg["id"] or "")

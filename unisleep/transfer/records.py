@@ -184,7 +184,7 @@ PEER = {"rank": INT, "device_key": STR, "host": STR, "boot": STR, "pid": INT, "p
 #: "backend": the process-group backend); ``cipher``: "aes-256-gcm" (every bucket encrypted) or "none"
 HEADER = {"version": VERSION, "previous_version": VERSION, "meta_id": HEX, "specs": SPECS, "bucket_bytes": INT,
           "path": ("collective", "ipc"), "via": ("ipc", "socket", "backend"), "cipher": ("none", "aes-256-gcm"),
-          "buckets": INT, "bytes": INT, "ipc": OPT_STR, "verify": BOOL}
+          "buckets": INT, "bytes": INT, "ipc": OPT_STR, "verify": BOOL, "keep_buffers": BOOL}
 ACK = {"ok": BOOL, "kind": STR, "msg": STR, "connected": BOOL}
 GO = {"go": BOOL, "why": STR}
 ABORT = {"why": STR}

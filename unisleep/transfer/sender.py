@@ -79,11 +79,21 @@ class WeightSender:
     bucket AES-256-GCM-encrypted under a key of its update, authenticated by its tag instead of the
     keyed digests; ``encrypt=False`` sends them in the clear (a warning when the members are on
     several machines).  Device memory (an accelerator's collective) is never encrypted.
+
+    Bucket memory (docs/transfer.md): ``keep_buffers=False`` (default) — the send buffers (an
+    IPC path's shareable memory, the collective path's two send buffers) are given back when the
+    update ends, and every receiver gives back what it mapped or allocated for the update (the
+    header tells it), so when ``send()`` returns neither side holds bucket memory: the device
+    belongs to whoever works next (a colocated trainer sleeping, the engine generating).  Each
+    update then makes its buffers anew (the report's ``buffers`` and ``release`` phases say what
+    that costs).  ``keep_buffers=True`` keeps them between updates (faster when nothing else needs
+    that memory).  A send buffer on an accelerator's collective path comes from the framework's
+    own allocator, which keeps it cached until the framework empties its cache.
     """
 
     def __init__(self, group: TransferGroup, *, bucket_bytes: Optional[int] = None, path: str = "auto",
                  verify: bool = True, allow_equal_versions: bool = False, via: Optional[str] = None,
-                 encrypt: Optional[bool] = None):
+                 encrypt: Optional[bool] = None, keep_buffers: bool = False):
         if not group.is_sender:
             raise InvalidArgumentError(f"WeightSender needs rank 0 of the group; this is rank {group.rank}")
         if not isinstance(path, str) or path not in PATHS:
@@ -91,7 +101,8 @@ class WeightSender:
         if bucket_bytes is not None and not (R._is_int(bucket_bytes) and 0 < bucket_bytes <= MAX_BUCKET_BYTES):
             raise InvalidArgumentError(f"bucket_bytes must be a whole number of bytes in [1, 2**40] (or None: sized "
                                        f"from free memory), got {bucket_bytes!r}")
-        for what, v in (("verify", verify), ("allow_equal_versions", allow_equal_versions)):
+        for what, v in (("verify", verify), ("allow_equal_versions", allow_equal_versions),
+                        ("keep_buffers", keep_buffers)):
             if not isinstance(v, bool):
                 raise InvalidArgumentError(f"{what} must be True or False, got {v!r}")
         if via not in (None, "socket", group.backend):
@@ -109,6 +120,8 @@ class WeightSender:
         self.path = path
         self.verify = verify
         self.allow_equal_versions = allow_equal_versions
+        self.keep_buffers = keep_buffers
+        self._buffer_s = 0.0  # seconds this update spent making (and exporting) bucket memory
         self._last_meta_id: Optional[str] = None
         self._faults: dict[str, set] = {"skip": set(), "corrupt": set()}  # test hooks: bucket indices
         self._coll_slots: list = [None, None]
@@ -191,6 +204,9 @@ class WeightSender:
         why = check_version(version, self.version, self.allow_equal_versions, "this sender")
         if why:
             raise VersionError(why)
+        keep = self.keep_buffers
+        if not isinstance(keep, bool):
+            raise InvalidArgumentError(f"keep_buffers must be True or False, got {keep!r}")
         if specs is not None:
             if isinstance(specs, (str, bytes, Mapping)) or not hasattr(specs, "__iter__"):
                 raise InvalidArgumentError(f"specs must be a list of TensorSpec or (name, shape, dtype), got "
@@ -233,12 +249,27 @@ class WeightSender:
                 self._ipc = IpcSenderState(g)
             ipc_name = self._ipc.name
         digests = self.verify and cipher == "none"  # an encrypted bucket is authenticated by its tag
+        self._buffer_s = 0.0
         header = {
             "version": version, "previous_version": self.version, "meta_id": manifest.meta_id,
             "specs": None if reuse else [[s.name, list(s.shape), s.dtype] for s in manifest.specs],
             "bucket_bytes": self.bucket_bytes, "path": path, "via": via, "cipher": cipher, "buckets": len(plans),
-            "bytes": manifest.nbytes, "ipc": ipc_name, "verify": digests,
+            "bytes": manifest.nbytes, "ipc": ipc_name, "verify": digests, "keep_buffers": keep,
         }
+        try:  # on success the update gives its bucket memory back itself (timed: the "release" phase)
+            return self._send_update(g, t0, version, manifest, items, plans, seq, epoch, path, via, cipher, reuse,
+                                     sock, digests, header)
+        except BaseException:
+            if not keep:  # the update failed: its bucket memory goes back all the same
+                try:
+                    self._release_buffers()
+                except Exception as e:  # noqa: BLE001 - the update's own error is the one raised
+                    log.warning("giving back the bucket memory of a failed update also failed: %s", e)
+            raise
+
+    def _send_update(self, g, t0, version, manifest, items, plans, seq, epoch, path, via, cipher, reuse, sock,
+                     digests, header) -> TransferReport:
+        """The update once its header is made: post it, stream the buckets, wait for every commit."""
         intrusions0 = len(g.intrusions)
         g.put("hdr", header, seq, epoch)
         # the update's keys: made while the last update committed, else now, while the receivers
@@ -349,10 +380,17 @@ class WeightSender:
                               + "; ".join(errors))
         prev, self.version = self.version, version
         self._last_meta_id = manifest.meta_id
+        t_done = time.perf_counter()
+        release_s = 0.0
+        if not header["keep_buffers"]:  # every receiver has given its mappings back: the memory goes now
+            self._release_buffers()
+            release_s = time.perf_counter() - t_done
         t1 = time.perf_counter()
         self.last_report = TransferReport(version, prev, path, len(manifest.specs), manifest.nbytes, len(plans), t1 - t0,
                                           metadata_reused=reuse, verified=digests or cipher != "none",
-                                          phases={"handshake": t_ack - t0, "stream": t_sent - t_ack, "commit_wait": t1 - t_sent},
+                                          phases={"handshake": t_ack - t0, "stream": t_sent - t_ack,
+                                                  "commit_wait": t_done - t_sent, "buffers": self._buffer_s,
+                                                  "release": release_s},
                                           intrusions=list(g.intrusions[intrusions0:]))
         return self.last_report
 
@@ -432,6 +470,32 @@ class WeightSender:
         if self._ipc is not None:
             self._ipc.close()
             self._ipc = None
+
+    def _release_buffers(self) -> None:
+        """Give back the send buffers (the IPC path's shareable memory, the collective path's
+        buffers), the device copies of the next update's hash key and the hash's block tables
+        on the group's device; the connections stay.  Safe to call at any time between updates."""
+        from ..keyed_hash import drop_layouts
+
+        self._coll_slots = [None, None]
+        if self._ipc is not None:
+            self._ipc.release_buffers()
+        if self._seal_ahead is not None:
+            self._seal_ahead[2].release()  # its levels go to the device again when hashed
+        if self.group.device.type != "cpu":
+            drop_layouts(self.group.device)
+
+    def buffer_bytes(self) -> int:
+        """Bytes of bucket memory this sender holds now (its send buffers, and on a device the
+        hash's block tables kept in this process): 0 between updates unless ``keep_buffers``."""
+        from ..keyed_hash import layout_bytes
+
+        n = sum(t.numel() for t in self._coll_slots if t is not None)
+        if self._ipc is not None:
+            n += self._ipc.buffer_bytes()
+        if self.group.device.type != "cpu":
+            n += layout_bytes(self.group.device)
+        return n
 
     def close(self) -> None:
         self._drop_ipc()

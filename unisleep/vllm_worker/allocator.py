@@ -28,11 +28,24 @@ vLLM's semantics are kept exactly where they differ from the lifecycle's own rul
   before the KV cache exists) are ignored, as vLLM's per-allocation loop ignores them;
 * a wake of a tag that is not asleep, or unknown, does nothing.
 
-What the lifecycle adds under vLLM: the persistent pinned backup arena (the first sleep does not
-pay for pinned host allocations: :meth:`UnisleepAllocator.use_memory_pool` prepares room for the
-weights when their pool closes), the keyed skip of unchanged weights, the host-budget check before
-anything is released, the platform's mapping policy (chunks on ROCm), the Ascend driver, and a
-report per operation (:attr:`UnisleepAllocator.last_report`).
+What the lifecycle adds under vLLM: the persistent pinned backup arena, prepared while the engine
+starts so that the first level-1 sleep copies at the speed of the steady ones (below), the keyed
+skip of unchanged weights, the host-budget check before anything is released, the platform's
+mapping policy (chunks on ROCm), the Ascend driver, and a report per operation
+(:attr:`UnisleepAllocator.last_report`).
+
+The backup room for the first sleep.  vLLM asks for this allocator only with sleep mode on (its
+worker uses the pools only then), so a process that never sleeps pins nothing.  When the pool of
+a tag that vLLM's level-1 sleep backs up (:data:`BACKED_UP_AT_LEVEL1`: weights, runtime, graph
+memory, vllm-ascend's ``sleep_persistent``) closes, the room for every byte of those tags not yet
+backed up is prepared in the background (the CUDA backend maps, faults in and page-locks its host
+arena while the worker goes on: after the weights, vLLM profiles its memory); the next stage of the
+start — the next pool of another tag (KV cache, runtime) or the graph-capture pool — first waits
+for that preparation to finish, outside any capture, so that the captures never run beside it and
+the first sleep finds its room.  ``prepare_backup=False`` (or ``UNISLEEP_PREPARE_BACKUP=0`` in the
+worker's environment) turns this off: the first level-1 sleep then takes its room itself (slower:
+docs/vllm.md), e.g. for an engine that only ever sleeps at level 2.  :attr:`UnisleepAllocator.backup_room`
+says what was prepared and how long the start waited for it.
 
 Limits.  ``use_memory_pool`` routes the framework's allocations only where the platform's driver
 can (``driver.capabilities.supports_pool``: CUDA, Ascend).  On host memory (CPU) nothing routes torch's CPU
@@ -46,6 +59,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from typing import Iterator, Optional
 
 from .. import graph_capture
@@ -70,7 +84,12 @@ PLUGIN_ALLOCATOR = ("device_allocator.camem", "CaMemAllocator")
 
 DEFAULT_TAG = "default"
 EXTRA_CLEANUP_ENV = "UNISLEEP_EXTRA_CLEANUP"
+PREPARE_ENV = "UNISLEEP_PREPARE_BACKUP"
 GRAPH_TAG = "cudagraph"  # vLLM's tag name for graph-capture memory
+#: the tags vLLM's level-1 sleep backs up to host memory (vLLM's CuMemBackend: weights at level 1,
+#: runtime and graph memory at every level; vllm-ascend's sleep_persistent always): the room the
+#: first sleep needs
+BACKED_UP_AT_LEVEL1 = ("weights", "runtime", GRAPH_TAG, "sleep_persistent")
 
 _OFFLOADED, _DISCARDED, _AWAKE = "offloaded", "discarded", "awake"
 
@@ -85,14 +104,21 @@ class UnisleepAllocator:
     sleep_persistent_tag: str = "sleep_persistent"
     _instance_lock = threading.Lock()
 
-    def __init__(self, lifecycle=None, *, prepare_backup: bool = True,
+    def __init__(self, lifecycle=None, *, prepare_backup: Optional[bool] = None,
                  deferrable_tags: Optional[tuple[str, ...]] = DEFERRABLE_TAGS,
                  extra_cleanup: Optional[bool] = None, **lifecycle_options):
-        """``deferrable_tags``: vLLM's selective-wake rule (a wake with tags also restores every
+        """``prepare_backup``: prepare the first level-1 sleep's backup room while the engine
+        starts (see the module docstring) — default: on, unless ``UNISLEEP_PREPARE_BACKUP=0``.
+        ``deferrable_tags``: vLLM's selective-wake rule (a wake with tags also restores every
         tag not in this tuple); ``None`` = vllm-ascend's ``CaMemAllocator`` rule (a wake restores
         exactly the tags named).  ``extra_cleanup``: install the extra-cleanup policy
         (:mod:`unisleep.extra_cleanup`) on the lifecycle — default: ``UNISLEEP_EXTRA_CLEANUP=1``;
         the worker then registers its groups and graphs on :attr:`extra_cleanup`."""
+        if prepare_backup is None:
+            prepare_backup = _prepare_from_env()
+        elif not isinstance(prepare_backup, bool):
+            raise InvalidArgumentError(f"prepare_backup must be True, False or None (the environment's "
+                                       f"{PREPARE_ENV}), got {prepare_backup!r}")
         if lifecycle is None:
             from ..lifecycle import MemoryLifecycle
 
@@ -105,6 +131,10 @@ class UnisleepAllocator:
         self.lifecycle = lifecycle
         self.current_tag: str = DEFAULT_TAG
         self.prepare_backup = prepare_backup
+        #: the first sleep's backup room: bytes asked for in all, how many times, the seconds the
+        #: start waited for the preparation to finish, and the last error (None: none)
+        self.backup_room = {"bytes": 0, "asked": 0, "wait_s": 0.0, "error": None}
+        self._preparing = False
         self.deferrable_tags = None if deferrable_tags is None else tuple(deferrable_tags)
         self.last_report = None
         self._warned_no_route = False
@@ -141,10 +171,14 @@ class UnisleepAllocator:
     @contextlib.contextmanager
     def use_memory_pool(self, tag: Optional[str] = None) -> Iterator[None]:
         """Allocations made inside land in ``tag`` (vLLM: ``"weights"``, ``"kv_cache"``,
-        ``"runtime"``, ``"workspace"``; ``None`` = ``"default"``)."""
+        ``"runtime"``, ``"workspace"``; ``None`` = ``"default"``).  Entering another tag than the
+        weights first waits for the backup room prepared behind an earlier pool; closing a tag
+        that a level-1 sleep backs up starts preparing its room (the module docstring)."""
         tag = DEFAULT_TAG if tag is None else tag
         if not isinstance(tag, str) or not tag:
             raise InvalidArgumentError(f"tag must be a non-empty string or None, got {tag!r}")
+        if tag != "weights":  # the next stage of the start: the room prepared behind the weights first
+            self._finish_backup_room()
         old, self.current_tag = self.current_tag, tag
         try:
             if self.lifecycle.driver.capabilities.supports_pool:
@@ -161,8 +195,8 @@ class UnisleepAllocator:
                 yield
         finally:
             self.current_tag = old
-        if tag == "weights" and self.prepare_backup:
-            self._prepare_weights_backup()
+        if tag in BACKED_UP_AT_LEVEL1 and self.prepare_backup:
+            self._prepare_backup_room()
 
     def use_allocation_tag(self, tag: Optional[str] = None):
         """vllm-ascend's name for the same context (newer ``CaMemAllocator``)."""
@@ -172,13 +206,15 @@ class UnisleepAllocator:
     def cudagraph_pool(self) -> Iterator[object]:
         """What ``vllm/compilation/cudagraph_pool.py`` calls: yields the pool id to capture into;
         the graphs' memory is tag ``"cudagraph"`` (offloaded at every level by vLLM's backend,
-        restored in place, so replays stay valid).  unisleep's background device work (the
-        backup arena's growth, releases behind a sleep) waits while the context is open."""
+        restored in place, so replays stay valid).  The backup room prepared behind earlier pools
+        is waited for first; unisleep's background device work (the backup arena's growth,
+        releases behind a sleep) waits while the context is open."""
         graph_pool = getattr(self.lifecycle.driver, "graph_pool", None)
         if graph_pool is None:
             raise UnsupportedError(
                 f"the {self.lifecycle.platform_name} backend has no graph-capture pool; run vLLM "
                 "without --sleep-mode-offload-cudagraph (graphs then stay resident)")
+        self._finish_backup_room()  # before the capture: the captures never run beside the preparation
         pool_id = graph_pool(self.lifecycle, GRAPH_TAG)
         old, self.current_tag = self.current_tag, GRAPH_TAG
         try:
@@ -265,13 +301,41 @@ class UnisleepAllocator:
     def close(self) -> None:
         self.lifecycle.close()
 
-    def _prepare_weights_backup(self) -> None:
+    def _prepare_backup_room(self) -> None:
+        """Start preparing, in the background, the room for every byte of the tags a level-1
+        sleep backs up that has no backup yet."""
+        lc = self.lifecycle
         try:
-            lc = self.lifecycle
-            if lc.driver.capabilities.retain_backups or lc.driver.capabilities.supports_pool:
-                lc.prepare_backup()  # room for the first level-1 sleep, grown in the background
-        except Exception as e:  # an optimisation: the first sleep then allocates as it goes
-            log.info("could not prepare the weights' backup room ahead of the first sleep: %s", e)
+            tags = lc.tags
+            need = sum(lc.allocated_bytes(t) for t in BACKED_UP_AT_LEVEL1 if t in tags) - lc.backup_bytes()
+            if need <= 0:
+                return
+            lc.prepare_backup(need, background=True)
+        except Exception as e:  # the first sleep then takes its room itself, or says why it cannot
+            self.backup_room["error"] = f"{type(e).__name__}: {e}"
+            log.warning("could not prepare the backup room of the first level-1 sleep ahead: %s", e)
+            return
+        self._preparing = True
+        self.backup_room["bytes"] = need + lc.backup_bytes()
+        self.backup_room["asked"] += 1
+
+    def _finish_backup_room(self) -> None:
+        """Wait for the preparation started behind an earlier pool (not on a thread that is
+        capturing, and not while another thread captures: the preparation waits for captures)."""
+        if not self._preparing or graph_capture.capturing_here() or graph_capture.underway():
+            return
+        self._preparing = False
+        wait = getattr(self.lifecycle.backup_store, "wait_prepared", None)
+        if wait is None:  # a store with nothing to prepare in the background
+            return
+        t0 = time.perf_counter()
+        try:
+            wait()
+        except Exception as e:  # the first sleep then takes its room itself, or says why it cannot
+            self.backup_room["error"] = f"{type(e).__name__}: {e}"
+            log.warning("the backup room prepared for the first level-1 sleep could not be completed: %s", e)
+        finally:
+            self.backup_room["wait_s"] += time.perf_counter() - t0
 
 
 def _tag_tuple(tags, default) -> tuple[str, ...]:
@@ -288,6 +352,22 @@ def _tag_tuple(tags, default) -> tuple[str, ...]:
     return out
 
 
+def _prepare_from_env() -> bool:
+    """``UNISLEEP_PREPARE_BACKUP``: unset = on; 1/true/yes/on or 0/false/no/off; anything else is
+    refused (before any memory is touched), naming the values."""
+    import os
+
+    from ..platform import env_flag
+
+    raw = os.environ.get(PREPARE_ENV, "").strip()
+    flag = env_flag(PREPARE_ENV)
+    if raw and flag is None:
+        raise InvalidArgumentError(f"{PREPARE_ENV}={raw!r} is not understood: set it to 1 (prepare the first "
+                                   "level-1 sleep's host backup room while the engine starts, the default) or 0 "
+                                   "(the first sleep takes it), or unset it")
+    return flag is not False
+
+
 def _current_device_index() -> int:
     try:
         import torch
@@ -300,7 +380,8 @@ def _current_device_index() -> int:
     return 0
 
 
-__all__ = ["UnisleepAllocator", "DEFERRABLE_TAGS", "EXTRA_CLEANUP_ENV", "vllm_weights_asleep"]
+__all__ = ["UnisleepAllocator", "DEFERRABLE_TAGS", "EXTRA_CLEANUP_ENV", "PREPARE_ENV", "BACKED_UP_AT_LEVEL1",
+           "vllm_weights_asleep"]
 
 
 def vllm_weights_asleep() -> tuple[Optional[bool], str]:
