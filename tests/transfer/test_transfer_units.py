@@ -362,7 +362,7 @@ def test_an_update_leaves_no_bucket_memory_behind(pair, way, staged):
     src = {"w": torch.arange(BIG // 4 - 1024, dtype=torch.int32)}
     tgt = {"w": torch.zeros_like(src["w"])}
     rx = WeightReceiver(g1, target=tgt, staged=staged)
-    tx = WeightSender(g0, bucket_bytes=BIG, **WAYS[way])
+    tx = WeightSender(g0, bucket_bytes=BIG, keep_buffers=False, **WAYS[way])
     before_maps, before_fds = _big_anonymous_mappings(), _memfd_buffers()
     s, r = _both(lambda: tx.send(src, 1), rx.receive)
     assert not isinstance(s, Exception) and not isinstance(r, Exception), (s, r)
@@ -387,6 +387,21 @@ def test_an_update_leaves_no_bucket_memory_behind(pair, way, staged):
     assert torch.equal(tgt["w"], src["w"] + 2)
     assert not sorted(_big_anonymous_mappings() - before_maps) and _memfd_buffers() == (0, 0)
     assert tx.buffer_bytes() == 0 and rx.buffer_bytes() == 0
+
+
+def test_bucket_memory_is_kept_by_default_on_the_host_platform(pair):
+    """The default (None) keeps the buckets where the platform is the host: there fresh pages cost
+    the kernel's zeroing on every update (docs/benchmarks.md); an accelerator's are given back."""
+    g0, g1 = pair
+    assert not g0.platform.is_accelerator
+    src = {"w": torch.arange(BIG // 4 - 1024, dtype=torch.int32)}
+    tgt = {"w": torch.zeros_like(src["w"])}
+    rx = WeightReceiver(g1, target=tgt)
+    tx = WeightSender(g0, bucket_bytes=BIG)
+    assert tx.keep_buffers is None
+    s, r = _both(lambda: tx.send(src, 1), rx.receive)
+    assert not isinstance(s, Exception) and not isinstance(r, Exception), (s, r)
+    assert torch.equal(tgt["w"], src["w"]) and tx.buffer_bytes() >= BIG
 
 
 def test_keep_buffers_must_be_a_bool(pair):

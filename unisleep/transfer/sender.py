@@ -80,20 +80,22 @@ class WeightSender:
     keyed digests; ``encrypt=False`` sends them in the clear (a warning when the members are on
     several machines).  Device memory (an accelerator's collective) is never encrypted.
 
-    Bucket memory (docs/transfer.md): ``keep_buffers=False`` (default) — the send buffers (an
-    IPC path's shareable memory, the collective path's two send buffers) are given back when the
-    update ends, and every receiver gives back what it mapped or allocated for the update (the
-    header tells it), so when ``send()`` returns neither side holds bucket memory: the device
-    belongs to whoever works next (a colocated trainer sleeping, the engine generating).  Each
-    update then makes its buffers anew (the report's ``buffers`` and ``release`` phases say what
-    that costs).  ``keep_buffers=True`` keeps them between updates (faster when nothing else needs
-    that memory).  A send buffer on an accelerator's collective path comes from the framework's
+    Bucket memory (docs/transfer.md): ``keep_buffers=False`` — the send buffers (an IPC path's
+    shareable memory, the collective path's two send buffers) are given back when the update ends,
+    and every receiver gives back what it mapped or allocated for the update (the header tells it),
+    so when ``send()`` returns neither side holds bucket memory: the device belongs to whoever works
+    next (a colocated trainer sleeping, the engine generating).  Each update then makes its buffers
+    anew (the report's ``buffers`` and ``release`` phases say what that costs).  ``keep_buffers=True``
+    keeps them between updates (faster when nothing else needs that memory).  ``None`` (default):
+    given back on an accelerator (device memory is what the other side needs; making it costs
+    milliseconds), kept on the host platform (there the kernel zeroes every fresh page: about a
+    second per GiB on a loaded 2-core machine, docs/benchmarks.md).  A send buffer on an accelerator's collective path comes from the framework's
     own allocator, which keeps it cached until the framework empties its cache.
     """
 
     def __init__(self, group: TransferGroup, *, bucket_bytes: Optional[int] = None, path: str = "auto",
                  verify: bool = True, allow_equal_versions: bool = False, via: Optional[str] = None,
-                 encrypt: Optional[bool] = None, keep_buffers: bool = False):
+                 encrypt: Optional[bool] = None, keep_buffers: Optional[bool] = None):
         if not group.is_sender:
             raise InvalidArgumentError(f"WeightSender needs rank 0 of the group; this is rank {group.rank}")
         if not isinstance(path, str) or path not in PATHS:
@@ -101,10 +103,12 @@ class WeightSender:
         if bucket_bytes is not None and not (R._is_int(bucket_bytes) and 0 < bucket_bytes <= MAX_BUCKET_BYTES):
             raise InvalidArgumentError(f"bucket_bytes must be a whole number of bytes in [1, 2**40] (or None: sized "
                                        f"from free memory), got {bucket_bytes!r}")
-        for what, v in (("verify", verify), ("allow_equal_versions", allow_equal_versions),
-                        ("keep_buffers", keep_buffers)):
+        for what, v in (("verify", verify), ("allow_equal_versions", allow_equal_versions)):
             if not isinstance(v, bool):
                 raise InvalidArgumentError(f"{what} must be True or False, got {v!r}")
+        if keep_buffers is not None and not isinstance(keep_buffers, bool):
+            raise InvalidArgumentError(f"keep_buffers must be True, False or None (given back on an accelerator, "
+                                       f"kept on the host), got {keep_buffers!r}")
         if via not in (None, "socket", group.backend):
             raise InvalidArgumentError(f"via must be None (the default for the path), 'socket' or {group.backend!r}, "
                                        f"got {via!r}")
@@ -205,8 +209,10 @@ class WeightSender:
         if why:
             raise VersionError(why)
         keep = self.keep_buffers
+        if keep is None:
+            keep = not g.platform.is_accelerator
         if not isinstance(keep, bool):
-            raise InvalidArgumentError(f"keep_buffers must be True or False, got {keep!r}")
+            raise InvalidArgumentError(f"keep_buffers must be True, False or None, got {keep!r}")
         if specs is not None:
             if isinstance(specs, (str, bytes, Mapping)) or not hasattr(specs, "__iter__"):
                 raise InvalidArgumentError(f"specs must be a list of TensorSpec or (name, shape, dtype), got "
