@@ -3,6 +3,7 @@ receiver on two threads of this process (real gloo over 127.0.0.1, real memfd)."
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import socket
@@ -402,6 +403,24 @@ def test_bucket_memory_is_kept_by_default_on_the_host_platform(pair):
     s, r = _both(lambda: tx.send(src, 1), rx.receive)
     assert not isinstance(s, Exception) and not isinstance(r, Exception), (s, r)
     assert torch.equal(tgt["w"], src["w"]) and tx.buffer_bytes() >= BIG
+
+
+def test_a_sender_dropped_without_close_gives_back_what_it_kept(pair):
+    """The IPC path's accept thread keeps its channel alive; a sender that kept its buffers and is
+    then dropped without close() still closes its socket and gives its shared memory back (a
+    framework that makes a sender per step would otherwise leak one bucket pair per step)."""
+    g0, g1 = pair
+    src = {"w": torch.arange(BIG // 4 - 1024, dtype=torch.int32)}
+    tgt = {"w": torch.zeros_like(src["w"])}
+    rx = WeightReceiver(g1, target=tgt)
+    tx = WeightSender(g0, bucket_bytes=BIG, keep_buffers=True, path="ipc")
+    s, r = _both(lambda: tx.send(src, 1), rx.receive)
+    assert not isinstance(s, Exception) and not isinstance(r, Exception), (s, r)
+    assert _memfd_buffers()[0] >= 1
+    rx.close()
+    del tx, s, r
+    gc.collect()
+    assert _memfd_buffers() == (0, 0)
 
 
 def test_keep_buffers_must_be_a_bool(pair):

@@ -197,7 +197,10 @@ def hf_trainer_main(conn, rendezvous: str, model_name: str, platform_name: str, 
                             "copy_limit": limit, "tags": {t: lc.allocated_bytes(t) for t in lc.tags},
                             "phases": marks, "offload": {"seconds": rep.seconds, "bytes_copied": rep.bytes_copied}}))
         group = TransferGroup.create(rendezvous, rank=0, world_size=2, platform=plat, timeout_s=timeout_s)
-        sender = WeightSender(group, bucket_bytes=BUCKET_BYTES_MODEL, path="auto" if plat.is_accelerator else "collective")
+        # keep_buffers=False on every platform: between updates neither side holds any of the
+        # transfer's memory, which the demo's residue check reads (the host default would keep it)
+        sender = WeightSender(group, bucket_bytes=BUCKET_BYTES_MODEL, keep_buffers=False,
+                              path="auto" if plat.is_accelerator else "collective")
     except BaseException as e:
         _report(conn, e)
         if not isinstance(e, (UnisleepError, ValueError, OSError)):

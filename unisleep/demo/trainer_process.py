@@ -34,7 +34,10 @@ def trainer_main(conn, rendezvous: str, cfg: dict, platform_name: str, lr: float
         group = TransferGroup.create(rendezvous, rank=0, world_size=2, platform=plat, timeout_s=timeout_s)
         # host: the collective (gloo) path, as the demo is meant to show; an accelerator: "auto", which
         # picks IPC when both processes share one device (NCCL cannot join two processes on one GPU)
-        sender = WeightSender(group, bucket_bytes=BUCKET_BYTES, path="auto" if plat.is_accelerator else "collective")
+        # keep_buffers=False on every platform: between updates neither side holds any of the
+        # transfer's memory, which the demo's residue check reads (the host default would keep it)
+        sender = WeightSender(group, bucket_bytes=BUCKET_BYTES, keep_buffers=False,
+                              path="auto" if plat.is_accelerator else "collective")
     except BaseException as e:
         _report(conn, e)
         if not isinstance(e, (UnisleepError, ValueError, OSError)):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Mapping
 from typing import Any, Iterator, Optional, Sequence
 
@@ -253,6 +254,9 @@ class WeightSender:
         if sock:
             if self._ipc is None:
                 self._ipc = IpcSenderState(g)
+                # its accept thread keeps the channel alive: a sender dropped without close()
+                # still gives back its socket and the buffers it kept
+                self._ipc_finalizer = weakref.finalize(self, self._ipc.close)
             ipc_name = self._ipc.name
         digests = self.verify and cipher == "none"  # an encrypted bucket is authenticated by its tag
         self._buffer_s = 0.0
@@ -474,6 +478,7 @@ class WeightSender:
 
     def _drop_ipc(self) -> None:
         if self._ipc is not None:
+            self._ipc_finalizer.detach()
             self._ipc.close()
             self._ipc = None
 
