@@ -25,7 +25,7 @@ long as it returns the same words; the levels above are a few MiB and run here.
 
 Bytes in host memory take GMAC instead (AES-256-GCM's tag over the bytes as associated data,
 from the ``cryptography`` package's OpenSSL: carry-less-multiply and AES instructions, several
-times faster on one core than keyed BLAKE3 or NH in torch ops; docs/transfer.md has the figures).
+times faster on one core than keyed BLAKE3 or NH in torch ops; docs/benchmarks.md has the figures).
 GHASH is a polynomial universal hash over GF(2^128) under a secret point: two
 different inputs of up to ``L`` 16-byte blocks collide with probability at most ``L / 2**128``
 (``2**-98`` for 16 GiB), again for any edit.  The key is derived from the same key material; the
@@ -400,7 +400,7 @@ class BucketLanes:
 
     #: smaller tensors are copied plainly and hashed with the rest at :meth:`lanes`: a fused
     #: launch costs more host time than a plain copy, which only large tensors hide (the
-    #: threshold is measured: docs/transfer.md)
+    #: threshold is measured: docs/benchmarks.md)
     fill_min = 64 << 20
 
     def __init__(self, buf_u8, spans, key: HashKey, level: Optional[SegmentLevel] = None,

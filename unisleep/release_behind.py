@@ -1,7 +1,7 @@
 """Releasing a sleep's physical memory behind its return (``MemoryLifecycle(release_behind=True)``).
 
 Giving device memory back costs the driver per byte, far more than unmapping the same memory
-(docs/cuda.md has the figures).  With ``release_behind`` a sleep unmaps what it frees (the
+(docs/benchmarks.md has the figures).  With ``release_behind`` a sleep unmaps what it frees (the
 addresses stay reserved; nothing can touch the memory any more), hands the handles to one
 thread of the driver's and returns; that thread releases them in order.
 

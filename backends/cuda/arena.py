@@ -281,7 +281,7 @@ class PinnedArena(BackupStore):
     def warm_stream(self) -> None:
         """Make the copy stream ready now: the first copy between host and device on a new
         stream makes the driver set up resources in device memory (once per process, never
-        given back; docs/cuda.md has the size); done at start, so the first sleep frees every
+        given back; docs/benchmarks.md has the size); done at start, so the first sleep frees every
         byte it puts to sleep."""
         import torch
 

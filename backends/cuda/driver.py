@@ -51,7 +51,7 @@ class CudaConfig(DriverConfig):
     #: reservation succeeded; a failure *during the copies* (a CUDA error, or Ctrl-C) then
     #: gives the weights back exactly and marks the discarded tags lost.  False releases them
     #: only once every copy is done, so such a failure gives every tag back exactly, at the
-    #: cost docs/cuda.md measures
+    #: cost docs/benchmarks.md measures
     release_discards_during_copies: bool = True
     #: with release_behind, a sleep copying at least this many bytes still releases its
     #: discards under its copies (:meth:`CudaDriver.suspend`)

@@ -10,7 +10,7 @@ the same wakes "after the trainer's turn": 1 s between the sleep and the wake, a
 (rows without a goal: the goals are for the wake right after the sleep).  ``--sweep`` adds total
 sizes × allocation counts through ``pool(tag)``.  Each implementation runs in its own process;
 other libraries (:mod:`.peers`: torch_memory_saver) run the same workload when installed, and the
-copy-bound limits are measured in the same run.  Figures and their commands: docs/cuda.md.
+copy-bound limits are measured in the same run.  Figures and their commands: docs/benchmarks.md.
 """
 
 from __future__ import annotations

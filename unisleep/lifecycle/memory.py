@@ -69,7 +69,7 @@ class MemoryLifecycle:
     release_behind:
         ``True``: a sleep returns once the memory it frees is unmapped, and its physical memory
         is released by a thread of the driver's behind the return (:mod:`unisleep.release_behind`;
-        docs/cuda.md has the figures).  unisleep's own allocations, wakes, :meth:`resident_bytes`,
+        docs/benchmarks.md has the figures).  unisleep's own allocations, wakes, :meth:`resident_bytes`,
         :meth:`wait` and the driver's ``memory_info`` wait for those releases first; another
         allocator (torch's, another process) sees the memory come back over the next
         milliseconds — call :meth:`wait` before handing it on at once.  ``False`` (default):
