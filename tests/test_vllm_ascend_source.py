@@ -243,6 +243,8 @@ def test_extra_cleanup_drives_vllm_ascends_own_manager(vllm_ascend, monkeypatch,
     import vllm.distributed.parallel_state as ps
     import weakref
 
+    for name in list(ps._groups):  # only the simulated groups: vLLM's own, left alive by other tests
+        monkeypatch.delitem(ps._groups, name)  # in this process, have no destroy_hccl (vllm-ascend patches it in)
     for name, g in groups.items():
         monkeypatch.setitem(ps._groups, name, weakref.ref(g))
     monkeypatch.setattr(sys.modules["torch"].distributed, "is_initialized", lambda: True)
