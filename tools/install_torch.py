@@ -103,7 +103,7 @@ def classify(items: list[dict]) -> tuple[str, list[str]]:
 
 
 def installed_build(python: str) -> str:
-    r = subprocess.run([python, "-c", "import torch; print(torch.__version__, torch.version.cuda or '-', "
+    r = subprocess.run([python, "-W", "ignore", "-c", "import torch; print(torch.__version__, torch.version.cuda or '-', "
                         "torch.version.hip or '-')"], text=True, stdout=subprocess.PIPE, check=False)
     if r.returncode != 0:
         return "torch does not import"
