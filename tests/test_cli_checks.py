@@ -58,3 +58,15 @@ def test_the_embedded_model_shape_is_one_class():
     from unisleep.engines.torch_generator import TinyLMConfig as Same
 
     assert TinyLMConfig is Same
+
+
+def test_torch_version_read_without_importing_torch_agrees():
+    """Platform detection reads torch.version's fields from the installed torch's version.py
+    (importing torch takes a second or more); what it reads is what torch says."""
+    import torch
+
+    from unisleep.backend import _UNKNOWN, _torch_version_file
+
+    for attr in ("cuda", "hip", "__version__"):
+        assert _torch_version_file(attr) == getattr(torch.version, attr)
+    assert _torch_version_file("no_such_field") is _UNKNOWN

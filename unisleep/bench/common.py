@@ -3,13 +3,25 @@ file with the machine, the command and every figure, so a run can be reproduced.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import os
 import platform as _platform
+import signal
 import socket
 import sys
+import threading
 from typing import Any, Optional, Sequence
+
+
+#: the folder every mode writes its JSON to unless --json says otherwise (out/ is in .gitignore)
+OUT_DIR = "out"
+
+
+def default_json(name: str) -> str:
+    """``out/bench-<name>.json``, under the current folder."""
+    return os.path.join(OUT_DIR, f"bench-{name}.json")
 
 
 def machine_info() -> dict[str, Any]:
@@ -97,9 +109,33 @@ def run_worker(cmd: Sequence[str], impl: str) -> dict:
     import subprocess
 
     progress(f"running {impl} ...")
-    proc = subprocess.run(list(cmd), stdout=subprocess.PIPE, text=True, env=os.environ.copy())
-    line = next((l for l in proc.stdout.splitlines() if l.startswith(RESULT_PREFIX)), None)
+    with children_leave_ctrl_c_to_us():  # on Ctrl-C the worker is killed here; it prints nothing
+        proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, text=True, env=os.environ.copy())
+    try:
+        stdout, _ = proc.communicate()
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    line = next((l for l in stdout.splitlines() if l.startswith(RESULT_PREFIX)), None)
     if proc.returncode != 0 or line is None:
         progress(f"{impl} failed (exit {proc.returncode})")
         return {"impl": impl, "error": f"exit {proc.returncode}"}
     return json.loads(line[len(RESULT_PREFIX):])
+
+
+@contextlib.contextmanager
+def children_leave_ctrl_c_to_us():
+    """Processes started inside (keep only the start inside: this process ignores SIGINT there
+    too) ignore SIGINT (an ignored signal stays ignored through exec, and
+    Python keeps it so).  A Ctrl-C at the terminal reaches every process of the foreground group;
+    this process answers it — it stops its children and says so in one line — instead of each
+    child printing a traceback of its own."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
