@@ -85,3 +85,44 @@ def test_demo_writes_under_out_by_default_and_says_where(tmp_path):
     assert (tmp_path / "out" / "demo" / "demo.json").is_file()
     assert tree(tmp_path) == ["out", "out/demo", "out/demo/demo.json"]
     assert f"wrote {os.path.join('out', 'demo', 'demo.json')}" in r.stdout
+
+
+def test_ctrl_c_ends_the_demo_with_one_line(tmp_path):
+    """Before: the trainer process printed its own KeyboardInterrupt traceback beside the demo's."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from refusals import env
+
+    p = subprocess.Popen([sys.executable, "-u", "-m", "unisleep", "demo", "--steps", "500", "--batch", "8", "--no-plot"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(tmp_path), env=env(),
+                         start_new_session=True)
+    try:
+        for line in p.stdout:
+            if line.startswith("step 2/"):
+                break
+        os.killpg(p.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole foreground group
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    assert p.returncode == 130, err
+    assert err.strip() == "unisleep demo: interrupted (Ctrl-C)", err
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _in_group(p.pid):
+        time.sleep(0.1)
+    assert not _in_group(p.pid)  # the trainer is gone too
+
+
+def _in_group(pgid: int) -> list[int]:
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.getpgid(int(pid)) == pgid:
+                out.append(int(pid))
+        except OSError:
+            pass
+    return out

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import importlib
 import logging
 import os
 import re
 import stat
+import signal
 import sys
 import tempfile
+import threading
 from typing import Optional, Sequence
 
 from .errors import InvalidArgumentError
@@ -119,6 +122,23 @@ def check_out_file(path: str, option: str = "--json") -> str:
         return path
     _check_folder(os.path.dirname(os.path.abspath(path)), option, path, fix)
     return path
+
+
+@contextlib.contextmanager
+def children_leave_ctrl_c_to_us():
+    """Processes started inside ignore SIGINT (an ignored signal stays ignored through exec, and
+    Python keeps it so); keep only the start inside, as this process ignores it there too.  A
+    Ctrl-C at the terminal reaches every process of the foreground group: this process answers
+    it — it stops its children and says so in one line — instead of each child printing a
+    traceback of its own."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
 
 
 def help_text() -> str:

@@ -3,16 +3,15 @@ file with the machine, the command and every figure, so a run can be reproduced.
 
 from __future__ import annotations
 
-import contextlib
 import datetime as _dt
 import json
 import os
 import platform as _platform
-import signal
 import socket
 import sys
-import threading
 from typing import Any, Optional, Sequence
+
+from ..cli import children_leave_ctrl_c_to_us
 
 
 #: the folder every mode writes its JSON to unless --json says otherwise (out/ is in .gitignore)
@@ -123,19 +122,3 @@ def run_worker(cmd: Sequence[str], impl: str) -> dict:
         return {"impl": impl, "error": f"exit {proc.returncode}"}
     return json.loads(line[len(RESULT_PREFIX):])
 
-
-@contextlib.contextmanager
-def children_leave_ctrl_c_to_us():
-    """Processes started inside (keep only the start inside: this process ignores SIGINT there
-    too) ignore SIGINT (an ignored signal stays ignored through exec, and
-    Python keeps it so).  A Ctrl-C at the terminal reaches every process of the foreground group;
-    this process answers it — it stops its children and says so in one line — instead of each
-    child printing a traceback of its own."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, old)

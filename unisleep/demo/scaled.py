@@ -40,6 +40,7 @@ from typing import Optional
 from ..errors import UnisleepError
 from ..units import human_bytes
 from .checks import Check, _gap_steady, _loop_ran, learned, max_logprob_gap
+from ..cli import children_leave_ctrl_c_to_us
 from .cli import platform_for
 from .constants import PROBE_PROMPTS, RELEASED_MIN
 from .presets import ACTIONS, fingerprint, preset
@@ -316,7 +317,8 @@ def run_model(args) -> int:
                        args=(there, rendezvous, args.model, platform.name, args.lr, args.top_p, args.timeout, args.seed))
     t_start = time.perf_counter()
     t_mono = time.monotonic()  # the clock both processes stamp their memory marks with
-    proc.start()
+    with children_leave_ctrl_c_to_us():  # Ctrl-C: this process stops the trainer and says so, once
+        proc.start()
     trainer = TrainerProcess(proc, here, args.timeout)
     steps: list[ScaledStep] = []
     timeline: list[dict] = []
