@@ -207,8 +207,9 @@ def figure_rows(results: dict) -> list:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="unisleep bench", description=plain(__doc__))
-    ap.add_argument("--backend", required=True, help="the accelerator platform to measure: cuda, rocm or ascend (a "
-                    "device of it must be here; --backend host is the host benchmark)")
+    ap.add_argument("--backend", required=True, help="the accelerator platform to measure, one of unisleep's backends "
+                    "(a device of it must be here: unisleep doctor shows what is found; --backend host is the host "
+                    "benchmark)")
     ap.add_argument("--device", type=int, default=0, help="the device index (default 0)")
     ap.add_argument("--weights", type=float, default=8.0, help="GiB tagged weights (default 8)")
     ap.add_argument("--kv", type=float, default=16.0, help="GiB tagged kv_cache (default 16)")

@@ -140,8 +140,9 @@ def check_model_fits_host(name: str) -> None:
     free = st.f_bavail * st.f_frsize
     fits = [m for m, p in PRESETS.items()
             if MODEL_BYTES_PER_PARAM * p.params() <= (avail or need_mem) and MODEL_SPILL_BYTES_PER_PARAM * p.params() <= free]
+    accelerators = ", ".join(b.name for b in backends() if b.is_accelerator)
     alt = (f"--model {fits[-1]} fits here" if fits else "no --model preset fits here (leave --model out: the embedded "
-           "tiny model)") + "; or run it on an accelerator with that much memory (--device cuda, rocm or ascend)"
+           f"tiny model)") + f"; or run it on an accelerator with that much memory (--device {accelerators})"
     what = (f"--model {name} ({n / 1e9:.2f} B parameters) on host memory needs about {human_bytes(need_mem)} of "
             f"memory (the trainer's float32 weights, gradients and AdamW state: {MODEL_BYTES_PER_PARAM} bytes per "
             f"parameter) and {human_bytes(need_disk)} free in the spill directory (its offloaded weights and AdamW "
