@@ -38,7 +38,7 @@ def _options_without_help(text: str) -> list[str]:
     return bare
 
 
-@pytest.mark.parametrize("args", [["demo"], ["bench"], ["bench", "--backend", "cuda"],
+@pytest.mark.parametrize("args", [["doctor"], ["demo"], ["bench"], ["bench", "--backend", "cuda"],
                                   ["bench", "--progressive"], ["bench", "--transfer"], ["bench", "--chunk-sweep"],
                                   ["bench", "--compat-tms"]], ids=" ".join)
 def test_every_option_has_help(args):
