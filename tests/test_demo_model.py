@@ -5,6 +5,7 @@ MiB on CPU — real processes, real gloo, real memfd memory on both sides."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -75,8 +76,12 @@ def test_model_path_runs_with_both_sides_sleeping(tmp_path, capsys):
     # the transfer holds no bucket memory on either side once an update has ended
     assert all(e["engine_transfer"] == 0 and e["trainer_transfer"] == 0 for e in tl if e["step"] > 0)
     assert res["goals"][0]["met"] is None and "no accelerator" in res["goals"][0]["figure"]
-    assert "demo: OK" in out and "trn freed GiB" in out and "host memory by phase" in out
+    assert "demo: OK" in out and "host memory by phase" in out
     assert "[PASS] what sleeps is gone" in out
+    # a model of a few MiB is shown in MiB (in GiB every entry read 0.00)
+    assert "trn freed MiB" in out and "trn freed GiB" not in out, out
+    freed = [ln.split()[1:3] for ln in out.splitlines() if re.match(r"\s+\d+ +\d+\.\d\d +\d+\.\d\d ", ln)]
+    assert freed and all(float(x) > 0.1 for row in freed for x in row), out
 
 
 @pytest.mark.slow
@@ -156,6 +161,11 @@ def test_memory_table_and_peak():
            "engine_allocator": 0, "trainer": 113 * G, "trainer_allocator": G, "device_used": 116 * G}]
     table = format_memory(tl, 1)
     assert "trainer: optimizer awake (the step)" in table and "113.00" in table and "2.00" in table  # other = 116-114
+    assert "(step 1), GiB" in table
+    # a model of a few MiB: the table is in MiB (in GiB every entry read 0.00)
+    small = format_memory([{**e, **{k: e[k] // 1024 for k in ("engine", "engine_allocator", "trainer",
+                                                              "trainer_allocator", "device_used")}} for e in tl], 1)
+    assert "(step 1), MiB" in small and "17.00" in small and "113.00" in small, small
     peak = memory_peak(tl, 140 * G)
     assert peak["device_used"] == 116 * G and peak["phase"].startswith("trainer: optimizer") and peak["trainer"] == 114 * G
     assert memory_peak([{**e, "device_used": None} for e in tl], None) is None

@@ -22,6 +22,8 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
+import os
+import sys
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -216,12 +218,40 @@ def torch_version(attr: str) -> Optional[str]:
     initialising any device runtime; None without torch."""
     if not module_present("torch"):
         return None
+    if "torch" not in sys.modules:  # read torch/version.py, without importing torch (a second or more)
+        found = _torch_version_file(attr)
+        if found is not _UNKNOWN:
+            return found
     try:
         import torch
 
         return getattr(torch.version, attr, None)
     except Exception:
         return None
+
+
+_UNKNOWN = object()
+
+
+def _torch_version_file(attr: str):
+    """``attr``'s value as the installed torch's ``version.py`` assigns it (a literal, read with
+    :func:`ast.literal_eval`, never executed); ``_UNKNOWN`` when the file says it otherwise."""
+    import ast
+    import importlib.util
+    import re
+
+    try:
+        spec = importlib.util.find_spec("torch")
+        where = list(spec.submodule_search_locations or []) if spec else []
+        with open(os.path.join(where[0], "version.py"), encoding="utf-8") as f:
+            text = f.read()
+        m = re.search(rf"^{re.escape(attr)}\s*(?::[^=\n]*)?=\s*(.+?)\s*$", text, re.MULTILINE)
+        if m is None:
+            return _UNKNOWN
+        value = ast.literal_eval(m.group(1))
+    except (OSError, IndexError, ValueError, SyntaxError, ImportError):
+        return _UNKNOWN
+    return value if value is None or isinstance(value, str) else _UNKNOWN
 
 
 __all__ = ["Backend", "Detection", "DeviceInfo", "module_present", "torch_version"]

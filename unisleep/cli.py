@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import difflib
 import importlib
 import logging
+import os
 import re
+import stat
+import signal
 import sys
+import tempfile
+import threading
 from typing import Optional, Sequence
+
+from .errors import InvalidArgumentError
 
 COMMANDS = {
     "doctor": ("unisleep.doctor", "the platform and why, devices, optional packages, warnings"),
@@ -27,6 +36,109 @@ def plain(text: Optional[str]) -> str:
     text = text.replace("``", "")
     lines = [ln for ln in text.splitlines() if not re.fullmatch(r"\s*=+(\s+=+)*\s*", ln)]  # table borders
     return "\n".join(lines).strip("\n")
+
+
+_NEGATIVE = re.compile(r"-[0-9.]")
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
+    """``parser.parse_args(argv)``, except that a value which looks negative (``--size -1G``,
+    ``--sizes -1,2``) stays the value of the option before it, so the option's own check says
+    what is wrong with it (argparse would answer "expected one argument")."""
+    takes_value = {s for a in parser._actions if isinstance(a, argparse._StoreAction) and a.nargs is None
+                   for s in a.option_strings}
+    out: list[str] = []
+    it = iter(argv)
+    for arg in it:
+        if arg in takes_value:
+            nxt = next(it, None)
+            if nxt is not None and _NEGATIVE.match(nxt):
+                out.append(f"{arg}={nxt}")
+                continue
+            out.append(arg)
+            if nxt is not None:
+                out.append(nxt)
+            continue
+        out.append(arg)
+    return parser.parse_args(out)
+
+
+def nearest_existing(path: str) -> str:
+    p = os.path.abspath(path)
+    while not os.path.lexists(p) and os.path.dirname(p) != p:
+        p = os.path.dirname(p)
+    return p
+
+
+def can_create_in(folder: str) -> Optional[str]:
+    """None when something can be created in ``folder`` (tried with a folder made and removed
+    at once: read-only mounts and pseudo-filesystems refuse root too); otherwise why not."""
+    try:
+        made = tempfile.mkdtemp(prefix=".unisleep-write-check-", dir=folder)
+    except OSError as e:
+        return e.strerror or str(e)
+    os.rmdir(made)
+    return None
+
+
+def _check_folder(folder: str, option: str, shown: str, fix: str) -> None:
+    where = nearest_existing(folder)
+    if where == os.path.abspath(folder):
+        if not os.path.isdir(where):
+            raise InvalidArgumentError(f"{option} {shown}: {'it' if shown == folder else where} exists and is not a "
+                                       f"folder. {fix}")
+    elif not os.path.isdir(where):
+        raise InvalidArgumentError(f"{option} {shown}: {where} is a file, so no folder can be made under it. {fix}")
+    why = can_create_in(where)
+    if why:
+        raise InvalidArgumentError(f"{option} {shown}: cannot write in {where}: {why}. {fix}")
+
+
+def check_out_dir(path: str, option: str = "--out") -> str:
+    """Raise :class:`~unisleep.errors.InvalidArgumentError` unless ``path`` is a folder this
+    process can write in, or one it can create; nothing is created.  Returns ``path``."""
+    _check_folder(path, option, path, f"Pass {option} a folder you can write to.")
+    return path
+
+
+def check_out_file(path: str, option: str = "--json") -> str:
+    """Raise :class:`~unisleep.errors.InvalidArgumentError` unless file ``path`` can be written
+    (an existing regular file this process may write, or a new file in a folder it can write in
+    or create); nothing is created or changed.  Returns ``path``."""
+    fix = f"Pass {option} a file path you can write to."
+    if os.path.lexists(path):
+        try:
+            st = os.stat(path)
+        except OSError as e:
+            raise InvalidArgumentError(f"{option} {path}: {e.strerror}. {fix}") from None
+        if stat.S_ISDIR(st.st_mode):
+            raise InvalidArgumentError(f"{option} {path}: it is a folder. {fix}")
+        if not stat.S_ISREG(st.st_mode):
+            raise InvalidArgumentError(f"{option} {path}: it is not a regular file. {fix}")
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC))  # opened, nothing written
+        except OSError as e:
+            raise InvalidArgumentError(f"{option} {path}: cannot write it: {e.strerror}. {fix}") from None
+        return path
+    _check_folder(os.path.dirname(os.path.abspath(path)), option, path, fix)
+    return path
+
+
+@contextlib.contextmanager
+def children_leave_ctrl_c_to_us():
+    """Processes started inside ignore SIGINT (an ignored signal stays ignored through exec, and
+    Python keeps it so); keep only the start inside, as this process ignores it there too.  A
+    Ctrl-C at the terminal reaches every process of the foreground group: this process answers
+    it — it stops its children and says so in one line — instead of each child printing a
+    traceback of its own."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
 
 
 def help_text() -> str:
@@ -74,8 +186,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if arg not in COMMANDS:
             return _unknown(arg)
         logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(name)s: %(message)s")
-        module = importlib.import_module(COMMANDS[arg][0])
-        return int(module.main(argv[i + 1:]) or 0)
+        try:
+            module = importlib.import_module(COMMANDS[arg][0])
+            return int(module.main(argv[i + 1:]) or 0)
+        except KeyboardInterrupt:  # Ctrl-C: what was made is cleaned up on the way out; one line
+            print(f"unisleep {arg}: interrupted (Ctrl-C)", file=sys.stderr, flush=True)
+            return 130
     print(help_text())  # bare `unisleep`
     return 0
 

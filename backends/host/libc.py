@@ -12,7 +12,10 @@ MAP_SHARED, MAP_PRIVATE = 0x01, 0x02
 MAP_FIXED, MAP_ANONYMOUS, MAP_NORESERVE, MAP_POPULATE = 0x10, 0x20, 0x4000, 0x8000
 MAP_FAILED = ctypes.c_void_p(-1).value
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+try:  # glibc's name first: ctypes.util.find_library runs ldconfig (a process) on every first import
+    _libc = ctypes.CDLL("libc.so.6", use_errno=True)
+except OSError:  # another libc (e.g. musl)
+    _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 _libc.munmap.restype = ctypes.c_int

@@ -18,10 +18,24 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 PKG = os.path.join(ROOT, "tools", "vllm_contract", "vllm_pkg")
 HARNESS = os.path.join(ROOT, "tools", "vllm_contract", "harness.py")
 
-pytestmark = pytest.mark.skipif(
-    not os.path.isdir(os.path.join(PKG, "vllm", "device_allocator")),
-    reason="needs vLLM's sleep-mode modules extracted from its wheel: run "
-           "`python tools/vllm_contract/fetch.py` on a machine with a package registry")
+def _gpus() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.version.cuda else 0
+    except Exception:
+        return 0
+
+
+# the GPU first: without one, fetching vLLM's modules would not make these tests run
+pytestmark = [
+    pytest.mark.skipif(_gpus() < 1, reason="needs an NVIDIA GPU with a CUDA build of torch (none here); on one, "
+                                           "also vLLM's sleep-mode modules: python tools/vllm_contract/fetch.py"),
+    pytest.mark.skipif(
+        _gpus() >= 1 and not os.path.isdir(os.path.join(PKG, "vllm", "device_allocator")),
+        reason="needs vLLM's sleep-mode modules extracted from its wheel: run "
+               "`python tools/vllm_contract/fetch.py` on a machine with a package registry"),
+]
 
 
 @pytest.fixture(scope="module")

@@ -22,10 +22,12 @@ from __future__ import annotations
 import argparse
 import re
 import statistics
+import sys
 import time
 from typing import Optional, Sequence
 
-from ..cli import plain
+from ..cli import check_out_file, parse_args, plain
+from ..errors import UnisleepError
 from . import common
 
 MiB = 1 << 20
@@ -105,16 +107,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="unisleep bench --chunk-sweep", description=plain(__doc__),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--platform", default=None, help="platform name (default: detected)")
-    ap.add_argument("--device", type=int, default=0)
+    ap.add_argument("--device", type=int, default=0, help="the device index (default 0)")
     ap.add_argument("--total", type=parse_bytes, default=None,
                     help="bytes mapped per measurement (default 1GiB on host, 8GiB on an accelerator)")
     ap.add_argument("--chunks", type=parse_chunks, default=parse_chunks(DEFAULT_CHUNKS),
                     help=f"chunk sizes in MiB, 'one' = a single piece (default {DEFAULT_CHUNKS})")
     ap.add_argument("--repeat", type=int, default=3, help="measurements per chunk size (median shown)")
     ap.add_argument("--json", default=None, help="write the figures here")
-    args = ap.parse_args(list(argv) if argv is not None else None)
+    args = parse_args(ap, list(argv) if argv is not None else sys.argv[1:])
     if args.repeat < 1:
         ap.error("--repeat must be >= 1")
+    if args.json:
+        try:
+            check_out_file(args.json, "--json")
+        except UnisleepError as e:
+            ap.exit(2, f"unisleep bench: {e}\n")
 
     from ..platform import detect_platform
     from ..platform import load_driver

@@ -11,6 +11,17 @@ import socket
 import sys
 from typing import Any, Optional, Sequence
 
+from ..cli import children_leave_ctrl_c_to_us
+
+
+#: the folder every mode writes its JSON to unless --json says otherwise (out/ is in .gitignore)
+OUT_DIR = "out"
+
+
+def default_json(name: str) -> str:
+    """``out/bench-<name>.json``, under the current folder."""
+    return os.path.join(OUT_DIR, f"bench-{name}.json")
+
 
 def machine_info() -> dict[str, Any]:
     info: dict[str, Any] = {
@@ -97,9 +108,17 @@ def run_worker(cmd: Sequence[str], impl: str) -> dict:
     import subprocess
 
     progress(f"running {impl} ...")
-    proc = subprocess.run(list(cmd), stdout=subprocess.PIPE, text=True, env=os.environ.copy())
-    line = next((l for l in proc.stdout.splitlines() if l.startswith(RESULT_PREFIX)), None)
+    with children_leave_ctrl_c_to_us():  # on Ctrl-C the worker is killed here; it prints nothing
+        proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, text=True, env=os.environ.copy())
+    try:
+        stdout, _ = proc.communicate()
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    line = next((l for l in stdout.splitlines() if l.startswith(RESULT_PREFIX)), None)
     if proc.returncode != 0 or line is None:
         progress(f"{impl} failed (exit {proc.returncode})")
         return {"impl": impl, "error": f"exit {proc.returncode}"}
     return json.loads(line[len(RESULT_PREFIX):])
+

@@ -23,8 +23,9 @@ import sys
 import time
 from typing import Optional, Sequence
 
-from ..cli import plain
-from .common import emit_result, print_table, progress, run_worker, write_json
+from ..cli import check_out_file, parse_args, plain
+from ..errors import UnisleepError
+from .common import default_json, emit_result, print_table, progress, run_worker, write_json
 
 GiB = 1 << 30
 IMPLS = ("unisleep-facade", "torch_memory_saver")
@@ -133,13 +134,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--weights", type=float, default=8.0, help="GiB in the backed-up 'weights' region (default 8)")
     ap.add_argument("--kv", type=float, default=16.0, help="GiB in the discarded 'kv_cache' region (default 16)")
     ap.add_argument("--cycles", type=int, default=4, help="steady pause/resume cycles (default 4)")
-    ap.add_argument("--json", default="bench-compat-tms.json", help="write results here")
+    ap.add_argument("--json", default=default_json("compat-tms"), help="write results here (default %(default)s)")
     ap.add_argument("--check", action="store_true", help="exit 1 when the facade misses a goal")
     ap.add_argument("--worker", choices=IMPLS, default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args(list(argv or []))
+    args = parse_args(ap, list(argv or []))
     if args.worker:
         emit_result(run_workload(args.worker, args.weights, args.kv, args.cycles))
         os._exit(0)  # neither library's exit path is what is measured
+    for name, gib in (("--weights", args.weights), ("--kv", args.kv)):
+        if not 0 < gib < float("inf"):
+            ap.error(f"{name} must be a positive number of GiB, got {gib:g}")
+    if args.cycles < 1:
+        ap.error(f"--cycles must be >= 1, got {args.cycles}")
+    try:
+        check_out_file(args.json, "--json")
+    except UnisleepError as e:
+        ap.exit(2, f"unisleep bench: {e}\n")
 
     results: dict = {}
     for impl in IMPLS:

@@ -22,9 +22,11 @@ import sys
 import time
 from typing import Optional, Sequence
 
-from ..cli import plain
+from ..cli import check_out_file, parse_args, plain
+from ..errors import UnisleepError
 from . import peers
-from .common import GENERATION_PAUSE_S, TRAINER_TURN_S, emit_result, print_table, progress, run_worker, write_json
+from .common import (GENERATION_PAUSE_S, TRAINER_TURN_S, default_json, emit_result, print_table, progress, run_worker,
+                     write_json)
 
 GiB = 1 << 30
 
@@ -204,23 +206,37 @@ def figure_rows(results: dict) -> list:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="unisleep bench --backend NAME", description=plain(__doc__))
-    ap.add_argument("--backend", required=True)
-    ap.add_argument("--device", type=int, default=0)
+    ap = argparse.ArgumentParser(prog="unisleep bench", description=plain(__doc__))
+    ap.add_argument("--backend", required=True, help="the accelerator platform to measure, one of unisleep's backends "
+                    "(a device of it must be here: unisleep doctor shows what is found; --backend host is the host "
+                    "benchmark)")
+    ap.add_argument("--device", type=int, default=0, help="the device index (default 0)")
     ap.add_argument("--weights", type=float, default=8.0, help="GiB tagged weights (default 8)")
     ap.add_argument("--kv", type=float, default=16.0, help="GiB tagged kv_cache (default 16)")
-    ap.add_argument("--cycles", type=int, default=4)
+    ap.add_argument("--cycles", type=int, default=4,
+                    help="steady sleep/wake cycles, each with changed weights; the table shows medians (default 4)")
     ap.add_argument("--sweep", action="store_true", help="also 1/4/16/64 GiB x 1/64/1024 allocations")
-    ap.add_argument("--no-peers", action="store_true")
-    ap.add_argument("--json", default=None, help="write results here (default bench-<backend>.json)")
+    ap.add_argument("--no-peers", action="store_true",
+                    help="measure unisleep only, not the other libraries installed here (torch_memory_saver)")
+    ap.add_argument("--json", default=None, help="write results here (default out/bench-<backend>.json)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args(list(argv or []))
+    args = parse_args(ap, list(argv or []))
     if args.worker:
         emit_result(_worker(args.worker, args))
         if args.worker != "unisleep":
             os._exit(0)  # a peer's own exit path is not what is measured
         return 0
 
+    for name, gib in (("--weights", args.weights), ("--kv", args.kv)):
+        if not gib > 0 or gib == float("inf"):
+            ap.error(f"{name} must be a positive number of GiB, got {gib:g}")
+    if args.cycles < 1:
+        ap.error(f"--cycles must be >= 1, got {args.cycles}")
+    path = args.json or default_json(args.backend)
+    try:
+        check_out_file(path, "--json")
+    except UnisleepError as e:
+        ap.exit(2, f"unisleep bench: {e}\n")
     impls = ["unisleep"] + ([] if args.no_peers else peers.available_peers())
     results = {}
     for impl in impls:
@@ -256,5 +272,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if u.get("sweep"):
         print_table("sweep (level-1 sleep/wake through pool(tag))", ["GiB", "allocations", "sleep s", "wake s", "GB/s"],
                     [[r["total_gib"], r["allocations"], r["sleep_s"], r["wake_s"], r["gbps_sleep"]] for r in u["sweep"]])
-    write_json(args.json or f"bench-{args.backend}.json", f"device-{args.backend}", results, argv)
+    write_json(path, f"device-{args.backend}", results, argv)
     return 0 if u.get("verified") else 1

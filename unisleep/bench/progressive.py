@@ -28,20 +28,33 @@ import statistics
 import time
 from typing import Optional, Sequence
 
-from ..cli import plain
-from .common import print_table, progress, write_json
+from ..cli import check_out_file, parse_args, plain
+from ..errors import UnisleepError
+from .common import default_json, print_table, progress, write_json
 
 GiB = 1 << 30
 
 GOALS = {"first_layer_s": 0.010, "full_forward_ratio": 1.05, "bg_sleep_return_s": 0.010}
 
 
+def _shape(on_host: bool) -> tuple[int, int]:
+    """(columns of each layer's weight, bytes per element): float32 x 1024 on the host, bfloat16
+    x 8192 on an accelerator."""
+    return (1024, 4) if on_host else (8192, 2)
+
+
+def min_weights_gib(layers: int, on_host: bool) -> float:
+    """The least --weights for ``layers`` layers: each layer's weight must have at least as many
+    rows as columns (its output is folded back to the next layer's width)."""
+    cols, elem = _shape(on_host)
+    return layers * cols * cols * elem / GiB
+
+
 def _model(lc, layers: int, nbytes: int, on_host: bool):
     import torch
 
     dtype = torch.float32 if on_host else torch.bfloat16
-    cols = 1024 if on_host else 8192
-    elem = torch.empty((), dtype=dtype).element_size()
+    cols, elem = _shape(on_host)
     rows = max(2, nbytes // layers // (cols * elem)) // 2 * 2
 
     class Layer(torch.nn.Module):
@@ -200,24 +213,42 @@ LABELS = [
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="unisleep bench --backend NAME --progressive", description=plain(__doc__),
+    ap = argparse.ArgumentParser(prog="unisleep bench", description=plain(__doc__),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--backend", default="host")
-    ap.add_argument("--progressive", action="store_true")
-    ap.add_argument("--device", type=int, default=0)
+    ap.add_argument("--backend", default="host", help="the platform to measure (default host; an accelerator: a "
+                    "device of it must be here)")
+    ap.add_argument("--progressive", action="store_true", help="this benchmark")
+    ap.add_argument("--device", type=int, default=0, help="the device index (default 0)")
     ap.add_argument("--weights", type=float, default=None, help="GiB of weights (default 8; host 1)")
     ap.add_argument("--kv", type=float, default=None, help="GiB of KV cache (default 16; host 1)")
-    ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--cycles", type=int, default=3)
+    ap.add_argument("--layers", type=int, default=32, help="layers the weights are split into (default 32)")
+    ap.add_argument("--cycles", type=int, default=3, help="cycles; the table shows medians (default 3)")
     ap.add_argument("--chunk-mib", type=int, default=None,
                     help="physical chunk size (default: the backend's; host 32, since creating the first chunk "
                          "delays the first layer)")
-    ap.add_argument("--json", default=None, help="write results here (default bench-progressive-<backend>.json)")
-    args = ap.parse_args(list(argv or []))
+    ap.add_argument("--json", default=None, help="write results here (default out/bench-progressive-<backend>.json)")
+    args = parse_args(ap, list(argv or []))
     on_host = args.backend == "host"
     w = args.weights if args.weights is not None else (1.0 if on_host else 8.0)
     k = args.kv if args.kv is not None else (1.0 if on_host else 16.0)
     chunk = args.chunk_mib if args.chunk_mib is not None else (32 if on_host else None)
+    if args.layers < 1:
+        ap.error(f"--layers must be >= 1, got {args.layers}")
+    if args.cycles < 1:
+        ap.error(f"--cycles must be >= 1, got {args.cycles}")
+    least = min_weights_gib(args.layers, on_host)
+    if not least <= w < float("inf"):
+        ap.error(f"--weights must be at least {least:g} GiB with --layers {args.layers} (each layer at least as many "
+                 f"rows as columns), got {w:g}; or pass fewer --layers")
+    if not 0 < k < float("inf"):
+        ap.error(f"--kv must be a positive number of GiB, got {k:g}")
+    if chunk is not None and chunk < 1:
+        ap.error(f"--chunk-mib must be >= 1, got {chunk}")
+    path = args.json or default_json(f"progressive-{args.backend}")
+    try:
+        check_out_file(path, "--json")
+    except UnisleepError as e:
+        ap.exit(2, f"unisleep bench: {e}\n")
     r = run(args.backend, args.device, w, k, args.layers, args.cycles, chunk << 20 if chunk else None)
     rows = []
     for key, label, goal in LABELS:
@@ -235,5 +266,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               f"{1e3 * r.get('progressive_queued_s', 0.0):.2f} ms")
     print(f"KV cache freed when the background sleep returned: {r['bg_kv_freed_bytes'] / GiB:.2f} GiB of "
           f"{r['kv_bytes'] / GiB:.2f} GiB; verified (outputs and bytes exact): {r['verified']}")
-    write_json(args.json or f"bench-progressive-{args.backend}.json", f"progressive-{args.backend}", r, argv)
+    write_json(path, f"progressive-{args.backend}", r, argv)
     return 0 if r["verified"] else 1

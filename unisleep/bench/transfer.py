@@ -17,11 +17,13 @@ Paths (each a sender process and a receiver process, spawned fresh):
 The sender streams the update from a generator (one source chunk reused under many names), so an
 8 GiB update never needs 8 GiB on the sender; the receiver verifies every bucket against the
 manifest and lands it in its own memory (``staged=False``, an apply callback that keeps nothing),
-so memory stays at a few buckets per process; the callback copies every tensor into one
-receiver-owned tensor, as ``model.load_weights`` copies into parameters.  Each size runs one warm-up update, then
-``--repeat`` timed updates; the best is reported.  By default every update makes its bucket memory
-and gives it back when it ends (the library's default); ``--keep-buffers`` keeps it between updates
-(``WeightSender(keep_buffers=True)``): the note says what making and giving back cost.
+so memory stays at a few buckets per process whatever the size, and nothing is written to disk; the
+callback copies every tensor into one receiver-owned tensor, as ``model.load_weights`` copies into
+parameters.  Each size runs one warm-up update, then ``--repeat`` timed updates; the best is
+reported.  By default every update makes its bucket memory and gives it back when it ends;
+``--keep-buffers`` keeps it between updates (``WeightSender(keep_buffers=True)``): the note says what
+making and giving back cost.  The memory the host paths need is checked before anything starts; a long
+update reports its progress every 10 s; Ctrl-C stops both processes of the path.
 """
 
 from __future__ import annotations
@@ -34,8 +36,9 @@ import traceback
 from typing import Any, Optional
 
 from ..backup import host_available_bytes
-from ..cli import plain
-from .common import print_table, progress, write_json
+from ..cli import check_out_file, parse_args, plain
+from ..errors import UnisleepError
+from .common import children_leave_ctrl_c_to_us, print_table, progress, write_json
 
 GiB = 2**30
 MiB = 2**20
@@ -45,6 +48,54 @@ HOST_PATHS = ("gloo", "gloo-plain", "host-socket", "host-ipc")
 SENDER = {"gloo": {"path": "collective", "via": "gloo"}, "gloo-plain": {"path": "collective", "via": "gloo", "encrypt": False},
           "host-socket": {"path": "collective", "via": "socket"}, "host-ipc": {"path": "ipc"},
           "device-ipc": {"path": "ipc"}, "device-coll": {"path": "collective"}}
+
+
+#: seconds between two progress lines of one update
+PROGRESS_EVERY_S = 10.0
+
+
+def _with_progress(gen, total: int, label: str):
+    """``gen``'s items, with a progress line every PROGRESS_EVERY_S seconds (bytes yielded so far,
+    what is left at that pace)."""
+    t0 = last = time.perf_counter()
+    done = 0
+    for name, t in gen:
+        yield name, t
+        done += t.numel() * t.element_size()
+        now = time.perf_counter()
+        if now - last >= PROGRESS_EVERY_S and done < total:
+            last = now
+            left = (total - done) * (now - t0) / done
+            progress(f"{label}: {done / GiB:.1f} of {total / GiB:.1f} GiB after {now - t0:.0f} s, about {left:.0f} s left")
+
+
+def parse_sizes(text: str, chunk: int) -> list[int]:
+    """``--sizes`` (GiB, comma-separated) -> the bytes each update moves: whole tensors of
+    ``chunk`` bytes, at least one.  Raises ValueError saying which value is wrong and why."""
+    out = []
+    for tok in (t.strip() for t in text.split(",")):
+        if not tok:
+            continue
+        try:
+            gib = float(tok)
+        except ValueError:
+            raise ValueError(f"--sizes takes GiB numbers, comma-separated (e.g. 1,8), got {tok!r}") from None
+        if not 0 < gib < float("inf"):
+            raise ValueError(f"--sizes {tok}: a size must be a positive number of GiB")
+        n = int(gib * GiB) // chunk
+        if n < 1:
+            raise ValueError(f"--sizes {tok}: smaller than one tensor of the update (--chunk-mib {chunk // MiB} = "
+                             f"{chunk / GiB:g} GiB); pass at least {chunk / GiB:g}, or a smaller --chunk-mib")
+        out.append(n * chunk)
+    if not out:
+        raise ValueError("--sizes names no size (e.g. --sizes 1,8)")
+    return out
+
+
+def host_path_need(chunk: int, bucket) -> int:
+    """Host memory one host path needs at once, whatever the update's size: the source tensor,
+    two send and two receive buffers of a bucket, and two interpreters."""
+    return chunk + 6 * ((bucket or GiB) + 4096) + 1 * GiB
 
 
 def _port() -> int:
@@ -87,7 +138,8 @@ def _run_side(rank: int, port: int, job: dict) -> dict:
             specs = [(f"layer.{i}.weight", (chunk // 2,), "bfloat16") for i in range(n)]
             times = []
             for rep in range(job["repeat"] + 1):
-                gen = ((name, src) for name, _, _ in specs)
+                label = f"{job['path']}: {n * chunk / GiB:.2f} GiB {'warm-up' if not rep else f'run {rep}'}"
+                gen = _with_progress(((name, src) for name, _, _ in specs), n * chunk, label)
                 version += 1
                 t0 = time.perf_counter()
                 rep_ = tx.send(gen, version, specs=specs)
@@ -146,9 +198,11 @@ def _spawn(job: dict, timeout: float) -> dict:
     q = ctx.Queue()
     port = _port()
     ps = [ctx.Process(target=_worker, args=(r, port, job, q)) for r in (0, 1)]
-    for p in ps:
-        p.start()
+    with children_leave_ctrl_c_to_us():  # Ctrl-C: this process stops them (below), they print nothing
+        for p in ps:
+            p.start()
     out: dict[int, dict] = {}
+    stopped = False
     try:
         deadline = time.monotonic() + timeout
         while len(out) < 2:
@@ -156,9 +210,14 @@ def _spawn(job: dict, timeout: float) -> dict:
             out[res["rank"]] = res
             if "error" in res:
                 break
+    except BaseException:  # Ctrl-C, or no answer in time: nothing more to wait for
+        stopped = True
+        raise
     finally:
         for p in ps:
-            p.join(5 if "error" in str(out) else 60)
+            if stopped:
+                p.terminate()
+            p.join(2 if stopped else 5 if "error" in str(out) else 60)
             if p.is_alive():
                 p.kill()
                 p.join()
@@ -168,7 +227,8 @@ def _spawn(job: dict, timeout: float) -> dict:
 def main(argv: Optional[list] = None) -> int:
     ap = argparse.ArgumentParser(prog="unisleep bench --transfer", description=plain(__doc__),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", default="1,8", help="update sizes in GiB, comma-separated (default 1,8)")
+    ap.add_argument("--sizes", default="1,8", help="update sizes in GiB, comma-separated (default 1,8); each a whole "
+                    "number of --chunk-mib tensors (rounded down), at least one")
     ap.add_argument("--paths", default=",".join(PATHS), help=f"subset of {','.join(PATHS)}")
     ap.add_argument("--bucket-mib", default="auto",
                     help="bucket size in MiB, or 'auto' (the default): the library's default for the path "
@@ -181,23 +241,45 @@ def main(argv: Optional[list] = None) -> int:
                     help="keep the bucket memory between updates (default: made per update, given back at its end)")
     ap.add_argument("--platform", default=None, help="platform for the device paths (default: detected)")
     ap.add_argument("--json", default=None, help="write the results here")
-    args = ap.parse_args(argv)
+    args = parse_args(ap, list(argv if argv is not None else []))
 
-    from ..platform import detect_platform
-
-    plat = detect_platform(args.platform)
-    sizes = [int(float(s) * GiB) for s in args.sizes.split(",") if s.strip()]
     paths = [p.strip() for p in args.paths.split(",") if p.strip()]
     bad = [p for p in paths if p not in PATHS]
     if bad:
         ap.error(f"unknown path(s) {bad}; choose from {PATHS}")
+    if args.chunk_mib < 1:
+        ap.error(f"--chunk-mib must be >= 1, got {args.chunk_mib}")
+    if args.repeat < 1:
+        ap.error(f"--repeat must be >= 1, got {args.repeat}")
     chunk = args.chunk_mib * MiB
+    try:
+        sizes = parse_sizes(args.sizes, chunk)
+    except ValueError as e:
+        ap.error(str(e))
     if args.bucket_mib != "auto" and not (args.bucket_mib.isdigit() and int(args.bucket_mib) > 0):
         ap.error(f"--bucket-mib takes a positive number of MiB or 'auto', got {args.bucket_mib!r}")
     bucket = None if args.bucket_mib == "auto" else int(args.bucket_mib) * MiB
+    need, free = host_path_need(chunk, bucket), host_available_bytes()
+    if any(p in HOST_PATHS for p in paths) and free and free < need:
+        ap.exit(2, f"unisleep bench: the host paths need about {need / GiB:.1f} GiB of host memory at once (the "
+                   f"source tensor, 2 send and 2 receive buffers of a bucket, two interpreters; the update streams, so "
+                   f"its size adds nothing) and {free / GiB:.1f} GiB is available (MemAvailable). Pass a smaller "
+                   "--bucket-mib or --chunk-mib, or --paths without the host paths.\n")
+    if args.json:
+        try:
+            check_out_file(args.json, "--json")
+        except UnisleepError as e:
+            ap.exit(2, f"unisleep bench: {e}\n")
+
+    from ..platform import detect_platform
+
+    plat = detect_platform(args.platform)
     ndev = len(plat.devices) if plat.is_accelerator else 0
-    progress(f"platform {plat}; {ndev} device(s); sizes {args.sizes} GiB; bucket {args.bucket_mib}"
-             f"{'' if bucket is None else ' MiB'}")
+    shown = ", ".join(f"{n / GiB:g}" for n in sizes)
+    moved = sum(sizes) * (args.repeat + 1)
+    progress(f"platform {plat}; {ndev} device(s); sizes {shown} GiB (whole {args.chunk_mib} MiB tensors); each path "
+             f"moves {moved / GiB:g} GiB (a warm-up and {args.repeat} timed update{'s' if args.repeat > 1 else ''} "
+             f"per size); bucket {args.bucket_mib}{'' if bucket is None else ' MiB'}")
     rows, results = [], []
     busbw = None
 
@@ -216,12 +298,11 @@ def main(argv: Optional[list] = None) -> int:
             continue
         devices = [0, 0] if host or path == "device-ipc" else [0, 1]
         job = {"path": path, "platform": "host" if host else plat.name, "devices": devices, "sizes": sizes,
-               "chunk_bytes": chunk, "bucket_bytes": bucket, "repeat": max(1, args.repeat),
+               "chunk_bytes": chunk, "bucket_bytes": bucket, "repeat": args.repeat,
                "verify": not args.no_verify, "allreduce_bytes": 1 * GiB, "keep_buffers": args.keep_buffers}
         if host:
-            need = chunk + 6 * ((bucket or GiB) + 4096) + 1 * GiB  # source, 2 send + 2 receive buffers, two interpreters
             free = host_available_bytes()
-            if free < need:
+            if free < need:  # (checked at the start; the paths before this one may hold memory still)
                 skip(path, f"needs ~{need / GiB:.1f} GiB free host memory, {free / GiB:.1f} GiB available")
                 continue
         progress(f"{path}: starting two processes")

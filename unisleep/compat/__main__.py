@@ -5,9 +5,10 @@ unisleep's facade in the processes a shell starts; ``--pythonpath``: only the sh
 
 import argparse
 
+from ..cli import plain
 from . import ENV_SWITCH, shim_dir
 
-ap = argparse.ArgumentParser(prog="python -m unisleep.compat", description=__doc__)
+ap = argparse.ArgumentParser(prog="python -m unisleep.compat", description=plain(__doc__))
 ap.add_argument("--pythonpath", action="store_true", help="print the shim folder only")
 ap.add_argument("--preload-path", action="store_true", help="print the native library's path")
 args = ap.parse_args()

@@ -39,7 +39,9 @@ def main(argv=None) -> int:
         # the demo reports a failed or dead trainer itself; c10d's C++ warnings with stack dumps
         # (a store whose host process is gone) would only bury that message
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    from ..cli import parse_args
+
+    args = parse_args(build_parser(), list(sys.argv[1:] if argv is None else argv))
     if args.steps is None:
         args.steps = MODEL_STEPS if args.model is not None else DEFAULT_STEPS[args.engine]
     if args.lr is None:

@@ -5,12 +5,26 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 
+from ..cli import check_out_dir
 from ..errors import InvalidArgumentError, PlatformError
 from ..platform import detect_platform
 from ..registry import backends
 from .presets import MODEL_NAMES
 from .constants import DEFAULT_LR, DEFAULT_STEPS, PROMPT_LEN, SABOTAGES, VLLM_REWARD_MOD
+
+#: where ``unisleep demo`` writes demo.json and demo.png unless --out says (out/ is in .gitignore)
+DEFAULT_OUT = os.path.join("out", "demo")
+#: the least --timeout that means anything: it bounds each wait for the trainer process, and a
+#: new Python process importing torch takes about a second before it can answer at all
+MIN_TIMEOUT_S = 5.0
+#: host memory a --model run needs per parameter: the trainer's float32 weights, gradients and
+#: AdamW state (two moments) are all awake at its optimizer step
+MODEL_BYTES_PER_PARAM = 16
+#: spill-directory space per parameter on the host: the trainer's offload (a level-1 sleep)
+#: writes its float32 weights and AdamW state there
+MODEL_SPILL_BYTES_PER_PARAM = 12
 
 
 def _device_choices() -> list[str]:
@@ -38,7 +52,7 @@ def platform_for(device: str):
 def validate(args) -> None:
     """Check the options before anything starts (the defaults already filled in); raise
     :class:`InvalidArgumentError` saying which option is wrong and what to pass instead."""
-    from ..engines.torch_generator import TinyLMConfig
+    from ..engines.tiny_lm_config import TinyLMConfig
 
     def bad(msg: str) -> None:
         raise InvalidArgumentError(msg)
@@ -53,6 +67,10 @@ def validate(args) -> None:
         bad(f"--top-p must be in (0, 1], got {args.top_p:g}")
     if not (math.isfinite(args.timeout) and args.timeout > 0):
         bad(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
+    if args.timeout < MIN_TIMEOUT_S:
+        bad(f"--timeout must be at least {MIN_TIMEOUT_S:g} s, got {args.timeout:g}: it bounds each wait for the "
+            "trainer process, which needs about a second just to start (a new Python importing torch); the "
+            "default is 60")
     if getattr(args, "ray", False):
         import importlib.util
 
@@ -87,6 +105,7 @@ def validate(args) -> None:
         if args.target < 0:
             bad(f"--target must be >= 0 (the reward counts tokens t with t % {VLLM_REWARD_MOD} == "
                 f"target % {VLLM_REWARD_MOD}), got {args.target}")
+        check_out_dir(args.out)
         return
     try:
         plat = platform_for(args.device)
@@ -96,6 +115,44 @@ def validate(args) -> None:
         bad(f"--device {args.device}: no {plat.name} device was found on this machine, so the engine's memory "
             "cannot live there. Leave --device out (host memory, the default) or run on a machine with one "
             "(unisleep doctor shows what is found).")
+    if getattr(args, "model", None) is not None and not plat.is_accelerator:
+        check_model_fits_host(args.model)
+    check_out_dir(args.out)
+
+
+def check_model_fits_host(name: str) -> None:
+    """Refuse a ``--model`` whose trainer cannot fit in host memory (MemAvailable) or whose
+    offload cannot fit in the spill directory, saying what it needs and what there is."""
+    from ..backends.host.spill_dir import default_spill_parent
+    from ..backup import host_available_bytes
+    from ..units import human_bytes
+    from .presets import PRESETS, preset
+
+    pr = preset(name)
+    n = pr.params()
+    need_mem, need_disk = MODEL_BYTES_PER_PARAM * n, MODEL_SPILL_BYTES_PER_PARAM * n
+    avail = host_available_bytes()
+    spill = default_spill_parent()
+    where = spill
+    while not os.path.isdir(where) and os.path.dirname(where) != where:
+        where = os.path.dirname(where)
+    st = os.statvfs(where)
+    free = st.f_bavail * st.f_frsize
+    fits = [m for m, p in PRESETS.items()
+            if MODEL_BYTES_PER_PARAM * p.params() <= (avail or need_mem) and MODEL_SPILL_BYTES_PER_PARAM * p.params() <= free]
+    accelerators = ", ".join(b.name for b in backends() if b.is_accelerator)
+    alt = (f"--model {fits[-1]} fits here" if fits else "no --model preset fits here (leave --model out: the embedded "
+           f"tiny model)") + f"; or run it on an accelerator with that much memory (--device {accelerators})"
+    what = (f"--model {name} ({n / 1e9:.2f} B parameters) on host memory needs about {human_bytes(need_mem)} of "
+            f"memory (the trainer's float32 weights, gradients and AdamW state: {MODEL_BYTES_PER_PARAM} bytes per "
+            f"parameter) and {human_bytes(need_disk)} free in the spill directory (its offloaded weights and AdamW "
+            "state)")
+    if avail and need_mem > avail:
+        raise InvalidArgumentError(f"{what}; this machine has {human_bytes(avail)} available (MemAvailable in "
+                                   f"/proc/meminfo). {alt[0].upper()}{alt[1:]}.")
+    if need_disk > free:
+        raise InvalidArgumentError(f"{what}; the spill directory {spill} has {human_bytes(free)} free ({where}). "
+                                   f"Point UNISLEEP_SPILL_DIR at a disk with more room, or: {alt}.")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -107,7 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=None,
                    help=f"RL steps (default {DEFAULT_STEPS['torch']}; {DEFAULT_STEPS['vllm']} with --engine vllm)")
     p.add_argument("--level", type=int, choices=(1, 2), default=2, help="sleep level (default 2: RL drops weights)")
-    p.add_argument("--out", default="unisleep-demo", help="folder for demo.json and demo.png (default ./unisleep-demo)")
+    p.add_argument("--out", default=DEFAULT_OUT,
+                   help=f"folder for demo.json and demo.png (default {DEFAULT_OUT}, under the current folder); "
+                        "checked before anything starts")
     p.add_argument("--engine", choices=("torch", "vllm"), default="torch",
                    help="torch: the embedded TorchGenerator (default); vllm: a real vLLM server on 127.0.0.1 "
                         "serving a tiny Llama, the trainer (HF LlamaForCausalLM) in this process")
@@ -131,8 +190,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0, help="sampling top-p of the engine")
     p.add_argument("--logprobs-mode", choices=("raw_logprobs", "processed_logprobs"), default="raw_logprobs",
                    help="what the engine returns; processed + --top-p < 1 shows the gap monitor's offset finding")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the trainer process")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the model's initial weights and of sampling: the same seed, the same run "
+                        "(default 0)")
+    p.add_argument("--timeout", type=float, default=60.0,
+                   help=f"seconds to wait for the trainer process at each step (default 60; at least "
+                        f"{MIN_TIMEOUT_S:g})")
     p.add_argument("--sabotage", choices=SABOTAGES, default="none",
                    help="break the loop on purpose to see the checks fail: drop-weights (the engine ignores "
                         "the tensors it receives), skip-sleep (the engine's sleep frees nothing)")

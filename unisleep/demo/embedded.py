@@ -28,6 +28,7 @@ from typing import Optional
 
 from ..errors import UnisleepError
 from .checks import embedded_checks, max_logprob_gap
+from ..cli import children_leave_ctrl_c_to_us
 from .cli import platform_for
 from .constants import PROBE_PROMPTS, PROMPT_LEN
 from .report import kib, plot_steps, print_run, step_progress, verdict, write_json
@@ -77,7 +78,8 @@ def run_torch(args) -> int:
         args=(there, rendezvous, cfg.as_dict(), platform.name, args.lr, args.top_p, args.timeout),
     )
     t_start = time.perf_counter()
-    proc.start()
+    with children_leave_ctrl_c_to_us():  # Ctrl-C: this process stops the trainer and says so, once
+        proc.start()
     trainer = TrainerProcess(proc, here, args.timeout)
     steps: list[DemoStep] = []
     monitor = LogprobGapMonitor()

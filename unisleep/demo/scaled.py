@@ -38,7 +38,9 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ..errors import UnisleepError
+from ..units import human_bytes
 from .checks import Check, _gap_steady, _loop_ran, learned, max_logprob_gap
+from ..cli import children_leave_ctrl_c_to_us
 from .cli import platform_for
 from .constants import PROBE_PROMPTS, RELEASED_MIN
 from .presets import ACTIONS, fingerprint, preset
@@ -113,18 +115,34 @@ class ScaledStep:
         return d
 
 
-def gib(n) -> str:
-    return "n/a" if n is None else f"{n / GiB:.2f}"
+def gib(n, unit: tuple[str, int] = ("GiB", GiB)) -> str:
+    """``n`` bytes in ``unit`` (name, bytes), two decimals; "n/a" for None."""
+    return "n/a" if n is None else f"{n / unit[1]:.2f}"
+
+
+def table_unit(*sizes) -> tuple[str, int]:
+    """The unit of a table of byte counts: the largest of GiB, MiB, KiB in which its largest entry
+    is at least 1 (a model of a few MiB would read 0.00 in GiB everywhere)."""
+    top = max((abs(n) for n in sizes if n is not None), default=0)
+    for name, div in (("GiB", GiB), ("MiB", 1 << 20)):
+        if top >= div:
+            return name, div
+    return "KiB", 1 << 10
+
+
+def hb(n) -> str:
+    return "n/a" if n is None else human_bytes(n)
 
 
 def format_table_scaled(steps: list[ScaledStep]) -> str:
-    head = (f"{'step':>4} {'eng freed GiB':>13} {'trn freed GiB':>13} {'offload s':>9} {'restore s':>9} "
+    u = table_unit(*(n for s in steps for n in (s.engine_freed, s.trainer_freed)))
+    head = (f"{'step':>4} {'eng freed ' + u[0]:>13} {'trn freed ' + u[0]:>13} {'offload s':>9} {'restore s':>9} "
             f"{'sleep ms':>8} {'wake ms':>7} {'xfer ms':>8} {'eng sum ms':>10} {'kv wake ms':>10} {'drop ms':>7} {'train s':>7} "
             f"{'tok/s':>8} {'gap':>8} {'gap srv':>8} {'probe Δ':>8} {'decode Δ':>8} {'exact':>5} {'reward':>6}")
     lines = [head, "-" * len(head)]
     for s in steps:
         lines.append(
-            f"{s.step:>4} {gib(s.engine_freed):>13} {gib(s.trainer_freed):>13} {s.offload_s:>9.3f} {s.restore_s:>9.3f} "
+            f"{s.step:>4} {gib(s.engine_freed, u):>13} {gib(s.trainer_freed, u):>13} {s.offload_s:>9.3f} {s.restore_s:>9.3f} "
             f"{s.sleep_ms:>8.2f} {s.wake_weights_ms:>7.2f} {s.transfer_ms:>8.1f} {s.engine_goal_ms:>10.1f} "
             f"{s.wake_kv_ms:>10.2f} {s.drop_staging_ms:>7.2f} {s.train_ms / 1e3:>7.2f} {s.tokens_per_s:>8.0f} {s.gap:>8.1e} {s.gap_served:>8.1e} "
             f"{s.probe_gap:>8.1e} {s.probe_decode_gap:>8.1e} "
@@ -154,8 +172,8 @@ def scaled_checks(steps: list[ScaledStep], monitor, failure: Optional[str], targ
     checks.append(Check(
         "memory freed", not low_e and not low_t,
         (f"both sides slept every step: the engine released >= {RELEASED_MIN:.0%} of its bytes "
-         f"({gib(s0.engine_before)} -> {gib(s0.engine_asleep)} GiB) while the trainer trained, and the trainer "
-         f">= {RELEASED_MIN:.0%} of its ({gib(s0.trainer_awake)} -> {gib(s0.trainer_asleep)} GiB) while the engine "
+         f"({hb(s0.engine_before)} -> {hb(s0.engine_asleep)}) while the trainer trained, and the trainer "
+         f">= {RELEASED_MIN:.0%} of its ({hb(s0.trainer_awake)} -> {hb(s0.trainer_asleep)}) while the engine "
          "generated") if not low_e and not low_t else
         f"engine released too little at steps {low_e}; trainer at steps {low_t}",
     ))
@@ -246,19 +264,23 @@ def _backup_total(hb) -> Optional[int]:
 def format_memory(timeline: list[dict], step: int) -> str:
     rows = memory_rows(timeline, step)
     backups = any(e.get("engine_host_backup") is not None or e.get("trainer_host_backup") is not None for e in rows)
-    head = (f"{'phase (step ' + str(step) + ')':<44} {'works':>7} {'eng life':>8} {'eng alloc':>9} {'trn life':>8} "
-            f"{'trn alloc':>9} {'xfer':>5} {'other':>6} {'in use':>7} {'residue/allowed':>16}"
+    u = table_unit(*(e.get(k) for e in rows for k in ("engine", "engine_allocator", "trainer", "trainer_allocator",
+                                                     "transfer", "other", "in_use")))
+    head = (f"{'phase (step ' + str(step) + '), ' + u[0]:<44} {'works':>7} {'eng life':>8} {'eng alloc':>9} "
+            f"{'trn life':>8} {'trn alloc':>9} {'xfer':>5} {'other':>6} {'in use':>7} {'residue/allowed':>16}"
             + (f" {'eng host':>8} {'trn host':>8}" if backups else ""))
     lines = [head, "-" * len(head)]
     for e in rows:
         r = e["residue"]
-        res = "" if r is None else f"{gib(r['bytes'])}/{gib(r['allowed'])}{' !' if r['bytes'] > r['allowed'] else ''}"
-        line = (f"{e['phase'][:44]:<44} {e.get('works') or '':>7} {gib(e['engine']):>8} "
-                f"{gib(e.get('engine_allocator', 0)):>9} {gib(e['trainer']):>8} {gib(e.get('trainer_allocator', 0)):>9} "
-                f"{gib(e['transfer']):>5} {gib(e['other']):>6} {gib(e['in_use']):>7} {res:>16}")
+        res = ("" if r is None else
+               f"{gib(r['bytes'], u)}/{gib(r['allowed'], u)}{' !' if r['bytes'] > r['allowed'] else ''}")
+        line = (f"{e['phase'][:44]:<44} {e.get('works') or '':>7} {gib(e['engine'], u):>8} "
+                f"{gib(e.get('engine_allocator', 0), u):>9} {gib(e['trainer'], u):>8} "
+                f"{gib(e.get('trainer_allocator', 0), u):>9} {gib(e['transfer'], u):>5} {gib(e['other'], u):>6} "
+                f"{gib(e['in_use'], u):>7} {res:>16}")
         if backups:
-            line += (f" {gib(_backup_total(e.get('engine_host_backup'))):>8}"
-                     f" {gib(_backup_total(e.get('trainer_host_backup'))):>8}")
+            line += (f" {gib(_backup_total(e.get('engine_host_backup')), u):>8}"
+                     f" {gib(_backup_total(e.get('trainer_host_backup')), u):>8}")
         lines.append(line)
     return "\n".join(lines)
 
@@ -295,7 +317,8 @@ def run_model(args) -> int:
                        args=(there, rendezvous, args.model, platform.name, args.lr, args.top_p, args.timeout, args.seed))
     t_start = time.perf_counter()
     t_mono = time.monotonic()  # the clock both processes stamp their memory marks with
-    proc.start()
+    with children_leave_ctrl_c_to_us():  # Ctrl-C: this process stops the trainer and says so, once
+        proc.start()
     trainer = TrainerProcess(proc, here, args.timeout)
     steps: list[ScaledStep] = []
     timeline: list[dict] = []
@@ -459,8 +482,8 @@ def run_model(args) -> int:
                 reward=statistics.fmean(rewards), trainer_allocator_peak=tr.get("allocator_peak", 0), drop_staging_ms=drop_ms,
                 findings=[str(f) for f in gs.findings])
             steps.append(ds)
-            step_progress(args, step, f"v{version}  freed engine {gib(ds.engine_freed)} GiB, trainer "
-                                      f"{gib(ds.trainer_freed)} GiB  engine sleep+wake+xfer {ds.engine_goal_ms:.1f} ms  "
+            step_progress(args, step, f"v{version}  freed engine {hb(ds.engine_freed)}, trainer "
+                                      f"{hb(ds.trainer_freed)}  engine sleep+wake+xfer {ds.engine_goal_ms:.1f} ms  "
                                       f"offload {ds.offload_s:.2f} s  {ds.tokens_per_s:,.0f} tok/s  gap {ds.gap:.1e}  "
                                       f"probe {ds.probe_gap:.1e} (decode {ds.probe_decode_gap:.1e})  "
                                       f"reward {ds.reward:.2f}", gs.findings)
@@ -483,13 +506,13 @@ def run_model(args) -> int:
         print(format_table_scaled(steps))
         print()
         print(f"{p.name}: {init.get('params', 0) / 1e9:.3f} B parameters; trainer lifecycle tags "
-              + ", ".join(f"{t} {gib(n)} GiB" for t, n in (init.get("tags") or {}).items())
+              + ", ".join(f"{t} {hb(n)}" for t, n in (init.get("tags") or {}).items())
               + f"; {len(steps)} steps in {elapsed:.1f} s")
     if timeline:
         print()
         on_device = any(e.get("device_used") is not None for e in timeline)
-        print(("device memory by phase, GiB (in use: the device's, all processes" if on_device else
-               "host memory by phase, GiB (in use: the two processes' resident sets") +
+        print(("device memory by phase (in use: the device's, all processes" if on_device else
+               "host memory by phase (in use: the two processes' resident sets") +
               "; life: lifecycle memory; alloc: the framework allocator of that process; xfer: the transfer's "
               "buckets both sides hold; other: in use minus the four before; residue: in use minus the working "
               "side's own, against what the start allows, where one side works and the other sleeps)")
@@ -497,10 +520,10 @@ def run_model(args) -> int:
         if steps:
             print(format_memory(timeline, steps[-1].step))
     if peak is not None:
-        print(f"peak device memory in use (both processes): {gib(peak['device_used'])} of {gib(peak['device_total'])} "
-              f"GiB at '{peak['phase']}' (step {peak['step']}): engine {gib(peak['engine'])}, trainer "
-              f"{gib(peak['trainer'])} GiB"
-              + (f"; the trainer's allocator peaked at {gib(max(s.trainer_allocator_peak for s in steps))} GiB "
+        print(f"peak device memory in use (both processes): {hb(peak['device_used'])} of {hb(peak['device_total'])} "
+              f"at '{peak['phase']}' (step {peak['step']}): engine {hb(peak['engine'])}, trainer "
+              f"{hb(peak['trainer'])}"
+              + (f"; the trainer's allocator peaked at {hb(max(s.trainer_allocator_peak for s in steps))} "
                  "within a step" if steps else ""))
     for name, fig, met in gl:
         print(f"[goal {'n/a' if met is None else ('MET' if met else 'MISSED')}] {name}: {fig}")

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import asdict, dataclass
 from typing import Any, Iterable, Optional, Sequence
 
 import torch
@@ -31,24 +30,12 @@ from torch import nn
 from ..errors import InvalidArgumentError, InvalidTransitionError, TransferError
 from ..lifecycle import AWAKE, MemoryLifecycle
 from .base import Engine, Generation
+from .tiny_lm_config import TinyLMConfig
 
 log = logging.getLogger("unisleep.engines.torch")
 
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 PAUSE_MODES = ("abort", "wait", "keep")
-
-
-@dataclass(frozen=True)
-class TinyLMConfig:
-    vocab_size: int = 32
-    d_model: int = 64
-    n_heads: int = 4
-    n_layers: int = 2
-    max_len: int = 32
-    seed: int = 0
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 class _Block(nn.Module):

@@ -42,7 +42,8 @@ def sleep(state: LifecycleState, level: int, plan: dict, write_off: dict, patter
     of ``write_off``, all or nothing: the backup's room is checked and reserved first, then the
     ``before_sleep`` hooks run and the driver backs up and releases; a failure is undone
     (:func:`undo_sleep`, ``after_wake`` hooks for the hooks that ran) and raised as a
-    :class:`~unisleep.errors.BackupError` saying what failed where."""
+    :class:`~unisleep.errors.BackupError` saying what failed where — a ``KeyboardInterrupt`` or
+    ``SystemExit`` is undone the same way and raised as itself."""
     driver = state.driver
     tr = _Trace("sleep")
     saves, discards = planning.jobs(state, plan, patterns)
@@ -61,6 +62,8 @@ def sleep(state: LifecycleState, level: int, plan: dict, write_off: dict, patter
         reserved = state.reserve_backups(saves)
     except BaseException as e:
         state.forget_pending_digests(saves)
+        if not isinstance(e, Exception):  # Ctrl-C, SystemExit: themselves, not a backup failure
+            raise
         raise backup_error(state, e, saves, "sleep") from e
     tr.mark("reserve")
     hooks_ran = False
@@ -77,8 +80,8 @@ def sleep(state: LifecycleState, level: int, plan: dict, write_off: dict, patter
         if hooks_ran:
             run_hooks_quietly(after_wake, sorted(plan), "while undoing a sleep")
         state.forget_pending_digests(saves)
-        if isinstance(e, BackupError) and e.tag is not None:
-            raise
+        if (isinstance(e, BackupError) and e.tag is not None) or not isinstance(e, Exception):
+            raise  # (Ctrl-C, SystemExit: undone as any failure, and raised as themselves)
         raise backup_error(state, e, saves, "sleep") from e
     for job in saves:
         a = state.get(job.key)

@@ -41,6 +41,7 @@ from ..platform import Platform, detect_platform
 from . import records as R
 from .secret import resolve_secret
 from .store import LocalStore, RecordTooLargeError, RemoteStore, StoreAuthError, StoreServer
+from .waiting import WaitNotice
 
 log = logging.getLogger("unisleep.transfer")
 
@@ -285,7 +286,10 @@ class TransferGroup:
                 peers.append(p0[0])
                 continue
             body = self.take(f"peer/{r}", R.PEER, seq=0, epoch=0, what=f"rank {r} to join the group",
-                             peer=f"rank {r}", watch=False)
+                             peer=f"rank {r}", watch=False,
+                             notice=WaitNotice(f"transfer group {name!r} at {self.host}:{self.port}: rank {self.rank} "
+                                               f"is waiting for rank {r} of {self.world_size} to join (a process "
+                                               f"calling TransferGroup.create with rank={r})", self.timeout_s))
             peers.append(_peer_of(body))
             if body["insecure"] != self.insecure:
                 raise TransferError(f"rank {r} runs {'without' if body['insecure'] else 'with'} a secret, this rank "
@@ -613,7 +617,10 @@ class TransferGroup:
 
     def _wait_raw(self, key: str, what: str) -> bytes:
         deadline = time.monotonic() + self.timeout_s
+        notice = WaitNotice(f"transfer group at {self.host}:{self.port}: rank {self.rank} is waiting for {what}",
+                            self.timeout_s)
         while True:
+            notice.tick()
             try:
                 _ver, raw = self.store.watch(key, 1 << 17, 0, min(0.25, max(0.0, deadline - time.monotonic())))
             except RecordTooLargeError as e:
@@ -626,14 +633,15 @@ class TransferGroup:
                 raise TransferError(f"waiting for {what}: timed out after {self.timeout_s:.0f} s")
 
     def take(self, key: str, schema: dict, *, seq: Optional[int], epoch: Optional[int], what: str = "",
-             timeout_s: Optional[float] = None, peer: str = "a peer", watch=True, accept=None) -> dict:
+             timeout_s: Optional[float] = None, peer: str = "a peer", watch=True, accept=None,
+             notice=None) -> dict:
         """Wait for an authentic record at ``key`` and return its body.
 
         The store answers as soon as the key changes (no polling).  Records that fail
         authentication are logged as intrusions and skipped (the genuine one overwrites them).
         ``watch``: ranks whose death ends the wait at once (True: every other rank).
         ``accept(seq, epoch, body)`` may reject an authentic but stale record (return False: keep
-        waiting)."""
+        waiting).  ``notice``: a :class:`~.waiting.WaitNotice` told of every turn of the wait."""
         t = self.timeout_s if timeout_s is None else timeout_s
         t0 = time.monotonic()
         ranks = [p.rank for p in self.peers if p.rank != self.rank] if watch is True else list(watch or ())
@@ -642,6 +650,8 @@ class TransferGroup:
         limit = R.MAX_RECORD + R.HEAD.size + R.TAG_BYTES
         while True:
             now = time.monotonic()
+            if notice is not None:
+                notice.tick()
             if now - t0 >= t:
                 raise TransferError(f"waiting for {what or key}: timed out after {now - t0:.1f} s")
             if now >= next_live and ranks:

@@ -214,7 +214,7 @@ def resolve_secret(*, secret, secret_file, rank: int, loopback: bool, insecure: 
         path = loopback_secret_path(port, name)
         if rank == 0:
             return write_secret_file(path), "loopback file"
-        return wait_secret_file(path, timeout_s), "loopback file"
+        return wait_secret_file(path, timeout_s, f"transfer group {name!r} on port {port}: rank {rank}"), "loopback file"
     if insecure:
         return INSECURE_SECRET, "insecure"
     raise InvalidArgumentError(
@@ -225,9 +225,14 @@ def resolve_secret(*, secret, secret_file, rank: int, loopback: bool, insecure: 
         "can reach the address can then feed this group weights)")
 
 
-def wait_secret_file(path: str, timeout_s: float) -> bytes:
+def wait_secret_file(path: str, timeout_s: float, who: str = "this rank") -> bytes:
+    from .waiting import WaitNotice
+
     deadline = time.monotonic() + timeout_s
+    notice = WaitNotice(f"{who} is waiting for rank 0 (the sender) to start the group: its secret file {path} is not "
+                        "there yet", timeout_s)
     while True:
+        notice.tick()
         if os.path.exists(path):
             try:
                 return read_secret_file(path)

@@ -766,10 +766,15 @@ class RemoteStore(_Api):
     def connect(cls, host: str, port: int, key: bytes, rank: int, timeout_s: float) -> "RemoteStore":
         """Connect to the group's store at ``host:port`` and prove the group secret (retrying while
         the store is not up yet, or busy refusing strangers, until ``timeout_s``)."""
+        from .waiting import WaitNotice
+
         where = f"{host}:{port}"
         deadline = time.monotonic() + timeout_s
         delay, last = 0.01, "nothing answered"
+        notice = WaitNotice(f"rank {rank} is waiting for the transfer group's store at {where} (rank 0 starts it)",
+                            timeout_s)
         while True:
+            notice.tick()
             left = deadline - time.monotonic()
             if left <= 0:
                 raise ConnectionError(f"cannot reach the group's store at {where} within {timeout_s:.0f} s: {last}")
