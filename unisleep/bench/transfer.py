@@ -238,7 +238,8 @@ def main(argv: Optional[list] = None) -> int:
     ap.add_argument("--repeat", type=int, default=2, help="timed updates per size after one warm-up (default 2)")
     ap.add_argument("--no-verify", action="store_true", help="skip the per-tensor keyed digests")
     ap.add_argument("--keep-buffers", action="store_true",
-                    help="keep the bucket memory between updates (default: made per update, given back at its end)")
+                    help=("keep the bucket memory between updates (default: made per update and given back at its end, "
+                          "as WeightSender does on an accelerator; on the host platform WeightSender keeps it unless told)"))
     ap.add_argument("--platform", default=None, help="platform for the device paths (default: detected)")
     ap.add_argument("--json", default=None, help="write the results here")
     args = parse_args(ap, list(argv if argv is not None else []))
