@@ -10,18 +10,16 @@ from typing import Callable, Optional
 
 from .driver import BackupStore
 from .errors import HostBudgetError
+from .units import human_bytes
 
 
 def host_available_bytes() -> int:
-    """MemAvailable from /proc/meminfo (0 when it cannot be read)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    """New host memory this process may take before a limit refuses it: the least of
+    ``MemAvailable``, the room left under its memory cgroup, and its address-space limits
+    (:func:`unisleep.hostmem.host_room`; 0 when nothing can be read)."""
+    from .hostmem import available_bytes
+
+    return available_bytes()
 
 
 class HostBufferStore(BackupStore):
@@ -58,6 +56,10 @@ class HostBufferStore(BackupStore):
     def held_bytes(self) -> int:
         return sum(n for _, n in self._bufs.values())
 
+    def residency(self) -> dict[str, int]:
+        """Every buffer is page-locked host memory, freed when its backup is dropped."""
+        return {"pinned": self.held_bytes, "pageable": 0, "disk": 0}
+
     def ensure_fits(self, nbytes: int) -> None:
         if self.budget is not None and self.held_bytes + nbytes > self.budget:
             raise HostBudgetError(
@@ -65,12 +67,10 @@ class HostBufferStore(BackupStore):
                 f"{self.budget / 2**30:.2f} GiB ({self.held_bytes / 2**30:.2f} GiB held). Raise the budget or "
                 "sleep at level 2. Nothing was released."
             )
-        avail = host_available_bytes()
-        if nbytes + self.headroom > avail:
-            raise HostBudgetError(
-                f"a level-1 backup of {nbytes / 2**30:.2f} GiB does not fit in host memory "
-                f"({avail / 2**30:.2f} GiB available). Sleep at level 2. Nothing was released."
-            )
+        from .hostmem import check_host_room
+
+        check_host_room(nbytes, what=f"a level-1 backup of {human_bytes(nbytes)} in {self.where}",
+                        headroom=self.headroom)
 
     def save(self, key, src) -> None:
         n = src.numel()

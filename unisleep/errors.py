@@ -33,6 +33,21 @@ class HostBudgetError(BackupError):
     Checked before anything is released."""
 
 
+class HostMemoryError(HostBudgetError):
+    """The host cannot hold a backup: it needs more host memory than the tightest limit allows —
+    what the kernel has available (``MemAvailable``), the room left under the process's memory
+    cgroup (``memory.max`` / ``memory.limit_in_bytes``, up its hierarchy), its address-space
+    limit, or its locked-memory limit where the store page-locks with ``mlock``.  Raised before
+    anything is pinned or released, instead of letting the kernel's OOM killer pick a process.
+    ``needed`` and ``available`` are bytes; ``limit`` names the limit that refused, ``limits``
+    every limit read (name -> bytes available under it)."""
+
+    def __init__(self, message: str, *, needed: int, available: int, limit: str, limits=None, **kw):
+        super().__init__(message, nbytes=needed, **kw)
+        self.needed, self.available, self.limit = needed, available, limit
+        self.limits = dict(limits or {})
+
+
 class BackupCorruptError(BackupError):
     """A backup failed its checksum, or its file is missing or short, when waking.  Nothing of
     it was exposed: the tag stays ``"offloaded"`` (its memory unmapped) and can be discarded,
