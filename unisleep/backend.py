@@ -39,6 +39,9 @@ class DeviceInfo:
     total_bytes: Optional[int] = None
     free_bytes: Optional[int] = None
     uuid: Optional[str] = None
+    #: the PCI bus id (``"0000:3b:00.0"``) where the detection can read it without a device
+    #: context: doctor shows the device's NUMA node from it
+    pci_bus_id: Optional[str] = None
 
 
 @dataclass(frozen=True)

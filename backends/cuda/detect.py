@@ -28,7 +28,12 @@ def nvml_devices() -> Optional[tuple[DeviceInfo, ...]]:
             mem = pynvml.nvmlDeviceGetMemoryInfo(h)
             uuid = pynvml.nvmlDeviceGetUUID(h)
             uuid = uuid.decode() if isinstance(uuid, bytes) else uuid
-            out.append(DeviceInfo(i, name, int(mem.total), int(mem.free), uuid))
+            try:
+                bus = pynvml.nvmlDeviceGetPciInfo(h).busId
+                bus = bus.decode() if isinstance(bus, bytes) else str(bus)
+            except Exception:
+                bus = None
+            out.append(DeviceInfo(i, name, int(mem.total), int(mem.free), uuid, bus))
         return tuple(out)
     except Exception:
         return None
