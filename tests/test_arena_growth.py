@@ -7,6 +7,7 @@ The memory is real (anonymous mmap, every page faulted in).  Only the page-locki
 (it records when it ran and takes as long as a real registration would, proportionally).  The
 real call runs in tests/cuda/test_suspend_cuda.py on the H200."""
 
+import os
 import threading
 import time
 
@@ -53,6 +54,9 @@ def arena_cls(monkeypatch):
                 raise RuntimeError("injected: cuMemHostRegister failed")
             self._note("register ends", addr)
             return ar.Segment(addr, size, [(0, size)], 0)
+
+        def _unlock(self, seg):  # SIMULATED: nothing was registered
+            pass
 
     return Arena
 
@@ -107,3 +111,105 @@ def test_a_failed_registration_gives_back_the_segment_faulted_in_ahead(arena_cls
         assert arena._pending == 0
     finally:
         arena.close()
+
+
+# ---------------------------------------------------------------------------- giving segments back
+@pytest.fixture
+def locked_arena(monkeypatch):
+    """A PinnedArena of 2 MiB segments whose page-locking is ``mlock``/``munlock`` — real page
+    locking by the kernel, read back from ``VmLck`` — in place of ``cuMemHostRegister`` /
+    ``cuMemHostUnregister`` (**simulated**: they need an NVIDIA driver)."""
+    import ctypes
+
+    from unisleep.backends.cuda import arena as ar
+
+    monkeypatch.setattr(ar, "SEGMENT", 2 * MiB)
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    class Arena(ar.PinnedArena):
+        def _page_lock(self, addr, size):
+            if libc.mlock(ctypes.c_void_p(addr), ctypes.c_size_t(size)) != 0:
+                ar.libc.munmap(addr, size)
+                err = ctypes.get_errno()
+                raise OSError(err, f"mlock: {os.strerror(err)}")
+            return ar.Segment(addr, size, [(0, size)], 0)
+
+        def _unlock(self, seg):
+            libc.munlock(ctypes.c_void_p(seg.addr), ctypes.c_size_t(seg.size))
+
+    return Arena
+
+
+def _locked() -> int:
+    from unisleep.hostmem import _status_bytes, process_status
+
+    return _status_bytes(process_status(), "VmLck")
+
+
+def test_release_unused_gives_back_only_the_segments_no_backup_uses(locked_arena, is_mapped):
+    import torch
+
+    a = locked_arena(0, None)
+    base = _locked()
+    try:
+        try:
+            a.prepare(3 * 2 * MiB, background=False)
+        except OSError as e:
+            pytest.skip(f"this machine does not let the test lock 6 MiB ({e}; ulimit -l)")
+        assert _locked() - base == 6 * MiB and a.residency() == {"pinned": 6 * MiB, "pageable": 0, "disk": 0}
+        segs = [(s.addr, s.size) for s in a._segs]
+        # a backup taking the third segment only: the first two stay free
+        for si in (0, 1):
+            a._segs[si].free = [(0, 2 * MiB)]
+        a._segs[2].free = []
+        a._slots[(7, 0)] = [(2, 0, 2 * MiB)]
+        view = a._host_view(2, 0, 2 * MiB)
+        view.copy_(torch.arange(2 * MiB, dtype=torch.int64).remainder(251).to(torch.uint8))
+        ref = view.clone()
+        a._promised[(9, 0)] = MiB  # room reserved for a sleep under way: nothing is given back
+        assert a.release_unused() == 0 and len(a._segs) == 3
+        del a._promised[(9, 0)]
+        assert a.release_unused() == 4 * MiB
+        assert _locked() - base == 2 * MiB and a.capacity == 2 * MiB
+        assert not is_mapped(*segs[0]) and not is_mapped(*segs[1]) and is_mapped(*segs[2])
+        assert a._slots[(7, 0)] == [(0, 0, 2 * MiB)]  # renumbered: the backup is still found
+        assert torch.equal(a._host_view(0, 0, 2 * MiB), ref)
+        a.drop((7, 0))
+        assert a.release_unused() == 2 * MiB and a.capacity == 0 and _locked() == base
+        assert a.release_unused() == 0
+    finally:
+        a.close()
+    assert _locked() == base
+
+
+def test_release_unused_waits_for_a_graph_capture_to_end(locked_arena):
+    """Unregistering during a capture would invalidate it: nothing is given back while one is
+    underway (on another thread), and everything once it has ended."""
+    import threading
+
+    from unisleep import graph_capture
+
+    a = locked_arena(0, None)
+    try:
+        try:
+            a.prepare(2 * MiB, background=False)
+        except OSError as e:
+            pytest.skip(f"this machine does not let the test lock 2 MiB ({e}; ulimit -l)")
+        inside, leave = threading.Event(), threading.Event()
+
+        def capture():
+            with graph_capture.capture():
+                inside.set()
+                leave.wait(10)
+
+        t = threading.Thread(target=capture)
+        t.start()
+        inside.wait(10)
+        try:
+            assert a.release_unused() == 0 and a.capacity == 2 * MiB
+        finally:
+            leave.set()
+            t.join()
+        assert a.release_unused() == 2 * MiB and a.capacity == 0
+    finally:
+        a.close()

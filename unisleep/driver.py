@@ -177,6 +177,36 @@ class BackupStore(abc.ABC):
     @abc.abstractmethod
     def held_bytes(self) -> int: ...
 
+    def residency(self) -> dict[str, int]:
+        """What the store holds now, by where it lies: ``{"pinned", "pageable", "disk"}`` in
+        bytes — page-locked host memory (an arena's registered segments, used or kept for the
+        next sleep), ordinary host memory (a file on a RAM file system counts here) and disk.
+        Read from the store's own memory and files, not from the backups' sizes.  Default:
+        every byte held, as pageable host memory."""
+        return {"pinned": 0, "pageable": self.held_bytes, "disk": 0}
+
+    def release_unused(self) -> int:
+        """Give back the host memory, files and disk space no backup uses any more (an arena's
+        free segments, a cached staging buffer); returns the bytes given back.  Default: the
+        store keeps nothing beyond its backups."""
+        return 0
+
+    # ---- NUMA placement of the store's host memory (stores that place it: CUDA's arena) ----
+    #: the store binds its host memory to a NUMA node (:mod:`unisleep.numa`)
+    supports_numa: bool = False
+    #: where new host memory goes: ``"auto"`` (the device's node where the host has several), a
+    #: node, or None (no binding); read at the store's next growth
+    numa_node: Any = None
+
+    def device_numa_node(self) -> Optional[int]:
+        """The NUMA node of the store's device (None when not known or not applicable)."""
+        return None
+
+    def page_nodes(self, sample: int = 64) -> list[int]:
+        """The NUMA node of up to ``sample`` pages of each piece of the store's host memory,
+        read from the kernel ([] where the store does not place its memory)."""
+        return []
+
     def close(self) -> None:
         pass
 
@@ -275,6 +305,16 @@ class Driver(abc.ABC):
 
     @abc.abstractmethod
     def new_backup_store(self, budget_bytes: Optional[int], spill_dir: Optional[str]) -> BackupStore: ...
+
+    def new_file_store(self, budget_bytes: Optional[int], spill_dir: Optional[str],
+                       layout: str = "private") -> BackupStore:
+        """A store of level-1 backups in spill files under ``spill_dir``
+        (``MemoryLifecycle(backup_to="disk")``; ``layout``: ``"private"`` or ``"flat"``, see
+        :class:`~unisleep.backends.host.spill.SpillStore`).  unisleep's accelerator drivers
+        return the host backend's spill files written and read through a page-locked staging
+        buffer (:class:`~unisleep.backends.host.spill.StagedSpillStore`); default: refused."""
+        raise UnsupportedError(
+            f"the {self.name} backend keeps no backups in files; leave backup_to unset (its own store)")
 
     def map_region(self, region: Region, zero: bool) -> None:
         """Map every unmapped chunk of ``region`` (same addresses) and, with ``zero``, zero it

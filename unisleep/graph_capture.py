@@ -163,6 +163,28 @@ def background() -> Iterator[None]:
             gate.cond.notify_all()
 
 
+@contextmanager
+def background_unless_capturing() -> Iterator[bool]:
+    """:func:`background` that never waits: yields False at once (and holds nothing) when a
+    capture is underway, so work that can be done later (giving host memory back) is skipped
+    instead of blocking a caller that may hold a lock the capture needs; yields True while
+    holding the gate otherwise.  On the capturing thread itself it yields False."""
+    gate = _GATE
+    with gate.cond:
+        if gate.captures or gate.capturing.get(threading.get_ident(), 0):
+            ok = False
+        else:
+            gate.busy += 1
+            ok = True
+    try:
+        yield ok
+    finally:
+        if ok:
+            with gate.cond:
+                gate.busy -= 1
+                gate.cond.notify_all()
+
+
 def refuse_if_capturing(what: str) -> None:
     """Raise :class:`~unisleep.errors.InvalidTransitionError` when the calling thread is capturing
     a graph: ``what`` (a sleep, a wake…) would synchronise the device and unmap or map memory the

@@ -189,6 +189,12 @@ class AscendDriver(Driver):
         self.api.call("aclrtGetMemInfo", attr=acl.ACL_HBM_MEM, free=byref(free), total=byref(total))
         return int(free.value), int(total.value)
 
+    def new_file_store(self, budget_bytes, spill_dir, layout: str = "private") -> BackupStore:
+        """Spill files under ``spill_dir``, written and read through a page-locked staging buffer."""
+        from unisleep.backends.host.spill import StagedSpillStore
+
+        return StagedSpillStore(budget_bytes, spill_dir, layout=layout)
+
     def new_backup_store(self, budget_bytes, spill_dir) -> BackupStore:
         return AclHostStore(self.api, budget_bytes, is_device=self.reservations.covers)
 

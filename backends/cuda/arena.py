@@ -8,6 +8,15 @@ asynchronous, in large pieces, on a dedicated stream; growing the arena (registe
 segment) overlaps with the copies already queued.  A segment is never registered while a graph
 is being captured in the process (:mod:`unisleep.graph_capture`): the grower waits for the
 capture to end (faulting pages in, which touches only host memory, goes on).
+
+Host memory: before the arena grows, the room is checked against every limit of the host and
+the process (:func:`unisleep.hostmem.check_host_room`: ``MemAvailable``, the memory cgroup, the
+address-space limits) with 1 GiB kept free, and refused with
+:class:`~unisleep.errors.HostMemoryError` instead of risking the OOM killer.  Segments no backup
+uses any more are given back (unregistered, unmapped) by :meth:`PinnedArena.release_unused`
+(the lifecycle's ``host_backups="release"``).  On a host with more than one NUMA node each new
+segment is bound (``mbind``, ``MPOL_PREFERRED``) to the GPU's node, read from sysfs through the
+GPU's PCI bus id, before it is faulted in (:mod:`unisleep.numa`; best effort).
 """
 
 from __future__ import annotations
@@ -20,10 +29,12 @@ import threading
 from dataclasses import dataclass, field
 from typing import Optional
 
-from unisleep import graph_capture
+from unisleep import graph_capture, numa
 from unisleep.backup import host_available_bytes
 from unisleep.driver import BackupStore
 from unisleep.errors import HostBudgetError
+from unisleep.hostmem import check_host_room
+from unisleep.units import human_bytes
 
 from unisleep.backends.host import libc
 
@@ -37,6 +48,8 @@ SEGMENT = 1 << 30  # arena grows by segments of at most this size
 GRAIN = 2 << 20  # segment sizes are multiples of this
 PIECE = 256 << 20  # copy granularity
 MADV_HUGEPAGE = 14
+#: host memory kept free below the machine's and the cgroup's limits when the arena grows
+HEADROOM = 1 << 30
 
 
 def _fault_in(addr: int, size: int) -> None:
@@ -59,10 +72,18 @@ class Segment:
 
 
 class PinnedArena(BackupStore):
-    def __init__(self, device: int, budget_bytes: Optional[int]):
+    """``numa_node``: the node new segments are bound to — ``"auto"`` (the GPU's node where the
+    host has more than one, else none), an int, or None (no binding)."""
+
+    supports_numa = True
+
+    def __init__(self, device: int, budget_bytes: Optional[int], numa_node="auto"):
         self.device = device
         self.budget = budget_bytes
         self.where = "pinned host arena"
+        self.numa_node = numa_node
+        self._numa: Optional[dict] = None  # the placement, resolved at the first growth
+        self._host_ok = 0  # the arena size the last host-room check approved
         self._segs: list[Segment] = []
         self._slots: dict[tuple, list[tuple[int, int, int]]] = {}  # key -> [(seg, off, n)]
         self._cv = threading.Condition()
@@ -84,17 +105,117 @@ class PinnedArena(BackupStore):
     def _free_bytes(self) -> int:
         return sum(n for s in self._segs for _, n in s.free)
 
+    def residency(self) -> dict[str, int]:
+        """Every registered segment is page-locked host memory, whether a backup uses it or it
+        is kept for the next sleep (segments still being added are not counted yet)."""
+        with self._cv:
+            return {"pinned": self.capacity, "pageable": 0, "disk": 0}
+
+    def release_unused(self) -> int:
+        """Unregister and unmap every segment no backup (and no reservation) uses; returns the
+        bytes given back.  Skipped, returning 0, while the arena is growing or a graph capture
+        is underway (unregistering would invalidate it): the next call gives them back."""
+        with self._cv:
+            if self._grower is not None or self._pending or not self._segs:
+                return 0
+            if self._promised:  # room reserved for a sleep in progress
+                return 0
+            used = {si for ext in self._slots.values() for si, _, _ in ext}
+            idle = [si for si, seg in enumerate(self._segs) if si not in used and seg.free == [(0, seg.size)]]
+            if not idle:
+                return 0
+            with graph_capture.background_unless_capturing() as ok:
+                if not ok:
+                    log.debug("a graph capture is underway: the arena's free segments are given back later")
+                    return 0
+                self.flush()
+                freed = 0
+                for si in idle:
+                    seg = self._segs[si]
+                    self._unlock(seg)
+                    libc.munmap(seg.addr, seg.size)
+                    freed += seg.size
+                keep = [si for si in range(len(self._segs)) if si not in set(idle)]
+                renum = {old: new for new, old in enumerate(keep)}
+                self._segs = [self._segs[si] for si in keep]
+                self._host_ok = 0
+                self._slots = {k: [(renum[si], off, n) for si, off, n in ext] for k, ext in self._slots.items()}
+        log.debug("arena gave back %s (%s still registered)", human_bytes(freed), human_bytes(self.capacity))
+        return freed
+
+    def _unlock(self, seg: Segment) -> None:
+        """Undo the page-locking of ``seg`` (its memory stays mapped)."""
+        try:
+            cu.ensure_context(self.device)
+            cu.call("cuMemHostUnregister", seg.addr)
+        except Exception as e:  # the mapping goes anyway: the driver drops its pins with it
+            log.warning("cuMemHostUnregister of an arena segment failed: %s", e)
+
     def _map_faulted(self, size: int) -> int:
         """Map ``size`` bytes and fault them in on several threads (registration of resident
         pages is several times faster than letting the driver fault them); their address."""
         addr = libc.mmap(0, size, libc.PROT_READ | libc.PROT_WRITE, libc.MAP_PRIVATE | libc.MAP_ANONYMOUS)
         try:
+            node = self.placement().get("bind")
+            if node is not None and not numa.bind(addr, size, node):  # best effort: where the threads run
+                log.debug("arena segment not bound to NUMA node %s: %s", node, numa.why_not())
             _libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(size), MADV_HUGEPAGE)  # best effort
             _fault_in(addr, size)
         except BaseException:
             libc.munmap(addr, size)
             raise
         return addr
+
+    def device_numa_node(self) -> Optional[int]:
+        """The GPU's NUMA node, from sysfs through its PCI bus id (``cuDeviceGetPCIBusId``, else
+        torch's device properties); None when not known."""
+        bus = None
+        try:
+            cu.ensure_context(self.device)
+            raw = cu.call("cuDeviceGetPCIBusId", 64, cu.call("cuDeviceGet", self.device))
+            bus = (raw.decode(errors="replace") if isinstance(raw, (bytes, bytearray)) else str(raw)).split("\x00")[0]
+        except Exception as e:
+            log.debug("cuDeviceGetPCIBusId failed: %s", e)
+        if not bus:
+            try:
+                import torch
+
+                p = torch.cuda.get_device_properties(self.device)
+                bus = f"{p.pci_domain_id:04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0"
+            except Exception as e:
+                log.debug("the GPU's PCI bus id could not be read: %s", e)
+                return None
+        try:
+            return numa.pci_node(bus.strip())
+        except ValueError:
+            return None
+
+    def placement(self) -> dict:
+        """Where new segments go: :func:`unisleep.numa.placement` for this GPU, or the node set
+        by ``numa_node`` (resolved once)."""
+        if self._numa is None or self._numa.get("asked") != self.numa_node:
+            if self.numa_node == "auto":
+                self._numa = numa.placement(self.device_numa_node() if len(numa.online_nodes()) > 1 else None)
+            elif self.numa_node is None:
+                self._numa = {"nodes": numa.online_nodes(), "device_node": None, "bind": None,
+                              "why": "NUMA binding turned off (numa_node=None)"}
+            else:
+                self._numa = {"nodes": numa.online_nodes(), "device_node": None, "bind": int(self.numa_node),
+                              "why": f"bound to node {self.numa_node} as asked"}
+            self._numa["asked"] = self.numa_node
+        return self._numa
+
+    def page_nodes(self, sample: int = 64) -> list[int]:
+        """The NUMA node of up to ``sample`` pages of each registered segment, read from the
+        kernel (``move_pages``); [] where it cannot be read."""
+        out: list[int] = []
+        for seg in list(self._segs):
+            try:
+                out += numa.page_nodes(seg.addr, seg.size, sample)
+            except OSError as e:
+                log.debug("the arena's page nodes cannot be read: %s", e)
+                return []
+        return out
 
     def _register(self, addr: int, size: int) -> Segment:
         """Page-lock the mapped ``[addr, addr+size)`` (unmapped again if that fails)."""
@@ -200,6 +321,18 @@ class PinnedArena(BackupStore):
             "Raise host_budget_bytes, free host memory, or sleep at level 2. Nothing was released."
         )
 
+    def _check_host(self, nbytes: int, grow: int, total: int) -> None:
+        """Refuse, before anything is mapped or pinned, growth the host cannot hold
+        (:class:`~unisleep.errors.HostMemoryError`).  ``total``: the arena's size once grown; a
+        size already approved by the check of this sleep (:meth:`ensure_fits`, which sees the
+        whole backup) is not read again for each of its pieces (:meth:`reserve`)."""
+        if total <= self._host_ok:
+            return
+        check_host_room(grow, what=f"a level-1 backup of {human_bytes(nbytes)} (the pinned arena grows by "
+                                   f"{human_bytes(grow)}, {human_bytes(self.capacity)} registered already)",
+                        headroom=HEADROOM)
+        self._host_ok = total
+
     def ensure_fits(self, nbytes: int) -> None:
         spare = self._free_bytes() + self._pending
         grow = max(0, nbytes - spare)
@@ -207,8 +340,8 @@ class PinnedArena(BackupStore):
             return
         if self.budget is not None and self.capacity + grow > self.budget:
             raise HostBudgetError(self._budget_msg(nbytes))
-        if grow + (1 << 30) > host_available_bytes():
-            raise HostBudgetError(self._budget_msg(nbytes))
+        self._host_ok = 0  # a new sleep (or preparation): the host is read again
+        self._check_host(nbytes, grow, self.capacity + self._pending + grow)
 
     def prepare(self, nbytes: int, background: bool = True) -> None:
         """Map and register ``nbytes`` of arena now (in a thread when ``background``)."""
@@ -318,11 +451,13 @@ class PinnedArena(BackupStore):
         grow = need - spare
         if grow <= 0:
             return
-        if (self.budget is not None and self.capacity + self._pending + grow > self.budget) or (
-            grow + (1 << 30) > host_available_bytes()
-        ):
+        try:
+            if self.budget is not None and self.capacity + self._pending + grow > self.budget:
+                raise HostBudgetError(self._budget_msg(need))
+            self._check_host(need, grow, self.capacity + self._pending + grow)
+        except HostBudgetError:
             del self._promised[key]
-            raise HostBudgetError(self._budget_msg(need))
+            raise
         self._start_grower(grow)
 
     def save(self, key, src, track: bool = False):
@@ -443,8 +578,8 @@ class PinnedArena(BackupStore):
         self._promised.clear()
         for seg in self._segs:
             try:
-                cu.call("cuMemHostUnregister", seg.addr)
-            except Exception:
+                self._unlock(seg)
+            except Exception:  # pragma: no cover - best effort at close
                 pass
             libc.munmap(seg.addr, seg.size)
         self._segs.clear()

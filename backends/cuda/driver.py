@@ -275,6 +275,12 @@ class CudaDriver(Driver):
 
         return torch.device(f"{self.name}:{self.device}")
 
+    def new_file_store(self, budget_bytes, spill_dir, layout: str = "private") -> BackupStore:
+        """Spill files under ``spill_dir``, written and read through a page-locked staging buffer."""
+        from unisleep.backends.host.spill import StagedSpillStore
+
+        return StagedSpillStore(budget_bytes, spill_dir, layout=layout)
+
     def new_backup_store(self, budget_bytes: Optional[int], spill_dir: Optional[str]) -> BackupStore:
         arena = PinnedArena(self.device, budget_bytes)
         if _capturing():  # its first copy sets the stream up instead

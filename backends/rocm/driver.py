@@ -336,6 +336,12 @@ class RocmDriver(Driver):
         self.api.call("hipGetDeviceCount", count=byref(n))
         return int(n.value)
 
+    def new_file_store(self, budget_bytes, spill_dir, layout: str = "private") -> BackupStore:
+        """Spill files under ``spill_dir``, written and read through a page-locked staging buffer."""
+        from unisleep.backends.host.spill import StagedSpillStore
+
+        return StagedSpillStore(budget_bytes, spill_dir, layout=layout)
+
     def new_backup_store(self, budget_bytes, spill_dir) -> BackupStore:
         return HipHostStore(self.api, budget_bytes, is_device=self.reservations.covers)
 
