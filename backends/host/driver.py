@@ -129,16 +129,23 @@ class HostDriver(Driver):
         ctypes.memset(va, 0, nbytes)
 
     def memory_info(self) -> tuple[int, int]:
+        """(free, total): the new memory the tightest limit allows — ``MemAvailable``, the room
+        under the process's memory cgroup, its address-space limit (:mod:`unisleep.hostmem`) —
+        and ``MemTotal`` (or the cgroup's limit, when lower)."""
+        from unisleep.hostmem import cgroup_memory, host_room, meminfo
+
         self.wait_releases()
-        info = {}
-        with open("/proc/meminfo") as f:
-            for line in f:
-                k, v = line.split(":", 1)
-                info[k] = int(v.split()[0]) * 1024
-        return info.get("MemAvailable", 0), info.get("MemTotal", 0)
+        total = meminfo().get("MemTotal", 0)
+        cg = cgroup_memory()
+        if cg is not None:
+            total = min(total, cg.limit) if total else cg.limit
+        return host_room(mapped=True).available, total
 
     def new_backup_store(self, budget_bytes, spill_dir) -> BackupStore:
         return SpillStore(budget_bytes, spill_dir)
+
+    def new_file_store(self, budget_bytes, spill_dir, layout: str = "private") -> BackupStore:
+        return SpillStore(budget_bytes, spill_dir, layout=layout)
 
     # ---- composite: write each chunk, release it on another thread while the next is written
     def suspend(self, saves, discards, store: BackupStore):

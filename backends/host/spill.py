@@ -18,6 +18,7 @@ Trust rules:
 from __future__ import annotations
 
 import ctypes
+import errno
 import fcntl
 import itertools
 import json
@@ -31,12 +32,14 @@ from typing import Optional
 
 from unisleep.driver import BackupStore
 from unisleep.errors import BackupCorruptError, BackupError, HostBudgetError, SpillDirError
+from unisleep.hostmem import check_host_room
 from unisleep.units import human_bytes
 
 from .collective import boot_id
 from .spill_dir import (
     DIR_FLAGS,
     DIR_PREFIX,
+    FLAT_PREFIX,
     MARKER_KIND,
     OWNER_FILE,
     RAM_FILESYSTEMS,
@@ -69,8 +72,14 @@ _STEP = 4 << 20
 PIECE = 256 << 20
 
 
+
 class SpillStore(BackupStore):
-    """One file per backed-up range under a private directory (mode 0700) in ``spill_dir``.
+    """One file per backed-up range under a private directory (mode 0700) in ``spill_dir``
+    (``layout="private"``), or directly in ``spill_dir`` (``layout="flat"``, torch_memory_saver's
+    layout: files named ``unisleep-backup-<pid>-…``, created ``O_EXCL`` mode 0600 at the
+    directory's descriptor, kept open — and ``flock``-ed, so an orphan cleaner can tell a live
+    owner's — for as long as the backup lives: every read and write goes through that descriptor,
+    never through the name again; removed when the backup is dropped, at the wake or at close).
 
     Writing is ``pwrite`` from the resident pages into a file allocated to its full size first;
     reading is ``preadv`` straight into the freshly mapped memory, then each piece's XXH3-64
@@ -83,7 +92,11 @@ class SpillStore(BackupStore):
     its descriptor, its files opened with ``O_NOFOLLOW`` (and created ``O_EXCL``).
     """
 
-    def __init__(self, budget_bytes: Optional[int], spill_dir: Optional[str]):
+    def __init__(self, budget_bytes: Optional[int], spill_dir: Optional[str], layout: str = "private"):
+        if layout not in ("private", "flat"):
+            raise ValueError(f"layout must be 'private' or 'flat', got {layout!r}")
+        self.layout = layout
+        self._fds: dict[str, int] = {}  # flat layout: file name -> its descriptor, kept open (and locked)
         parent = os.path.abspath(os.path.expanduser(spill_dir or default_spill_parent()))
         self._made_parent = None
         self._parent_fd = self._dir_fd = self._lock_fd = -1
@@ -107,7 +120,10 @@ class SpillStore(BackupStore):
             )
         clean_orphans(parent)
         try:
-            self._make_private_dir(parent)
+            if layout == "flat":
+                self._open_flat_dir(parent)
+            else:
+                self._make_private_dir(parent)
         except BaseException:
             self._close_fds()
             self._remove_made_parent()
@@ -195,6 +211,23 @@ class SpillStore(BackupStore):
             raise SpillDirError(f"the private spill directory {self.dir} is not this user's mode-0700 directory")
         self._lock_fd = self._claim(self._dir_fd)
 
+    def _open_flat_dir(self, parent: str) -> None:
+        """The flat layout: ``parent`` itself holds the files; it is opened once (it passed
+        :func:`check_spill_parent`) and used only through that descriptor."""
+        try:
+            self._dir_fd = os.open(parent, DIR_FLAGS & ~os.O_NOFOLLOW)
+        except OSError as e:
+            raise SpillDirError(f"cannot open spill_dir {parent!r}: {e.strerror}. Pass spill_dir= (or set "
+                                "UNISLEEP_SPILL_DIR) to a writable directory on a disk with room for the weights.") from e
+        st, now = os.fstat(self._dir_fd), os.stat(parent)
+        if (st.st_dev, st.st_ino) != (now.st_dev, now.st_ino):  # pragma: no cover - replaced meanwhile
+            raise SpillDirError(f"spill_dir {parent!r} was replaced while unisleep opened it; nothing was written")
+        if not os.access(parent, os.W_OK):
+            raise SpillDirError(f"cannot write in spill_dir {parent!r}. Pass spill_dir= (or set UNISLEEP_SPILL_DIR) "
+                                "to a writable directory on a disk with room for the weights.")
+        self.dir, self._name = parent, None
+        self._flat_tag = f"{FLAT_PREFIX}{os.getpid()}-{boot_id()[:8]}-{secrets.token_hex(5)}"
+
     @staticmethod
     def _claim(dfd: int) -> int:
         """Create the owner marker in the directory ``dfd``: lock first, then write.  Returns
@@ -217,6 +250,23 @@ class SpillStore(BackupStore):
         return (sum(e[1] for e in self._files.values()) + sum(n for _, n in self._reserved.values())
                 + sum(self._leftover.values()))
 
+    def _names_held(self) -> list[str]:
+        return [e[0] for e in self._files.values()] + [e[0] for e in self._reserved.values()] + list(self._leftover)
+
+    def residency(self) -> dict[str, int]:
+        """The blocks the store's files take now (``st_blocks``), on disk — or in host memory
+        ("pageable") when the spill directory is a RAM file system."""
+        total = 0
+        for name in self._names_held():
+            try:
+                fd = self._fds.get(name)
+                st = os.fstat(fd) if fd is not None else os.stat(name, dir_fd=self._dir_fd, follow_symlinks=False)
+                total += st.st_blocks * 512
+            except OSError:
+                continue
+        in_ram = self.fstype in RAM_FILESYSTEMS
+        return {"pinned": 0, "pageable": total if in_ram else 0, "disk": 0 if in_ram else total}
+
     def free_space(self) -> int:
         st = os.fstatvfs(self._dir_fd)
         return st.f_bavail * st.f_frsize
@@ -229,6 +279,9 @@ class SpillStore(BackupStore):
                 f"{human_bytes(self.budget)} ({human_bytes(self.held_bytes)} already held). "
                 "Raise host_budget_bytes, or sleep at level 2 (no backup). Nothing was released."
             )
+        if self.fstype in RAM_FILESYSTEMS:  # files there are host memory: its limits apply too
+            check_host_room(nbytes, what=f"a level-1 backup of {human_bytes(nbytes)} to {self.dir} ({self.fstype}, in "
+                                         "RAM)", headroom=64 << 20, mapped=False)
         free = self.free_space()
         if nbytes + (64 << 20) > free:
             raise HostBudgetError(
@@ -239,6 +292,8 @@ class SpillStore(BackupStore):
 
     # -- data
     def _new_name(self, key) -> str:
+        if self.layout == "flat":
+            return f"{self._flat_tag}-{key[0]}-{key[1]}-{next(self._names)}.bin"
         return f"{key[0]}-{key[1]}-{next(self._names)}.bin"
 
     def _full(self, name: str) -> str:
@@ -247,6 +302,16 @@ class SpillStore(BackupStore):
     def _open(self, name: str, flags: int, mode: int = 0o600) -> int:
         return os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=self._dir_fd)
 
+    def _use(self, name: str, flags: int) -> tuple[int, bool]:
+        """(a descriptor of file ``name``, whether the caller closes it): the flat layout's kept
+        descriptor, or the file opened again at the private directory's descriptor."""
+        fd = self._fds.get(name)
+        if fd is not None:
+            return fd, False
+        if self.layout == "flat":  # every flat file is kept open from its creation on
+            raise FileNotFoundError(errno.ENOENT, "no open descriptor", self._full(name))
+        return self._open(name, flags), True
+
     def reserve(self, key, nbytes: int) -> None:
         """Allocate the whole file for backup ``key`` now, so a full disk fails here, before
         any memory is released."""
@@ -254,7 +319,12 @@ class SpillStore(BackupStore):
         name = self._new_name(key)
         path = self._full(name)
         try:
-            fd = self._open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+            if self.layout == "flat":  # kept open and locked from here on
+                fd = self._open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL)
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                self._fds[name] = fd
+            else:
+                fd = self._open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         except OSError as e:
             raise BackupError(
                 f"cannot create the backup file {path}: {e.strerror} (point spill_dir= at a writable disk "
@@ -265,7 +335,8 @@ class SpillStore(BackupStore):
             if nbytes:
                 os.posix_fallocate(fd, 0, nbytes)
         except OSError as e:
-            os.close(fd)
+            if name not in self._fds:
+                os.close(fd)
             self._unlink(name)
             raise BackupError(
                 f"cannot reserve {human_bytes(nbytes)} for the backup file {path}: {e.strerror} "
@@ -273,7 +344,8 @@ class SpillStore(BackupStore):
                 "larger disk, or sleep at level 2)",
                 nbytes=nbytes, path=path, cause=e,
             ) from e
-        os.close(fd)
+        if name not in self._fds:
+            os.close(fd)
         self._reserved[key] = (name, nbytes)
 
     def save(self, key, src) -> None:
@@ -283,28 +355,37 @@ class SpillStore(BackupStore):
         """Write ``src`` into backup ``key`` in ``piece``-byte writes, each with its checksum;
         ``on_written(end)`` is called after each one so the caller can release memory that is
         already safe on disk."""
-        n = src.numel()
+        mv = _buffer(src.data_ptr(), src.numel())
+        self._write_pieces(key, src.numel(), piece, lambda lo, hi: mv[lo:hi], on_written)
+
+    def _write_pieces(self, key, n: int, piece: int, fetch, on_written) -> None:
+        """Write ``n`` bytes into backup ``key`` in ``piece``-byte pieces, each with its XXH3
+        checksum; ``fetch(lo, hi)`` gives the host bytes ``[lo, hi)`` of one piece (a view of
+        the source, or of a staging buffer it was copied into), ``on_written(end)`` is called
+        after each piece."""
         if key not in self._reserved or self._reserved[key][1] != n:
             self.reserve(key, n)
         name = self._reserved[key][0]
         path = self._full(name)
         pieces: list[tuple[int, int, int]] = []
         try:
-            fd = self._open(name, os.O_WRONLY)
+            fd, own = self._use(name, os.O_WRONLY)
             try:
-                mv, done = _buffer(src.data_ptr(), n), 0
+                done = 0
                 while done < n:
                     end = min(n, done + max(1, piece))
+                    mv, base = fetch(done, end), done
                     h, start = _hasher(), done
                     while done < end:  # hash each step just before writing it (still in cache)
                         step_end = min(end, done + _STEP)
-                        h.update(mv[done:step_end])
+                        h.update(mv[done - base:step_end - base])
                         while done < step_end:
-                            done += os.pwrite(fd, mv[done:step_end], done)
+                            done += os.pwrite(fd, mv[done - base:step_end - base], done)
                     pieces.append((start, end - start, h.intdigest()))
                     on_written(done)
             finally:
-                os.close(fd)
+                if own:
+                    os.close(fd)
         except OSError as e:
             raise BackupError(
                 f"writing the backup file {path} failed after {human_bytes(sum(p[1] for p in pieces[:-1]))} of "
@@ -336,7 +417,7 @@ class SpillStore(BackupStore):
         if offset + n > total:
             raise ValueError(f"backup {key} holds {total} bytes; cannot read {n} at {offset}")
         try:
-            fd = self._open(name, os.O_RDONLY)
+            fd, own = self._use(name, os.O_RDONLY)
         except OSError as e:
             raise BackupCorruptError(
                 f"the backup file {path} cannot be opened ({e.strerror}): it was removed or made unreadable "
@@ -366,7 +447,8 @@ class SpillStore(BackupStore):
                         "XXH3 checksum; the bytes were not exposed", path=path, nbytes=total,
                     )
         finally:
-            os.close(fd)
+            if own:
+                os.close(fd)
 
     def path(self, key) -> str:
         return self._full(self._entry(key)[0])
@@ -384,11 +466,19 @@ class SpillStore(BackupStore):
                 self._unlink(entry[0], entry[1])
 
     def _unlink(self, name: str, nbytes: int = 0) -> bool:
+        fd = self._fds.get(name)
+        if fd is not None and not self._still_ours(name, fd):  # renamed away, something else under the name
+            log.warning("the spill file %s is no longer the one unisleep wrote (renamed or replaced): left as it is",
+                        self._full(name))
+            self._close_kept(name)
+            self._leftover.pop(name, None)
+            return True
         try:
             os.unlink(name, dir_fd=self._dir_fd)
         except FileNotFoundError:
             pass
         except OSError as e:
+            self._close_kept(name)  # its lock goes: a later cleaner may remove it
             first = name not in self._leftover
             self._leftover[name] = nbytes
             if first:
@@ -399,8 +489,25 @@ class SpillStore(BackupStore):
                 log.warning("%s", msg)
                 warnings.warn(msg, RuntimeWarning, stacklevel=2)
             return False
+        self._close_kept(name)
         self._leftover.pop(name, None)
         return True
+
+    def _still_ours(self, name: str, fd: int) -> bool:
+        """The name ``name`` in the directory still refers to the file open as ``fd``."""
+        try:
+            a, b = os.fstat(fd), os.stat(name, dir_fd=self._dir_fd, follow_symlinks=False)
+        except OSError:
+            return False
+        return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+    def _close_kept(self, name: str) -> None:
+        fd = self._fds.pop(name, None)
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
     def _retry_leftovers(self) -> None:
         for name in list(self._leftover):
@@ -410,10 +517,28 @@ class SpillStore(BackupStore):
                 pass
             except OSError:
                 continue
+            self._close_kept(name)
             self._leftover.pop(name, None)
             log.info("removed the leftover spill file %s", self._full(name))
 
     def close(self) -> None:
+        if self.layout == "flat":  # only this store's own files: the directory is the user's
+            for name in self._names_held():
+                fd = self._fds.get(name)
+                if fd is not None and not self._still_ours(name, fd):
+                    continue  # renamed away: what now has the name is not ours to remove
+                try:
+                    os.unlink(name, dir_fd=self._dir_fd)
+                except OSError:
+                    pass
+            for name in list(self._fds):
+                self._close_kept(name)
+            self._files.clear()
+            self._reserved.clear()
+            self._leftover.clear()
+            self._close_fds()
+            self._remove_made_parent()
+            return
         self._files.clear()
         self._reserved.clear()
         self._leftover.clear()
@@ -443,6 +568,106 @@ class SpillStore(BackupStore):
                 os.rmdir(self._made_parent)  # only if still empty
             except OSError:
                 pass
+
+
+class StagedSpillStore(SpillStore):
+    """Spill files for device memory (``MemoryLifecycle(backup_to="disk")`` on an accelerator):
+    the same files, checksums, layouts and trust rules as :class:`SpillStore`, written and read
+    one piece at a time through one page-locked host staging buffer (``STAGE`` bytes, made at
+    the first use, given back by :meth:`release_unused`).  A host destination
+    (``read_backup``) is read directly, as by :class:`SpillStore`.  The copies between the
+    device and the staging buffer are torch's (blocking ``copy_``), so this store is the same
+    on every accelerator.  ``pin``: page-lock the staging buffer (False where no accelerator
+    is there to pin for: the copies are then plain host copies)."""
+
+    #: bytes per staged piece (each piece is one checksum)
+    STAGE = 64 << 20
+
+    def __init__(self, budget_bytes: Optional[int], spill_dir: Optional[str], layout: str = "private",
+                 pin: bool = True):
+        super().__init__(budget_bytes, spill_dir, layout)
+        self.pin = pin
+        self._stage = None
+
+    def _staging(self):
+        import torch
+
+        if self._stage is None:
+            self._stage = torch.empty(self.STAGE, dtype=torch.uint8, pin_memory=self.pin)
+        return self._stage
+
+    @staticmethod
+    def _on_host(t) -> bool:
+        return t.device.type == "cpu"
+
+    def save_progressively(self, key, src, piece: int, on_written) -> None:
+        if self._on_host(src):
+            return super().save_progressively(key, src, piece, on_written)
+        stage = self._staging()
+
+        def fetch(lo: int, hi: int):
+            stage[: hi - lo].copy_(src[lo:hi])  # blocking: the bytes are on the host after it
+            return _buffer(stage.data_ptr(), hi - lo)
+
+        self._write_pieces(key, src.numel(), min(piece, self.STAGE), fetch, on_written)
+
+    def save(self, key, src) -> None:
+        self.save_progressively(key, src, self.STAGE, lambda end: None)
+
+    def load_range(self, key, offset: int, dst) -> None:
+        if self._on_host(dst):
+            return super().load_range(key, offset, dst)
+        name, total, pieces = self._entry(key)
+        path = self._full(name)
+        n = dst.numel()
+        if offset + n > total:
+            raise ValueError(f"backup {key} holds {total} bytes; cannot read {n} at {offset}")
+        stage = self._staging()
+        if any(p_len > stage.numel() for _, p_len, _ in pieces):  # pragma: no cover - written by another store
+            raise BackupCorruptError(f"the backup file {path} has pieces larger than the staging buffer", path=path,
+                                     nbytes=total)
+        try:
+            fd, own = self._use(name, os.O_RDONLY)
+        except OSError as e:
+            raise BackupCorruptError(
+                f"the backup file {path} cannot be opened ({e.strerror}): it was removed or made unreadable "
+                "while asleep", path=path, nbytes=total, cause=e,
+            ) from e
+        try:
+            if os.fstat(fd).st_size < total:
+                raise BackupCorruptError(f"the backup file {path} holds less than {human_bytes(total)}: it was "
+                                         "truncated while asleep", path=path, nbytes=total)
+            for i, (p_off, p_len, p_sum) in enumerate(pieces):
+                lo, hi = max(offset, p_off), min(offset + n, p_off + p_len)
+                if lo >= hi:
+                    continue
+                got = _read_hashed(fd, _buffer(stage.data_ptr(), p_len), p_off, path, total)
+                if got != p_sum:
+                    raise BackupCorruptError(
+                        f"the backup file {path} is corrupt: piece {i} (bytes {p_off}..{p_off + p_len}) fails its "
+                        "XXH3 checksum; the bytes were not exposed", path=path, nbytes=total,
+                    )
+                dst[lo - offset: hi - offset].copy_(stage[lo - p_off: hi - p_off])  # blocking
+        finally:
+            if own:
+                os.close(fd)
+
+    def residency(self) -> dict[str, int]:
+        out = super().residency()
+        if self._stage is not None:
+            out["pinned" if self.pin else "pageable"] += self._stage.numel()
+        return out
+
+    def release_unused(self) -> int:
+        """The staging buffer goes back (made again at the next sleep)."""
+        if self._stage is None:
+            return super().release_unused()
+        n, self._stage = self._stage.numel(), None
+        return n + super().release_unused()
+
+    def close(self) -> None:
+        self._stage = None
+        super().close()
 
 
 def _read_hashed(fd: int, target, offset: int, path: str, total: int) -> int:

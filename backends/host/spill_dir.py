@@ -53,6 +53,8 @@ def filesystem_type(path: str) -> str:
 
 OWNER_FILE = ".owner"
 DIR_PREFIX = "unisleep-"
+#: a file of the flat layout (``SpillStore(layout="flat")``): ``unisleep-backup-<pid>-<boot>-…bin``
+FLAT_PREFIX = "unisleep-backup-"
 #: a dead owner's directory renamed here while it is removed (no start-up ever sees it again)
 REAP_PREFIX = ".unisleep-reap-"
 #: the ``kind`` of unisleep's owner marker: only directories carrying it are ever removed
@@ -64,7 +66,9 @@ def clean_orphans(parent: str, remove: bool = True) -> list[str]:
     """Remove the spill directories under ``parent`` whose owner is gone.  A directory is
     removed only when it carries unisleep's marker (a private ``.owner`` file of this user,
     written by :class:`SpillStore` after taking its lock) and that marker's lock is free, or it
-    was made before the last boot.  Nothing else is touched: no directory without a valid
+    was made before the last boot; a flat-layout spill file (``unisleep-backup-<pid>-…bin``, see
+    :class:`SpillStore`) only when it is this user's mode-0600 file, its lock is free and the
+    process its name carries is not alive on this boot.  Nothing else is touched: no directory without a valid
     marker (e.g. the private run directory ``unisleep-<uid>`` holding transfer-group secrets),
     no other user's, no live or half-created one.  A directory being removed is first renamed
     (under its owner's lock) so no other process sees it.  Returns the paths removed (with
@@ -78,6 +82,10 @@ def clean_orphans(parent: str, remove: bool = True) -> list[str]:
         names = os.listdir(pfd)
         boot = boot_id()
         for name in names:
+            if name.startswith(FLAT_PREFIX) and name.endswith(".bin"):
+                if _reap_flat(pfd, name, boot, remove):
+                    removed.append(os.path.join(parent, name))
+                continue
             if not (name.startswith(DIR_PREFIX) or name.startswith(REAP_PREFIX)):
                 continue
             if _reap(pfd, parent, name, boot, remove):
@@ -139,6 +147,51 @@ def _reap(pfd: int, parent: str, name: str, boot: str, remove: bool) -> bool:
         if ofd >= 0:
             os.close(ofd)
         os.close(dfd)
+
+
+def _reap_flat(pfd: int, name: str, boot: str, remove: bool) -> bool:
+    """Remove the flat-layout spill file ``name`` if it is this user's (a regular mode-0600 file)
+    and its owner is gone: no process holds its lock, and the process its name carries is not
+    alive on this boot (a store locks its file right after creating it; the name check covers
+    that instant).  True when it was (or would be) removed."""
+    parts = name[len(FLAT_PREFIX):].split("-")
+    if len(parts) < 3 or not parts[0].isdigit():
+        return False
+    pid, file_boot = int(parts[0]), parts[1]
+    if file_boot == boot[:8] and _alive(pid):
+        return False
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=pfd)
+    except OSError:
+        return False
+    try:
+        st = os.fstat(fd)
+        if not _stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False  # its owner lives
+        if not remove:
+            return True
+        try:
+            os.unlink(name, dir_fd=pfd)
+        except OSError:
+            return False
+        log.warning("removed the spill file %s left by a process that is gone", name)
+        return True
+    finally:
+        os.close(fd)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _read_marker(fd: int, uid: int) -> Optional[dict]:
