@@ -23,7 +23,8 @@ from collections.abc import Iterable
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional, Sequence
 
-from .. import graph_capture
+from .. import graph_capture, hostmem
+from ..hostmem import HOST_BACKUPS, host_backups_setting
 from ..driver import BackupStore, Driver
 from ..errors import (
     InvalidArgumentError,
@@ -42,6 +43,9 @@ from .state import (
 )
 
 log = logging.getLogger("unisleep")
+
+BACKUP_TO = ("disk",)
+SPILL_LAYOUTS = ("private", "flat")
 
 
 def _resolve_driver(platform, device: int, options: dict) -> Driver:
@@ -66,6 +70,25 @@ class MemoryLifecycle:
         host backend: where level-1 backups are written (default: a temporary directory).
     chunk_bytes:
         size of the physical chunks behind each region (mapping policy); default: the driver's.
+    host_backups:
+        what happens to host backups after a wake: ``"keep"`` (default) — the backup of a tag
+        that comes back stays where the driver retains backups (CUDA), so an unchanged tag
+        skips its copy at the next sleep, and the store keeps its room (CUDA's pinned arena
+        stays registered: the next sleep copies at once); ``"release"`` — every backup of a
+        woken tag is dropped and the store gives back what no backup uses (the arena's
+        segments are unregistered and unmapped; spill files are removed).  ``None``: the
+        ``UNISLEEP_HOST_BACKUPS`` environment variable (``keep`` / ``release``), else
+        ``"keep"``.  Changeable later (:attr:`host_backups`); docs/lifecycle.md has the
+        measurements behind the default.
+    backup_to:
+        ``None`` (default): the driver's own store — pinned host memory on accelerators, spill
+        files on the host backend; ``"disk"``: spill files under ``spill_dir`` on every backend
+        (accelerators copy through a page-locked staging buffer).
+    spill_layout:
+        ``"private"`` (default): spill files in a private mode-0700 directory made inside
+        ``spill_dir``; ``"flat"``: one file per backed-up range directly in ``spill_dir``
+        (torch_memory_saver's layout; created ``O_EXCL``, mode 0600, kept open and locked while
+        the backup lives; ``spill_dir`` itself must pass the same safety checks).
     release_behind:
         ``True``: a sleep returns once the memory it frees is unmapped, and its physical memory
         is released by a thread of the driver's behind the return (:mod:`unisleep.release_behind`;
@@ -86,6 +109,9 @@ class MemoryLifecycle:
         spill_dir: Optional[str] = None,
         chunk_bytes: Optional[int] = None,
         release_behind: Optional[bool] = None,
+        host_backups: Optional[str] = None,
+        backup_to: Optional[str] = None,
+        spill_layout: Optional[str] = None,
         **driver_options: Any,
     ):
         if host_budget_bytes is not None and (not is_int(host_budget_bytes) or host_budget_bytes < 0):
@@ -94,6 +120,11 @@ class MemoryLifecycle:
             raise InvalidArgumentError(
                 f"chunk_bytes must be a positive int (bytes) or None for the backend's default, got {chunk_bytes!r}"
             )
+        keep = host_backups_setting(host_backups)
+        if backup_to is not None and backup_to not in BACKUP_TO:
+            raise InvalidArgumentError(f"backup_to must be None (the driver's own store) or 'disk', got {backup_to!r}")
+        if spill_layout is not None and spill_layout not in SPILL_LAYOUTS:
+            raise InvalidArgumentError(f"spill_layout must be 'private' or 'flat', got {spill_layout!r}")
         driver = platform if isinstance(platform, Driver) else _resolve_driver(platform, device, driver_options)
         driver.configure(release_behind=release_behind_setting(release_behind, driver))
         described = backend_of(driver)
@@ -104,7 +135,12 @@ class MemoryLifecycle:
         self.chunk_bytes = chunk_bytes if chunk_bytes is not None else driver.config.chunk_bytes
         self.host_budget_bytes = host_budget_bytes
         self._driver = driver
-        self._state = LifecycleState(driver, driver.new_backup_store(host_budget_bytes, spill_dir), self.chunk_bytes)
+        if backup_to == "disk" or spill_layout not in (None, "private"):
+            store = driver.new_file_store(host_budget_bytes, spill_dir, layout=spill_layout or "private")
+        else:
+            store = driver.new_backup_store(host_budget_bytes, spill_dir)
+        self._state = LifecycleState(driver, store, self.chunk_bytes)
+        self._state.keep_backups = keep == "keep"
         self._lock = threading.RLock()
         self._preserve: list[str] = []
         self._closed = False
@@ -116,6 +152,7 @@ class MemoryLifecycle:
         # runs once: at close(), when the lifecycle is collected, or at interpreter exit
         # (weakref.finalize's own exit hook: no per-lifecycle atexit entry)
         self._finalizer = weakref.finalize(self, finalize, self._state, self._lock, self._shut, self._flight)
+        hostmem.track(self)
 
     # ------------------------------------------------------------------ introspection
     @property
@@ -184,7 +221,68 @@ class MemoryLifecycle:
             return sum(a.region.size for a in self._state.all() if tag in (None, a.tag))
 
     def backup_bytes(self) -> int:
+        """Bytes of backups the store holds now (their sizes; :meth:`backup_resident_bytes`
+        says where they lie and what the store holds beyond them)."""
         return self._state.store.held_bytes
+
+    def backup_resident_bytes(self) -> dict[str, int]:
+        """What the backup store holds now, read from the store's memory and files:
+        ``{"pinned", "pageable", "disk", "held"}`` — page-locked host memory (CUDA's arena:
+        every registered segment, used by a backup or kept for the next sleep), ordinary host
+        memory (spill files on a RAM file system), disk (spill files), and the bytes of the
+        backups themselves.  With ``host_backups="release"`` the first three fall to what
+        asleep tags still need once a wake returns."""
+        self._check_open()
+        op = self._flight.op
+        if isinstance(op, BackgroundSleep) and not op.done:  # its copies hold the lock: read without it
+            for _ in range(10):
+                try:
+                    return self._residency()
+                except RuntimeError:  # the store's records changed under the read: read again
+                    continue
+        with self._lock:
+            self._check_open()
+            return self._residency()
+
+    def _residency(self) -> dict[str, int]:
+        store = self._state.store
+        out = {k: int(v) for k, v in store.residency().items()}
+        out["held"] = int(store.held_bytes)
+        return out
+
+    @property
+    def host_backups(self) -> str:
+        """``"keep"`` or ``"release"``: what happens to host backups after a wake (see the
+        class docstring).  Set it to change the policy from the next wake on; setting
+        ``"release"`` does not give anything back by itself (:meth:`release_host_backups`
+        does)."""
+        return "keep" if self._state.keep_backups else "release"
+
+    @host_backups.setter
+    def host_backups(self, value: str) -> None:
+        if value not in HOST_BACKUPS:
+            raise InvalidArgumentError(f"host_backups must be 'keep' or 'release', got {value!r}")
+        with self._lock:
+            self._check_open()
+            self._state.keep_backups = value == "keep"
+
+    def release_host_backups(self) -> int:
+        """Give host memory back now, whatever :attr:`host_backups` says: drop the backups
+        retained for awake tags (their next sleep copies again) and let the store give back
+        what no backup uses (CUDA: unregister and unmap the arena's free segments).  Backups
+        of tags that sleep stay.  Returns the bytes the store gave back (0 where it keeps
+        nothing beyond its backups, as the host backend's spill files)."""
+        with self._lock:
+            self._check_open()
+            self._settle()
+            self._state.drop_retained()
+            return self._state.give_back_host()
+
+    def _after_host(self) -> None:
+        """Under the lock, at the end of a wake, discard or sleep: with ``host_backups="release"``
+        the store gives back what no backup uses any more."""
+        if not self._state.keep_backups:
+            self._state.give_back_host()
 
     @property
     def backup_store(self) -> BackupStore:
@@ -381,9 +479,11 @@ class MemoryLifecycle:
 
     def _sleep(self, level: int, plan: dict, write_off: dict, run_hooks: bool = True, t0=None) -> Report:
         """The transactional sleep of the tags in ``plan`` (validated by :meth:`sleep`)."""
-        return self._done(transaction.sleep(self._state, level, plan, write_off, self._preserve,
-                                            self._before_sleep if run_hooks else [], self._after_wake,
-                                            time.perf_counter() if t0 is None else t0))
+        rep = transaction.sleep(self._state, level, plan, write_off, self._preserve,
+                                self._before_sleep if run_hooks else [], self._after_wake,
+                                time.perf_counter() if t0 is None else t0)
+        self._after_host()
+        return self._done(rep)
 
     def _sleep_background(self, level: int, plan: dict, write_off: dict) -> Report:
         """Release the tags that are only discarded now; copy the others out behind the call."""
@@ -421,6 +521,7 @@ class MemoryLifecycle:
             released = st.release(todo) + st.write_off(write_off)
             for t in write_off:
                 st.tags[t] = DISCARDED
+            self._after_host()
             return self._done(Report("discard", todo + write_off, released, 0, time.perf_counter() - t0))
 
     def wake_up(self, tags: Optional[Iterable[str]] = None, *, progressive: bool = False, order=None):
@@ -456,6 +557,7 @@ class MemoryLifecycle:
             if woken:
                 for hook in self._after_wake:
                     hook(None if (tags is None and not failures) else list(woken))
+            self._after_host()
             rep = self._done(Report("wake_up", woken, 0, copied, time.perf_counter() - t0))
             if failures:
                 raise transaction.first_failure(failures)
@@ -503,6 +605,7 @@ class MemoryLifecycle:
         """Under the lock: settle the tags of copies in flight that are complete (:class:`Flight`)."""
         rep = self._flight.settle(self._state, self._after_wake, block)
         if rep is not None and rep.operation == "wake_up(progressive)":
+            self._after_host()
             self._done(rep)
         return rep
 

@@ -127,6 +127,9 @@ class LifecycleState:
         self.driver = driver
         self.store = store
         self.chunk_bytes = chunk_bytes
+        #: host backups after a wake: kept (True: the driver may retain a full backup, and the
+        #: store its room) or released (False: dropped, and the store gives its memory back)
+        self.keep_backups = True
         self.tags: dict[str, str] = {}  # tag -> AWAKE, OFFLOADED, ...
         self._ids = itertools.count(1)
         self._by_id: dict[int, Allocation] = {}
@@ -240,15 +243,36 @@ class LifecycleState:
                 a.pending_digest = None
 
     def restored(self, a: Allocation) -> None:
-        """``a``'s bytes are back and verified: its backup is dropped unless the driver retains
-        it (a full backup with its digest); a failure of that bookkeeping never makes the
-        restored memory look asleep — it is logged, the backup stays recorded."""
+        """``a``'s bytes are back and verified: its backup is dropped unless backups are kept
+        after a wake and the driver retains it (a full backup with its digest); a failure of
+        that bookkeeping never makes the restored memory look asleep — it is logged, the backup
+        stays recorded."""
         try:
-            if not (a.fully_saved and self.driver.capabilities.retain_backups and a.digest is not None):
+            if not (self.keep_backups and a.fully_saved and self.driver.capabilities.retain_backups
+                    and a.digest is not None):
                 self.drop_backup(a)
         except Exception as e:
             log.warning("tag %r is awake (its bytes were restored and verified), but dropping its backup failed: "
                         "%s: %s; the backup stays recorded", a.tag, type(e).__name__, e)
+
+    def drop_retained(self) -> int:
+        """Drop the backups retained for awake memory (they only speed up the next sleep);
+        returns their bytes."""
+        dropped = 0
+        for a in self.all():
+            if a.saved and self.tags.get(a.tag) == AWAKE:
+                dropped += sum(n for _, n in a.saved)
+                self.drop_backup(a)
+        return dropped
+
+    def give_back_host(self) -> int:
+        """Give back what the store holds beyond its backups (best effort: a failure is logged);
+        returns the bytes given back."""
+        try:
+            return self.store.release_unused()
+        except Exception as e:
+            log.warning("giving back the backup store's unused host memory failed: %s: %s", type(e).__name__, e)
+            return 0
 
     def release(self, tags: list[str]) -> int:
         """Release the memory of awake ``tags`` with no backup: they are discarded.  Returns the
