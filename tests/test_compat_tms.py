@@ -338,6 +338,64 @@ def test_disk_backup_writes_files_and_restores(tms, tmp_path):
     assert len(sizes) == 1, f"disk usage grew across cycles: {sorted(sizes)}"
 
 
+def test_disk_backup_files_lie_directly_in_the_directory_as_in_tms(tms, tmp_path):
+    """tms's disk_backup example lists the directory itself while paused: one file per
+    disk-backed allocation, directly in it; the facade's files are removed at resume (tms keeps
+    them until the allocation is freed), so the listing is empty while running.  Before: the
+    files lay in a private subfolder, and a listing of the directory showed only that folder."""
+    d = tmp_path / "tms-disk"
+    tms.set_disk_backup_dir(str(d))
+    with tms.region(enable_disk_backup=True) as r:
+        big = r.empty((3 * MiB + 7,), torch.uint8)
+        small = r.empty((7,), torch.uint8)
+    big.copy_(_pattern(big.numel(), 8)), small.fill_(10)
+    ref = big.clone()
+    sizes = set()
+    for _ in range(3):
+        tms.pause()
+        files = os.listdir(d)
+        assert len(files) >= 2, f"expected a backup file per disk-backed alloc, got {files}"
+        assert all(os.path.isfile(d / f) for f in files)
+        total = sum(os.path.getsize(d / f) for f in files)
+        assert total >= big.numel()
+        sizes.add(total)
+        tms.resume()
+        assert torch.equal(big, ref) and int(small.min()) == 10
+        assert os.listdir(d) == []
+    assert len(sizes) == 1
+
+
+def test_cpu_backups_are_released_at_resume_unless_retained(tms, monkeypatch):
+    """tms frees a CPU backup at resume unless retain_cpu_backup (TMS_RETAIN_CPU_BACKUP) is on:
+    the lifecycle of CPU-backed tags gives its host backups back at every resume made while it
+    is off (host_backups="release") and keeps them while it is on; disk-backed tags always
+    release (their files go at resume)."""
+    with tms.region(tag="w", enable_cpu_backup=True) as r:
+        t = r.empty((MiB,), torch.uint8)
+    t.fill_(4)
+    (lc,) = tms.lifecycles()
+    assert lc.host_backups == "release"
+    tms.pause("w")
+    tms.resume("w")
+    assert lc.host_backups == "release" and lc.backup_resident_bytes()["held"] == 0
+    tms.retain_cpu_backup = True
+    tms.pause("w")
+    tms.resume("w")
+    assert lc.host_backups == "keep" and int(t.min()) == 4
+    tms.retain_cpu_backup = False
+    tms.pause("w")
+    tms.resume("w")
+    assert lc.host_backups == "release"
+    monkeypatch.setenv("TMS_RETAIN_CPU_BACKUP", "1")
+    s = TorchMemorySaver()
+    try:
+        with s.region(tag="x", enable_cpu_backup=True) as r:
+            r.empty((MiB,), torch.uint8)
+        assert [l.host_backups for l in s.lifecycles()] == ["keep"]
+    finally:
+        s.close()
+
+
 def test_disk_backup_dir_set_later_applies_to_tags_used_after(tms, tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     tms.set_disk_backup_dir(str(a))

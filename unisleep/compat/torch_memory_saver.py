@@ -20,8 +20,11 @@ difference; the main ones:
   process with ``exit(1)``; ``MemoryLifecycle`` alone would make both a no-op); a tag with no
   allocations is a no-op, as in tms (``MemoryLifecycle`` would raise ``UnknownTagError``).
 
-Backing: one lifecycle per device holds every tag with a CPU backup or none (disk-backed tags
-have one of their own, whose backups are spill files on the host backend).  ``pause(tag)`` is one
+Backing: one lifecycle per device holds every tag with a CPU backup or none — its host backups
+freed at each resume unless ``retain_cpu_backup`` (``host_backups="release"`` / ``"keep"``), as tms
+frees its CPU backup — and disk-backed tags have one of their own per disk backup directory, whose
+backups are files directly in that directory (``backup_to="disk"``, ``spill_layout="flat"``),
+removed at resume.  ``pause(tag)`` is one
 ``sleep(2, offload_tags=<the backed-up ones>, tags=<the tag's>)`` per lifecycle — so a pause of
 weights and KV cache together is one pipelined sleep (the KV cache released while the weights'
 copies run) — and ``resume(tag)`` one ``wake_up(tags)``.  With ``UNISLEEP_TMS_PREPARE_BACKUP=1``
@@ -195,9 +198,9 @@ class TorchMemorySaver:
         cpu_backup_backend: Optional[CpuBackupBackend] = None,
     ) -> Iterator[RegionHandle]:
         """Memory allocated inside may be paused; ``enable_cpu_backup`` keeps its bytes across a
-        pause (host memory), ``enable_disk_backup`` keeps them in files under the disk backup
-        directory (host backend; on accelerators it is the same host backup as the CPU one).
-        The two are mutually exclusive, as in tms."""
+        pause (host memory, freed at resume unless ``retain_cpu_backup``), ``enable_disk_backup``
+        keeps them in files directly in the disk backup directory, one per allocation, removed at
+        resume (every platform).  The two are mutually exclusive, as in tms."""
         self._check_backend(enable_cpu_backup, cpu_backup_backend)
         if enable_cpu_backup and enable_disk_backup:
             raise InvalidArgumentError(
@@ -346,6 +349,13 @@ class TorchMemorySaver:
                     f"here). Pause first, or resume only the paused tags — nothing was changed."
                 )
             for lc, group in _by_lifecycle(slots):
+                if lc is not self._lcs.get((group[0].device, None)):
+                    lc.wake_up([s.ltag for s in group])  # disk-backed: files removed at resume
+                    continue
+                # tms frees a CPU backup at resume unless retain_cpu_backup is on: the host
+                # memory of the lifecycle's backups goes back with it (CUDA: the arena's
+                # segments are unregistered and unmapped)
+                lc.host_backups = "keep" if self._retain else "release"
                 lc.wake_up([s.ltag for s in group])
             # tms decides at resume: retained backups stay readable (same host tensors) until the
             # next resume without retain_cpu_backup; the others are given up
@@ -671,7 +681,12 @@ class TorchMemorySaver:
         backup directory ("" for the lifecycle's default spill directory)."""
         from ..lifecycle import MemoryLifecycle
 
-        return MemoryLifecycle(self._platform, device=device, spill_dir=disk_dir or None)
+        if disk_dir is None:  # CPU backups (and none): freed at resume unless retained, as tms does
+            return MemoryLifecycle(self._platform, device=device, host_backups="keep" if self._retain else "release")
+        # tms's layout: one file per disk-backed allocation directly in the directory, on every
+        # platform (accelerators write through a page-locked staging buffer), removed at resume
+        return MemoryLifecycle(self._platform, device=device, spill_dir=disk_dir or None, backup_to="disk",
+                               spill_layout="flat", host_backups="release")
 
     def _slot(self, tag: str, kind: str, device: int, ltag: str) -> _Slot:
         key = (kind, device, ltag)
