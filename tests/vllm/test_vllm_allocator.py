@@ -332,3 +332,46 @@ def test_ascend_camem_order_on_the_simulated_acl_library():
     finally:
         alloc.close()
         lib.close()
+
+
+def test_release_host_memory_follows_vllms_rule(alloc, monkeypatch):
+    """VLLM_SLEEP_MODE_RELEASE_HOST_MEMORY as vLLM's CuMemBackend reads it (vLLM PR #55206):
+    ``bool(int(value))``, default 0; on, a resume that brings back weights the last suspend put
+    in host memory gives the backups' host memory back (here
+    ``MemoryLifecycle.release_host_backups``, its bytes in ``last_report``), also when a
+    level-2 suspend came between (the weights' backup stayed); a KV-only wake, or weights
+    discarded by a level-2 sleep, release nothing; a value that is not an integer is refused
+    before anything changes."""
+    w, kv, rt, ws = _worker(alloc)
+    backend = UnisleepSleepBackend(alloc)
+    released = []
+    real = alloc.lifecycle.release_host_backups
+    monkeypatch.setattr(alloc.lifecycle, "release_host_backups", lambda: released.append(1) or real())
+
+    monkeypatch.delenv("VLLM_SLEEP_MODE_RELEASE_HOST_MEMORY", raising=False)
+    backend.suspend(1)
+    backend.resume(None)
+    assert released == [] and "host_bytes_released" not in backend.last_report  # off by default
+
+    monkeypatch.setenv("VLLM_SLEEP_MODE_RELEASE_HOST_MEMORY", "1")
+    backend.suspend(1)
+    backend.resume(["kv_cache"])
+    assert released == []  # the weights still sleep
+    backend.suspend(2)  # over weights still in host memory: they stay there
+    backend.resume(["weights"])
+    assert released == [1] and backend.last_report["host_bytes_released"] == 0  # spill files: nothing cached
+    assert torch.equal(w, _expect(4 * MiB, 1))
+    backend.resume(None)
+    backend.suspend(2)  # weights discarded: nothing of theirs in host memory
+    backend.resume(None)
+    assert released == [1]
+
+    monkeypatch.setenv("VLLM_SLEEP_MODE_RELEASE_HOST_MEMORY", "0")
+    backend.suspend(1)
+    backend.resume(None)
+    assert released == [1]
+    monkeypatch.setenv("VLLM_SLEEP_MODE_RELEASE_HOST_MEMORY", "yes")
+    backend.suspend(1)
+    with pytest.raises(InvalidArgumentError, match="VLLM_SLEEP_MODE_RELEASE_HOST_MEMORY='yes'"):
+        backend.resume(None)
+    assert alloc.lifecycle.state()["weights"] == "offloaded"  # refused before the wake

@@ -13,6 +13,16 @@ lives in one :class:`~unisleep.MemoryLifecycle` per worker.  vLLM calls exactly
 * ``resume(tags)``: the named deferrable tags (weights, kv_cache) and every other tag;
 * ``discard(tags)``: release those tags with no backup.
 
+Host memory after a wake: ``VLLM_SLEEP_MODE_RELEASE_HOST_MEMORY`` is honoured as vLLM's own
+``CuMemBackend`` reads it (vLLM main, ``vllm/device_allocator/sleep_mode_backend.py`` and
+``vllm/envs.py``, from vLLM PR #55206): ``bool(int(value))``, default ``0``; when it is on, a
+``resume`` that brings back weights the last ``suspend`` put in host memory (a level-1 sleep,
+``tags`` None or naming ``"weights"``) gives the host memory of the backups back once the wake
+is done — here the lifecycle's :meth:`~unisleep.MemoryLifecycle.release_host_backups` (the
+retained weights backup is dropped, the pinned arena's free segments are unregistered and
+unmapped) where vLLM empties torch's pinned host cache.  Off (or unset), the lifecycle's own
+``host_backups`` policy applies (default ``"keep"``, which is also vLLM's default).
+
 What unisleep adds underneath is the lifecycle's: the host-budget check *before* anything is
 released (:class:`~unisleep.errors.HostBudgetError`, engine left awake), the persistent pinned
 backup arena, the skip of unchanged weights, the platform's mapping policy, and a report per
@@ -41,6 +51,23 @@ log = logging.getLogger("unisleep.vllm")
 
 #: tags vLLM offloads at every level (runtime state, captured graphs)
 OFFLOAD_ALWAYS = ("runtime", "cudagraph")
+#: vLLM's switch (PR #55206): give the host memory of the weights' backup back after a wake
+RELEASE_HOST_MEMORY_ENV = "VLLM_SLEEP_MODE_RELEASE_HOST_MEMORY"
+
+
+def release_host_memory() -> bool:
+    """``VLLM_SLEEP_MODE_RELEASE_HOST_MEMORY`` read as vLLM reads it: ``bool(int(value))``,
+    default ``"0"``; a value that is not an integer raises
+    :class:`~unisleep.errors.InvalidArgumentError` (vLLM raises ``ValueError`` too)."""
+    import os
+
+    raw = os.environ.get(RELEASE_HOST_MEMORY_ENV, "0")
+    try:
+        return bool(int(raw))
+    except ValueError:
+        raise InvalidArgumentError(
+            f"{RELEASE_HOST_MEMORY_ENV}={raw!r}: vLLM reads it as an integer (0 keeps the host memory of the "
+            "weights' backup after a wake, 1 gives it back)") from None
 
 
 def offload_tags_for(level: int) -> tuple[str, ...]:
@@ -62,6 +89,7 @@ class UnisleepSleepBackend(_Base):
         self.level: Optional[int] = None
         self.last_report: dict = {}
         self._warned = False
+        self._weights_on_host = False  # the last suspend put the weights in host memory (level 1)
 
     @classmethod
     def is_supported(cls) -> bool:
@@ -105,6 +133,9 @@ class UnisleepSleepBackend(_Base):
         alloc = self.allocator()
         alloc.sleep(offload_tags=tags)
         self._state = "SUSPENDED"
+        # as vLLM's CuMemBackend: a later level-2 suspend over weights still in host memory keeps
+        # them there (their backup stays until they wake)
+        self._weights_on_host = level == 1 or self._weights_asleep_on_host(alloc)
         self.level = level
         self._report("sleep", t0, alloc, level=level, offload_tags=list(tags))
 
@@ -112,12 +143,26 @@ class UnisleepSleepBackend(_Base):
         t0 = time.perf_counter()
         self._state = "RESUMING"
         alloc = self.allocator()
+        release = release_host_memory()  # read (and checked) before anything changes
         alloc.wake_up(tags)
-        self._state = "RUNNING"
         lc = getattr(alloc, "lifecycle", None)
+        released = None
+        if self._weights_on_host and (tags is None or "weights" in tags):
+            self._weights_on_host = False
+            if release and lc is not None:
+                released = lc.release_host_backups()
+                log.info("unisleep sleep backend: %s=1: gave back %.2f GiB of host memory after the wake",
+                         RELEASE_HOST_MEMORY_ENV, released / 2**30)
+        self._state = "RUNNING"
         if tags is None or (lc is not None and not lc.is_sleeping):
             self.level = None
-        self._report("wake", t0, alloc, tags=tags)
+        extra = {} if released is None else {"host_bytes_released": released}
+        self._report("wake", t0, alloc, tags=tags, **extra)
+
+    @staticmethod
+    def _weights_asleep_on_host(alloc) -> bool:
+        lc = getattr(alloc, "lifecycle", None)
+        return lc is not None and lc.state().get("weights") == "offloaded"
 
     def discard(self, tags: tuple[str, ...]) -> None:
         t0 = time.perf_counter()
@@ -127,4 +172,5 @@ class UnisleepSleepBackend(_Base):
         self._report("discard", t0, alloc, tags=list(tags))
 
 
-__all__ = ["UnisleepSleepBackend", "offload_tags_for", "OFFLOAD_ALWAYS"]
+__all__ = ["UnisleepSleepBackend", "offload_tags_for", "OFFLOAD_ALWAYS", "RELEASE_HOST_MEMORY_ENV",
+           "release_host_memory"]
