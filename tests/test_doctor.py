@@ -47,6 +47,39 @@ def test_json_report_structure(clean_env, capsys):
     assert isinstance(rep["warnings"], list) and isinstance(rep["vllm"], list)
 
 
+def test_host_memory_section_reads_the_limits_and_this_processs_backups(clean_env, capsys, tmp_path):
+    """doctor's host memory: every limit read from the kernel (the tightest first), the
+    locked-memory limit, NUMA, the host backups policy, and — run inside a process with
+    lifecycles — what their backups hold."""
+    import torch
+
+    from unisleep import MemoryLifecycle
+
+    clean_env.delenv("UNISLEEP_HOST_BACKUPS", raising=False)
+    lc = MemoryLifecycle("host", spill_dir=str(tmp_path))
+    try:
+        w = lc.empty((2 << 20,), torch.uint8, tag="weights")
+        w.fill_(1)
+        lc.sleep(1)
+        rep = doctor.collect()
+        hm = rep["host_memory"]
+        assert hm["available"] > 0 and hm["limits"][0]["available"] == hm["available"]
+        assert "MemAvailable" in [lim["name"] for lim in hm["limits"]]
+        assert hm["memlock"]["cap_ipc_lock"] in (True, False)
+        assert hm["numa"]["nodes"][0] == 0
+        assert hm["host_backups"] == {"policy": "keep", "from_env": False, "error": None}
+        b = hm["backups_of_process"]
+        assert b["lifecycles"] >= 1 and b["held"] >= 2 << 20 and b["disk"] >= 2 << 20
+        text = doctor.render(rep)
+        assert "host memory:" in text and "host backups after a wake: keep (default)" in text
+        assert "backups of this process" in text
+    finally:
+        lc.close()
+    clean_env.setenv("UNISLEEP_HOST_BACKUPS", "forever")
+    rep = doctor.collect()
+    assert any("UNISLEEP_HOST_BACKUPS" in w for w in rep["warnings"])
+
+
 def test_text_report(clean_env, capsys):
     assert doctor.main([]) == 0
     out = capsys.readouterr().out

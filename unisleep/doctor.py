@@ -2,8 +2,11 @@
 
 Prints the platform and why it was chosen, the devices and their memory, the optional packages
 present, warnings about the environment, the backend registry, the host spill directory and its
-filesystem, and the vLLM version support.  ``--json`` prints the same as one JSON document.
-Nothing here creates a device context.
+filesystem, the host memory backups may take (every limit: MemAvailable, the memory cgroup, the
+process's ulimits; NUMA nodes and each device's node; the host backups policy; what the backups
+of this process's lifecycles hold, pinned / pageable / on disk — nonzero when doctor's
+``collect()`` runs inside a process that has lifecycles), and the vLLM version support.
+``--json`` prints the same as one JSON document.  Nothing here creates a device context.
 """
 
 from __future__ import annotations
@@ -67,6 +70,39 @@ def _spill_info() -> dict[str, Any]:
     orphans = clean_orphans(path, remove=False)
     info["orphans"] = orphans
     info["orphan_bytes"] = sum(tree_bytes(o) for o in orphans)
+    return info
+
+
+def _host_memory_info(devices) -> dict[str, Any]:
+    """Every limit on new host memory, the locked-memory limit, NUMA, the host backups policy
+    and what this process's backups hold (nothing here touches a device)."""
+    import resource
+
+    from . import hostmem, numa
+    from .hostmem import HOST_BACKUPS_ENV, host_backups_setting
+
+    room = hostmem.host_room(mapped=True, locked=False)
+    status = hostmem.process_status()
+    soft = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
+    info: dict[str, Any] = room.as_dict()
+    cg = hostmem.cgroup_memory()
+    info["cgroup"] = None if cg is None else {"version": cg.version, "path": cg.path, "limit": cg.limit,
+                                              "usage": cg.usage, "reclaimable": cg.reclaimable}
+    info["memlock"] = {"limit": None if soft == resource.RLIM_INFINITY else soft,
+                       "locked": hostmem._status_bytes(status, "VmLck"),
+                       "pinned": hostmem._status_bytes(status, "VmPin"),
+                       "cap_ipc_lock": hostmem.has_ipc_lock(status)}
+    nodes = numa.online_nodes()
+    info["numa"] = {"nodes": nodes, "calls": numa.how(),
+                    "devices": {str(d.index): numa.pci_node(d.pci_bus_id) if d.pci_bus_id else None
+                                for d in devices if d.pci_bus_id}}
+    try:
+        policy, err = host_backups_setting(None), None
+    except Exception as e:
+        policy, err = None, str(e)
+    info["host_backups"] = {"policy": policy, "from_env": bool(os.environ.get(HOST_BACKUPS_ENV, "").strip()),
+                            "error": err}
+    info["backups_of_process"] = hostmem.backups_of_process()
     return info
 
 
@@ -175,6 +211,12 @@ def collect() -> dict[str, Any]:
                           "selected": plat is not None and plat.name == name}
     report["backends"] = backends
 
+    try:
+        report["host_memory"] = host = _host_memory_info(plat.devices if plat is not None else ())
+        if host["host_backups"]["error"]:
+            warnings.append(host["host_backups"]["error"])
+    except Exception as e:  # the report must still print
+        report["host_memory"] = {"error": f"{type(e).__name__}: {e}"}
     spill = _spill_info()
     report["spill"] = spill
     if spill["in_ram"]:
@@ -218,6 +260,7 @@ def render(report: dict[str, Any]) -> str:
         mark = "*" if b["selected"] else " "
         found = "" if b["module_found"] else "  (module not found)"
         lines.append(f" {mark} {name:8} {b['target']}{found}")
+    lines += [""] + _render_host(report.get("host_memory", {}))
     s = report["spill"]
     lines += ["", f"host spill directory: {s['path']} ({s['filesystem']}, {_size(s.get('free_bytes'))} free)"
               + (" [UNISLEEP_SPILL_DIR]" if s["from_env"] else "")]
@@ -230,6 +273,33 @@ def render(report: dict[str, Any]) -> str:
     else:
         lines.append("warnings: none")
     return "\n".join(lines)
+
+
+def _render_host(h: dict[str, Any]) -> list[str]:
+    if "error" in h:
+        return [f"host memory: could not be read ({h['error']})"]
+    tight = h["limits"][0]["name"] if h["limits"] else "nothing readable"
+    lines = [f"host memory: {_size(h['available'])} available for backups (tightest: {tight})"]
+    for lim in h["limits"]:
+        lines.append(f"  {lim['name']}: {_size(lim['available'])} ({lim['detail']})")
+    if h.get("cgroup") is None:
+        lines.append("  memory cgroup: no limit")
+    m = h["memlock"]
+    lines.append(f"  locked-memory limit (ulimit -l): {'unlimited' if m['limit'] is None else _size(m['limit'])}"
+                 f"{' (not binding: CAP_IPC_LOCK)' if m['cap_ipc_lock'] else ''}; locked now {_size(m['locked'])}, "
+                 f"pinned now {_size(m['pinned'])}")
+    n = h["numa"]
+    devs = ", ".join(f"device {i}: node {'?' if v is None else v}" for i, v in n["devices"].items())
+    where = (f"{len(n['nodes'])} NUMA nodes ({', '.join(map(str, n['nodes']))}): backup arenas are bound to their "
+             f"GPU's node" if len(n["nodes"]) > 1 else f"one NUMA node ({n['nodes'][0]}): nothing to bind")
+    lines.append(f"  {where}" + (f"; {devs}" if devs else ""))
+    hb = h["host_backups"]
+    lines.append(f"  host backups after a wake: {hb['policy'] or 'INVALID'}"
+                 + (" (UNISLEEP_HOST_BACKUPS)" if hb["from_env"] else " (default)"))
+    b = h["backups_of_process"]
+    lines.append(f"  backups of this process ({b['lifecycles']} open lifecycle(s)): pinned {_size(b['pinned'])}, "
+                 f"pageable {_size(b['pageable'])}, on disk {_size(b['disk'])} ({_size(b['held'])} of backups)")
+    return lines
 
 
 def _clean(spill_dir: Optional[str]) -> int:
