@@ -39,6 +39,10 @@ def test_bench_runs_and_writes_json(tmp_path, capsys):
     for name, samples in doc["results"]["samples_s"].items():
         assert len(samples) == 2 and all(s > 0 for s in samples), name
     assert list(spill.iterdir()) == []  # nothing left in the spill dir
+    hm = doc["results"]["host_memory"]  # the backup store after the level-1 sleep and after the wake
+    assert hm["after_sleep"]["disk"] >= 8 << 20 and hm["after_sleep"]["held"] == 8 << 20
+    assert hm["after_wake"] == {"pinned": 0, "pageable": 0, "disk": 0, "held": 0}
+    assert "backup store after the level-1 sleep: pinned 0 B, pageable 0 B, on disk" in cap.out
 
 
 @pytest.mark.slow
@@ -72,3 +76,41 @@ def test_the_accelerator_workload_help_states_its_pauses():
     doc = " ".join(device.__doc__.split())
     assert f"start {common.GENERATION_PAUSE_S:g} s after the last wake" in doc
     assert f"{common.TRAINER_TURN_S:g} s between the sleep and the wake" in doc
+
+
+@pytest.mark.slow
+def test_the_host_policies_run_side_by_side_on_the_host_backend(tmp_path, monkeypatch, capsys):
+    """``unisleep bench --backend NAME``'s two host policies (each in its own process), on the
+    host backend with small sizes: every row is measured, the bytes verified, and the release
+    goal (at most 5 % of the backed-up bytes after a wake) is checked and printed; the NUMA row
+    says the host backend has no placement."""
+    from unisleep.bench import host_policies
+
+    monkeypatch.setenv("UNISLEEP_SPILL_DIR", str(tmp_path / "spill"))
+    out = tmp_path / "hp.json"
+    rc = bench_cli.main(["--backend", "host", "--host-policies", "--weights", str(4 / 1024), "--kv", str(8 / 1024),
+                         "--cycles", "1", "--json", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "host backups after a wake, on host" in text and "keep" in text and "release" in text
+    assert "goal: host_backups='release' holds <= 5% of the backed-up bytes after a wake: met" in text
+    assert "NUMA: the host backend's backup store has no NUMA placement" in text
+    doc = json.loads(out.read_text())["results"]
+    for policy in host_policies.POLICIES:
+        r = doc["policies"][policy]
+        assert r["verified"] is True and r["policy"] == policy, r
+        for key in ("first_sleep_s", "first_wake_s", "steady_sleep_s", "steady_wake_s", "unchanged_sleep_s"):
+            assert isinstance(r[key], float) and r[key] > 0, (policy, key)
+        assert r["host_after_sleep_bytes"] >= 4 << 20  # the spill file
+        assert r["host_after_wake_fraction"] == 0.0  # the host backend keeps no backup after a wake
+    rows, met = host_policies.policy_rows(doc["policies"])
+    assert met is True and [r[0] for r in rows][-1] == "host memory after wake / backed up"
+
+
+def test_the_release_goal_is_judged_on_the_released_policy_only():
+    from unisleep.bench import host_policies
+
+    rows, met = host_policies.policy_rows({"keep": {"host_after_wake_fraction": 1.0},
+                                           "release": {"host_after_wake_fraction": 0.06}})
+    assert met is False and rows[-1][1:] == [1.0, 0.06]
+    assert host_policies.policy_rows({"keep": {}, "release": {"host_after_wake_fraction": 0.05}})[1] is True

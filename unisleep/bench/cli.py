@@ -2,7 +2,9 @@
 
 =====================  ===================================================================
 (no flag)              host sleep/wake throughput beside its limits (``unisleep.bench.host``)
-``--backend NAME``     sleep/wake on a backend (an accelerator: the large workload, with peers)
+``--backend NAME``     sleep/wake on a backend (an accelerator: the large workload, with peers,
+                       then the two host-backup policies and NUMA copies; ``--host-policies``:
+                       only those)
 ``--transfer``         weight transfer by path (``unisleep.bench.transfer``)
 ``--chunk-sweep``      map/unmap cost by chunk size (``unisleep.bench.chunk_sweep``)
 ``--compat-tms``       tms facade beside tms 0.0.10 (``unisleep.bench.compat_tms``)
@@ -23,7 +25,8 @@ from ..errors import InvalidArgumentError, PlatformError, UnisleepError
 
 MODES = (
     ("(no mode flag)", "host sleep/wake throughput beside its limits, measured in the same run"),
-    ("--backend NAME", "sleep/wake on a backend's devices (the large workload, beside other libraries)"),
+    ("--backend NAME", "sleep/wake on a backend's devices (the large workload, beside other libraries; then the "
+                       "host-backup policies side by side and NUMA copies, alone with --host-policies)"),
     ("--transfer", "weight transfer by path"),
     ("--chunk-sweep", "map/unmap cost by chunk size"),
     ("--compat-tms", "the torch_memory_saver facade beside torch_memory_saver 0.0.10, same run"),
@@ -115,7 +118,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 backend = argv[i + 1]
             elif a.startswith("--backend="):
                 backend = a.split("=", 1)[1]
-        mod = "unisleep.bench.host" if backend in (None, "host") else "unisleep.bench.device"
+        host_bench = backend in (None, "host") and not {"--host-policies", "--worker"} & set(argv)
+        mod = "unisleep.bench.host" if host_bench else "unisleep.bench.device"
         if mod == "unisleep.bench.host" and ("-h" in argv or "--help" in argv):
             print(mode_help())  # then the host benchmark's own options (argparse exits 0)
     helping = "-h" in argv or "--help" in argv

@@ -10,7 +10,12 @@ the same wakes "after the trainer's turn": 1 s between the sleep and the wake, a
 (rows without a goal: the goals are for the wake right after the sleep).  ``--sweep`` adds total
 sizes × allocation counts through ``pool(tag)``.  Each implementation runs in its own process;
 other libraries (:mod:`.peers`: torch_memory_saver) run the same workload when installed, and the
-copy-bound limits are measured in the same run.  Figures and their commands: docs/benchmarks.md.
+copy-bound limits are measured in the same run.  Then the two host-backup policies side by side
+(``host_backups="keep"`` and ``"release"``, each in its own process: first sleep, wake, steady
+cycles, the unchanged sleep, and the host memory the store holds after each wake; goal for
+"release": at most 5 % of the backed-up bytes) and copies from NUMA-near and -far host memory
+(:mod:`.host_policies`); ``--host-policies`` runs only those.  Figures and their commands:
+docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from typing import Optional, Sequence
 
 from ..cli import check_out_file, parse_args, plain
 from ..errors import UnisleepError
-from . import peers
+from . import host_policies, peers
 from .common import (GENERATION_PAUSE_S, TRAINER_TURN_S, default_json, emit_result, print_table, progress, run_worker,
                      write_json)
 
@@ -174,7 +179,36 @@ def run_unisleep(platform: str, device: int, weights_gib: float, kv_gib: float, 
 def _worker(impl: str, args) -> dict:
     if impl == "unisleep":
         return run_unisleep(args.backend, args.device, args.weights, args.kv, args.cycles, args.sweep)
+    if impl.startswith("host-policy-"):
+        return host_policies.run_policy(args.backend, args.device, args.weights, args.kv, args.cycles,
+                                        impl[len("host-policy-"):])
+    if impl == "numa":
+        return host_policies.measure_numa(args.backend, args.device, int(args.numa_gib * GiB))
     return peers.run_peer(impl, args.backend, args.device, args.weights, args.kv, args.cycles)
+
+
+def _policies(args, base_cmd: list) -> dict:
+    """The host-backup policies and the NUMA copies, each in its own process; prints their tables."""
+    results = {p: run_worker(base_cmd + ["--worker", f"host-policy-{p}"], f"host_backups={p}")
+               for p in host_policies.POLICIES}
+    rows, met = host_policies.policy_rows(results)
+    print_table(
+        f"host backups after a wake, on {args.backend}: {args.weights:g} GiB weights + {args.kv:g} GiB kv_cache "
+        "(seconds, medians; host memory = pinned + pageable + on disk, read from the store after each wake)",
+        ["figure", "keep", "release"], rows)
+    goal = host_policies.GOAL_RELEASED_FRACTION
+    print(f"goal: host_backups='release' holds <= {goal:.0%} of the backed-up bytes after a wake: "
+          + ("-" if met is None else "met" if met else "NOT MET")
+          + f"; verified: keep {results['keep'].get('verified')}, release {results['release'].get('verified')}")
+    numa_res = run_worker(base_cmd + ["--worker", "numa"], "numa")
+    if numa_res.get("rows"):
+        print_table(f"copies from host memory on each NUMA node ({args.numa_gib:g} GiB, GB/s, best of 3); "
+                    f"GPU's node: {numa_res.get('device_node')}",
+                    ["node", "", "device->host", "host->device", "pages on the node"],
+                    host_policies.numa_rows(numa_res))
+    if numa_res.get("why"):
+        print(f"NUMA: {numa_res['why']}")
+    return {"policies": results, "policy_goal_met": met, "numa": numa_res}
 
 
 GOALS = {  # H200 goals from the issue (seconds)
@@ -218,6 +252,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--sweep", action="store_true", help="also 1/4/16/64 GiB x 1/64/1024 allocations")
     ap.add_argument("--no-peers", action="store_true",
                     help="measure unisleep only, not the other libraries installed here (torch_memory_saver)")
+    ap.add_argument("--host-policies", action="store_true",
+                    help="run only the host-backup policies side by side and the NUMA copies")
+    ap.add_argument("--numa-gib", type=float, default=2.0, help="GiB per NUMA copy (default 2)")
     ap.add_argument("--json", default=None, help="write results here (default out/bench-<backend>.json)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parse_args(ap, list(argv or []))
@@ -227,21 +264,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             os._exit(0)  # a peer's own exit path is not what is measured
         return 0
 
-    for name, gib in (("--weights", args.weights), ("--kv", args.kv)):
+    for name, gib in (("--weights", args.weights), ("--kv", args.kv), ("--numa-gib", args.numa_gib)):
         if not gib > 0 or gib == float("inf"):
             ap.error(f"{name} must be a positive number of GiB, got {gib:g}")
     if args.cycles < 1:
         ap.error(f"--cycles must be >= 1, got {args.cycles}")
-    path = args.json or default_json(args.backend)
+    path = args.json or default_json(args.backend + ("-host-policies" if args.host_policies else ""))
     try:
         check_out_file(path, "--json")
     except UnisleepError as e:
         ap.exit(2, f"unisleep bench: {e}\n")
+    base = [sys.executable, "-m", "unisleep", "bench", "--backend", args.backend, "--device", str(args.device),
+            "--weights", str(args.weights), "--kv", str(args.kv), "--cycles", str(args.cycles),
+            "--numa-gib", str(args.numa_gib)]
+    if args.host_policies:
+        res = _policies(args, base)
+        write_json(path, f"device-{args.backend}-host-policies", res, argv)
+        ok = all(r.get("verified") for r in res["policies"].values()) and res["policy_goal_met"] is not False
+        return 0 if ok else 1
     impls = ["unisleep"] + ([] if args.no_peers else peers.available_peers())
     results = {}
     for impl in impls:
-        cmd = [sys.executable, "-m", "unisleep", "bench", "--backend", args.backend, "--device", str(args.device),
-               "--weights", str(args.weights), "--kv", str(args.kv), "--cycles", str(args.cycles), "--worker", impl]
+        cmd = base + ["--worker", impl]
         if args.sweep and impl == "unisleep":
             cmd.append("--sweep")
         results[impl] = run_worker(cmd, impl)
@@ -272,5 +316,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if u.get("sweep"):
         print_table("sweep (level-1 sleep/wake through pool(tag))", ["GiB", "allocations", "sleep s", "wake s", "GB/s"],
                     [[r["total_gib"], r["allocations"], r["sleep_s"], r["wake_s"], r["gbps_sleep"]] for r in u["sweep"]])
+    pol = _policies(args, base)
+    results["host_policies"] = pol
     write_json(path, f"device-{args.backend}", results, argv)
-    return 0 if u.get("verified") else 1
+    ok = u.get("verified") and all(r.get("verified") for r in pol["policies"].values())
+    return 0 if ok else 1

@@ -240,15 +240,21 @@ def run(size: int, cycles: int, spill_dir: Optional[str]) -> dict:
         ref = w.clone()  # the same bytes in ordinary memory: the limits' source, the memcpy target
         ref_ptr = ref.data_ptr()
 
+        host_mem: dict = {}
+
         def ours_sleep1() -> float:
             t0 = time.perf_counter()
             lc.sleep(1)
-            return time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            host_mem.setdefault("after_sleep", lc.backup_resident_bytes())
+            return dt
 
         def ours_wake() -> float:
             t0 = time.perf_counter()
             lc.wake_up()
-            return time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            host_mem.setdefault("after_wake", lc.backup_resident_bytes())
+            return dt
 
         def ours_sleep2() -> float:
             t0 = time.perf_counter()
@@ -302,7 +308,8 @@ def run(size: int, cycles: int, spill_dir: Optional[str]) -> dict:
 
     rows = judge(size, samples)
     return {"size_bytes": size, "cycles": cycles, "spill_dir": parent, "filesystem": filesystem_type(parent),
-            "rows": rows, "samples_s": samples, "medians_s": {k: statistics.median(v) for k, v in samples.items()}}
+            "rows": rows, "samples_s": samples, "medians_s": {k: statistics.median(v) for k, v in samples.items()},
+            "host_memory": host_mem, "host_backups": lc.host_backups}
 
 
 def shmem_huge_pages() -> Optional[str]:
@@ -385,6 +392,13 @@ def _table(res: dict) -> None:
         if r.get("unreachable"):
             print(f"{r['operation']}: the goal ({r['goal']}) is out of reach on this machine: {r['unreachable']}. "
                   "Not counted as missed by --check.")
+    hm = res.get("host_memory") or {}
+    for when in ("after_sleep", "after_wake"):
+        r = hm.get(when)
+        if r:
+            print(f"backup store {when.replace('_', ' the level-1 ') if when == 'after_sleep' else 'after the wake'}: "
+                  f"pinned {human_bytes(r['pinned'])}, pageable {human_bytes(r['pageable'])}, on disk "
+                  f"{human_bytes(r['disk'])} ({human_bytes(r['held'])} of backups; host_backups={res['host_backups']})")
 
 
 def build_parser() -> argparse.ArgumentParser:
