@@ -311,8 +311,8 @@ class Driver(abc.ABC):
         """A store of level-1 backups in spill files under ``spill_dir``
         (``MemoryLifecycle(backup_to="disk")``; ``layout``: ``"private"`` or ``"flat"``, see
         :class:`~unisleep.backends.host.spill.SpillStore`).  unisleep's accelerator drivers
-        return the host backend's spill files written and read through a page-locked staging
-        buffer (:class:`~unisleep.backends.host.spill.StagedSpillStore`); default: refused."""
+        return the host backend's spill files written and read through a host staging buffer
+        (:class:`~unisleep.backends.host.spill.StagedSpillStore`); default: refused."""
         raise UnsupportedError(
             f"the {self.name} backend keeps no backups in files; leave backup_to unset (its own store)")
 

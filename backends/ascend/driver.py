@@ -190,7 +190,7 @@ class AscendDriver(Driver):
         return int(free.value), int(total.value)
 
     def new_file_store(self, budget_bytes, spill_dir, layout: str = "private") -> BackupStore:
-        """Spill files under ``spill_dir``, written and read through a page-locked staging buffer."""
+        """Spill files under ``spill_dir``, written and read through a host staging buffer."""
         from unisleep.backends.host.spill import StagedSpillStore
 
         return StagedSpillStore(budget_bytes, spill_dir, layout=layout)

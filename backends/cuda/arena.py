@@ -260,6 +260,9 @@ class PinnedArena(BackupStore):
         the ``arena.py`` row, has the figures)."""
         from concurrent.futures import ThreadPoolExecutor
 
+        if self._numa is None or self._numa.get("asked") != self.numa_node:
+            with graph_capture.background():  # the GPU's bus id is a driver call: not during a capture
+                self.placement()
         with ThreadPoolExecutor(1, thread_name_prefix="unisleep-arena-fault") as helper:
             ahead = None  # (size, future of its address): the next segment, being faulted in
             try:

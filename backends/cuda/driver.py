@@ -276,7 +276,7 @@ class CudaDriver(Driver):
         return torch.device(f"{self.name}:{self.device}")
 
     def new_file_store(self, budget_bytes, spill_dir, layout: str = "private") -> BackupStore:
-        """Spill files under ``spill_dir``, written and read through a page-locked staging buffer."""
+        """Spill files under ``spill_dir``, written and read through a host staging buffer."""
         from unisleep.backends.host.spill import StagedSpillStore
 
         return StagedSpillStore(budget_bytes, spill_dir, layout=layout)

@@ -573,18 +573,19 @@ class SpillStore(BackupStore):
 class StagedSpillStore(SpillStore):
     """Spill files for device memory (``MemoryLifecycle(backup_to="disk")`` on an accelerator):
     the same files, checksums, layouts and trust rules as :class:`SpillStore`, written and read
-    one piece at a time through one page-locked host staging buffer (``STAGE`` bytes, made at
-    the first use, given back by :meth:`release_unused`).  A host destination
-    (``read_backup``) is read directly, as by :class:`SpillStore`.  The copies between the
-    device and the staging buffer are torch's (blocking ``copy_``), so this store is the same
-    on every accelerator.  ``pin``: page-lock the staging buffer (False where no accelerator
-    is there to pin for: the copies are then plain host copies)."""
+    one piece at a time through one host staging buffer (``STAGE`` bytes, made at the first
+    use, given back by :meth:`release_unused`).  A host destination (``read_backup``) is read
+    directly, as by :class:`SpillStore`.  The copies between the device and the staging buffer
+    are torch's (blocking ``copy_``), so this store is the same on every accelerator.  ``pin``:
+    page-lock the staging buffer (torch's pinned allocator then caches it for the process:
+    "given back" returns it to that cache, not to the system); off by default — a device copy
+    from ordinary memory is still faster than the disk it feeds."""
 
     #: bytes per staged piece (each piece is one checksum)
     STAGE = 64 << 20
 
     def __init__(self, budget_bytes: Optional[int], spill_dir: Optional[str], layout: str = "private",
-                 pin: bool = True):
+                 pin: bool = False):
         super().__init__(budget_bytes, spill_dir, layout)
         self.pin = pin
         self._stage = None

@@ -684,7 +684,7 @@ class TorchMemorySaver:
         if disk_dir is None:  # CPU backups (and none): freed at resume unless retained, as tms does
             return MemoryLifecycle(self._platform, device=device, host_backups="keep" if self._retain else "release")
         # tms's layout: one file per disk-backed allocation directly in the directory, on every
-        # platform (accelerators write through a page-locked staging buffer), removed at resume
+        # platform (accelerators write through a host staging buffer), removed at resume
         return MemoryLifecycle(self._platform, device=device, spill_dir=disk_dir or None, backup_to="disk",
                                spill_layout="flat", host_backups="release")
 

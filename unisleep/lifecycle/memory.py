@@ -83,7 +83,7 @@ class MemoryLifecycle:
     backup_to:
         ``None`` (default): the driver's own store — pinned host memory on accelerators, spill
         files on the host backend; ``"disk"``: spill files under ``spill_dir`` on every backend
-        (accelerators copy through a page-locked staging buffer).
+        (accelerators copy through a host staging buffer).
     spill_layout:
         ``"private"`` (default): spill files in a private mode-0700 directory made inside
         ``spill_dir``; ``"flat"``: one file per backed-up range directly in ``spill_dir``
