@@ -63,6 +63,15 @@ def test_model_path_runs_with_both_sides_sleeping(tmp_path, capsys):
     for ph in ("trainer: offloaded (serving copy kept)", "trainer dropped its serving copy"):
         assert all(e["trainer"] == 0 for e in tl if e["phase"] == ph)
     assert [e["t"] for e in tl] == sorted(e["t"] for e in tl)
+    # the host memory holding each side's backups, read from its backup store's files: the trainer's
+    # offloaded weights and AdamW state lie in spill files while it is offloaded, none once all woke;
+    # the engine sleeps at level 2 (nothing backed up)
+    assert all(set(e["trainer_host_backup"]) == {"pinned", "pageable", "disk"} for e in tl)
+    held = lambda e: sum(e["trainer_host_backup"].values())  # noqa: E731
+    assert all(held(e) >= steps[0]["offload_bytes"] for e in tl if e["phase"] == "engine generated")
+    assert all(held(e) == 0 for e in trained)
+    assert all(sum(e["engine_host_backup"].values()) == 0 for e in tl)
+    assert "eng host" in out and "trn host" in out  # the memory table's host-backup columns
     assert res["memory_peak"] is None  # host memory: no device to measure
     # what the sleeping side leaves, read from the processes' resident sets (host memory): every step's
     # marks where one side works and the other sleeps, none above what the start allows
