@@ -20,8 +20,16 @@ from unisleep.transfer import TransferGroup, WeightReceiver, WeightSender
 from unisleep.transfer import store as S
 
 #: store requests per update from a receiver already connected to the sender's IPC socket: one
-#: WATCH, answered with the header (acknowledgement, go and done travel on that connection)
+#: WATCH, answered with the header (acknowledgement, go and done travel on that connection); there
+#: were 5 (the header fetched twice, the acknowledgement, go, done)
 STORE_REQUESTS = 1
+#: and from the sender: writing the header (there were 5: the header, and dropping the last
+#: update's go, abort, acknowledgement and done, which an update answered on the connection never
+#: writes)
+SENDER_STORE_REQUESTS = 1
+#: sealed messages per update on a receiver's IPC connection besides the buckets' own (bucket,
+#: free, buf, stream, end): acknowledgement, go, done
+CONTROL_MESSAGES = 3
 UPDATES = 4
 
 
@@ -48,12 +56,16 @@ def _key(payload: bytes) -> str:
         return payload[1 + S.W.size:].decode()
     if op == S.GET:
         return payload[5:].decode()
+    if op == S.CHECK:
+        return payload[3:].decode(errors="replace")
     return payload[1:].decode(errors="replace")
 
 
 class _Spy:
     """Counts the requests of a member's store connection: every request except the liveness
-    checks a long wait makes (a WATCH that ran out unanswered, reading a heartbeat counter)."""
+    checks a long wait makes (a WATCH that ran out unanswered, reading a heartbeat counter, the
+    sender looking for an answer in the store that is not there, which a slow machine may do while
+    a receiver works)."""
 
     def __init__(self, store):
         self.requests: list[tuple[int, str]] = []
@@ -62,11 +74,30 @@ class _Spy:
         def call(payload: bytes) -> bytes:
             answer = self._call(payload)
             op, key = payload[0], _key(payload)
-            if not ((op == S.WATCH and answer[0] == S.MISSING) or (op == S.ADD and key.startswith("hb/"))):
+            if not ((op == S.WATCH and answer[0] == S.MISSING) or (op == S.ADD and key.startswith("hb/"))
+                    or (op == S.CHECK and answer[1:2] == b"\0")):
                 self.requests.append((op, key))
             return answer
 
         store._call = call
+
+
+class _Messages:
+    """Counts the sealed messages sent on the IPC connections, by operation."""
+
+    def __init__(self, monkeypatch):
+        import collections
+
+        from unisleep.transfer import channels as C
+
+        self.ops: collections.Counter = collections.Counter()
+        real = C.send_sealed
+
+        def send_sealed(sock, key, ctx, op, *a, **k):
+            self.ops[op] += 1
+            return real(sock, key, ctx, op, *a, **k)
+
+        monkeypatch.setattr(C, "send_sealed", send_sealed)
 
 
 class _Wakes:
@@ -111,17 +142,23 @@ def test_a_colocated_update_costs_one_store_request_and_no_registry_lookup(path,
 
         update(1)  # connects: the first update's answers go through the store
         assert tx.resolve()[1] in ("ipc", "socket")
+        update(2)  # the first over the connection: it drops the first update's records from the store
         reads = []
         real = reg._entry_points
         monkeypatch.setattr(reg, "_entry_points", lambda: reads.append(1) or real())
-        spy, wakes = _Spy(g1.store), _Wakes(g0._server)
-        for v in range(2, 2 + UPDATES):
+        spy, spy0, wakes, msgs = _Spy(g1.store), _Spy(g0.store), _Wakes(g0._server), _Messages(monkeypatch)
+        for v in range(3, 3 + UPDATES):
             update(v)
         assert not reads, f"the backend registry read the installed distributions {len(reads)} times in {UPDATES} updates"
         assert len(spy.requests) <= STORE_REQUESTS * UPDATES, (
             f"{len(spy.requests)} store requests in {UPDATES} updates (budget {STORE_REQUESTS} each): {spy.requests}")
+        assert len(spy0.requests) <= SENDER_STORE_REQUESTS * UPDATES, (
+            f"the sender made {len(spy0.requests)} store requests in {UPDATES} updates (budget "
+            f"{SENDER_STORE_REQUESTS} each): {spy0.requests}")
+        control = sum(n for op, n in msgs.ops.items() if op in ("ack", "go", "done", "error"))
+        assert control == CONTROL_MESSAGES * UPDATES, f"{control} control messages in {UPDATES} updates: {msgs.ops}"
         assert wakes.n == 0, f"rank 0's own writes woke its store thread {wakes.n} times in {UPDATES} updates"
-        assert all(torch.equal(got[k], t) for k, t in weights.items()) and rx.version == 1 + UPDATES
+        assert all(torch.equal(got[k], t) for k, t in weights.items()) and rx.version == 2 + UPDATES
     finally:
         g0.close(), g1.close()
 
@@ -184,3 +221,49 @@ def _catch(fn):
         return fn()
     except Exception as e:  # noqa: BLE001
         return e
+
+
+def test_a_new_receiver_object_or_an_out_of_step_connection_costs_one_update_at_most():
+    """A second receiver object of the same rank (no connection of its own) answers in the store
+    and connects; the sender, waiting on the first object's connection, finds that answer there
+    and the update lands.  A word out of step on a connection closes it and fails that update at
+    once on both sides, named (not after the group's timeout); the next one lands."""
+    from unisleep.errors import TransferError
+
+    g0, g1 = _pair()
+    try:
+        got = {}
+        rx = WeightReceiver(g1, apply=lambda pairs: got.update((n, t.clone()) for n, t in pairs))
+        tx = WeightSender(g0, bucket_bytes=1 << 16, path="ipc")
+        weights = {f"layer.{i}": torch.full((3000 + i,), float(i)) for i in range(6)}
+
+        def both(rx_, v):
+            out = {}
+            t = threading.Thread(target=lambda: out.__setitem__("r", _catch(rx_.receive)))
+            t.start()
+            t0 = time.monotonic()
+            out["s"] = _catch(lambda: tx.send(weights, v))
+            dt = time.monotonic() - t0
+            t.join(30)
+            return out["s"], out["r"], dt
+
+        s, r, _ = both(rx, 1)
+        assert not isinstance(r, Exception) and not isinstance(s, Exception), (s, r)
+        rx2 = WeightReceiver(g1, apply=lambda pairs: got.update((n, t.clone()) for n, t in pairs))
+        rx2.version = rx.version
+        s, r, dt = both(rx2, 2)  # the first object's connection stays open, silent
+        assert isinstance(s, TransferError) and "metadata" in str(s), s  # it never had the specs: resend them
+        assert dt < 5, f"the sender took {dt:.1f} s to find the refusal in the store"
+        s, r, _ = both(rx2, 3)
+        assert not isinstance(r, Exception) and not isinstance(s, Exception), (s, r)
+        assert rx2.version == 3
+        rx2._conn.send("done", u=99, ok=True)  # a word no update expects
+        s, r, dt = both(rx2, 4)
+        assert isinstance(s, TransferError) and "sent 'done' (update 99)" in str(s), s
+        assert isinstance(r, TransferError) and rx2.version == 3, r
+        assert dt < 5, f"the sender took {dt:.1f} s to notice"
+        s, r, _ = both(rx2, 5)
+        assert not isinstance(r, Exception) and not isinstance(s, Exception), (s, r)
+        assert rx2.version == 5 and all(torch.equal(got[k], t) for k, t in weights.items())
+    finally:
+        g0.close(), g1.close()

@@ -54,6 +54,9 @@ MAX_TEXT = 8 << 10
 HANDSHAKE_S = 5.0
 #: how long a receiver retries connecting to a full IPC socket (the liveness window)
 CONNECT_RETRY_S = 5.0
+#: the sender, waiting for a connected receiver's answer on the IPC socket, looks in the store for
+#: it after this long and then this often (a receiver answers there only when it connects anew)
+STORE_LOOK_S = 0.02
 #: ``ack``, ``go`` and ``done`` carry an update's control records between a sender and a receiver
 #: whose connection is already up (the header says ``"control": "ipc"``): the same fields as the
 #: store's records (``ok``, ``kind``, ``msg``), for update ``u``
@@ -731,49 +734,65 @@ class IpcSenderState:
 
     def control(self, r: int, op: str, seq: int, what: str, key: str) -> Optional[dict]:
         """Receiver ``r``'s ``op`` message (or its ``error``) of update ``seq`` on its connection,
-        skipping what is left there of earlier updates; None when the receiver answered in the
-        store instead (at ``key``: another receiver object of that rank, or one that connects
-        again, whose new connection :meth:`accept` takes in place of this one) or that connection
-        is gone or out of step (then it is closed: its receiver connects again).  A dead or frozen
-        receiver, or one that says nothing within the group's timeout, raises."""
+        skipping what is left there of earlier updates; None when that connection is gone (closed
+        and forgotten: its receiver answers in the store and connects again) or the receiver
+        answered in the store instead (at ``key``: another receiver object of that rank, whose new
+        connection :meth:`accept` takes in place of this one; looked for after
+        :data:`STORE_LOOK_S`, then every :data:`STORE_LOOK_S`).  A message out of step (neither that
+        nor a late word of an earlier update) closes the connection and raises, as does a dead or
+        frozen receiver, or one that says nothing within the group's timeout."""
         import select
 
         g = self.group
         conn = self.conns.get(r)
+        if conn is None:
+            return None
         t0 = time.monotonic()
-        next_live, nap = t0 + 0.5, 0.0005
-        while conn is not None:
-            try:
-                ready = select.select([conn.sock], [], [], nap)[0]
-            except (OSError, ValueError):
-                break
-            if not ready:
-                if g.check(key):
-                    return None
-                now = time.monotonic()
-                if now >= next_live:
-                    next_live = now + 0.5
-                    g.check_alive([r])
-                if now - t0 > g.timeout_s:
-                    raise TransferError(f"timed out waiting for {what} (on the IPC socket and in the store)")
-                nap = min(nap * 2, 0.01)
-                continue
-            try:
+        next_live, next_look, nap = t0 + 0.5, t0 + STORE_LOOK_S, 0.001
+        try:
+            while True:
+                try:
+                    ready = select.select([conn.sock], [], [], nap)[0]
+                except (OSError, ValueError):
+                    raise IpcGoneError(f"the IPC connection of receiver rank {r} is closed") from None
+                if not ready:
+                    now = time.monotonic()
+                    if now >= next_look:
+                        next_look = now + STORE_LOOK_S
+                        if g.check(key):
+                            return None
+                    if now >= next_live:
+                        next_live = now + 0.5
+                        g.check_alive([r])
+                    if now - t0 > g.timeout_s:
+                        raise TransferError(f"timed out waiting for {what} (on the IPC socket and in the store)")
+                    nap = min(nap * 2, STORE_LOOK_S)
+                    continue
                 msg, fds = conn.recv(what)
-            except IpcGoneError:
-                if g.broken:
-                    raise
-                break
-            for fd in fds:
-                os.close(fd)
-            if msg["u"] == seq and msg["op"] in (op, "error") and not fds:
-                return msg
-            if msg["u"] < seq and msg["op"] in ("free", "ack", "done", "error") and not fds:
-                continue  # a late word of an update that broke off
-            break
-        if conn is not None:
-            conn.close()
-        return None
+                for fd in fds:
+                    os.close(fd)
+                if msg["u"] == seq and msg["op"] in (op, "error") and not fds:
+                    return msg
+                if msg["u"] < seq and msg["op"] in ("free", "ack", "done", "error") and not fds:
+                    continue  # a late word of an update that broke off
+                self._forget(r, conn)
+                raise TransferError(f"receiver rank {r} sent {msg['op']!r} (update {msg['u']}) on the IPC socket while "
+                                    f"the sender waited for {what} (update {seq}); that connection was closed (the "
+                                    "receiver connects again on its next update)")
+        except IpcGoneError:
+            self._forget(r, conn)
+            if g.broken:
+                raise
+            return None
+
+    def _forget(self, r: int, conn: IpcConn) -> None:
+        """Close receiver ``r``'s connection ``conn`` and stop using it."""
+        conn.close()
+        if self.conns.get(r) is conn:
+            del self.conns[r]
+            stream = self.streams.pop(r, None)  # its bucket-bytes socket came over that connection
+            if stream is not None:
+                stream.close()
 
     def _admit(self, sock: socket.socket, pid: int, uid: int, want: set) -> Optional[tuple[int, IpcConn]]:
         g = self.group

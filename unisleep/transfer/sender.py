@@ -132,6 +132,7 @@ class WeightSender:
         self._coll_slots: list = [None, None]
         self._ipc: Optional[IpcSenderState] = None
         self._seal_ahead: Optional[tuple] = None  # (seq, epoch, seal) made while the last update committed
+        self._no_records = -1  # the last update whose answers all travelled on the IPC connections (no store records)
         self.last_report: Optional[TransferReport] = None
         self.version: Any = None
 
@@ -308,8 +309,9 @@ class WeightSender:
                 self._call_off(seq, epoch, f"{type(e).__name__}: {e}", control)
                 raise
         # the last update's records are dropped while the receivers answer (after the first
-        # bucket's packing is queued: nothing waits on them)
-        if seq:
+        # bucket's packing is queued: nothing waits on them) — unless every answer of it travelled
+        # on the IPC connections (it left no record in the store)
+        if seq and self._no_records != seq - 1:
             for k in ("go", "abort", *(f"ack/{r}" for r in g.receivers), *(f"done/{r}" for r in g.receivers)):
                 g.drop(f"u{seq - 1}/{k}")
         # ---- acknowledgements: nothing moves before every receiver said yes
@@ -389,12 +391,14 @@ class WeightSender:
         # (derived from the group secret, the epoch and the update number: nothing new is learnt)
         if digests:
             self._seal_ahead = (seq + 1, epoch, UpdateSeal.prepared(g, seq + 1, epoch, plans))
-        errors = []
+        errors, done_by_ipc = [], 0
         try:
             for r in g.receivers:
                 what = f"receiver rank {r} to verify and commit version {version!r}"
                 done = self._ipc_record(r, "done", seq, what, f"u{seq}/done/{r}") if r in by_ipc else None
-                if done is None:
+                if done is not None:
+                    done_by_ipc += 1
+                else:
                     done = g.take(f"u{seq}/done/{r}", R.DONE, seq=seq, epoch=epoch, peer=f"receiver rank {r}",
                                   watch=[r], what=what)
                 if not done["ok"]:
@@ -408,6 +412,8 @@ class WeightSender:
                               + "; ".join(errors))
         prev, self.version = self.version, version
         self._last_meta_id = manifest.meta_id
+        if len(by_ipc) == done_by_ipc == len(g.receivers):
+            self._no_records = seq
         t_done = time.perf_counter()
         release_s = 0.0
         if not header["keep_buffers"]:  # every receiver has given its mappings back: the memory goes now
@@ -453,10 +459,11 @@ class WeightSender:
         g.drop("hdr")
         if control == "ipc" and self._ipc is not None:
             for r in list(self._ipc.conns):
+                conn = self._ipc.conns[r]
                 try:
-                    self._ipc.conns[r].send("go", u=seq, ok=False, msg=ipc_text(why))
+                    conn.send("go", u=seq, ok=False, msg=ipc_text(why))
                 except TransferError:
-                    self._ipc.conns[r].close()  # gone: that receiver connects again
+                    self._ipc._forget(r, conn)  # gone: that receiver connects again
         try:
             g.put(f"u{seq}/go", {"go": False, "why": why[:4000]}, seq, epoch)
         except TransferError:
