@@ -259,6 +259,10 @@ class WeightReceiver:
             raise TransferError(f"update {seq} (version {version!r}) refused before any byte moved: {msg}") from None
         connected = False
         try:
+            if sock and not by_ipc and self._conn is not None:
+                # the sender answers in the store when it lacks a connection to some receiver —
+                # perhaps this one's (it closed a connection out of step): connect anew
+                self._drop_ipc()
             if sock:
                 connected = self._connect(hdr["ipc"] or "")
         except Exception as e:

@@ -359,6 +359,10 @@ class WeightSender:
                 self._ipc.conns[r].send("go", u=seq)
             if sock:
                 self._ipc.accept(connect)
+                missing = sorted(set(g.receivers) - set(self._ipc.conns))
+                if missing:  # a receiver that kept a connection this side has closed: it connects next time
+                    raise TransferError(f"receivers {missing} answered without connecting to the IPC socket, whose "
+                                        "connection to them this side had closed")
             live = chan or (IpcSendChannel(self, seq) if path == "ipc" else SocketSendChannel(self, seq)
                             if via == "socket" else CollectiveSendChannel(self, seq, crypt))
             self._stream(items, manifest, plans, seq, live, seal, first)
