@@ -611,7 +611,8 @@ def test_bad_arguments_fail_at_once_and_the_peer_hears():
         g._seq += 1
         hdr = {"version": 7, "previous_version": None, "meta_id": "ab", "specs": [["w", [-4], "float32"]],
                "bucket_bytes": 4096, "path": "collective", "via": "socket", "cipher": "none", "buckets": 1, "bytes": 16,
-               "ipc": None, "verify": True, "keep_buffers": False}
+               "ipc": None, "verify": True, "keep_buffers": False,
+               "control": "store"}
         g.put("hdr", hdr, seq, ep)
         t0 = time.monotonic()
         ack = g.take(f"u{seq}/ack/1", R.ACK, seq=seq, epoch=ep, timeout_s=5, peer="receiver rank 1")

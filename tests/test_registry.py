@@ -54,6 +54,29 @@ def test_unimportable_backend_says_what_is_wrong(tmp_path):
         _extra.pop("broken-test", None)
 
 
+def test_the_entry_points_are_read_once_per_name(monkeypatch):
+    """``Platform.backend`` is asked several times in every weight update and sleep; reading the
+    entry points walks every installed distribution's metadata, so a name's descriptor is found
+    once per process — and a backend registered in the process still overrides it."""
+    import unisleep.registry as reg
+
+    monkeypatch.setattr(reg, "_by_name", {}, raising=False)
+    calls = []
+    real = reg._entry_points
+    monkeypatch.setattr(reg, "_entry_points", lambda: calls.append(1) or real())
+    host = backend("host")
+    for _ in range(5):
+        assert backend("host") is host and Platform("host", "test").backend is host
+    assert len(calls) == 1, f"the entry points were read {len(calls)} times for one name"
+    mine = Backend(name="host", package=__name__, torch_device="cpu", driver=f"{__name__}:CountingDriver")
+    register_backend(mine)
+    try:
+        assert backend("host") is mine
+    finally:
+        _extra.pop("host", None)
+    assert backend("host") is host
+
+
 class CountingDriver(HostDriver):
     """A third-party driver: the host primitives, counting what it is asked to create."""
 

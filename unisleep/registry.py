@@ -36,6 +36,10 @@ ENTRY_POINT_GROUP = "unisleep.backends"
 _DIST = "unisleep"
 _extra: dict[str, Union[str, Backend]] = {}  # register_backend: name -> "module:attr" or a descriptor
 _loaded: dict[str, Backend] = {}  # "module:attr" -> its descriptor
+#: name -> the descriptor its entry point named, once loaded: reading the entry points walks the
+#: metadata of every installed distribution, and the hot paths (a weight update, a sleep) ask
+#: ``Platform.backend`` several times each
+_by_name: dict[str, Backend] = {}
 
 
 def register_backend(backend: Union[Backend, str], target: Optional[str] = None) -> None:
@@ -102,11 +106,15 @@ def available_backends() -> dict[str, str]:
 
 def backend(name: str) -> Backend:
     """The descriptor of platform ``name``: :class:`~unisleep.errors.PlatformError` naming the
-    choices when there is none, or saying what is wrong with it."""
+    choices when there is none, or saying what is wrong with it.  The entry points are read once
+    per name and process (a backend registered with :func:`register_backend` still overrides it;
+    a distribution installed later is seen by a new process)."""
     name = name.strip().lower()
     registered = _extra.get(name)
     if isinstance(registered, Backend):
         return registered
+    if registered is None and name in _by_name:
+        return _by_name[name]
     target = registered or _entry_points().get(name)
     if target is None:
         raise PlatformError(f"no backend named {name!r}; available: {', '.join(sorted(available_backends()))}")
@@ -124,6 +132,8 @@ def backend(name: str) -> Backend:
             raise PlatformError(f"the entry point {name} = {target} names the descriptor of {obj.name!r}; name the "
                                 "entry point as the descriptor does")
         _loaded[target] = obj
+    if registered is None:
+        _by_name[name] = _loaded[target]
     return _loaded[target]
 
 

@@ -48,15 +48,38 @@ log = logging.getLogger("unisleep.transfer")
 ABORT, END = 1, -1  # descriptor flag: the update was aborted; descriptor bucket index: no more buckets
 CIPHERED = 2  # descriptor flag: the bucket's pieces are encrypted, and its tag follows them (.cipher)
 PIECED = 4  # descriptor flag: the bucket follows in pieces of cipher.PIECE bytes
-MAX_MSG = 4096
+MAX_MSG = 16 << 10  # the largest sealed IPC message (its JSON)
+#: the most a message's text (``msg``) takes of it, escaped as JSON
+MAX_TEXT = 8 << 10
 HANDSHAKE_S = 5.0
 #: how long a receiver retries connecting to a full IPC socket (the liveness window)
 CONNECT_RETRY_S = 5.0
-OPS = ("hello", "proof", "welcome", "buf", "bucket", "free", "error", "end", "stream")
+#: the sender, waiting for a connected receiver's answer on the IPC socket, looks in the store for
+#: it after this long and then this often (a receiver answers there only when it connects anew)
+STORE_LOOK_S = 0.02
+#: ``ack``, ``go`` and ``done`` carry an update's control records between a sender and a receiver
+#: whose connection is already up (the header says ``"control": "ipc"``): the same fields as the
+#: store's records (``ok``, ``kind``, ``msg``), for update ``u``
+OPS = ("hello", "proof", "welcome", "buf", "bucket", "free", "error", "end", "stream", "ack", "go", "done")
 IPC_MSG = {"op": OPS, "id": R.OPT_STR, "slot": R.INT, "k": R.INT, "nbytes": R.INT, "u": R.INT, "abort": R.BOOL,
-           "msg": R.STR, "nonce": R.OPT_STR, "rank": R.INT, "pid": R.INT}
+           "msg": R.STR, "nonce": R.OPT_STR, "rank": R.INT, "pid": R.INT, "ok": R.BOOL, "kind": R.STR}
 _BLANK = {"id": None, "slot": 0, "k": 0, "nbytes": 0, "u": 0, "abort": False, "msg": "", "nonce": None, "rank": 0,
-          "pid": 0}
+          "pid": 0, "ok": True, "kind": ""}
+
+
+class IpcGoneError(TransferError):
+    """The peer closed its end of the IPC connection (it died, gave up, or dropped a connection
+    that was out of step and will connect again)."""
+
+
+def ipc_text(text: str) -> str:
+    """``text`` cut to fit an IPC message (at most :data:`MAX_TEXT` bytes once escaped as JSON)."""
+    import json
+
+    text = text[:R.MAX_STR]
+    while len(json.dumps(text, ensure_ascii=True)) > MAX_TEXT:
+        text = text[: len(text) * 3 // 4]
+    return text
 
 
 def named_error(msg: str) -> TransferError:
@@ -75,7 +98,7 @@ def receiver_failure(group: TransferGroup, seq: int, epoch: int, r: int, e: Tran
     """The error to raise when receiver ``r``'s connection failed during update ``seq``: the
     reason the receiver wrote in its ``done`` record (it writes it before hanging up; looked for
     up to ``wait_s``), as the named error it was, else ``e``."""
-    if group.broken or ("receiver rank" in str(e) and type(e) is not TransferError):
+    if group.broken or ("receiver rank" in str(e) and type(e) not in (TransferError, IpcGoneError)):
         return e  # a dead or frozen receiver (named already) writes no reason
     deadline = time.monotonic() + wait_s
     while True:
@@ -166,7 +189,7 @@ def recv_sealed(sock: socket.socket, key: bytes, ctx: str, n: Optional[int], wha
             raise
         raise TransferError(f"timed out waiting for {what} on the IPC socket ({peer})") from e
     except OSError as e:
-        raise TransferError(f"IPC socket failed while waiting for {what} ({peer}): {e}") from e
+        raise IpcGoneError(f"IPC socket failed while waiting for {what} ({peer}): {e}") from e
     finally:
         if timeout_s is not None:
             sock.settimeout(old)
@@ -175,7 +198,7 @@ def recv_sealed(sock: socket.socket, key: bytes, ctx: str, n: Optional[int], wha
             raise descriptor_error(OSError(errno.EMFILE, "descriptors dropped (MSG_CTRUNC)"),
                                    f"receiving {what} from {peer}")
         if not data:
-            raise TransferError(f"{peer} closed the IPC socket while this side waited for {what} (it died or gave up)")
+            raise IpcGoneError(f"{peer} closed the IPC socket while this side waited for {what} (it died or gave up)")
         _, _, body = R.open_record(key, ctx, data, name="ipc", peer=peer, schema=IPC_MSG, seq=n, epoch=0,
                                    limit=MAX_MSG)
         if fds and body["op"] not in ("buf", "stream"):
@@ -709,6 +732,68 @@ class IpcSenderState:
                 ranks_.discard(r)
             want.discard(r)
 
+    def control(self, r: int, op: str, seq: int, what: str, key: str) -> Optional[dict]:
+        """Receiver ``r``'s ``op`` message (or its ``error``) of update ``seq`` on its connection,
+        skipping what is left there of earlier updates; None when that connection is gone (closed
+        and forgotten: its receiver answers in the store and connects again) or the receiver
+        answered in the store instead (at ``key``: another receiver object of that rank, whose new
+        connection :meth:`accept` takes in place of this one; looked for after
+        :data:`STORE_LOOK_S`, then every :data:`STORE_LOOK_S`).  A message out of step (neither that
+        nor a late word of an earlier update) closes the connection and raises, as does a dead or
+        frozen receiver, or one that says nothing within the group's timeout."""
+        import select
+
+        g = self.group
+        conn = self.conns.get(r)
+        if conn is None:
+            return None
+        t0 = time.monotonic()
+        next_live, next_look, nap = t0 + 0.5, t0 + STORE_LOOK_S, 0.001
+        try:
+            while True:
+                try:
+                    ready = select.select([conn.sock], [], [], nap)[0]
+                except (OSError, ValueError):
+                    raise IpcGoneError(f"the IPC connection of receiver rank {r} is closed") from None
+                if not ready:
+                    now = time.monotonic()
+                    if now >= next_look:
+                        next_look = now + STORE_LOOK_S
+                        if g.check(key):
+                            return None
+                    if now >= next_live:
+                        next_live = now + 0.5
+                        g.check_alive([r])
+                    if now - t0 > g.timeout_s:
+                        raise TransferError(f"timed out waiting for {what} (on the IPC socket and in the store)")
+                    nap = min(nap * 2, STORE_LOOK_S)
+                    continue
+                msg, fds = conn.recv(what)
+                for fd in fds:
+                    os.close(fd)
+                if msg["u"] == seq and msg["op"] in (op, "error") and not fds:
+                    return msg
+                if msg["u"] < seq and msg["op"] in ("free", "ack", "done", "error") and not fds:
+                    continue  # a late word of an update that broke off
+                self._forget(r, conn)
+                raise TransferError(f"receiver rank {r} sent {msg['op']!r} (update {msg['u']}) on the IPC socket while "
+                                    f"the sender waited for {what} (update {seq}); that connection was closed (the "
+                                    "receiver connects again on its next update)")
+        except IpcGoneError:
+            self._forget(r, conn)
+            if g.broken:
+                raise
+            return None
+
+    def _forget(self, r: int, conn: IpcConn) -> None:
+        """Close receiver ``r``'s connection ``conn`` and stop using it."""
+        conn.close()
+        if self.conns.get(r) is conn:
+            del self.conns[r]
+            stream = self.streams.pop(r, None)  # its bucket-bytes socket came over that connection
+            if stream is not None:
+                stream.close()
+
     def _admit(self, sock: socket.socket, pid: int, uid: int, want: set) -> Optional[tuple[int, IpcConn]]:
         g = self.group
         who = f"pid {pid}, uid {uid}"
@@ -789,8 +874,8 @@ class IpcSendChannel:
         while st.busy[slot]:
             for r in list(st.busy[slot]):
                 msg, _ = self._recv(r, f"receiver rank {r} to release bucket memory")
-                if msg["op"] == "free" and msg["u"] != self.seq:
-                    continue  # a late release from an aborted update
+                if msg["op"] in ("free", "ack", "done", "error") and msg["u"] < self.seq:
+                    continue  # a late word of an update that broke off
                 if msg["op"] == "free" and msg["slot"] in (0, 1):
                     st.busy[msg["slot"]].discard(r)
                 elif msg["op"] == "error":

@@ -167,6 +167,7 @@ class TransferGroup:
         self.broken: Optional[str] = None  # why this group must be recreated
         self._seq = 0  # sender: number of the next update
         self.last_seq = -1  # receiver: the last update whose header it took
+        self._seen: dict[str, int] = {}  # key -> the store's version of the record last taken there (take(resume=True))
         # liveness
         self._hb_store = hb_store
         self._hb_stop = threading.Event()
@@ -634,18 +635,21 @@ class TransferGroup:
 
     def take(self, key: str, schema: dict, *, seq: Optional[int], epoch: Optional[int], what: str = "",
              timeout_s: Optional[float] = None, peer: str = "a peer", watch=True, accept=None,
-             notice=None) -> dict:
+             notice=None, resume: bool = False) -> dict:
         """Wait for an authentic record at ``key`` and return its body.
 
         The store answers as soon as the key changes (no polling).  Records that fail
         authentication are logged as intrusions and skipped (the genuine one overwrites them).
         ``watch``: ranks whose death ends the wait at once (True: every other rank).
         ``accept(seq, epoch, body)`` may reject an authentic but stale record (return False: keep
-        waiting).  ``notice``: a :class:`~.waiting.WaitNotice` told of every turn of the wait."""
+        waiting).  ``notice``: a :class:`~.waiting.WaitNotice` told of every turn of the wait.
+        ``resume``: wait only for a record written after the one the last such take
+        of ``key`` returned (a key rewritten for every update: the previous record is not fetched
+        and opened again)."""
         t = self.timeout_s if timeout_s is None else timeout_s
         t0 = time.monotonic()
         ranks = [p.rank for p in self.peers if p.rank != self.rank] if watch is True else list(watch or ())
-        seen = 0  # the version of the last value looked at: wait for a newer one
+        seen = self._seen.get(key, 0) if resume else 0  # the version of the last value looked at: wait for a newer one
         next_live = t0 + 0.2
         limit = R.MAX_RECORD + R.HEAD.size + R.TAG_BYTES
         while True:
@@ -675,6 +679,8 @@ class TransferGroup:
                 rs, re_, body = R.open_record(self._rec_key, self.group_id, raw, name=key, peer=peer, schema=schema,
                                               seq=seq, epoch=epoch)
                 if accept is None or accept(rs, re_, body):
+                    if resume:
+                        self._seen[key] = seen
                     return body if accept is None else (rs, re_, body)
             except R.ForgedRecordError as e:
                 self._intrusion(str(e))

@@ -11,7 +11,8 @@ from typing import Any, Callable, Optional, Sequence
 from ..errors import (InvalidArgumentError, InvalidTransitionError, LifecycleClosedError, TransferError, UnisleepError,
                       VersionError)
 from . import records as R
-from .channels import ABORT, CIPHERED, END, MAX_MSG, PIECED, IpcConn, connect_ipc, handshake_receiver, wait_work
+from .channels import (ABORT, CIPHERED, END, PIECED, IpcConn, IpcGoneError, connect_ipc, handshake_receiver,
+                       ipc_text, wait_work)
 from .cipher import BucketCipher
 from .group import TransferGroup
 from .manifest import Manifest, UpdateSeal, plan_buckets, spec_of
@@ -177,7 +178,8 @@ class WeightReceiver:
         try:
             seq, epoch, hdr = g.take("hdr", R.HEADER, seq=None, epoch=None, timeout_s=timeout_s,
                                      peer="the sender (rank 0)", watch=[0], accept=lambda rs, _e, _b: rs > g.last_seq,
-                                     what=f"the next update from the sender (still serving version {self.version!r})")
+                                     what=f"the next update from the sender (still serving version {self.version!r})",
+                                     resume=True)
         except R.MalformedRecordError as e:  # authentic, but this side cannot take it: the sender hears why
             g.last_seq = e.seq
             try:
@@ -185,17 +187,49 @@ class WeightReceiver:
                       e.seq, e.epoch)
             except TransferError:
                 pass
+            if self._conn is not None and self._ready:  # the sender may wait for it there
+                try:
+                    self._conn.send("ack", u=e.seq, ok=False, kind="header", msg=ipc_text(str(e)))
+                except TransferError:
+                    self._drop_ipc()
             raise TransferError(f"update {e.seq} refused: {e}; still serving version {self.version!r}") from None
         g.last_seq = seq
         if epoch != g.epoch:
             g.epoch = epoch  # the sender moved the data channel on after a broken update
         version = hdr["version"]
         ack_key, done_key = f"u{seq}/ack/{g.rank}", f"u{seq}/done/{g.rank}"
+        via, sock = hdr["via"], hdr["path"] == "ipc" or hdr["via"] == "socket"
+        # still connected to the sender's IPC socket: the acknowledgement, go and done travel there
+        by_ipc = (sock and hdr["control"] == "ipc" and self._conn is not None and self._ready
+                  and self._sock_name == hdr["ipc"])
+
+        def answer(ok: bool, kind: str = "", msg: str = "", connected: bool = False) -> bool:
+            """Acknowledge (or refuse); returns whether this receiver connected to the IPC socket anew."""
+            nonlocal by_ipc
+            failed = None
+            if by_ipc:
+                try:
+                    self._conn.send("ack", u=seq, ok=ok, kind=kind, msg=ipc_text(msg))
+                    return connected
+                except TransferError:  # the sender closed this connection: it reads the store
+                    self._drop_ipc()
+                    by_ipc = False
+                    if ok:
+                        try:
+                            connected = self._connect(hdr["ipc"] or "")
+                        except Exception as e:  # noqa: BLE001
+                            failed = e
+                            ok, kind, msg = False, "ipc", f"cannot connect to the sender's IPC socket: {type(e).__name__}: {e}"
+            g.put(ack_key, {"ok": ok, "kind": kind, "msg": msg[:4000], "connected": connected}, seq, epoch)
+            if failed is not None:
+                if isinstance(failed, UnisleepError):
+                    raise failed
+                raise TransferError(f"update {seq}: {msg}") from failed
+            return connected
 
         def refuse(kind: str, msg: str) -> None:
-            g.put(ack_key, {"ok": False, "kind": kind, "msg": msg[:4000], "connected": False}, seq, epoch)
+            answer(False, kind, msg)
 
-        via, sock = hdr["via"], hdr["path"] == "ipc" or hdr["via"] == "socket"
         if (hdr["path"] == "ipc") != (via == "ipc") or (via == "socket" and not g.local) or (
                 hdr["cipher"] != "none" and via != "backend"):
             msg = f"path {hdr['path']!r} via {via!r} with cipher {hdr['cipher']!r} is not a way to this receiver"
@@ -225,6 +259,10 @@ class WeightReceiver:
             raise TransferError(f"update {seq} (version {version!r}) refused before any byte moved: {msg}") from None
         connected = False
         try:
+            if sock and not by_ipc and self._conn is not None:
+                # the sender answers in the store when it lacks a connection to some receiver —
+                # perhaps this one's (it closed a connection out of step): connect anew
+                self._drop_ipc()
             if sock:
                 connected = self._connect(hdr["ipc"] or "")
         except Exception as e:
@@ -232,11 +270,14 @@ class WeightReceiver:
             if isinstance(e, UnisleepError):
                 raise
             raise TransferError(f"update {seq}: cannot connect to the sender's IPC socket: {e}") from e
-        g.put(ack_key, {"ok": True, "kind": "", "msg": "", "connected": connected}, seq, epoch)
+        connected = answer(True, connected=connected)
         # the update's keys are made while the sender collects the acknowledgements
         seal = UpdateSeal.prepared(g, seq, epoch, plans) if hdr["verify"] else None
-        go = g.take(f"u{seq}/go", R.GO, seq=seq, epoch=epoch, timeout_s=timeout_s, peer="the sender (rank 0)", watch=[0],
-                    what=f"the sender to start update {seq}")
+        if by_ipc:
+            go = self._ipc_go(seq, timeout_s)
+        else:
+            go = g.take(f"u{seq}/go", R.GO, seq=seq, epoch=epoch, timeout_s=timeout_s, peer="the sender (rank 0)",
+                        watch=[0], what=f"the sender to start update {seq}")
         if not go["go"]:
             if connected:
                 self._drop_ipc()
@@ -277,7 +318,7 @@ class WeightReceiver:
             else:
                 tail = (f"the target was partly updated ({state.applied} buckets applied) and is inconsistent"
                         if state.applied else f"still serving version {self.version!r}")
-                dead = g.peer_dead(0) if type(e) is TransferError else None
+                dead = g.peer_dead(0) if type(e) in (TransferError, IpcGoneError) else None
                 if dead:  # the sender's socket closed because it died: say so
                     g.broken = dead
                     err = TransferError(f"update {seq} (version {version!r}) broke off: the sender died ({dead}; "
@@ -293,10 +334,15 @@ class WeightReceiver:
                 g.put(done_key, {"ok": False, "msg": f"{type(err).__name__}: {err}"[:4000], "version": None}, seq, epoch)
             except Exception:
                 pass
+            if sock and isinstance(e, VerifyError) and by_ipc and self._conn is not None:
+                try:  # the socket is in step: the sender waits for the verdict there
+                    self._conn.send("done", u=seq, ok=False, msg=ipc_text(f"{type(err).__name__}: {err}"))
+                except TransferError:
+                    self._drop_ipc()
             if sock and not isinstance(e, VerifyError):
                 if self._conn is not None and self._ready:
                     try:
-                        self._conn.send("error", msg=f"{type(err).__name__}: {err}"[:MAX_MSG - 512])
+                        self._conn.send("error", u=seq, msg=ipc_text(f"{type(err).__name__}: {err}"))
                     except Exception:  # noqa: BLE001
                         pass
                 self._drop_ipc()  # the socket may be out of step: reconnect on the next update
@@ -307,7 +353,14 @@ class WeightReceiver:
         prev, self.version = self.version, version
         self.consistent = True
         t1 = time.perf_counter()
-        g.put(done_key, {"ok": True, "msg": "", "version": version}, seq, epoch)
+        if by_ipc:
+            try:
+                self._conn.send("done", u=seq, ok=True)
+            except TransferError:  # the sender hung up: it looks in the store
+                self._drop_ipc()
+                by_ipc = False
+        if not by_ipc:
+            g.put(done_key, {"ok": True, "msg": "", "version": version}, seq, epoch)
         self.last_report = TransferReport(version, prev, hdr["path"], len(specs), hdr["bytes"], len(plans), t1 - t0,
                                           metadata_reused=hdr["specs"] is None, verified=state.verify or crypt is not None,
                                           phases={"handshake": t_ack - t0, "stream": t_recv - t_ack,
@@ -315,6 +368,29 @@ class WeightReceiver:
                                                   "release": t1 - t_commit},
                                           intrusions=list(g.intrusions[intrusions0:]))
         return self.last_report
+
+    def _ipc_go(self, seq: int, timeout_s: Optional[float]) -> dict:
+        """The sender's ``go`` for update ``seq`` on the IPC connection (as the store's record)."""
+        try:
+            while True:
+                msg, fds = self._conn.recv(f"the sender to start update {seq}", timeout_s)
+                for fd in fds:
+                    os.close(fd)
+                if msg["op"] == "go" and msg["u"] < seq and not fds:
+                    continue  # the call-off of an earlier update, meant for another receiver
+                if msg["op"] == "go" and msg["u"] == seq and not fds:
+                    return {"go": msg["ok"], "why": msg["msg"]}
+                raise TransferError(f"the sender sent {msg['op']!r} (update {msg['u']}) on the IPC socket while this "
+                                    f"receiver waited for it to start update {seq}")
+        except TransferError as e:
+            self._drop_ipc()  # out of step: connect again on the next update
+            dead = self.group.peer_dead(0)
+            if dead:
+                self.group.broken = dead
+                raise TransferError(f"update {seq} broke off: the sender died ({dead}); still serving version "
+                                    f"{self.version!r}; recreate the group") from e
+            raise TransferError(f"update {seq}: no start from the sender ({e}); still serving version "
+                                f"{self.version!r}") from e
 
     # ---------------------------------------------------------------- collective path
     def _recv_collective(self, st: "RecvState") -> None:
@@ -400,6 +476,8 @@ class WeightReceiver:
         while True:
             msg, fds = conn.recv(f"bucket data of update {st.seq} (still serving version {self.version!r})")
             op = msg["op"]
+            if op == "go" and msg["u"] < st.seq and not fds:
+                continue  # the call-off of an earlier update that this receiver had refused
             if op == "stream":
                 if len(fds) != 1:
                     for fd in fds:
@@ -524,6 +602,8 @@ class WeightReceiver:
         while True:
             msg, fds = conn.recv(f"bucket data of update {st.seq} (still serving version {self.version!r})")
             op = msg["op"]
+            if op == "go" and msg["u"] < st.seq and not fds:
+                continue  # the call-off of an earlier update that this receiver had refused
             if op == "buf":
                 if len(fds) != 1 or msg["slot"] not in (0, 1) or not msg["id"] or msg["nbytes"] <= 0:
                     for fd in fds:

@@ -181,10 +181,13 @@ NAME = re.compile(r"[A-Za-z0-9._\-]{1,128}")
 PEER = {"rank": INT, "device_key": STR, "host": STR, "boot": STR, "pid": INT, "pidns": INT, "netns": INT, "uid": INT,
         "nonce": HEX, "insecure": BOOL}
 #: ``via``: how the bytes move ("ipc": shared memory; "socket": a Unix socket on one machine;
-#: "backend": the process-group backend); ``cipher``: "aes-256-gcm" (every bucket encrypted) or "none"
+#: "backend": the process-group backend); ``cipher``: "aes-256-gcm" (every bucket encrypted) or "none";
+#: ``control``: where a receiver whose IPC connection is still up answers (acknowledgement, go,
+#: done): "ipc" (on that connection), else "store"
 HEADER = {"version": VERSION, "previous_version": VERSION, "meta_id": HEX, "specs": SPECS, "bucket_bytes": INT,
           "path": ("collective", "ipc"), "via": ("ipc", "socket", "backend"), "cipher": ("none", "aes-256-gcm"),
-          "buckets": INT, "bytes": INT, "ipc": OPT_STR, "verify": BOOL, "keep_buffers": BOOL}
+          "buckets": INT, "bytes": INT, "ipc": OPT_STR, "verify": BOOL, "keep_buffers": BOOL,
+          "control": ("store", "ipc")}
 ACK = {"ok": BOOL, "kind": STR, "msg": STR, "connected": BOOL}
 GO = {"go": BOOL, "why": STR}
 ABORT = {"why": STR}

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any, Iterator, Optional, Sequence
 
 from ..errors import InvalidArgumentError, InvalidTransitionError, TransferError, UnisleepError, VersionError
-from .channels import CollectiveSendChannel, IpcSenderState, IpcSendChannel, SocketSendChannel, named_error
+from .channels import CollectiveSendChannel, IpcSenderState, IpcSendChannel, SocketSendChannel, ipc_text, named_error
 from .cipher import BucketCipher
 from .group import TransferGroup
 from . import records as R
@@ -132,6 +132,7 @@ class WeightSender:
         self._coll_slots: list = [None, None]
         self._ipc: Optional[IpcSenderState] = None
         self._seal_ahead: Optional[tuple] = None  # (seq, epoch, seal) made while the last update committed
+        self._no_records = -1  # the last update whose answers all travelled on the IPC connections (no store records)
         self.last_report: Optional[TransferReport] = None
         self.version: Any = None
 
@@ -260,11 +261,16 @@ class WeightSender:
             ipc_name = self._ipc.name
         digests = self.verify and cipher == "none"  # an encrypted bucket is authenticated by its tag
         self._buffer_s = 0.0
+        # receivers still connected from the last update answer on that connection (acknowledgement,
+        # go, done: sealed like the store's records), not through the store — rank 0's store is a
+        # thread of this process, and every request to it waits for this thread's interpreter lock
+        control = "ipc" if sock and self._ipc.conns and set(self._ipc.conns) >= set(g.receivers) else "store"
         header = {
             "version": version, "previous_version": self.version, "meta_id": manifest.meta_id,
             "specs": None if reuse else [[s.name, list(s.shape), s.dtype] for s in manifest.specs],
             "bucket_bytes": self.bucket_bytes, "path": path, "via": via, "cipher": cipher, "buckets": len(plans),
             "bytes": manifest.nbytes, "ipc": ipc_name, "verify": digests, "keep_buffers": keep,
+            "control": control,
         }
         try:  # on success the update gives its bucket memory back itself (timed: the "release" phase)
             return self._send_update(g, t0, version, manifest, items, plans, seq, epoch, path, via, cipher, reuse,
@@ -280,6 +286,7 @@ class WeightSender:
     def _send_update(self, g, t0, version, manifest, items, plans, seq, epoch, path, via, cipher, reuse, sock,
                      digests, header) -> TransferReport:
         """The update once its header is made: post it, stream the buckets, wait for every commit."""
+        control = header["control"]
         intrusions0 = len(g.intrusions)
         g.put("hdr", header, seq, epoch)
         # the update's keys: made while the last update committed, else now, while the receivers
@@ -299,49 +306,63 @@ class WeightSender:
             except Exception as e:  # the generator, a spec mismatch: said once the receivers answered
                 packing = e
             except BaseException as e:
-                self._call_off(seq, epoch, f"{type(e).__name__}: {e}")
+                self._call_off(seq, epoch, f"{type(e).__name__}: {e}", control)
                 raise
         # the last update's records are dropped while the receivers answer (after the first
-        # bucket's packing is queued: nothing waits on them)
-        if seq:
+        # bucket's packing is queued: nothing waits on them) — unless every answer of it travelled
+        # on the IPC connections (it left no record in the store)
+        if seq and self._no_records != seq - 1:
             for k in ("go", "abort", *(f"ack/{r}" for r in g.receivers), *(f"done/{r}" for r in g.receivers)):
                 g.drop(f"u{seq - 1}/{k}")
         # ---- acknowledgements: nothing moves before every receiver said yes
         refusals, connect = [], []
+        by_ipc: list[int] = []  # receivers that acknowledged on their IPC connection (go and done go there too)
         try:
             g.check_alive(g.receivers)  # a dead receiver: say so now, not after a timeout
             if via == "backend":
                 g.process_group()  # a new epoch connects here; the receivers follow when they read the header
             for r in g.receivers:
-                ack = g.take(f"u{seq}/ack/{r}", R.ACK, seq=seq, epoch=epoch, peer=f"receiver rank {r}", watch=[r],
-                             what=f"receiver rank {r} to accept update {seq} (version {version!r}); is receive() running?")
+                what = f"receiver rank {r} to accept update {seq} (version {version!r}); is receive() running?"
+                ack = self._ipc_record(r, "ack", seq, what, f"u{seq}/ack/{r}") if control == "ipc" else None
+                if ack is not None:
+                    by_ipc.append(r)
+                else:
+                    ack = g.take(f"u{seq}/ack/{r}", R.ACK, seq=seq, epoch=epoch, peer=f"receiver rank {r}", watch=[r],
+                                 what=what)
                 if not ack["ok"]:
                     refusals.append((r, ack))
                 elif ack["connected"]:
                     connect.append(r)
         except BaseException as e:
-            self._call_off(seq, epoch, f"{type(e).__name__}: {e}")
+            self._call_off(seq, epoch, f"{type(e).__name__}: {e}", control)
             raise
         if refusals:
-            self._call_off(seq, epoch, "a receiver refused")
+            self._call_off(seq, epoch, "a receiver refused", control)
             r, ack = refusals[0]
             if any(a["kind"] == "metadata" for _, a in refusals):
                 self._last_meta_id = None
             cls = {"asleep": InvalidTransitionError, "version": VersionError}.get(ack["kind"], TransferError)
             raise cls(f"receiver rank {r} refused update {seq} (version {version!r}); nothing was sent: {ack['msg']}")
         if packing is not None:  # every receiver that read the header hears why, as "called off"
-            self._call_off(seq, epoch, f"{type(packing).__name__}: {packing}")
+            self._call_off(seq, epoch, f"{type(packing).__name__}: {packing}", control)
             if isinstance(packing, UnisleepError):
                 raise packing
             raise TransferError(f"update {seq} (version {version!r}) aborted on the sender: "
                                 f"{type(packing).__name__}: {packing}") from packing
         t_ack = time.perf_counter()
-        g.put(f"u{seq}/go", {"go": True, "why": ""}, seq, epoch)
+        if len(by_ipc) < len(g.receivers):
+            g.put(f"u{seq}/go", {"go": True, "why": ""}, seq, epoch)
         # ---- stream the buckets
         live = None  # the channel, once every receiver is connected to it
         try:
+            for r in by_ipc:
+                self._ipc.conns[r].send("go", u=seq)
             if sock:
                 self._ipc.accept(connect)
+                missing = sorted(set(g.receivers) - set(self._ipc.conns))
+                if missing:  # a receiver that kept a connection this side has closed: it connects next time
+                    raise TransferError(f"receivers {missing} answered without connecting to the IPC socket, whose "
+                                        "connection to them this side had closed")
             live = chan or (IpcSendChannel(self, seq) if path == "ipc" else SocketSendChannel(self, seq)
                             if via == "socket" else CollectiveSendChannel(self, seq, crypt))
             self._stream(items, manifest, plans, seq, live, seal, first)
@@ -374,11 +395,16 @@ class WeightSender:
         # (derived from the group secret, the epoch and the update number: nothing new is learnt)
         if digests:
             self._seal_ahead = (seq + 1, epoch, UpdateSeal.prepared(g, seq + 1, epoch, plans))
-        errors = []
+        errors, done_by_ipc = [], 0
         try:
             for r in g.receivers:
-                done = g.take(f"u{seq}/done/{r}", R.DONE, seq=seq, epoch=epoch, peer=f"receiver rank {r}", watch=[r],
-                              what=f"receiver rank {r} to verify and commit version {version!r}")
+                what = f"receiver rank {r} to verify and commit version {version!r}"
+                done = self._ipc_record(r, "done", seq, what, f"u{seq}/done/{r}") if r in by_ipc else None
+                if done is not None:
+                    done_by_ipc += 1
+                else:
+                    done = g.take(f"u{seq}/done/{r}", R.DONE, seq=seq, epoch=epoch, peer=f"receiver rank {r}",
+                                  watch=[r], what=what)
                 if not done["ok"]:
                     errors.append(f"rank {r}: {done['msg']}")
         except BaseException:
@@ -390,6 +416,8 @@ class WeightSender:
                               + "; ".join(errors))
         prev, self.version = self.version, version
         self._last_meta_id = manifest.meta_id
+        if len(by_ipc) == done_by_ipc == len(g.receivers):
+            self._no_records = seq
         t_done = time.perf_counter()
         release_s = 0.0
         if not header["keep_buffers"]:  # every receiver has given its mappings back: the memory goes now
@@ -417,11 +445,29 @@ class WeightSender:
                 out.append(why)
         return out
 
-    def _call_off(self, seq: int, epoch: int, why: str) -> None:
+    def _ipc_record(self, r: int, op: str, seq: int, what: str, key: str) -> Optional[dict]:
+        """Receiver ``r``'s ``ack`` or ``done`` of update ``seq`` from its IPC connection, as the
+        store's record would say it (an ``error`` there is a ``done`` that failed); None when the
+        receiver wrote it to the store (at ``key``) instead."""
+        msg = self._ipc.control(r, op, seq, what, key) if self._ipc is not None else None
+        if msg is None:
+            return None
+        ok = msg["op"] == op and msg["ok"]
+        return {"ok": ok, "kind": msg["kind"] if msg["op"] == op else "error", "msg": msg["msg"], "connected": False}
+
+    def _call_off(self, seq: int, epoch: int, why: str, control: str) -> None:
         """Before any byte moved: withdraw the header (a late receiver waits for the next one)
-        and tell those waiting for ``go``."""
+        and tell those waiting for ``go`` — in the store, and (``control == "ipc"``) on every IPC
+        connection (a receiver that is not waiting there skips it as a word of an earlier update)."""
         g = self.group
         g.drop("hdr")
+        if control == "ipc" and self._ipc is not None:
+            for r in list(self._ipc.conns):
+                conn = self._ipc.conns[r]
+                try:
+                    conn.send("go", u=seq, ok=False, msg=ipc_text(why))
+                except TransferError:
+                    self._ipc._forget(r, conn)  # gone: that receiver connects again
         try:
             g.put(f"u{seq}/go", {"go": False, "why": why[:4000]}, seq, epoch)
         except TransferError:

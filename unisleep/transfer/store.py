@@ -19,7 +19,9 @@ descriptor of rank 0).  This store:
   (:data:`MAX_TOTAL`) and the number of keys; one request names one value (no multi-get, no
   append), and a reader says how much it takes — the answer to a larger value is its size, not
   its bytes;
-* never blocks: waiting for a key is the client's poll.
+* never blocks: a member waiting for a key sends one WATCH, answered the moment the key changes —
+  by the thread that changed it (rank 0's own writes answer from rank 0's thread, without waking
+  the server's thread or waiting for it to be scheduled) — or when its wait is over.
 
 The wire (TCP, after the handshake): ``length u32 | payload | tag (16 bytes)``; ``payload`` is an
 operation byte and its fields, the answer a status byte and its data.
@@ -72,6 +74,9 @@ AUTH_S = 5.0
 #: proven connections per member (the group uses two: records and heartbeats)
 MAX_MEMBER_CONNS = 8
 MAX_FRAME = 1 + 2 + 4 + MAX_KEY + 2 * MAX_VALUE
+#: the largest answer to a WATCH that the thread changing its key sends itself (a control record);
+#: a larger one (a header with many tensor specs) the server's thread sends
+DIRECT_ANSWER = 64 << 10
 
 SET, GET, ADD, CHECK, DELETE, NUMKEYS, CAS, WATCH = range(1, 9)
 W = struct.Struct("<IIQ")  # WATCH: limit, wait in ms, the version already seen
@@ -285,7 +290,7 @@ def _handle(table: _Table, payload: bytes) -> bytes:
 # ------------------------------------------------------------------------------- the server
 class _Conn:
     __slots__ = ("sock", "inbuf", "outbuf", "deadline", "nonce", "rank", "k_in", "k_out", "n_in", "n_out", "who",
-                 "waiting")
+                 "waiting", "lock", "closed")
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
@@ -298,6 +303,10 @@ class _Conn:
         self.n_in = self.n_out = 0
         self.who = ""
         self.waiting: Optional[tuple] = None  # (key, limit, after, deadline) of a WATCH not answered yet
+        # its output (outbuf, n_out, writes and the close of its socket): the server's thread and
+        # a thread that answers its WATCH on a change share it; always taken after the table's lock
+        self.lock = threading.Lock()
+        self.closed = False
 
 
 class StoreServer:
@@ -321,8 +330,11 @@ class StoreServer:
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._pending: dict[socket.socket, _Conn] = {}
         self._members: dict[socket.socket, _Conn] = {}
+        # WATCHes waiting for a change (both under the table's lock: registered in the same hold as
+        # the look that found nothing new, so no change can slip between them)
         self._waiters: dict[socket.socket, _Conn] = {}
-        self._changed_keys: collections.deque = collections.deque()
+        self._wanted: dict[str, list[_Conn]] = {}  # key -> the connections waiting for it
+        self._handoff: collections.deque = collections.deque()  # (conn, answer or None) for the server's thread
         self.table.on_change = self._on_change
         self._listen_paused_until = 0.0
         self._refused: dict[str, int] = {}
@@ -343,16 +355,16 @@ class StoreServer:
                         self._accept()
                     elif k.data == "wake":
                         try:
-                            self._wake_r.recv(64)
+                            self._wake_r.recv(4096)
                         except OSError:
                             pass
+                        self._take_handoff()
                     else:
                         c = k.data
                         if mask & selectors.EVENT_WRITE:
                             self._flush(c)
                         if mask & selectors.EVENT_READ and (c.sock in self._pending or c.sock in self._members):
                             self._read(c)
-                self._serve_waiters()
                 self._tick()
         except Exception as e:  # noqa: BLE001 - never silently: every member then sees the store gone
             log.error("the transfer group's store stopped: %s: %s", type(e).__name__, e)
@@ -369,7 +381,7 @@ class StoreServer:
     def _tick(self) -> None:
         now = time.monotonic()
         if self._waiters:
-            self._serve_waiters(expire=True)
+            self._expire(now)
         for c in [c for c in self._pending.values() if c.deadline < now]:
             self._refuse(c, f"it did not prove the group secret within {AUTH_S:.0f} s")
         if self._listen_paused_until and now >= self._listen_paused_until:
@@ -449,45 +461,117 @@ class StoreServer:
                               "(injected or altered on the way)")
                 return
             c.n_in += 1
-            answer = _handle(self.table, payload)
-            if payload[:1] == bytes([WATCH]) and answer[0] == MISSING:
-                limit, wait_ms, after = W.unpack_from(payload, 1)
-                if wait_ms:  # answered when the key changes, or when the wait is over
-                    c.waiting = (payload[1 + W.size:].decode(), limit, after,
-                                 time.monotonic() + min(wait_ms, 60_000) / 1000)
-                    self._waiters[c.sock] = c
-                    return
+            if payload[:1] == bytes([WATCH]) and self._wait(c, payload):
+                return  # answered when the key changes, or when the wait is over
+            self._reply(c, _handle(self.table, payload))
+
+    def _wait(self, c: _Conn, payload: bytes) -> bool:
+        """Register a WATCH that finds nothing new and may wait (True); False: answer it now."""
+        try:
+            limit, wait_ms, after = W.unpack_from(payload, 1)
+            key = payload[1 + W.size:].decode()
+        except (struct.error, UnicodeDecodeError):
+            return False
+        if not wait_ms:
+            return False
+        with self.table.lock:
+            if self.table._look(key, limit, after)[0] != MISSING:
+                return False
+            c.waiting = (key, limit, after, time.monotonic() + min(wait_ms, 60_000) / 1000)
+            self._waiters[c.sock] = c
+            self._wanted.setdefault(key, []).append(c)
+        return True
+
+    def _unwait(self, c: _Conn) -> None:
+        """(the table's lock held) ``c`` no longer waits."""
+        if c.waiting is not None:
+            ws = self._wanted.get(c.waiting[0])
+            if ws is not None and c in ws:
+                ws.remove(c)
+                if not ws:
+                    del self._wanted[c.waiting[0]]
+            c.waiting = None
+        self._waiters.pop(c.sock, None)
+
+    def _answer_of(self, c: _Conn) -> bytes:
+        """(the table's lock held) the answer to ``c``'s WATCH now."""
+        key, limit, after, _deadline = c.waiting
+        st, ver, v = self.table._look(key, limit, after)
+        return bytes([st]) + ver.to_bytes(8, "little") + v
+
+    def _on_change(self, key: str) -> None:
+        """A key changed (any thread, the table's lock held): the WATCHes waiting for it are
+        answered at once by this thread — no hand-over to the server's thread, which may have to
+        wait for the interpreter lock while this one works — except a large value, which the
+        server's thread answers."""
+        ws = self._wanted.get(key)
+        if not ws:
+            return
+        mine = threading.current_thread() is self._thread
+        for c in list(ws):
+            answer = self._answer_of(c)
+            if answer[0] == MISSING:
+                continue  # deleted, or not newer than what it saw: it goes on waiting
+            self._unwait(c)
+            if mine or len(answer) <= DIRECT_ANSWER:
+                self._reply(c, answer)
+            else:
+                self._hand_off(c, answer)
+
+    def _hand_off(self, c: _Conn, answer: Optional[bytes]) -> None:
+        """The server's thread answers ``answer`` to ``c`` (None: flushes what is left for it)."""
+        self._handoff.append((c, answer))
+        try:
+            self._wake_w.send(b"c")
+        except OSError:
+            pass
+
+    def _take_handoff(self) -> None:
+        while self._handoff:
+            c, answer = self._handoff.popleft()
+            if answer is not None:
+                self._reply(c, answer)
+            else:
+                self._flush(c)
+
+    def _expire(self, now: float) -> None:
+        due = []
+        with self.table.lock:
+            for c in list(self._waiters.values()):
+                if now >= c.waiting[3]:
+                    due.append((c, self._answer_of(c)))
+                    self._unwait(c)
+        for c, answer in due:
             self._reply(c, answer)
 
     def _reply(self, c: _Conn, answer: bytes) -> None:
-        c.outbuf += LEN.pack(len(answer)) + answer + _mac(c.k_out, c.n_out, answer)
-        c.n_out += 1
+        """Frame ``answer`` for ``c`` and send what the socket takes now (any thread); what is left
+        is sent by the server's thread."""
+        with c.lock:
+            if c.closed:
+                return
+            c.outbuf += LEN.pack(len(answer)) + answer + _mac(c.k_out, c.n_out, answer)
+            c.n_out += 1
+            if threading.current_thread() is not self._thread:
+                ok = self._send_some(c)
+                if ok and not c.outbuf:
+                    return
+        if threading.current_thread() is not self._thread:
+            self._hand_off(c, None)  # the rest, or a failed socket: the server's thread flushes or drops it
+            return
         self._flush(c)
 
-    def _on_change(self, key: str) -> None:
-        """A key changed (any thread, the table's lock held): the waiters on it are answered."""
-        if self._waiters:
-            self._changed_keys.append(key)
-            if threading.current_thread() is not self._thread:
-                try:
-                    self._wake_w.send(b"c")
-                except OSError:
-                    pass
-
-    def _serve_waiters(self, expire: bool = False) -> None:
-        keys = set()
-        while self._changed_keys:
-            keys.add(self._changed_keys.popleft())
-        now = time.monotonic()
-        for c in list(self._waiters.values()):
-            key, limit, after, deadline = c.waiting
-            if key in keys or (expire and now >= deadline):
-                st, ver, v = self.table._look_locked(key, limit, after)
-                if st == MISSING and now < deadline:
-                    continue
-                c.waiting = None
-                del self._waiters[c.sock]
-                self._reply(c, bytes([st]) + ver.to_bytes(8, "little") + v)
+    def _send_some(self, c: _Conn) -> bool:
+        """(``c.lock`` held) send what the socket takes now; False when it failed."""
+        while c.outbuf:
+            try:
+                n = c.sock.send(c.outbuf)
+            except BlockingIOError:
+                return True
+            except OSError:
+                return False
+            del c.outbuf[:n]
+        return True
 
     def _answer(self, c: _Conn) -> None:
         cn, rank, proof = ANSWER.unpack_from(bytes(c.inbuf[: ANSWER.size]))
@@ -510,32 +594,36 @@ class StoreServer:
         self._flush(c)
 
     def _flush(self, c: _Conn) -> None:
-        while c.outbuf:
-            try:
-                n = c.sock.send(c.outbuf)
-            except BlockingIOError:
-                break
-            except OSError:
-                self._drop(c)
+        """(the server's thread) send what is left for ``c``; wait for the socket to take the rest."""
+        with c.lock:
+            if c.closed:
                 return
-            del c.outbuf[:n]
+            ok = self._send_some(c)
+            more = bool(c.outbuf)
+        if not ok:
+            self._drop(c)
+            return
         try:
-            self._sel.modify(c.sock, selectors.EVENT_WRITE if c.outbuf else selectors.EVENT_READ, c)
-        except (KeyError, ValueError):
+            self._sel.modify(c.sock, selectors.EVENT_WRITE if more else selectors.EVENT_READ, c)
+        except (KeyError, ValueError, OSError):
             pass
 
     def _drop(self, c: _Conn, why: str = "") -> None:
+        """(the server's thread) close ``c``."""
         self._pending.pop(c.sock, None)
         self._members.pop(c.sock, None)
-        self._waiters.pop(c.sock, None)
+        with self.table.lock:
+            self._unwait(c)
         try:
             self._sel.unregister(c.sock)
         except (KeyError, ValueError):
             pass
-        try:
-            c.sock.close()
-        except OSError:
-            pass
+        with c.lock:  # no other thread is writing to it (or to whatever next gets its descriptor)
+            c.closed = True
+            try:
+                c.sock.close()
+            except OSError:
+                pass
         if why and self.on_intrusion is not None:
             self.on_intrusion(why)
 
