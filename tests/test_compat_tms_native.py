@@ -217,12 +217,19 @@ _CAPTURE = """
 
 
 @pytest.mark.slow
-def test_whole_process_capture_pauses_plain_torch_allocations():
+@pytest.mark.parametrize("first", ["torch", "torch_memory_saver"])
+def test_whole_process_capture_pauses_plain_torch_allocations(first):
     """Before whole-process capture existed the facade logged a warning for TMS_INIT_ENABLE=1 and
-    captured nothing: ``pause()`` freed nothing and the tags were empty."""
+    captured nothing: ``pause()`` freed nothing and the tags were empty.  The program may import
+    torch_memory_saver before torch (torch_memory_saver's own training_engine example does): the
+    facade then loads torch itself before it hooks torch's allocator library."""
     env = _env(TMS_INIT_ENABLE="1", TMS_INIT_ENABLE_CPU_BACKUP="1", UNISLEEP_TMS="1",
                PYTHONPATH=f"{shim_dir()}:{ROOT}")
-    got = _json(_run(_CAPTURE, env))
+    code = _CAPTURE
+    if first == "torch_memory_saver":
+        code = code.replace("    import torch\n    import torch_memory_saver\n", "    import torch_memory_saver\n    import torch\n", 1)
+        assert code != _CAPTURE
+    got = _json(_run(code, env))
     MiB = 1 << 20
     assert got["module"] == FACADE
     assert got["tags"] == ["default", "grad_buffer"]

@@ -572,6 +572,11 @@ class TorchMemorySaver:
             raise UnsupportedError(
                 "TMS_INIT_ENABLE=1: whole-process capture already runs in this process, for another TorchMemorySaver; "
                 "use that one (the module's torch_memory_saver)")
+        # the program may import torch_memory_saver before torch (tms's own training_engine example
+        # does; tms hooks through LD_PRELOAD from the process's start): torch's allocator library
+        # must be loaded before its slots can be rewritten
+        import torch  # noqa: F401
+
         cap = ProcessCapture(spec, self._impl._binary_wrapper.cdll, self._capture_target)
         cap.install()
         self._capture = cap
