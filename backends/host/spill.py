@@ -302,6 +302,17 @@ class SpillStore(BackupStore):
     def _open(self, name: str, flags: int, mode: int = 0o600) -> int:
         return os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=self._dir_fd)
 
+    def _open_to_read(self, name: str, path: str, total: int) -> tuple[int, bool]:
+        """:meth:`_use` for reading a backup back; a file that is gone or unreadable is the
+        named :class:`BackupCorruptError` (removed or made unreadable while asleep)."""
+        try:
+            return self._use(name, os.O_RDONLY)
+        except OSError as e:
+            raise BackupCorruptError(
+                f"the backup file {path} cannot be opened ({e.strerror}): it was removed or made unreadable "
+                "while asleep", path=path, nbytes=total, cause=e,
+            ) from e
+
     def _use(self, name: str, flags: int) -> tuple[int, bool]:
         """(a descriptor of file ``name``, whether the caller closes it): the flat layout's kept
         descriptor, or the file opened again at the private directory's descriptor."""
@@ -416,13 +427,7 @@ class SpillStore(BackupStore):
         n = dst.numel()
         if offset + n > total:
             raise ValueError(f"backup {key} holds {total} bytes; cannot read {n} at {offset}")
-        try:
-            fd, own = self._use(name, os.O_RDONLY)
-        except OSError as e:
-            raise BackupCorruptError(
-                f"the backup file {path} cannot be opened ({e.strerror}): it was removed or made unreadable "
-                "while asleep", path=path, nbytes=total, cause=e,
-            ) from e
+        fd, own = self._open_to_read(name, path, total)
         try:
             size = os.fstat(fd).st_size
             if size < total:
@@ -627,13 +632,7 @@ class StagedSpillStore(SpillStore):
         if any(p_len > stage.numel() for _, p_len, _ in pieces):  # pragma: no cover - written by another store
             raise BackupCorruptError(f"the backup file {path} has pieces larger than the staging buffer", path=path,
                                      nbytes=total)
-        try:
-            fd, own = self._use(name, os.O_RDONLY)
-        except OSError as e:
-            raise BackupCorruptError(
-                f"the backup file {path} cannot be opened ({e.strerror}): it was removed or made unreadable "
-                "while asleep", path=path, nbytes=total, cause=e,
-            ) from e
+        fd, own = self._open_to_read(name, path, total)
         try:
             if os.fstat(fd).st_size < total:
                 raise BackupCorruptError(f"the backup file {path} holds less than {human_bytes(total)}: it was "
