@@ -1,0 +1,544 @@
+"""The spill store of host memory (:class:`SpillStore`): one file per backed-up range, under
+the trust rules of :mod:`.spill`."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import itertools
+import json
+import logging
+import os
+import secrets
+import stat as _stat
+import time
+import warnings
+from typing import Optional
+
+from unisleep.driver import BackupStore
+from unisleep.errors import BackupCorruptError, BackupError, HostBudgetError, SpillDirError
+from unisleep.hostmem import check_host_room
+from unisleep.units import human_bytes
+
+from .collective import boot_id
+from .spill_dir import (
+    DIR_FLAGS,
+    DIR_PREFIX,
+    FLAT_PREFIX,
+    MARKER_KIND,
+    OWNER_FILE,
+    RAM_FILESYSTEMS,
+    check_spill_parent,
+    clean_orphans,
+    default_spill_parent,
+    empty_dir,
+    exit_cleanly_on_sigterm,
+    filesystem_type,
+    unlink_at,
+)
+
+log = logging.getLogger("unisleep.host")
+
+from .spill_reads import _STEP, PIECE, _buffer, _hasher, _read_hashed
+
+
+class SpillStore(BackupStore):
+    """One file per backed-up range under a private directory (mode 0700) in ``spill_dir``
+    (``layout="private"``), or directly in ``spill_dir`` (``layout="flat"``, torch_memory_saver's
+    layout: files named ``unisleep-backup-<pid>-…``, created ``O_EXCL`` mode 0600 at the
+    directory's descriptor, kept open — and ``flock``-ed, so an orphan cleaner can tell a live
+    owner's — for as long as the backup lives: every read and write goes through that descriptor,
+    never through the name again; removed when the backup is dropped, at the wake or at close).
+
+    Writing is ``pwrite`` from the resident pages into a file allocated to its full size first;
+    reading is ``preadv`` straight into the freshly mapped memory, then each piece's XXH3-64
+    is checked.  Dropping a backup unlinks its file, so disk is returned at once; a file that
+    cannot be unlinked (a file system gone read-only) stays counted in :attr:`held_bytes`,
+    is named in a warning and is removed at the next level-1 sleep or at :meth:`close`.
+
+    ``spill_dir`` and every directory on the way to it must be safe from other users
+    (:func:`check_spill_parent`); the private directory is created and then only used through
+    its descriptor, its files opened with ``O_NOFOLLOW`` (and created ``O_EXCL``).
+    """
+
+    def __init__(self, budget_bytes: Optional[int], spill_dir: Optional[str], layout: str = "private"):
+        if layout not in ("private", "flat"):
+            raise ValueError(f"layout must be 'private' or 'flat', got {layout!r}")
+        self.layout = layout
+        self._fds: dict[str, int] = {}  # flat layout: file name -> its descriptor, kept open (and locked)
+        parent = os.path.abspath(os.path.expanduser(spill_dir or default_spill_parent()))
+        self._made_parent = None
+        self._parent_fd = self._dir_fd = self._lock_fd = -1
+        existing = parent
+        while not os.path.lexists(existing):  # nothing is created under a directory others can swap
+            existing = os.path.dirname(existing)
+        check_spill_parent(existing, shown=parent)
+        self._ensure_parent(parent)
+        try:
+            check_spill_parent(parent)
+        except SpillDirError:
+            self._remove_made_parent()
+            raise
+        self.fstype = filesystem_type(parent)
+        if self.fstype in RAM_FILESYSTEMS:
+            warnings.warn(
+                f"spill_dir {parent!r} is on {self.fstype}, which lives in RAM: level-1 backups written "
+                "there free no memory. Pass spill_dir= (or set UNISLEEP_SPILL_DIR) to a disk-backed directory.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        clean_orphans(parent)
+        try:
+            if layout == "flat":
+                self._open_flat_dir(parent)
+            else:
+                self._make_private_dir(parent)
+        except BaseException:
+            self._close_fds()
+            self._remove_made_parent()
+            raise
+        self.parent = parent
+        exit_cleanly_on_sigterm()
+        self.where = f"spill files in {self.dir} ({self.fstype})"
+        self.budget = budget_bytes
+        self._names = itertools.count()
+        self._reserved: dict[tuple[int, int], tuple[str, int]] = {}
+        # key -> (file name, nbytes, [(offset, length, xxh3)])
+        self._files: dict[tuple[int, int], tuple[str, int, list[tuple[int, int, int]]]] = {}
+        # file name -> nbytes: backups no longer needed whose file could not be unlinked yet
+        self._leftover: dict[str, int] = {}
+
+    def _ensure_parent(self, parent: str) -> None:
+        if os.path.lexists(parent) and not os.path.isdir(parent):
+            raise SpillDirError(
+                f"spill_dir {parent!r} exists and is not a directory. Pass spill_dir= (or set "
+                "UNISLEEP_SPILL_DIR) to a directory on a disk with room for the weights."
+            )
+        if os.path.exists(parent):
+            return
+        try:
+            os.makedirs(parent, mode=0o700)
+        except FileExistsError:  # another process starting at the same time made it first
+            if not os.path.isdir(parent):
+                raise SpillDirError(
+                    f"spill_dir {parent!r} exists and is not a directory. Pass spill_dir= (or set "
+                    "UNISLEEP_SPILL_DIR) to a directory on a disk with room for the weights."
+                ) from None
+        except OSError as e:
+            raise SpillDirError(
+                f"cannot create spill_dir {parent!r}: {e.strerror}. Pass spill_dir= (or set "
+                "UNISLEEP_SPILL_DIR) to a writable directory on a disk with room for the weights."
+            ) from e
+        else:
+            self._made_parent = parent
+            log.warning("created the spill directory %s (removed again at close if still empty)", parent)
+
+    def _make_private_dir(self, parent: str) -> None:
+        """Create this store's private directory in ``parent`` and claim it: the owner lock is
+        taken before the marker is written, so no cleaner ever takes a starting store's
+        directory for a dead one.  ``parent`` may be removed by another store's close while
+        this one starts (it created it and found it empty): it is made again then."""
+        me = os.geteuid()
+        for attempt in range(20):
+            try:
+                self._parent_fd = os.open(parent, DIR_FLAGS & ~os.O_NOFOLLOW)
+            except FileNotFoundError:
+                self._ensure_parent(parent)
+                check_spill_parent(parent)
+                continue
+            except OSError as e:
+                raise SpillDirError(f"cannot open spill_dir {parent!r}: {e.strerror}. Pass spill_dir= (or set "
+                                    "UNISLEEP_SPILL_DIR) to a writable directory on a disk with room for the weights.") from e
+            st, now = os.fstat(self._parent_fd), os.stat(parent)
+            if (st.st_dev, st.st_ino) != (now.st_dev, now.st_ino):  # pragma: no cover - replaced meanwhile
+                raise SpillDirError(f"spill_dir {parent!r} was replaced while unisleep opened it; nothing was written")
+            name = f"{DIR_PREFIX}{os.getpid()}-{boot_id()[:8]}-{secrets.token_hex(5)}"
+            try:
+                os.mkdir(name, 0o700, dir_fd=self._parent_fd)
+            except FileExistsError:
+                os.close(self._parent_fd)
+                self._parent_fd = -1
+                continue
+            except FileNotFoundError:  # the parent was removed under its descriptor: make it again
+                os.close(self._parent_fd)
+                self._parent_fd = -1
+                self._ensure_parent(parent)
+                check_spill_parent(parent)
+                continue
+            except OSError as e:
+                raise SpillDirError(
+                    f"cannot write in spill_dir {parent!r}: {e.strerror}. Pass spill_dir= (or set "
+                    "UNISLEEP_SPILL_DIR) to a writable directory on a disk with room for the weights."
+                ) from e
+            break
+        else:  # pragma: no cover
+            raise SpillDirError(f"cannot create a private directory in spill_dir {parent!r}: 20 attempts failed")
+        self.dir, self._name = os.path.join(parent, name), name
+        self._dir_fd = os.open(name, DIR_FLAGS, dir_fd=self._parent_fd)
+        st = os.fstat(self._dir_fd)
+        if st.st_uid != me or _stat.S_IMODE(st.st_mode) & 0o077:  # pragma: no cover - not what mkdir made
+            raise SpillDirError(f"the private spill directory {self.dir} is not this user's mode-0700 directory")
+        self._lock_fd = self._claim(self._dir_fd)
+
+    def _open_flat_dir(self, parent: str) -> None:
+        """The flat layout: ``parent`` itself holds the files; it is opened once (it passed
+        :func:`check_spill_parent`) and used only through that descriptor."""
+        try:
+            self._dir_fd = os.open(parent, DIR_FLAGS & ~os.O_NOFOLLOW)
+        except OSError as e:
+            raise SpillDirError(f"cannot open spill_dir {parent!r}: {e.strerror}. Pass spill_dir= (or set "
+                                "UNISLEEP_SPILL_DIR) to a writable directory on a disk with room for the weights.") from e
+        st, now = os.fstat(self._dir_fd), os.stat(parent)
+        if (st.st_dev, st.st_ino) != (now.st_dev, now.st_ino):  # pragma: no cover - replaced meanwhile
+            raise SpillDirError(f"spill_dir {parent!r} was replaced while unisleep opened it; nothing was written")
+        if not os.access(parent, os.W_OK):
+            raise SpillDirError(f"cannot write in spill_dir {parent!r}. Pass spill_dir= (or set UNISLEEP_SPILL_DIR) "
+                                "to a writable directory on a disk with room for the weights.")
+        self.dir, self._name = parent, None
+        self._flat_tag = f"{FLAT_PREFIX}{os.getpid()}-{boot_id()[:8]}-{secrets.token_hex(5)}"
+
+    @staticmethod
+    def _claim(dfd: int) -> int:
+        """Create the owner marker in the directory ``dfd``: lock first, then write.  Returns
+        the descriptor holding the lock (read-only: a file open for writing would keep the
+        file system from being remounted)."""
+        wfd = os.open(OWNER_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                      dir_fd=dfd)
+        try:
+            fd = os.open(OWNER_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # nobody locks an unwritten marker
+            info = {"kind": MARKER_KIND, "pid": os.getpid(), "boot_id": boot_id(), "created": time.time()}
+            os.write(wfd, json.dumps(info).encode())
+        finally:
+            os.close(wfd)
+        return fd
+
+    # -- accounting
+    @property
+    def held_bytes(self) -> int:
+        return (sum(e[1] for e in self._files.values()) + sum(n for _, n in self._reserved.values())
+                + sum(self._leftover.values()))
+
+    def _names_held(self) -> list[str]:
+        return [e[0] for e in self._files.values()] + [e[0] for e in self._reserved.values()] + list(self._leftover)
+
+    def residency(self) -> dict[str, int]:
+        """The blocks the store's files take now (``st_blocks``), on disk — or in host memory
+        ("pageable") when the spill directory is a RAM file system."""
+        total = 0
+        for name in self._names_held():
+            try:
+                fd = self._fds.get(name)
+                st = os.fstat(fd) if fd is not None else os.stat(name, dir_fd=self._dir_fd, follow_symlinks=False)
+                total += st.st_blocks * 512
+            except OSError:
+                continue
+        in_ram = self.fstype in RAM_FILESYSTEMS
+        return {"pinned": 0, "pageable": total if in_ram else 0, "disk": 0 if in_ram else total}
+
+    def free_space(self) -> int:
+        st = os.fstatvfs(self._dir_fd)
+        return st.f_bavail * st.f_frsize
+
+    def ensure_fits(self, nbytes: int) -> None:
+        self._retry_leftovers()
+        if self.budget is not None and self.held_bytes + nbytes > self.budget:
+            raise HostBudgetError(
+                f"a level-1 backup of {human_bytes(nbytes)} would exceed host_budget_bytes="
+                f"{human_bytes(self.budget)} ({human_bytes(self.held_bytes)} already held). "
+                "Raise host_budget_bytes, or sleep at level 2 (no backup). Nothing was released."
+            )
+        if self.fstype in RAM_FILESYSTEMS:  # files there are host memory: its limits apply too
+            check_host_room(nbytes, what=f"a level-1 backup of {human_bytes(nbytes)} to {self.dir} ({self.fstype}, in "
+                                         "RAM)", headroom=64 << 20, mapped=False)
+        free = self.free_space()
+        if nbytes + (64 << 20) > free:
+            raise HostBudgetError(
+                f"a level-1 backup of {human_bytes(nbytes)} does not fit in {self.dir} "
+                f"({human_bytes(free)} free). Point spill_dir= at a larger disk, or sleep at level 2. "
+                "Nothing was released."
+            )
+
+    # -- data
+    def _new_name(self, key) -> str:
+        if self.layout == "flat":
+            return f"{self._flat_tag}-{key[0]}-{key[1]}-{next(self._names)}.bin"
+        return f"{key[0]}-{key[1]}-{next(self._names)}.bin"
+
+    def _full(self, name: str) -> str:
+        return os.path.join(self.dir, name)
+
+    def _open(self, name: str, flags: int, mode: int = 0o600) -> int:
+        return os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=self._dir_fd)
+
+    def _open_to_read(self, name: str, path: str, total: int) -> tuple[int, bool]:
+        """:meth:`_use` for reading a backup back; a file that is gone or unreadable is the
+        named :class:`BackupCorruptError` (removed or made unreadable while asleep)."""
+        try:
+            return self._use(name, os.O_RDONLY)
+        except OSError as e:
+            raise BackupCorruptError(
+                f"the backup file {path} cannot be opened ({e.strerror}): it was removed or made unreadable "
+                "while asleep", path=path, nbytes=total, cause=e,
+            ) from e
+
+    def _use(self, name: str, flags: int) -> tuple[int, bool]:
+        """(a descriptor of file ``name``, whether the caller closes it): the flat layout's kept
+        descriptor, or the file opened again at the private directory's descriptor."""
+        fd = self._fds.get(name)
+        if fd is not None:
+            return fd, False
+        if self.layout == "flat":  # every flat file is kept open from its creation on
+            raise FileNotFoundError(errno.ENOENT, "no open descriptor", self._full(name))
+        return self._open(name, flags), True
+
+    def reserve(self, key, nbytes: int) -> None:
+        """Allocate the whole file for backup ``key`` now, so a full disk fails here, before
+        any memory is released."""
+        self.drop(key)
+        name = self._new_name(key)
+        path = self._full(name)
+        try:
+            if self.layout == "flat":  # kept open and locked from here on
+                fd = self._open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL)
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                self._fds[name] = fd
+            else:
+                fd = self._open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        except OSError as e:
+            raise BackupError(
+                f"cannot create the backup file {path}: {e.strerror} (point spill_dir= at a writable disk "
+                "with room, or sleep at level 2)",
+                nbytes=nbytes, path=path, cause=e,
+            ) from e
+        try:
+            if nbytes:
+                os.posix_fallocate(fd, 0, nbytes)
+        except OSError as e:
+            if name not in self._fds:
+                os.close(fd)
+            self._unlink(name)
+            raise BackupError(
+                f"cannot reserve {human_bytes(nbytes)} for the backup file {path}: {e.strerror} "
+                f"({human_bytes(self.free_space())} free now; free disk space, point spill_dir= at a "
+                "larger disk, or sleep at level 2)",
+                nbytes=nbytes, path=path, cause=e,
+            ) from e
+        if name not in self._fds:
+            os.close(fd)
+        self._reserved[key] = (name, nbytes)
+
+    def save(self, key, src) -> None:
+        self.save_progressively(key, src, PIECE, lambda end: None)
+
+    def save_progressively(self, key, src, piece: int, on_written) -> None:
+        """Write ``src`` into backup ``key`` in ``piece``-byte writes, each with its checksum;
+        ``on_written(end)`` is called after each one so the caller can release memory that is
+        already safe on disk."""
+        mv = _buffer(src.data_ptr(), src.numel())
+        self._write_pieces(key, src.numel(), piece, lambda lo, hi: mv[lo:hi], on_written)
+
+    def _write_pieces(self, key, n: int, piece: int, fetch, on_written) -> None:
+        """Write ``n`` bytes into backup ``key`` in ``piece``-byte pieces, each with its XXH3
+        checksum; ``fetch(lo, hi)`` gives the host bytes ``[lo, hi)`` of one piece (a view of
+        the source, or of a staging buffer it was copied into), ``on_written(end)`` is called
+        after each piece."""
+        if key not in self._reserved or self._reserved[key][1] != n:
+            self.reserve(key, n)
+        name = self._reserved[key][0]
+        path = self._full(name)
+        pieces: list[tuple[int, int, int]] = []
+        try:
+            fd, own = self._use(name, os.O_WRONLY)
+            try:
+                done = 0
+                while done < n:
+                    end = min(n, done + max(1, piece))
+                    mv, base = fetch(done, end), done
+                    h, start = _hasher(), done
+                    while done < end:  # hash each step just before writing it (still in cache)
+                        step_end = min(end, done + _STEP)
+                        h.update(mv[done - base:step_end - base])
+                        while done < step_end:
+                            done += os.pwrite(fd, mv[done - base:step_end - base], done)
+                    pieces.append((start, end - start, h.intdigest()))
+                    on_written(done)
+            finally:
+                if own:
+                    os.close(fd)
+        except OSError as e:
+            raise BackupError(
+                f"writing the backup file {path} failed after {human_bytes(sum(p[1] for p in pieces[:-1]))} of "
+                f"{human_bytes(n)}: {e.strerror}",
+                nbytes=n, path=path, cause=e,
+            ) from e
+        del self._reserved[key]
+        self._files[key] = (name, n, pieces)
+
+    def load(self, key, dst) -> None:
+        n = self._entry(key)[1]
+        if dst.numel() != n:
+            raise ValueError(f"backup {key} holds {n} bytes, destination has {dst.numel()}")
+        self.load_range(key, 0, dst)
+
+    def _entry(self, key):
+        try:
+            return self._files[key]
+        except KeyError:
+            raise BackupCorruptError(f"no backup is recorded under {key}", path=None) from None
+
+    def load_range(self, key, offset: int, dst) -> None:
+        """Read ``dst.numel()`` bytes of backup ``key`` starting at ``offset`` into ``dst`` and
+        check every piece they cover against its checksum (a piece only partly covered is read
+        whole into a scratch buffer to be checked)."""
+        name, total, pieces = self._entry(key)
+        path = self._full(name)
+        n = dst.numel()
+        if offset + n > total:
+            raise ValueError(f"backup {key} holds {total} bytes; cannot read {n} at {offset}")
+        fd, own = self._open_to_read(name, path, total)
+        try:
+            size = os.fstat(fd).st_size
+            if size < total:
+                raise BackupCorruptError(
+                    f"the backup file {path} holds {human_bytes(size)} of {human_bytes(total)}: it was truncated "
+                    "while asleep", path=path, nbytes=total,
+                )
+            dmv = _buffer(dst.data_ptr(), n)
+            for i, (p_off, p_len, p_sum) in enumerate(pieces):
+                lo, hi = max(offset, p_off), min(offset + n, p_off + p_len)
+                if lo >= hi:
+                    continue
+                if lo == p_off and hi == p_off + p_len:
+                    got = _read_hashed(fd, dmv[lo - offset : hi - offset], p_off, path, total)
+                else:
+                    scratch = bytearray(p_len)
+                    got = _read_hashed(fd, memoryview(scratch), p_off, path, total)
+                    dmv[lo - offset : hi - offset] = scratch[lo - p_off : hi - p_off]
+                if got != p_sum:
+                    raise BackupCorruptError(
+                        f"the backup file {path} is corrupt: piece {i} (bytes {p_off}..{p_off + p_len}) fails its "
+                        "XXH3 checksum; the bytes were not exposed", path=path, nbytes=total,
+                    )
+        finally:
+            if own:
+                os.close(fd)
+
+    def path(self, key) -> str:
+        return self._full(self._entry(key)[0])
+
+    def has(self, key) -> bool:
+        return key in self._files
+
+    def drop(self, key) -> None:
+        """Forget backup ``key`` and unlink its file.  A file that cannot be unlinked (e.g. the
+        file system went read-only) is not an error — its bytes are no longer needed — but it
+        keeps its room counted and is named in a warning until a later try removes it."""
+        for table in (self._files, self._reserved):
+            entry = table.pop(key, None)
+            if entry:
+                self._unlink(entry[0], entry[1])
+
+    def _unlink(self, name: str, nbytes: int = 0) -> bool:
+        fd = self._fds.get(name)
+        if fd is not None and not self._still_ours(name, fd):  # renamed away, something else under the name
+            log.warning("the spill file %s is no longer the one unisleep wrote (renamed or replaced): left as it is",
+                        self._full(name))
+            self._close_kept(name)
+            self._leftover.pop(name, None)
+            return True
+        try:
+            os.unlink(name, dir_fd=self._dir_fd)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            self._close_kept(name)  # its lock goes: a later cleaner may remove it
+            first = name not in self._leftover
+            self._leftover[name] = nbytes
+            if first:
+                msg = (f"the spill file {self._full(name)} could not be removed ({e.strerror}); the backup it holds is "
+                       f"no longer needed (the memory it backed up is mapped again, or was discarded). Its "
+                       f"{human_bytes(nbytes)} stay on disk, counted in backup_bytes(), until it can be removed: "
+                       "unisleep tries again at the next level-1 sleep and at close()")
+                log.warning("%s", msg)
+                warnings.warn(msg, RuntimeWarning, stacklevel=2)
+            return False
+        self._close_kept(name)
+        self._leftover.pop(name, None)
+        return True
+
+    def _still_ours(self, name: str, fd: int) -> bool:
+        """The name ``name`` in the directory still refers to the file open as ``fd``."""
+        try:
+            a, b = os.fstat(fd), os.stat(name, dir_fd=self._dir_fd, follow_symlinks=False)
+        except OSError:
+            return False
+        return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+    def _close_kept(self, name: str) -> None:
+        fd = self._fds.pop(name, None)
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def _retry_leftovers(self) -> None:
+        for name in list(self._leftover):
+            try:
+                os.unlink(name, dir_fd=self._dir_fd)
+            except FileNotFoundError:
+                pass
+            except OSError:
+                continue
+            self._close_kept(name)
+            self._leftover.pop(name, None)
+            log.info("removed the leftover spill file %s", self._full(name))
+
+    def close(self) -> None:
+        if self.layout == "flat":  # only this store's own files: the directory is the user's
+            for name in self._names_held():
+                fd = self._fds.get(name)
+                if fd is not None and not self._still_ours(name, fd):
+                    continue  # renamed away: what now has the name is not ours to remove
+                try:
+                    os.unlink(name, dir_fd=self._dir_fd)
+                except OSError:
+                    pass
+            for name in list(self._fds):
+                self._close_kept(name)
+            self._files.clear()
+            self._reserved.clear()
+            self._leftover.clear()
+            self._close_fds()
+            self._remove_made_parent()
+            return
+        self._files.clear()
+        self._reserved.clear()
+        self._leftover.clear()
+        if self._dir_fd >= 0:
+            empty_dir(self._dir_fd)
+            unlink_at(OWNER_FILE, self._dir_fd)  # the marker last: a failed removal is reaped later
+            try:
+                os.rmdir(self._name, dir_fd=self._parent_fd)
+            except OSError:
+                pass
+        self._close_fds()
+        self._remove_made_parent()
+
+    def _close_fds(self) -> None:
+        for attr in ("_lock_fd", "_dir_fd", "_parent_fd"):
+            fd = getattr(self, attr, -1)
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+                setattr(self, attr, -1)
+
+    def _remove_made_parent(self) -> None:
+        if self._made_parent:
+            try:
+                os.rmdir(self._made_parent)  # only if still empty
+            except OSError:
+                pass
