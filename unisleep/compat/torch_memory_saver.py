@@ -35,22 +35,25 @@ instead of in the first pause, as tms does.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
 import threading
-from dataclasses import dataclass
 from typing import Any, Iterator, Literal, Optional
 
 from .. import graph_capture
 from ..errors import (
-    InsufficientMemoryError,
+    InsufficientMemoryError,  # noqa: F401  (a module attribute, as before)
     InvalidArgumentError,
     InvalidTransitionError,
     UnsupportedError,
 )
 from ..platform import env_flag
 from ..units import human_bytes
+from .tms_lifecycles import _BACKENDS, _SaverLifecycles  # noqa: F401
+from .tms_native import (  # noqa: F401  (module attributes of the facade, as before)
+    _INIT_VARS, _LISTENER, _OFF, _ON, _BinaryWrapper, _check_init_env, _check_preload, _Impl, _listen,
+)
+from .tms_slots import CPU, DISK, NONE, RegionHandle, _by_lifecycle, _check_tag, _names, _pool_key, _Slot  # noqa: F401
 
 log = logging.getLogger("unisleep.compat")
 
@@ -60,15 +63,10 @@ _TAG_DEFAULT = "default"
 CpuBackupBackend = Literal["mmap", "pinned"]
 HookMode = Literal["preload", "torch"]
 _HOOK_MODES = ("preload", "torch")
-_BACKENDS = ("mmap", "pinned")
-NONE, CPU, DISK = "none", "cpu", "disk"  # backup kinds
 
 #: the native library's file name: torch_memory_saver's own preload library is called so, and
 #: slime and AReaL look for it in ``dirname(dirname(torch_memory_saver.__file__))``
 NATIVE_NAME = "torch_memory_saver_hook_mode_preload.abi3.so"
-#: torch_memory_saver's accepted values of its boolean variables (others end that library's process)
-_ON, _OFF = ("1", "true", "TRUE", "yes", "YES"), ("0", "false", "FALSE", "no", "NO")
-_INIT_VARS = ("TMS_INIT_ENABLE", "TMS_INIT_ENABLE_CPU_BACKUP", "TMS_INIT_ENABLE_DISK_BACKUP")
 
 
 def native_library_path() -> str:
@@ -78,90 +76,7 @@ def native_library_path() -> str:
     return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), NATIVE_NAME)
 
 
-class _BinaryWrapper:
-    """torch_memory_saver's ``_impl._binary_wrapper``: ``cdll`` is unisleep's native library
-    with tms's per-thread setting functions (``tms_{get,set}_interesting_region``,
-    ``_current_tag``, ``_enable_cpu_backup``, ``_cpu_backup_backend``, ``_enable_disk_backup``),
-    their signatures set as tms sets them.  Turning the interesting region off on a thread makes
-    that thread's allocations ordinary memory, outside any tag, until it is turned on again."""
-
-    def __init__(self, path: str):
-        self.path = path
-        self.cdll = ctypes.CDLL(path)
-        c = self.cdll
-        c.tms_set_current_tag.argtypes = [ctypes.c_char_p]
-        c.tms_get_current_tag.restype = ctypes.c_char_p
-        c.tms_set_interesting_region.argtypes = [ctypes.c_bool]
-        c.tms_get_interesting_region.restype = ctypes.c_bool
-        c.tms_set_enable_cpu_backup.argtypes = [ctypes.c_bool]
-        c.tms_get_enable_cpu_backup.restype = ctypes.c_bool
-        c.tms_set_cpu_backup_backend.argtypes = [ctypes.c_char_p]
-        c.tms_get_cpu_backup_backend.restype = ctypes.c_char_p
-        c.tms_set_enable_disk_backup.argtypes = [ctypes.c_bool]
-        c.tms_get_enable_disk_backup.restype = ctypes.c_bool
-        c.unisleep_tms_set_cpu_backup_backend.argtypes = [ctypes.c_char_p]
-        c.unisleep_capture_owned.restype = ctypes.c_size_t
-        c.unisleep_tms_library.restype = ctypes.c_char_p
-
-    def set_config(self, *, tag: str, interesting_region: bool, enable_cpu_backup: bool,
-                   cpu_backup_backend: Optional[str] = None, enable_disk_backup: bool = False) -> None:
-        """All of the calling thread's settings at once (tms's ``BinaryWrapper.set_config``)."""
-        self.cdll.tms_set_current_tag(tag.encode("utf-8"))
-        self.cdll.tms_set_interesting_region(interesting_region)
-        self.cdll.tms_set_enable_cpu_backup(enable_cpu_backup)
-        if cpu_backup_backend is not None:
-            self.cdll.tms_set_cpu_backup_backend(cpu_backup_backend.encode("utf-8"))
-        self.cdll.tms_set_enable_disk_backup(enable_disk_backup)
-
-    def get_config(self) -> tuple:
-        c = self.cdll
-        return (c.tms_get_current_tag().decode("utf-8"), bool(c.tms_get_interesting_region()),
-                bool(c.tms_get_enable_cpu_backup()), c.tms_get_cpu_backup_backend().decode("utf-8"),
-                bool(c.tms_get_enable_disk_backup()))
-
-
-class _Impl:
-    """What ``torch_memory_saver._impl`` is once the facade started (``None`` before, as in tms)."""
-
-    def __init__(self, binary_wrapper: _BinaryWrapper):
-        self._binary_wrapper = binary_wrapper
-
-
-
-@dataclass
-class _Slot:
-    """One lifecycle tag behind a tms tag: (tms tag, backup kind, device, lifecycle tag, lifecycle)."""
-
-    tag: str
-    kind: str
-    device: int
-    ltag: str
-    lc: Any  # MemoryLifecycle
-
-
-class RegionHandle:
-    """What ``with torch_memory_saver.region(...) as r`` yields (tms yields ``None``, so code
-    written for tms is unaffected): ``r.empty`` / ``r.adopt`` put tensors into the region's tag
-    on every platform — on the host backend they are the only way in."""
-
-    def __init__(self, saver: "TorchMemorySaver", slot: _Slot):
-        self._saver, self._slot = saver, slot
-
-    @property
-    def tag(self) -> str:
-        return self._slot.tag
-
-    def empty(self, shape, dtype=None):
-        """A new tensor in the region's tag (zeros), on the platform's device."""
-        return self._saver._empty(self._slot, shape, dtype)
-
-    def adopt(self, obj):
-        """Move ``obj``'s tensors (a module, optimizer state, tensor, dict…) into the region's
-        tag in place (see ``MemoryLifecycle.adopt``).  Returns ``obj``."""
-        return self._saver._adopt(self._slot, obj)
-
-
-class TorchMemorySaver:
+class TorchMemorySaver(_SaverLifecycles):
     """torch_memory_saver 0.0.10's ``TorchMemorySaver``, on unisleep.  One per process is the
     norm (the module's ``torch_memory_saver``); each instance owns its own memory."""
 
@@ -656,257 +571,8 @@ class TorchMemorySaver:
         finally:
             scratch.close()
 
-    def _check_backend(self, enable_cpu_backup, cpu_backup_backend) -> None:
-        if cpu_backup_backend is None:
-            return
-        if not enable_cpu_backup:
-            raise InvalidArgumentError("cpu_backup_backend requires enable_cpu_backup=True")
-        if cpu_backup_backend not in _BACKENDS:
-            raise InvalidArgumentError(f"cpu_backup_backend must be 'pinned' or 'mmap', got {cpu_backup_backend!r}")
-
-    def _current_device(self) -> int:
-        if not self._platform.is_accelerator:
-            return 0
-        import torch
-
-        return int(torch.get_device_module(self._platform.torch_device_type).current_device())
-
-    def _lifecycle(self, device: int, kind: str):
-        """The lifecycle of ``device`` for a backup kind: one for CPU-backed and unbacked tags,
-        one per disk backup directory for disk-backed tags (its spill directory), so a
-        directory set later applies to the tags first used after it."""
-        key = (device, (self._disk_dir or "") if kind == DISK else None)
-        lc = self._lcs.get(key)
-        if lc is None:
-            lc = self._lcs[key] = self._new_lifecycle(device, key[1])
-        return lc
-
-    def _new_lifecycle(self, device: int, disk_dir: Optional[str]):
-        """``disk_dir``: None for the lifecycle of CPU-backed and unbacked tags, else the disk
-        backup directory ("" for the lifecycle's default spill directory)."""
-        from ..lifecycle import MemoryLifecycle
-
-        if disk_dir is None:  # CPU backups (and none): freed at resume unless retained, as tms does
-            return MemoryLifecycle(self._platform, device=device, host_backups="keep" if self._retain else "release")
-        # tms's layout: one file per disk-backed allocation directly in the directory, on every
-        # platform (accelerators write through a host staging buffer), removed at resume
-        return MemoryLifecycle(self._platform, device=device, spill_dir=disk_dir or None, backup_to="disk",
-                               spill_layout="flat", host_backups="release")
-
-    def _slot(self, tag: str, kind: str, device: int, ltag: str) -> _Slot:
-        key = (kind, device, ltag)
-        with self._lock:
-            s = self._slots.get(key)
-            if s is None:
-                lc = self._lifecycle(device, kind)
-                name = ltag
-                if any(o.lc is lc and o.ltag == name for o in self._slots.values()):
-                    name = f"{ltag}/{kind}-backup"  # tms lets one tag mix regions with and without backup
-                s = self._slots[key] = _Slot(tag, kind, device, name, lc)
-            return s
-
-    def _prepare_backup(self, slot: _Slot) -> None:
-        """With ``UNISLEEP_TMS_PREPARE_BACKUP=1``, at the end of a backed-up region: take the
-        host room of every backed-up tag of its lifecycle now, so the first pause only copies
-        (tms pins its host buffer inside the first pause, which is the default here too).  It
-        is done before the region returns, never in a background thread: a graph capture in the
-        default (global) mode forbids "potentially unsafe" driver calls from every thread, and a
-        host-memory registration beside a capture is the likely cause of a failed one seen on
-        an H200."""
-        if slot.kind == NONE or env_flag("UNISLEEP_TMS_PREPARE_BACKUP") is not True:
-            return
-        lc = slot.lc
-        with self._lock:
-            backed = sum(lc.allocated_bytes(s.ltag) for s in self._slots.values()
-                         if s.lc is lc and s.kind != NONE and s.ltag in lc.tags)
-        need = backed - lc.backup_bytes() if backed else 0
-        if need <= 0:
-            return
-        try:
-            lc.prepare_backup(need, background=False)
-        except Exception as e:  # the first pause then takes the room itself (or says why it cannot)
-            self._say_once("prepare", f"could not prepare the host backup of tag {slot.tag!r} ahead: {e}")
-
-    def _targets(self, tag: Optional[str]) -> list[_Slot]:
-        if tag is not None and not isinstance(tag, str):
-            raise InvalidArgumentError(f"tag must be a string or None, got {tag!r}")
-        # slots without allocations yet are not tags of their lifecycle: nothing to do (as in tms)
-        return [s for s in self._slots.values() if (tag is None or s.tag == tag) and s.ltag in s.lc.tags]
-
-    def _state(self):
-        st = self._local
-        if not hasattr(st, "stack"):
-            st.stack, st.active = [], None  # stack of (slot, routes) and (None, False) for disable()
-            st.quiet = 0  # > 0 while the facade itself changes the thread's tms settings
-        return st
-
-    # At most one pool routing is active per thread: the innermost region's.  Entering a nested
-    # region, a graph capture or disable() switches the outer routing off, leaving switches it
-    # back on, so pool contexts are never nested (torch's allocator picks the first matching
-    # pool when several are active, and a nested pool's exit aborted under torch 2.11).
-    def _route_off(self, st) -> None:
-        ctx, st.active = st.active, None
-        if ctx is not None:
-            ctx.__exit__(None, None, None)
-
-    def _wanted_route(self, st) -> bool:
-        """Whether the innermost entry of this thread's stack routes into its tag now: a region
-        on a backend with a pool, while the thread's interesting region is on."""
-        if not st.stack or not st.stack[-1][1]:
-            return False
-        # turned off inside the region (e.g. by slime's DeepEP patch): not captured, as in tms
-        return self._impl is None or bool(self._impl._binary_wrapper.cdll.tms_get_interesting_region())
-
-    def _route_on(self, st) -> None:
-        if st.active is not None or not self._wanted_route(st):
-            return
-        slot = st.stack[-1][0]
-        ctx = slot.lc.pool(slot.ltag)
-        ctx.__enter__()
-        st.active = ctx
-
-    def _reroute(self, st) -> None:
-        """Make the routing match the stack and the thread's setting (no change when it does)."""
-        if (st.active is not None) != self._wanted_route(st):
-            self._route_off(st)
-            self._route_on(st)
-
-    @contextlib.contextmanager
-    def _pushed(self, slot: Optional[_Slot], route: bool):
-        st = self._state()
-        self._route_off(st)
-        st.stack.append((slot, route))
-        try:
-            self._route_on(st)
-        except BaseException:
-            st.stack.pop()
-            self._route_on(st)
-            raise
-        try:
-            yield
-        finally:
-            self._route_off(st)
-            st.stack.pop()
-            self._route_on(st)
-
-    def _current_slot(self, what: str) -> Optional[_Slot]:
-        self._ensure_initialized()
-        st = self._state()
-        if not st.stack:
-            raise InvalidTransitionError(
-                f"torch_memory_saver.{what}() is called outside a region; call it inside "
-                f"`with torch_memory_saver.region(tag=...):`"
-            )
-        return st.stack[-1][0]  # None inside disable()
-
-    def _check_margin(self, lc, nbytes: int) -> None:
-        if self._margin <= 0:
-            return
-        free, _ = lc.driver.memory_info()
-        if self._margin + nbytes > free:
-            raise InsufficientMemoryError(
-                f"{human_bytes(nbytes)} asked for, but only {human_bytes(free)} is free and memory_margin_bytes keeps "
-                f"{human_bytes(self._margin)} free; lower memory_margin_bytes or free memory first. Nothing was allocated."
-            )
-
-    def _empty(self, slot: Optional[_Slot], shape, dtype):
-        import torch
-
-        if slot is None:  # inside disable(): ordinary memory
-            dev = self._platform.torch_device(self._current_device())
-            return torch.zeros(shape, dtype=dtype, device=dev)
-        elem = torch.empty((), dtype=dtype if dtype is not None else torch.float32).element_size()
-        numel = 1
-        for s in (tuple(shape) if isinstance(shape, (tuple, list, torch.Size)) else (shape,)):
-            numel *= int(s)
-        self._check_margin(slot.lc, numel * elem)
-        return slot.lc.empty(shape, dtype, tag=slot.ltag)
-
-    def _adopt(self, slot: Optional[_Slot], obj):
-        if slot is None:
-            return obj  # disable(): nothing moves into a tag
-        return slot.lc.adopt(obj, tag=slot.ltag)
-
-    def _say_once(self, key: str, msg: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            log.warning("%s", msg)
-
 
 # ---------------------------------------------------------------------- helpers
-def _check_init_env() -> None:
-    """The TMS_INIT_* variables with values torch_memory_saver accepts (it ends the process on
-    others); an unset or empty variable is off."""
-    for var in _INIT_VARS:
-        v = os.environ.get(var, "")
-        if v and v not in _ON + _OFF:
-            raise InvalidArgumentError(f"{var}={v!r}: use 1/true/yes (on) or 0/false/no (off), as torch_memory_saver reads it")
-    b = os.environ.get("TMS_INIT_CPU_BACKUP_BACKEND", "")
-    if b not in ("", "mmap", "pinned"):
-        raise InvalidArgumentError(f"TMS_INIT_CPU_BACKUP_BACKEND={b!r}: use 'pinned' or 'mmap'")
-    if os.environ.get("TMS_INIT_ENABLE_CPU_BACKUP", "") in _ON and os.environ.get("TMS_INIT_ENABLE_DISK_BACKUP", "") in _ON:
-        raise InvalidArgumentError(
-            "TMS_INIT_ENABLE_CPU_BACKUP and TMS_INIT_ENABLE_DISK_BACKUP are both on; they are mutually exclusive, set one")
-
-
-def _check_preload(ours: str) -> None:
-    """torch_memory_saver's own preload library in LD_PRELOAD would capture the allocations a
-    second time, under this facade: refused, naming it."""
-    real_ours = os.path.realpath(ours)
-    for entry in os.environ.get("LD_PRELOAD", "").replace(" ", ":").split(":"):
-        if "torch_memory_saver" in os.path.basename(entry) and os.path.realpath(entry) != real_ours:
-            raise UnsupportedError(
-                f"LD_PRELOAD names torch_memory_saver's own library ({entry}): under unisleep's facade it would capture "
-                f"this process's allocations a second time. Remove it from LD_PRELOAD, or name unisleep's instead ({ours}; "
-                "`python -m unisleep.compat --preload-path` prints it)")
-
-
-_LISTENER = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_int)
-_listening: "weakref.WeakSet[TorchMemorySaver]" = None  # type: ignore[assignment]
-_listener_fn = None
-
-
-def _listen(saver: "TorchMemorySaver", cdll) -> None:
-    """Tell ``saver`` when code other than a facade sets a thread's interesting region."""
-    global _listening, _listener_fn
-    import weakref
-
-    if _listener_fn is None:
-        _listening = weakref.WeakSet()
-
-        def changed(_what, _value):
-            try:
-                for s in list(_listening):
-                    s._interesting_changed()
-            except BaseException as e:  # never raise through C
-                log.error("torch_memory_saver: could not follow a change of the interesting region: %s", e)
-
-        _listener_fn = _LISTENER(changed)
-        cdll.unisleep_tms_set_listener(_listener_fn)
-    _listening.add(saver)
-
-
-def _check_tag(tag) -> None:
-    if not isinstance(tag, str) or not tag:
-        raise InvalidArgumentError(f"tag must be a non-empty string, got {tag!r}")
-
-
-def _names(slots) -> str:
-    return ", ".join(sorted({repr(s.tag) for s in slots}))
-
-
-def _by_lifecycle(slots) -> list[tuple[Any, list[_Slot]]]:
-    """``slots`` grouped by lifecycle, disk-backed lifecycles first (then in first-seen order)."""
-    groups: dict[int, tuple[Any, list[_Slot]]] = {}
-    for s in sorted(slots, key=lambda s: s.kind != DISK):
-        groups.setdefault(id(s.lc), (s.lc, []))[1].append(s)
-    return list(groups.values())
-
-
-def _pool_key(pool):
-    return tuple(pool) if isinstance(pool, (tuple, list)) else pool
-
-
 @contextlib.contextmanager
 def configure_subprocess() -> Iterator[None]:
     """For the processes started inside: ``import torch_memory_saver`` there gets this facade
