@@ -40,7 +40,7 @@ from . import records as R
 from .group import TransferGroup, _pidns
 from .manifest import BucketPlan
 from .netinfo import user_name
-from .store import descriptor_error
+from .fd_limit import descriptor_error
 
 
 log = logging.getLogger("unisleep.transfer")
