@@ -20,7 +20,8 @@ a fresh nonce, the receiver answers with its rank and that nonce sealed with a k
 secret, the sender answers in kind — and only then does any descriptor travel.  Every refused
 connection is closed and logged as an intrusion; the accept loop goes on for the real receivers.
 
-The receiving loops of both paths are methods of :class:`~unisleep.transfer.receiver.WeightReceiver`.
+The receiving loops of both paths are methods of :class:`~unisleep.transfer.receiver.WeightReceiver`
+(:mod:`.receive_paths`).
 """
 
 from __future__ import annotations
