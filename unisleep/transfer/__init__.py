@@ -40,13 +40,16 @@ Paths: ``collective`` (the group's process-group backend: gloo on host, the vend
 accelerators) or ``ipc`` (colocated: bucket memory shared through a file descriptor passed over a
 Unix socket; the vendor's ``ipc`` module makes the shareable memory).
 
-Modules: ``group`` (the private group, heartbeats and epochs), ``store`` (the group's store: only
-members use it, bounded), ``netinfo`` (who is at the other end of a local TCP connection),
-``records`` (the authenticated control records), ``secret`` (the group secret), ``manifest``
-(specs, buckets, digests),
-``sender`` (``WeightSender``), ``receiver`` (``WeightReceiver``), ``staging`` (the receiver's
-buckets of one update), ``channels`` (how bucket bytes move: collective and IPC), ``names``
-(``(name, tensor)`` pairs), ``report`` (``TransferReport``).
+Modules: ``group`` (the private group), ``rendezvous`` (its address and listening socket), ``peers``
+(who the members are), ``data_channel`` (the backend per epoch), ``liveness`` (heartbeats),
+``store`` (the group's store: only members use it, bounded; split into ``store_wire``,
+``store_table``, ``store_server``, ``store_client``), ``fd_limit`` (running out of descriptors),
+``netinfo`` (who is at the other end of a local TCP connection), ``records`` (the authenticated
+control records), ``secret`` (the group secret), ``manifest`` (specs, buckets, digests),
+``sender`` (``WeightSender``), ``receiver`` (``WeightReceiver``), ``receive_paths`` (its receiving
+loops), ``staging`` (the receiver's buckets of one update), ``channels`` (the IPC messages and what
+the send channels share), ``send_channels`` (collective and Unix-stream), ``ipc_send`` (IPC),
+``names`` (``(name, tensor)`` pairs), ``report`` (``TransferReport``).
 """
 
 from .group import DEFAULT_TIMEOUT_S, TransferGroup

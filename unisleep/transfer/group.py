@@ -20,25 +20,31 @@ backend) has an epoch: after an update broke off mid-stream the sender moves to 
 
 The vendor part (which backend class, how a device is identified) is the platform's collective
 module, named by its backend descriptor (:class:`unisleep.backend.Backend`).
+
+Modules: :mod:`.rendezvous` (the address, rank 0's listening socket), :mod:`.peers` (who the
+members are), :mod:`.data_channel` (the backend of each epoch, its sealed bootstrap, the pairs'
+proofs), :mod:`.liveness` (heartbeats); this module: creating the group, the control records,
+intrusions, closing.
 """
 
 from __future__ import annotations
 
-import datetime
 import logging
 import os
 import secrets as _secrets
 import socket
 import threading
 import time
-from dataclasses import dataclass
 from typing import Optional
-from urllib.parse import urlparse
 
 from ..addresses import is_loopback
 from ..errors import InvalidArgumentError, TransferError, UnsupportedError
 from ..platform import Platform, detect_platform
 from . import records as R
+from .data_channel import PROOF_S, _SEALED, _DataChannel, _quiet, _sealed_store_class, _shutdown  # noqa: F401
+from .liveness import DEAD_AFTER_S, HEARTBEAT_S, _Liveness  # noqa: F401 - importable from here as before
+from .peers import Peer, _boot_id, _netns, _peer_of, _pidns, _same_device_ranks
+from .rendezvous import listen_socket, parse_rendezvous
 from .secret import resolve_secret
 from .store import LocalStore, RecordTooLargeError, RemoteStore, StoreAuthError, StoreServer
 from .waiting import WaitNotice
@@ -46,85 +52,11 @@ from .waiting import WaitNotice
 log = logging.getLogger("unisleep.transfer")
 
 DEFAULT_TIMEOUT_S = 300.0
-HEARTBEAT_S = 0.5
-#: a peer whose heartbeat did not move for this long is dead
-DEAD_AFTER_S = 4.0
 #: entries kept in ``TransferGroup.intrusions`` (the last one then counts the rest)
 MAX_INTRUSIONS = 256
-#: once both ends of a data-channel pair are up, the proof that it is theirs arrives within this
-PROOF_S = 5.0
 
 
-def parse_rendezvous(rendezvous: str) -> tuple[str, int]:
-    """``tcp://HOST:PORT`` → (host, port)."""
-    u = urlparse(rendezvous if "://" in rendezvous else f"tcp://{rendezvous}")
-    try:
-        port = u.port
-    except ValueError:
-        port = None
-    if u.scheme != "tcp" or not u.hostname or not port:
-        raise InvalidArgumentError(f"rendezvous must look like tcp://HOST:PORT, got {rendezvous!r}")
-    return u.hostname, int(port)
-
-
-def listen_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket listening on exactly ``host:port`` (not on every interface)."""
-    infos = socket.getaddrinfo("127.0.0.1" if host == "localhost" else host, port, type=socket.SOCK_STREAM)
-    err: Optional[OSError] = None
-    for family, kind, proto, _name, addr in infos:
-        s = socket.socket(family, kind, proto)
-        try:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if family == socket.AF_INET6:
-                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            s.bind(addr)
-            s.listen(128)
-            s.set_inheritable(False)
-            return s
-        except OSError as e:
-            s.close()
-            err = e
-    raise OSError(f"cannot listen on {host}:{port}: {err}")
-
-
-def _boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
-def _netns() -> int:
-    try:
-        return os.stat("/proc/self/ns/net").st_ino
-    except OSError:
-        return 0
-
-
-def _pidns() -> int:
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return 0
-
-
-@dataclass(frozen=True)
-class Peer:
-    rank: int
-    device_key: str
-    host: str
-    pid: int
-    uid: int = -1
-    pidns: int = 0
-    boot: str = ""
-    netns: int = 0
-
-    def describe(self) -> str:
-        return f"rank {self.rank} (pid {self.pid} on {self.host})"
-
-
-class TransferGroup:
+class TransferGroup(_DataChannel, _Liveness):
     """A weight-transfer group: rank 0 sends, ranks 1..world_size-1 receive.
 
     Create it on every member at about the same time (it is a rendezvous)::
@@ -372,223 +304,6 @@ class TransferGroup:
         from ..keyed_hash import HashKey
 
         return HashKey.derive(self.subkey("digest"), f"{self.group_id}/{epoch}/{seq}".encode())
-
-    # ------------------------------------------------------------------ data channel (epochs)
-    def process_group(self, connect: bool = True):
-        """The backend object that moves bytes (of the current epoch); raises with the reason when
-        it cannot exist.  ``connect=False``: only check that it can exist."""
-        if self._shared and not self._collective.SAME_DEVICE_OK:
-            raise UnsupportedError(self._collective.same_device_message(self._shared))
-        self.check_usable()
-        if not connect:
-            return self._pg
-        if self._pg is None or self._pg_epoch != self.epoch:
-            self._connect_pg(self.epoch)
-        return self._pg
-
-    def _connect_pg(self, epoch: int) -> None:
-        from ..errors import IntrusionError
-        from .netinfo import listening_ports
-
-        old, self._pg = self._pg, None
-        if old is not None:
-            _shutdown(old)
-        timeout = datetime.timedelta(seconds=self.timeout_s)
-        store = _sealed_store_class()(self.store.prefixed(f"pg{epoch}"), self, f"pg{epoch}")
-        proof = getattr(self._collective, "PAIR_PROOF", False)
-        before = listening_ports() if proof else set()
-        try:
-            pg = self._collective.create_backend(store, self.rank, self.world_size, timeout, self.device_index,
-                                                 host=self.host)
-        except Exception as e:
-            self.broken = f"the data channel (epoch {epoch}) could not connect: {type(e).__name__}: {e}"
-            raise TransferError(f"{self.broken}; recreate the group") from e
-        # the backend holds only the C++ side of this Python store: without a Python reference
-        # it is collected, and a backend that bootstraps later (on its first collective)
-        # finds no ``get`` to call ("Not implemented")
-        self._pg_store = store
-        if proof:
-            ports = {p for _ip, p in listening_ports() - before}
-            try:
-                self._prove_pairs(pg, epoch, store, ports)
-            except IntrusionError as e:
-                self._intrusion(str(e))
-                _shutdown(pg)
-                self.channel_broke(f"the data channel of epoch {epoch} was not the group's")
-                raise
-            except BaseException:
-                _shutdown(pg)
-                raise
-            self._name_foreign(ports, epoch)
-        self._pg = pg
-        self._pg_epoch = epoch
-
-    def _prove_pairs(self, pg, epoch: int, store, ports) -> None:
-        """Before a byte of weights moves over a new data channel, each end of every pair of it
-        proves the group secret to the other, over that very connection (an HMAC of the group, the
-        epoch and the direction).  A backend that connects whoever first sends the number it
-        expects (gloo) can have handed a pair to a process outside the group: then the proof never
-        arrives though both members are up (or a wrong one does), and :class:`IntrusionError` names
-        it within :data:`PROOF_S` seconds — the weights never went there."""
-        import hashlib
-        import hmac
-
-        import torch
-
-        from ..errors import IntrusionError
-
-        key = self.subkey("data channel proof")
-
-        def tag(i: int, j: int) -> bytes:
-            return hmac.new(key, f"{self.group_id}/pg{epoch}/{i}->{j}".encode(), hashlib.sha256).digest()
-
-        import torch.distributed as dist
-
-        n = self.world_size
-        others = [p.rank for p in self.peers if p.rank != self.rank]
-        # an all-to-all: every rank sends to every other over their pair, both ways (the pairs the
-        # broadcasts of the buckets use)
-        inp = torch.frombuffer(bytearray(b"".join(tag(self.rank, j) if j != self.rank else bytes(32)
-                                                  for j in range(n))), dtype=torch.uint8)
-        out = torch.zeros(32 * n, dtype=torch.uint8)
-        store.set(f"ready/{self.rank}", b"1")
-        w = pg.alltoall_base(out, inp, [], [], dist.AllToAllOptions())
-        t0 = time.monotonic()
-        up: dict[int, float] = {}
-        next_live = t0 + 0.5
-        delay = 0.0002
-        while not w.is_completed():
-            now = time.monotonic()
-            for j in others:
-                if j not in up and store.check([f"ready/{j}"]):
-                    up[j] = now
-            if len(up) == len(others) and now - max(up.values()) > PROOF_S:
-                raise IntrusionError(self._hijacked(epoch, others, ports, f"sent no proof of the group secret within "
-                                                                          f"{PROOF_S:.0f} s though every member is up"))
-            if now >= next_live:
-                next_live = now + 0.5
-                self.check_alive(others)
-                if now - t0 > self.timeout_s:
-                    raise TransferError(f"the data channel (epoch {epoch}) did not prove itself within "
-                                        f"{self.timeout_s:.0f} s")
-            time.sleep(delay)
-            delay = min(delay * 2, 0.005)
-        try:
-            w.wait()
-        except Exception as e:  # noqa: BLE001 - a member that died is named first
-            self.check_alive(others)
-            raise IntrusionError(self._hijacked(epoch, others, ports, f"failed during their proof ({type(e).__name__}: "
-                                                                      f"{str(e)[:200]})")) from None
-        got = bytes(out.numpy())
-        wrong = [j for j in others if not hmac.compare_digest(got[32 * j: 32 * j + 32], tag(j, self.rank))]
-        if wrong:
-            raise IntrusionError(self._hijacked(epoch, wrong, ports, "answered with a wrong proof of the group secret"))
-
-    def _hijacked(self, epoch: int, ranks, ports, what: str) -> str:
-        foreign = self._foreign(ports)
-        who = ", ".join(f"rank {j}" for j in ranks)
-        return (f"the data channel (epoch {epoch}): the connections to {who} {what}: a process outside the group "
-                f"holds one" + (f" ({'; '.join(foreign)})" if foreign else
-                                " (not on this machine, or gone: no connection to it from another user is listed here)")
-                + "; no weights were sent over it, and the next update opens a new data channel")
-
-    def _foreign(self, ports) -> list:
-        from .netinfo import foreign_connections
-
-        if not ports:
-            return []
-        try:
-            return foreign_connections(ports, {p.uid for p in self.peers})
-        except OSError:
-            return []
-
-    def _name_foreign(self, ports, epoch: int) -> None:
-        """Connections of another user to this data channel's listening ports that gloo keeps
-        waiting (they sent a number no pair expects): named, though the channel proved itself."""
-        for f in self._foreign(ports):
-            self._intrusion(f"a connection to this rank's data channel (epoch {epoch}) that is not a member: {f}")
-
-    def channel_broke(self, why: str) -> None:
-        """The data channel may be out of step (an update broke off mid-stream): the sender moves
-        to the next epoch with its next update."""
-        if self.rank == 0:
-            self.epoch += 1
-            log.info("transfer group %s: data channel reset to epoch %d (%s)", self.group_id.split("/")[0], self.epoch, why)
-
-    # ------------------------------------------------------------------ liveness
-    def _start_heartbeat(self) -> None:
-        now = time.monotonic()
-        self._hb_seen = {p.rank: (-1, now) for p in self.peers if p.rank != self.rank}
-        key = f"hb/{self.rank}"
-        hb = self._hb_store
-        hb.add(key, 1)
-        gname = self.group_id.split("/")[0]
-
-        def beat():
-            failing = False
-            while not self._hb_stop.wait(HEARTBEAT_S):
-                try:
-                    hb.add(key, 1)
-                    if failing:
-                        log.warning("transfer group %s rank %d: its heartbeat beats again", gname, self.rank)
-                        failing = False
-                except Exception as e:  # never silently: said, then retried while the store is there
-                    self.heartbeat_error = f"{type(e).__name__}: {e}"
-                    if isinstance(e, (ConnectionError, OSError)):
-                        log.warning("transfer group %s rank %d: the heartbeat stopped: %s", gname, self.rank, e)
-                        self.broken = self.broken or f"rank {self.rank} lost the group's store: {e}"
-                        return
-                    if not failing:
-                        log.warning("transfer group %s rank %d: a heartbeat failed (%s); retrying", gname, self.rank,
-                                    self.heartbeat_error)
-                        failing = True
-
-        self._hb_thread = threading.Thread(target=beat, daemon=True, name=f"unisleep-transfer-hb-{self.rank}")
-        self._hb_thread.start()
-
-    def peer_dead(self, r: int) -> Optional[str]:
-        """Why rank ``r`` is dead (None: it seems alive)."""
-        p = self.peers[r] if r < len(self.peers) else None
-        if p is not None and p.boot == self.peers[self.rank].boot and p.pidns == _pidns() and p.pid > 0:
-            try:
-                with open(f"/proc/{p.pid}/stat") as f:
-                    state = f.read().rsplit(")", 1)[1].split()[0]
-                if state in ("Z", "X"):
-                    return f"{p.describe()} has exited"
-            except FileNotFoundError:
-                return f"{p.describe()} has exited"
-            except (OSError, IndexError):
-                pass
-        try:
-            n = int(self.store.add(f"hb/{r}", 0))
-        except TransferError as e:  # not a counter: only a member could have written it
-            self._intrusion(f"rank {r}'s heartbeat in the store is not a counter: {e}")
-            return None
-        except Exception as e:
-            return f"the group's store is gone (rank 0 may have died): {e}"
-        now = time.monotonic()
-        last, since = self._hb_seen.get(r, (-1, now))
-        if n != last:
-            self._hb_seen[r] = (n, now)
-            return None
-        if now - since > DEAD_AFTER_S:
-            who = p.describe() if p is not None else f"rank {r}"
-            return f"{who} gave no sign of life for {now - since:.1f} s (dead or frozen)"
-        return None
-
-    def check_alive(self, ranks) -> None:
-        for r in ranks:
-            why = self.peer_dead(r)
-            if why:
-                self.broken = why
-                raise TransferError(f"{why}; recreate the group")
-
-    def check_usable(self) -> None:
-        if self.closed:
-            raise TransferError("this transfer group is closed; create a new one")
-        if self.broken:
-            raise TransferError(f"this transfer group is broken ({self.broken}); recreate the group on every member")
-
     # ------------------------------------------------------------------ control plane
     def _intrusion(self, msg: str) -> None:
         """Record (and log) something refused; at most :data:`MAX_INTRUSIONS` entries are kept, the
@@ -738,85 +453,6 @@ class TransferGroup:
                 f"backend={self.backend}, device={self.device}, colocated={self.colocated}, epoch={self.epoch})")
 
 
-_SEALED: list = []
-
-
-def _sealed_store_class():
-    """A store for the collective's own bootstrap (addresses, unique ids): every value it writes
-    carries an HMAC-SHA256 tag under the group secret, and a value read back without a valid tag
-    (planted to point a member at someone else's socket) is logged as an intrusion and waited
-    past until the genuine one is there."""
-    if _SEALED:
-        return _SEALED[0]
-    import hashlib
-    import hmac
-
-    import torch.distributed as dist
-
-    class SealedStore(dist.Store):
-        def __init__(self, inner, group: "TransferGroup", prefix: str):
-            super().__init__()
-            self._inner, self._group, self._prefix = inner, group, prefix
-            self._key = group.subkey("collective bootstrap")
-
-        def _tag(self, k: str, v: bytes) -> bytes:
-            ctx = f"{self._group.group_id}/{self._prefix}/{k}".encode()
-            return hmac.new(self._key, ctx + b"\0" + v, hashlib.sha256).digest()
-
-        def set(self, key, value):
-            v = value.encode() if isinstance(value, str) else bytes(value)
-            self._inner.set(key, self._tag(key, v) + v)
-
-        def get(self, key):
-            deadline = time.monotonic() + self._group.timeout_s
-            while True:
-                raw = bytes(self._inner.get(key))
-                tag, v = raw[:32], raw[32:]
-                if len(raw) >= 32 and hmac.compare_digest(tag, self._tag(key, v)):
-                    return v
-                self._group._intrusion(f"the collective's bootstrap record {self._prefix}/{key} fails authentication "
-                                       "(planted by a process without the group secret)")
-                if time.monotonic() > deadline:
-                    raise TransferError(f"the collective's bootstrap record {key} never authenticated")
-                time.sleep(0.01)
-
-        def wait(self, keys, timeout=None):
-            return self._inner.wait(keys) if timeout is None else self._inner.wait(keys, timeout)
-
-        def add(self, key, amount):
-            return self._inner.add(key, amount)
-
-        def check(self, keys):
-            return self._inner.check(keys)
-
-        def delete_key(self, key):
-            return self._inner.delete_key(key)
-
-        def num_keys(self):
-            return self._inner.num_keys()
-
-        def set_timeout(self, timeout):
-            return self._inner.set_timeout(timeout)
-
-    _SEALED.append(SealedStore)
-    return SealedStore
-
-
-def _shutdown(pg) -> None:
-    """Shut a backend down without waiting on work that can never finish (a pair a process
-    outside the group holds)."""
-    t = threading.Thread(target=lambda: _quiet(pg.shutdown), daemon=True, name="unisleep-transfer-pg-shutdown")
-    t.start()
-    t.join(2.0)
-
-
-def _quiet(fn) -> None:
-    try:
-        fn()
-    except Exception:  # noqa: BLE001
-        pass
-
-
 def _connect_store(host: str, port: int, key: bytes, rank: int, timeout_s: float, source: str,
                    name: str) -> tuple[bytes, "RemoteStore"]:
     """A receiver's connection to rank 0's store: (the secret it proved, the connection).  A
@@ -852,18 +488,5 @@ def _check_create_args(rank, world_size, timeout_s, name, device, insecure) -> N
         raise InvalidArgumentError(f"device must be a device index >= 0 or None (the current one), got {device!r}")
     if not isinstance(insecure, bool):
         raise InvalidArgumentError(f"insecure must be True or False, got {insecure!r}")
-
-
-def _peer_of(body: dict) -> Peer:
-    return Peer(body["rank"], body["device_key"], body["host"], body["pid"], body["uid"], body["pidns"], body["boot"],
-                body["netns"])
-
-
-def _same_device_ranks(peers: list[Peer]) -> set[int]:
-    seen: dict[str, list[int]] = {}
-    for p in peers:
-        seen.setdefault(p.device_key, []).append(p.rank)
-    return {r for ranks in seen.values() if len(ranks) > 1 for r in ranks}
-
 
 __all__ = ["TransferGroup", "Peer", "parse_rendezvous", "DEFAULT_TIMEOUT_S"]

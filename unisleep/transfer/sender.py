@@ -11,14 +11,16 @@ from collections.abc import Mapping
 from typing import Any, Iterator, Optional, Sequence
 
 from ..errors import InvalidArgumentError, InvalidTransitionError, TransferError, UnisleepError, VersionError
-from .channels import CollectiveSendChannel, IpcSenderState, IpcSendChannel, SocketSendChannel, ipc_text, named_error
+from .channels import ipc_text, named_error
 from .cipher import BucketCipher
 from .group import TransferGroup
+from .ipc_send import IpcSenderState, IpcSendChannel
 from . import records as R
 from .manifest import BucketPlan, Manifest, UpdateSeal, check_tensor, plan_buckets, spec_of, write_trailer
 from .names import short_names, tensor_pairs
 from .records import check_version
 from .report import TransferReport
+from .send_channels import CollectiveSendChannel, SocketSendChannel
 
 log = logging.getLogger("unisleep.transfer")
 
