@@ -23,6 +23,16 @@ FAST_S = 0.5
 WALL_S = 3.0
 
 
+def as_from_a_terminal() -> None:
+    """``preexec_fn`` for a child that a test then Ctrl-Cs: SIGINT at its default disposition, as
+    a program started from a terminal has it.  A test run started in the background by a
+    non-interactive shell (``make test &``, some CI runners) inherits SIGINT *ignored*, and a
+    Python started that way installs no KeyboardInterrupt handler: the Ctrl-C would not reach it."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def env() -> dict:
     e = {k: v for k, v in os.environ.items() if k not in ("UNISLEEP_PLATFORM", "UNISLEEP_SPILL_DIR", "PYTHONWARNINGS")}
     e["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from refusals import assert_refused, env, read_only_dir, refused, tree, unisleep
+from refusals import as_from_a_terminal, assert_refused, env, read_only_dir, refused, tree, unisleep
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
@@ -162,7 +162,8 @@ def _interrupt(args, wait_for: str, tmp_path, timeout: float = 120):
     """Start ``python -m unisleep ARGS`` in its own session, wait until stderr shows ``wait_for``,
     then Ctrl-C it as a terminal does (SIGINT to the whole process group)."""
     p = subprocess.Popen([sys.executable, "-u", "-m", "unisleep", *args], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, cwd=str(tmp_path), env=env(), start_new_session=True)
+                         stderr=subprocess.PIPE, text=True, cwd=str(tmp_path), env=env(), start_new_session=True,
+                         preexec_fn=as_from_a_terminal)
     seen = []
     try:
         deadline = time.monotonic() + timeout

@@ -94,11 +94,11 @@ def test_ctrl_c_ends_the_demo_with_one_line(tmp_path):
     import sys
     import time
 
-    from refusals import env
+    from refusals import as_from_a_terminal, env
 
     p = subprocess.Popen([sys.executable, "-u", "-m", "unisleep", "demo", "--steps", "500", "--batch", "8", "--no-plot"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(tmp_path), env=env(),
-                         start_new_session=True)
+                         start_new_session=True, preexec_fn=as_from_a_terminal)
     try:
         for line in p.stdout:
             if line.startswith("step 2/"):
