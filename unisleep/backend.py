@@ -149,7 +149,7 @@ class Backend:
         return self.load(self.ipc)
 
     def device_module(self):
-        """The platform's torch device module (``torch.cuda`` for ``"cuda"``...)."""
+        """The platform's torch device module (``torch.cuda`` on NVIDIA GPUs, ...)."""
         import torch
 
         return torch.get_device_module(self.torch_device)
