@@ -16,7 +16,8 @@ A backend (``backends/<platform>``) subclasses :class:`Driver` and implements th
 ``physical_bytes`` what a handle really holds now, read from the driver/kernel
 =================  ==========================================================================
 
-and a :class:`BackupStore` for level-1 backups (pinned host arena, spill file...).
+and a :class:`~unisleep.backup.BackupStore` for level-1 backups (pinned host arena, spill file...;
+its contract lives in :mod:`unisleep.backup`, importable from here too).
 :meth:`Driver.suspend` and :meth:`Driver.resume` run a sleep/wake *plan* with these
 primitives; a backend may override them to pipeline copies with unmapping.
 """
@@ -32,6 +33,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Iterator, Optional
 
+from .backup import BackupStore
 from .errors import InvalidArgumentError, UnsupportedError
 from .region import Region
 
@@ -128,87 +130,6 @@ class RestoreJob:
     region: Region
     ranges: list[tuple[int, int]] = field(default_factory=list)  # restored from the backup
     zero: bool = True  # zero the rest (discarded bytes come back zeroed)
-
-
-class BackupStore(abc.ABC):
-    """Where level-1 backups (and level-2 preserved parameters) live while memory sleeps."""
-
-    #: human-readable location, shown in reports and errors
-    where: str = "host"
-
-    @abc.abstractmethod
-    def ensure_fits(self, nbytes: int) -> None:
-        """Raise :class:`~unisleep.errors.HostBudgetError` if ``nbytes`` more cannot be held."""
-
-    def reserve(self, key: tuple[int, int], nbytes: int) -> None:
-        """Take all the room backup ``key`` needs now (allocate its file, grow the arena), so
-        running out fails here, before any memory is released.  Raise
-        :class:`~unisleep.errors.BackupError` when it cannot; default: nothing to take."""
-
-    @abc.abstractmethod
-    def save(self, key: tuple[int, int], src) -> None:
-        """Copy the device tensor ``src`` (uint8) into the backup under ``key`` (may be async)."""
-
-    @abc.abstractmethod
-    def load(self, key: tuple[int, int], dst) -> None:
-        """Copy the backup ``key`` into the device tensor ``dst`` (may be async)."""
-
-    @abc.abstractmethod
-    def load_range(self, key: tuple[int, int], offset: int, dst) -> None:
-        """Copy ``dst.numel()`` bytes of backup ``key``, from byte ``offset`` on, into the uint8
-        tensor ``dst`` (may be async: :meth:`flush` waits).  ``dst`` is either device memory
-        (a chunk being restored: a wake, a progressive wake, the undo of a failed sleep) or host
-        memory (``MemoryLifecycle.read_backup``).  A range outside the backup raises
-        ``ValueError`` before anything is copied."""
-
-    @abc.abstractmethod
-    def drop(self, key: tuple[int, int]) -> None: ...
-
-    @abc.abstractmethod
-    def has(self, key: tuple[int, int]) -> bool: ...
-
-    def flush(self) -> None:
-        """Wait for outstanding copies."""
-
-    def prepare(self, nbytes: int, background: bool = True) -> None:
-        """Make room for ``nbytes`` of backups ahead of the first sleep (default: nothing to do)."""
-
-    @property
-    @abc.abstractmethod
-    def held_bytes(self) -> int: ...
-
-    def residency(self) -> dict[str, int]:
-        """What the store holds now, by where it lies: ``{"pinned", "pageable", "disk"}`` in
-        bytes — page-locked host memory (an arena's registered segments, used or kept for the
-        next sleep), ordinary host memory (a file on a RAM file system counts here) and disk.
-        Read from the store's own memory and files, not from the backups' sizes.  Default:
-        every byte held, as pageable host memory."""
-        return {"pinned": 0, "pageable": self.held_bytes, "disk": 0}
-
-    def release_unused(self) -> int:
-        """Give back the host memory, files and disk space no backup uses any more (an arena's
-        free segments, a cached staging buffer); returns the bytes given back.  Default: the
-        store keeps nothing beyond its backups."""
-        return 0
-
-    # ---- NUMA placement of the store's host memory (stores that place it: CUDA's arena) ----
-    #: the store binds its host memory to a NUMA node (:mod:`unisleep.numa`)
-    supports_numa: bool = False
-    #: where new host memory goes: ``"auto"`` (the device's node where the host has several), a
-    #: node, or None (no binding); read at the store's next growth
-    numa_node: Any = None
-
-    def device_numa_node(self) -> Optional[int]:
-        """The NUMA node of the store's device (None when not known or not applicable)."""
-        return None
-
-    def page_nodes(self, sample: int = 64) -> list[int]:
-        """The NUMA node of up to ``sample`` pages of each piece of the store's host memory,
-        read from the kernel ([] where the store does not place its memory)."""
-        return []
-
-    def close(self) -> None:
-        pass
 
 
 class Driver(abc.ABC):
