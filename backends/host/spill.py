@@ -14,9 +14,9 @@ Trust rules:
   spill file is opened relative to the private directory's descriptor (``O_NOFOLLOW``, created
   ``O_EXCL``), so no renamed directory or planted link redirects the weights.
 
-The store is :class:`~.spill_store.SpillStore` (host memory), :class:`~.staged_spill.StagedSpillStore`
-(device memory, through a host staging buffer), their checksummed reads in :mod:`.spill_reads`;
-all importable from here.
+The store is :class:`~.spill_store.SpillStore` (host memory; how it opens its directory:
+:mod:`.spill_open`), :class:`~.staged_spill.StagedSpillStore` (device memory, through a host
+staging buffer), their checksummed reads in :mod:`.spill_reads`; all importable from here.
 """
 
 from __future__ import annotations
