@@ -8,7 +8,8 @@ Policy, in one place, for every platform:
 * wake restores backed-up bytes exactly; discarded bytes come back as zeros; no address moves;
 * an illegal move raises before anything changes.
 
-This module holds the verbs and the lock (what a lifecycle reports about itself is its base class,
+This module holds the verbs and the lock (the verbs that put memory under the lifecycle are its
+base class :mod:`.allocation`; what a lifecycle reports about itself is its base class
 :mod:`.introspection`); the parts they use are :mod:`.state` (tags,
 allocations, backups), :mod:`.adoption`, :mod:`.planning`, :mod:`.transaction` (sleep and wake all or nothing) and
 :mod:`.progressive` (copies in flight).
@@ -21,8 +22,7 @@ import threading
 import time
 import weakref
 from collections.abc import Iterable
-from contextlib import contextmanager
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from .. import graph_capture, hostmem
 from ..hostmem import host_backups_setting
@@ -31,17 +31,16 @@ from ..errors import (
     InvalidArgumentError,
     LifecycleClosedError,
     LiveTensorsError,
-    UnisleepError,
 )
 from ..registry import backend_of
 from ..release_behind import release_behind_setting
-from . import adoption, planning, transaction
+from . import planning, transaction
+from .allocation import LifecycleAllocation
 from .flight import Flight
 from .introspection import LifecycleIntrospection
 from .progressive import ProgressiveWake, install_ready_hooks
 from .state import (
-    DISCARDED, LEVELS, Keeper, LifecycleState, Report, as_tag_list,
-    check_tag_name, finalize, is_int,
+    DISCARDED, LEVELS, LifecycleState, Report, as_tag_list, finalize, is_int,
 )
 
 log = logging.getLogger("unisleep")
@@ -56,7 +55,7 @@ def _resolve_driver(platform, device: int, options: dict) -> Driver:
     return load_driver(platform, device=device, **options)
 
 
-class MemoryLifecycle(LifecycleIntrospection):
+class MemoryLifecycle(LifecycleAllocation, LifecycleIntrospection):
     """Tagged memory that can sleep and wake.  See the module docstring for the policy.
 
     Parameters
@@ -156,54 +155,7 @@ class MemoryLifecycle(LifecycleIntrospection):
         self._finalizer = weakref.finalize(self, finalize, self._state, self._lock, self._shut, self._flight)
         hostmem.track(self)
 
-    # ------------------------------------------------------------------ allocation
-    def empty(self, shape, dtype=None, *, tag: str):
-        """A new tensor of ``shape``/``dtype`` in lifecycle memory under ``tag`` (contents zero)."""
-        shape, dtype, nbytes = adoption.shape_bytes(shape, dtype)
-        with self._lock:
-            self._settle()  # a progressive wake / background sleep that has ended
-            self._check_can_allocate(tag)
-            self._state.check_room(nbytes, tag)
-            alloc = self._state.new(tag, nbytes)
-            keeper = Keeper.of(alloc, self)
-            t = self._driver.view(alloc.region.va, max(nbytes, 1), owner=keeper)[:nbytes]
-            return keeper.attach(t.view(dtype).view(shape), self._driver)
-
-    def adopt(self, obj, *, tag: str = "weights"):
-        """Move the storage of ``obj``'s tensors into lifecycle memory, in place.
-
-        ``obj`` may be an ``nn.Module`` (parameters and buffers), an optimizer (its state), a
-        tensor, a mapping or an iterable of those.  Python objects stay the same; each tensor's
-        ``data_ptr()`` changes once and then stays fixed across every sleep/wake.  Tensors that
-        share a storage (tied weights, views) keep sharing it.  Returns ``obj``.
-
-        Every tensor sharing a storage must be passed (in ``obj``) together: a view whose base is
-        not passed, or a tensor whose views or aliases (a held ``state_dict()``, ``.data``,
-        ``.detach()``) are not, would leave the others on the old memory, silently no longer
-        sharing bytes — refused with :class:`~unisleep.errors.InvalidArgumentError`, nothing moved.
-        """
-        self._check_open()
-        named = adoption.tensors_of(obj)
-        with self._lock:
-            self._settle()
-            self._check_can_allocate(tag)
-            packing = adoption.pack(named)
-            self._state.check_room(packing.total, tag)
-            new_tag = tag not in self._state.tags
-            alloc = self._state.new(tag, packing.total)
-            try:
-                keeper = Keeper.of(alloc, self)
-                base = self._driver.view(alloc.region.va, alloc.region.size, owner=keeper)
-                adoption.move(packing, alloc, base, self._driver.torch_device,
-                              lambda t: keeper.attach(t, self._driver))
-                self._driver.synchronize()
-            except BaseException as e:  # all or nothing: every tensor is back, the region is freed
-                self._state.free(alloc, drop_tag=new_tag)
-                if isinstance(e, UnisleepError) or not isinstance(e, Exception):
-                    raise
-                raise InvalidArgumentError(f"adopt() failed and was undone, nothing was moved: {e}") from e
-            return obj
-
+    # ------------------------------------------------------------------ set-up
     def preserve(self, patterns: Sequence[str] | str) -> list[str]:
         """Globs over adopted names kept across a level-2 sleep (like vLLM's
         ``--sleep-preserve-parameter-names``).  Returns the names matched; a pattern matching
@@ -247,36 +199,6 @@ class MemoryLifecycle(LifecycleIntrospection):
                 self._before_sleep.append(before_sleep)
             if after_wake is not None:
                 self._after_wake.append(after_wake)
-
-    @contextmanager
-    def pool(self, tag: str) -> Iterator[None]:
-        """Route the framework's own allocations (e.g. ``torch.empty`` on the device) into ``tag``."""
-        check_tag_name(tag)
-        with self._lock:
-            self._check_can_allocate(tag)
-        with self._driver.pool(self, tag):
-            yield
-
-    # the two calls a driver's pool makes for the framework's allocator ----------------------
-    def register_region(self, tag: str, region, nbytes: int):
-        """Record ``region`` (made by the driver for the framework's allocator inside
-        :meth:`pool`) as an allocation of ``tag``; it then sleeps and wakes with the tag."""
-        with self._lock:
-            self._check_can_allocate(tag)
-            return self._state.add(tag, region, nbytes, external=True)
-
-    def forget_region(self, va: int):
-        """The framework freed the region at ``va``: its records and backups are dropped and the
-        region returned for the caller to free (None when unknown, or when the lifecycle is
-        closed and freed it already)."""
-        with self._lock:
-            if self._shut.is_set():
-                return None
-            a = self._state.at(va)
-            if a is None:
-                return None
-            self._state.forget(a)
-            return a.region
 
     # ------------------------------------------------------------------ sleep / wake
     def sleep(
@@ -505,8 +427,3 @@ class MemoryLifecycle(LifecycleIntrospection):
                 "this MemoryLifecycle is closed (close(), garbage collection or interpreter exit): its memory was "
                 "released and every tag reads 'closed'. Create a new MemoryLifecycle; nothing was touched."
             )
-
-    def _check_can_allocate(self, tag: str) -> None:
-        check_tag_name(tag)
-        self._check_open()
-        self._state.check_can_allocate(tag)
