@@ -9,7 +9,7 @@ Exit 0 only when every check passed.
   Llama in this process (:mod:`.hf_policy`);
 * :mod:`.scaled` — ``--model``: a Qwen2-shaped transformers model (:mod:`.presets`), the engine
   (:mod:`.hf_engine`) and an AdamW trainer with its own lifecycle (:mod:`.hf_trainer`), both sides
-  sleeping (docs/scale.md);
+  sleeping (docs/scale.md); its memory table, peak and figure in :mod:`.scaled_report`;
 * :mod:`.ray_demo` — ``--ray``: the embedded loop with trainer and engine as Ray actors
   (:mod:`unisleep.ray`);
 * :mod:`.steps` — what each step records; :mod:`.checks` — the verdicts; :mod:`.report` — the
