@@ -508,7 +508,8 @@ def test_nothing_in_the_transfer_path_unpickles():
     pat = re.compile(r"\bpickle\.loads?\b|\bimport pickle\b|\btorch\.load\(|\bcloudpickle\b|\bmarshal\.loads?\b")
     files = [os.path.join(ROOT, "unisleep", "transfer", f) for f in os.listdir(os.path.join(ROOT, "unisleep", "transfer"))
              if f.endswith(".py")]
-    files += [os.path.join(ROOT, "unisleep", "engines", f) for f in ("vllm_trainer.py", "vllm_async.py")]
+    files += [os.path.join(ROOT, "unisleep", "engines", f)
+              for f in ("vllm_trainer.py", "vllm_async.py", "vllm_async_weights.py")]
     files += [os.path.join(ROOT, "unisleep", "vllm_worker", f) for f in
               os.listdir(os.path.join(ROOT, "unisleep", "vllm_worker")) if f.endswith(".py")]
     files += [os.path.join(ROOT, "unisleep", "integrations", f) for f in ("verl.py", "openrlhf.py")]
