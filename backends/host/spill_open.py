@@ -21,6 +21,17 @@ from .spill_dir import DIR_FLAGS, DIR_PREFIX, FLAT_PREFIX, MARKER_KIND, OWNER_FI
 log = logging.getLogger("unisleep.host")
 
 
+def _cannot_open(parent: str, e: OSError) -> SpillDirError:
+    return SpillDirError(f"cannot open spill_dir {parent!r}: {e.strerror}. Pass spill_dir= (or set "
+                         "UNISLEEP_SPILL_DIR) to a writable directory on a disk with room for the weights.")
+
+
+def _check_still_named(fd: int, parent: str) -> None:
+    """The directory opened as ``fd`` is still the one named ``parent`` (not swapped meanwhile)."""
+    st, now = os.fstat(fd), os.stat(parent)
+    if (st.st_dev, st.st_ino) != (now.st_dev, now.st_ino):  # pragma: no cover - replaced meanwhile
+        raise SpillDirError(f"spill_dir {parent!r} was replaced while unisleep opened it; nothing was written")
+
 class SpillDirSetup:
     """The directory set-up of :class:`~.spill_store.SpillStore` (a mixin: it sets the store's
     ``dir``, ``_name``, ``_parent_fd``, ``_dir_fd``, ``_lock_fd``, ``_made_parent`` and, for the
@@ -65,11 +76,8 @@ class SpillDirSetup:
                 check_spill_parent(parent)
                 continue
             except OSError as e:
-                raise SpillDirError(f"cannot open spill_dir {parent!r}: {e.strerror}. Pass spill_dir= (or set "
-                                    "UNISLEEP_SPILL_DIR) to a writable directory on a disk with room for the weights.") from e
-            st, now = os.fstat(self._parent_fd), os.stat(parent)
-            if (st.st_dev, st.st_ino) != (now.st_dev, now.st_ino):  # pragma: no cover - replaced meanwhile
-                raise SpillDirError(f"spill_dir {parent!r} was replaced while unisleep opened it; nothing was written")
+                raise _cannot_open(parent, e) from e
+            _check_still_named(self._parent_fd, parent)
             name = f"{DIR_PREFIX}{os.getpid()}-{boot_id()[:8]}-{secrets.token_hex(5)}"
             try:
                 os.mkdir(name, 0o700, dir_fd=self._parent_fd)
@@ -104,11 +112,8 @@ class SpillDirSetup:
         try:
             self._dir_fd = os.open(parent, DIR_FLAGS & ~os.O_NOFOLLOW)
         except OSError as e:
-            raise SpillDirError(f"cannot open spill_dir {parent!r}: {e.strerror}. Pass spill_dir= (or set "
-                                "UNISLEEP_SPILL_DIR) to a writable directory on a disk with room for the weights.") from e
-        st, now = os.fstat(self._dir_fd), os.stat(parent)
-        if (st.st_dev, st.st_ino) != (now.st_dev, now.st_ino):  # pragma: no cover - replaced meanwhile
-            raise SpillDirError(f"spill_dir {parent!r} was replaced while unisleep opened it; nothing was written")
+            raise _cannot_open(parent, e) from e
+        _check_still_named(self._dir_fd, parent)
         if not os.access(parent, os.W_OK):
             raise SpillDirError(f"cannot write in spill_dir {parent!r}. Pass spill_dir= (or set UNISLEEP_SPILL_DIR) "
                                 "to a writable directory on a disk with room for the weights.")

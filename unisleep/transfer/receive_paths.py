@@ -15,6 +15,14 @@ from .channels import ABORT, CIPHERED, END, PIECED, IpcConn, wait_work
 from .staging import RecvState
 
 
+def _end(st, msg) -> None:
+    """The sender's "end" message closes the update this side receives (aborted or not); an end
+    for another update is an error."""
+    if msg["u"] != st.seq:
+        raise TransferError(f"the sender ended update {msg['u']} while this side received update {st.seq}")
+    st.aborted = bool(msg["abort"])
+
+
 class _ReceivePaths:
     """The receiving loops of :class:`~unisleep.transfer.receiver.WeightReceiver`."""
 
@@ -131,9 +139,7 @@ class _ReceivePaths:
                 self._read_exact(buf, f"bucket {k} of update {st.seq}")
                 st.take(k, buf)
             elif op == "end":
-                if msg["u"] != st.seq:
-                    raise TransferError(f"the sender ended update {msg['u']} while this side received update {st.seq}")
-                st.aborted = bool(msg["abort"])
+                _end(st, msg)
                 return
             else:
                 raise TransferError(f"unexpected message {op!r} from the sender during update {st.seq}")
@@ -218,9 +224,7 @@ class _ReceivePaths:
                     ipc.synchronize(self.group.device_index)
                     self._free(conn, msg["slot"], st.seq)
             elif op == "end":
-                if msg["u"] != st.seq:
-                    raise TransferError(f"the sender ended update {msg['u']} while this side received update {st.seq}")
-                st.aborted = bool(msg["abort"])
+                _end(st, msg)
                 return
             else:
                 raise TransferError(f"unexpected IPC message {op!r} from the sender during update {st.seq}")
