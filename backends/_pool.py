@@ -153,6 +153,9 @@ class PoolRouter:
         self.driver, self.bind, self.conf_vars = driver, bind, tuple(conf_vars)
         self.devmod, self.custom_allocator = devmod, custom_allocator
         self._pools: dict[tuple[int, str], _TorchPool] = {}
+        #: pools handed over by detach(): their allocators and callbacks must outlive every
+        #: MemPool over them (the caller's), so they are never dropped
+        self._detached: list[_TorchPool] = []
         self._lock = threading.Lock()
         atexit.register(self.close)
 
@@ -164,6 +167,20 @@ class PoolRouter:
                 p = self._pools[key] = _TorchPool(TagAllocator(self.driver, lifecycle, tag, self.bind), self.devmod,
                                                   self.custom_allocator)
             return p
+
+    def detach(self, lifecycle, tag: str):
+        """Hand the torch ``MemPool`` of (lifecycle, tag) to the caller and forget it (None if
+        there is none): once the caller drops it and nothing allocated in it is alive, torch
+        gives its segments back through the free callback (at the latest at ``empty_cache()``),
+        and the tag's regions go with them.  The next :meth:`route` into the tag makes a new
+        pool."""
+        with self._lock:
+            p = self._pools.pop((id(lifecycle), tag), None)
+            if p is None:
+                return None
+            self._detached.append(p)
+        pool, p.pool = p.pool, None
+        return pool
 
     @contextlib.contextmanager
     def route(self, lifecycle, tag: str):

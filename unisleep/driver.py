@@ -362,6 +362,24 @@ class Driver(abc.ABC):
 
         return torch.device("cpu")
 
+    def host_buffer(self, nbytes: int):
+        """A host uint8 tensor of ``nbytes`` in memory of its own, for bytes read back from the
+        device and handed to a caller (e.g. a backup): page-locked where the platform has it, and
+        given back to the system when the last tensor over it is gone (never kept in a cache).
+        Here: ordinary host memory."""
+        import torch
+
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def mempool(self, lifecycle, tag: str, detach: bool = False):
+        """The torch memory pool behind :meth:`pool` for (lifecycle, tag), for backends whose
+        pools are torch ``MemPool`` objects; ``detach``: handed to the caller and forgotten —
+        once dropped (nothing allocated in it alive), torch gives its memory back and the next
+        :meth:`pool` makes a new one."""
+        from .errors import UnsupportedError
+
+        raise UnsupportedError(f"the {self.name} backend has no torch memory pool to hand out")
+
     def pool_problem(self) -> Optional[str]:
         """Why :meth:`pool` cannot route the framework's allocations in this process, or None
         when it can (``capabilities.supports_pool``)."""

@@ -539,6 +539,20 @@ class CudaDriver(Driver):
         with self._pools.route(lifecycle, tag):
             yield
 
+    def host_buffer(self, nbytes: int):
+        from .host_buffer import pinned_host_tensor
+
+        return pinned_host_tensor(self.device, nbytes)
+
+    def mempool(self, lifecycle, tag: str, detach: bool = False):
+        """The torch ``MemPool`` behind :meth:`pool` for (lifecycle, tag); ``detach``: handed to
+        the caller and forgotten (``PoolRouter.detach``)."""
+        from .pool import PoolRouter
+
+        if self._pools is None:
+            self._pools = PoolRouter(self)
+        return self._pools.detach(lifecycle, tag) if detach else self._pools.mempool(lifecycle, tag).pool
+
     def graph_pool(self, lifecycle, tag: str = "cudagraph"):
         """A memory-pool handle for ``torch.cuda.graph(..., pool=...)`` whose memory lives in ``tag``."""
         from .pool import PoolRouter

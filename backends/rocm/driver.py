@@ -366,6 +366,12 @@ class RocmDriver(Driver):
         with self._router().route(lifecycle, tag):
             yield
 
+    def mempool(self, lifecycle, tag: str, detach: bool = False):
+        """The torch ``MemPool`` behind :meth:`pool` for (lifecycle, tag); ``detach``: handed to
+        the caller and forgotten (``PoolRouter.detach``)."""
+        router = self._router()
+        return router.detach(lifecycle, tag) if detach else router.mempool(lifecycle, tag).pool
+
     def graph_pool(self, lifecycle, tag: str = "cudagraph"):
         """A memory-pool handle for a graph capture (``torch.cuda.graph(..., pool=...)``) whose
         memory lives in ``tag``."""

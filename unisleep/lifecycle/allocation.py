@@ -95,6 +95,15 @@ class LifecycleAllocation:
             self._state.forget(a)
             return a.region
 
+    def on_free(self, fn) -> None:
+        """Call ``fn(va, size)`` whenever an allocation's memory is given up — the framework
+        freed a region of :meth:`pool` (e.g. torch emptied its cache), or :meth:`free`-like
+        paths dropped it — after its records and backup are dropped.  ``fn`` runs under the
+        lifecycle's lock, maybe on the allocator's thread: it must not call the lifecycle, and
+        it must not raise (an error is logged)."""
+        with self._lock:
+            self._state.free_listeners.append(fn)
+
     def _check_can_allocate(self, tag: str) -> None:
         check_tag_name(tag)
         self._check_open()

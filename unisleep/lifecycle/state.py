@@ -135,6 +135,9 @@ class LifecycleState:
         self._by_id: dict[int, Allocation] = {}
         self._by_va: dict[int, Allocation] = {}
         self._by_tag: dict[str, list[Allocation]] = {}
+        #: called as ``fn(va, size)`` when an allocation's records and backup are dropped
+        #: (see ``LifecycleAllocation.on_free``)
+        self.free_listeners: list = []
 
     # ---- allocations ----------------------------------------------------------------------
     def all(self) -> list[Allocation]:
@@ -183,6 +186,11 @@ class LifecycleState:
         if a in same:
             same.remove(a)
         self.drop_backup(a)
+        for fn in list(self.free_listeners):
+            try:
+                fn(a.region.va, a.region.size)
+            except Exception as e:  # a listener never breaks a free
+                log.error("a free listener failed for the region at %#x: %s", a.region.va, e)
 
     def free(self, a: Allocation, drop_tag: bool) -> None:
         """Forget ``a`` and free its region; with ``drop_tag``, a tag left empty goes too."""
