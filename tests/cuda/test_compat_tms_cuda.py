@@ -96,6 +96,48 @@ def test_get_cpu_backup_paused_and_retained(tms):
     del x
 
 
+def _host_pointer_is_pinned(cdll, ptr: int) -> bool:
+    import ctypes
+
+    get_flags = cdll.cudaHostGetFlags  # the runtime's function, reached through the native library as in tms
+    get_flags.argtypes, get_flags.restype = [ctypes.POINTER(ctypes.c_uint), ctypes.c_void_p], ctypes.c_int
+    status = get_flags(ctypes.byref(ctypes.c_uint()), ctypes.c_void_p(ptr))
+    if status != 0:
+        cdll.cudaGetLastError()
+    return status == 0
+
+
+@pytest.mark.parametrize("paused", [False, True])
+def test_retained_backup_is_given_back_with_its_allocation(tms, paused):
+    """tms frees an allocation's retained CPU backup when the allocation is freed; the facade
+    kept the zero-copy host tensor forever (pageable, so the runtime never knew it either)."""
+    import gc
+
+    want = torch.arange(4096, dtype=torch.int64).remainder(251).to(torch.uint8)
+    with tms.region(tag="freed", enable_cpu_backup=True):
+        x = want.to("cuda")
+    tms.retain_cpu_backup = True
+    tms.pause("freed")
+    backup = tms.get_cpu_backup(x, zero_copy=True)
+    ptr = backup.data_ptr()
+    cdll = tms._impl._binary_wrapper.cdll
+    assert torch.equal(backup, want) and _host_pointer_is_pinned(cdll, ptr)
+    if not paused:
+        tms.resume("freed")
+        assert tms.get_cpu_backup(x, zero_copy=True).data_ptr() == ptr
+    pool = tms._impl._mem_pools.pop(("freed", True, False, "pinned", torch.cuda.current_device()))
+    assert ("freed", True, False, "pinned", 0) not in tms._impl._mem_pools
+    del backup
+    with tms._impl._with_region_config(tag="freed", enable_cpu_backup=True, cpu_backup_backend="pinned"):
+        assert cdll.tms_get_current_tag() == b"freed" and cdll.tms_get_enable_cpu_backup()
+        del x, pool
+        gc.collect()
+        torch.cuda.empty_cache()
+    torch.cuda.synchronize()
+    assert not _host_pointer_is_pinned(cdll, ptr)
+    assert tms.resident_bytes("freed") == 0
+
+
 def test_disable_keeps_memory_out_of_the_tag(tms):
     with tms.region(tag="trainer", enable_cpu_backup=True):
         w = torch.full((64 * MiB,), 3, dtype=torch.uint8, device="cuda")

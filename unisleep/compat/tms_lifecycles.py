@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from typing import Optional
 
 from ..errors import InsufficientMemoryError, InvalidArgumentError, InvalidTransitionError
@@ -53,7 +54,9 @@ class _SaverLifecycles:
         from ..lifecycle import MemoryLifecycle
 
         if disk_dir is None:  # CPU backups (and none): freed at resume unless retained, as tms does
-            return MemoryLifecycle(self._platform, device=device, host_backups="keep" if self._retain else "release")
+            lc = MemoryLifecycle(self._platform, device=device, host_backups="keep" if self._retain else "release")
+            lc.on_free(_forget_zero_copy(self))
+            return lc
         # tms's layout: one file per disk-backed allocation directly in the directory, on every
         # platform (accelerators write through a host staging buffer), removed at resume
         return MemoryLifecycle(self._platform, device=device, spill_dir=disk_dir or None, backup_to="disk",
@@ -197,3 +200,21 @@ class _SaverLifecycles:
         if key not in self._warned:
             self._warned.add(key)
             log.warning("%s", msg)
+
+
+def _forget_zero_copy(saver):
+    """The lifecycle's free listener: when an allocation is freed (e.g. torch gave a pool's
+    segment back), the host tensors ``get_cpu_backup(zero_copy=True)`` handed out for it are
+    forgotten, so their host memory goes back to the system once the caller holds none (tms
+    frees an allocation's CPU backup with the allocation).  Lock-free: it runs inside the
+    allocator's free callback."""
+    ref = weakref.ref(saver)
+
+    def freed(va: int, size: int) -> None:
+        s = ref()
+        if s is not None:
+            for key in [k for k in list(s._zero_copy) if va <= k[0] < va + size]:
+                s._zero_copy.pop(key, None)
+
+    return freed
+

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+from collections.abc import MutableMapping
 from typing import Optional
 
 from ..errors import InvalidArgumentError, UnsupportedError
@@ -19,16 +20,55 @@ _ON, _OFF = ("1", "true", "TRUE", "yes", "YES"), ("0", "false", "FALSE", "no", "
 _INIT_VARS = ("TMS_INIT_ENABLE", "TMS_INIT_ENABLE_CPU_BACKUP", "TMS_INIT_ENABLE_DISK_BACKUP")
 
 
+class _NativeLibrary(ctypes.CDLL):
+    """unisleep's native library as ``cdll``.  A name it does not define is looked up in the
+    device runtime library loaded in this process (``runtime``: its file stem, the backend's
+    ``capture_spec.runtime``; None: the process's global symbols): tms's library links the
+    runtime, so code reaches runtime functions through tms's ``cdll`` (its examples call
+    ``cdll.cudaHostGetFlags`` on CUDA).  The native library itself needs only libc."""
+
+    def __init__(self, path: str, runtime: Optional[str] = None):
+        super().__init__(path)
+        self._runtime_stem = runtime
+        self._runtime_lib = None
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            fn = getattr(self._runtime(), name)  # AttributeError names the runtime library
+            setattr(self, name, fn)
+            return fn
+
+    def _runtime(self) -> ctypes.CDLL:
+        if self._runtime_lib is None:
+            if self._runtime_stem is None:
+                self._runtime_lib = ctypes.CDLL(None)
+            else:
+                from ..backends._capture import find_loaded
+
+                found = find_loaded(self._runtime_stem)
+                if found is None:
+                    raise AttributeError(
+                        f"{self._runtime_stem} (the device runtime library) is not loaded in this process; "
+                        "use the device through torch first")
+                self._runtime_lib = ctypes.CDLL(found[0])
+        return self._runtime_lib
+
+
 class _BinaryWrapper:
     """torch_memory_saver's ``_impl._binary_wrapper``: ``cdll`` is unisleep's native library
     with tms's per-thread setting functions (``tms_{get,set}_interesting_region``,
     ``_current_tag``, ``_enable_cpu_backup``, ``_cpu_backup_backend``, ``_enable_disk_backup``),
-    their signatures set as tms sets them.  Turning the interesting region off on a thread makes
-    that thread's allocations ordinary memory, outside any tag, until it is turned on again."""
+    their signatures set as tms sets them, and the device runtime's functions behind them
+    (:class:`_NativeLibrary`).  Turning the interesting region off on a thread makes that
+    thread's allocations ordinary memory, outside any tag, until it is turned on again."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, runtime: Optional[str] = None):
         self.path = path
-        self.cdll = ctypes.CDLL(path)
+        self.cdll = _NativeLibrary(path, runtime)
         c = self.cdll
         c.tms_set_current_tag.argtypes = [ctypes.c_char_p]
         c.tms_get_current_tag.restype = ctypes.c_char_p
@@ -62,10 +102,58 @@ class _BinaryWrapper:
 
 
 class _Impl:
-    """What ``torch_memory_saver._impl`` is once the facade started (``None`` before, as in tms)."""
+    """What ``torch_memory_saver._impl`` is once the facade started (``None`` before, as in
+    tms), with the private parts of tms's ``_impl`` that its own examples use:
+    ``_binary_wrapper``, ``_mem_pools`` (:class:`_MemPools`) and ``_with_region_config``."""
 
-    def __init__(self, binary_wrapper: _BinaryWrapper):
+    def __init__(self, binary_wrapper: _BinaryWrapper, saver=None):
         self._binary_wrapper = binary_wrapper
+        self._saver = saver
+        self._mem_pools = _MemPools(saver)
+
+    def _with_region_config(self, tag: str, enable_cpu_backup: bool, enable_disk_backup: bool = False,
+                            cpu_backup_backend: Optional[str] = None):
+        """The calling thread's tms settings set to an interesting region of ``tag`` with these
+        backups inside, restored after (what tms's ``region()`` does around its pool)."""
+        return self._saver._thread_config(tag=tag, interesting=True, cpu=enable_cpu_backup,
+                                          backend=cpu_backup_backend if enable_cpu_backup else None,
+                                          disk=enable_disk_backup)
+
+
+class _MemPools(MutableMapping):
+    """tms's ``_impl._mem_pools``: the torch memory pool behind each region configuration, keyed
+    ``(tag, enable_cpu_backup, enable_disk_backup, cpu_backup_backend, device)`` with the backend
+    resolved (``"pinned"`` unless ``TMS_INIT_CPU_BACKUP_BACKEND`` says otherwise), for the
+    configurations ``region()`` used on a backend with pools.  Removing one (``pop``, ``del``)
+    hands the pool to the caller: once the caller drops it and nothing allocated in it is alive,
+    ``empty_cache()`` gives its memory back — and with it the CPU backup kept for it, as in tms.
+    The next ``region()`` of that configuration makes a new pool.  Entries cannot be set."""
+
+    def __init__(self, saver):
+        self._saver = saver
+
+    def _slots(self) -> dict:
+        return self._saver._region_pools if self._saver is not None else {}
+
+    def __getitem__(self, key):
+        slot = self._slots()[key]
+        return slot.lc.driver.mempool(slot.lc, slot.ltag)
+
+    def __delitem__(self, key) -> None:
+        slot = self._slots()[key]
+        with self._saver._lock:
+            for k in [k for k, s in self._slots().items() if s is slot]:
+                del self._slots()[k]
+        slot.lc.driver.mempool(slot.lc, slot.ltag, detach=True)
+
+    def __setitem__(self, key, value) -> None:
+        raise InvalidArgumentError("torch_memory_saver's memory pools are made by region(); they cannot be set")
+
+    def __iter__(self):
+        return iter(list(self._slots()))
+
+    def __len__(self) -> int:
+        return len(self._slots())
 
 
 

@@ -103,6 +103,8 @@ class TorchMemorySaver(_SaverCapture, _SaverLifecycles):
         # the host tensors handed out with zero_copy=True, by (ptr, nbytes): (tensor, slot)
         self._retained: set[tuple[int, str]] = set()
         self._zero_copy: dict[tuple[int, int], tuple[Any, _Slot]] = {}
+        # tms's _impl._mem_pools: (tag, cpu, disk, resolved cpu backup backend, device) -> slot
+        self._region_pools: dict[tuple, _Slot] = {}
 
     # ------------------------------------------------------------------ tms surface
     @contextlib.contextmanager
@@ -134,6 +136,9 @@ class TorchMemorySaver(_SaverCapture, _SaverLifecycles):
                                      backend=cpu_backup_backend if enable_cpu_backup else None,
                                      disk=enable_disk_backup)
         if lc.driver.capabilities.supports_pool:
+            with self._lock:
+                self._region_pools[(tag, bool(enable_cpu_backup), bool(enable_disk_backup),
+                                    cpu_backup_backend or self._default_backend, slot.device)] = slot
             with config, self._pushed(slot, route=True):
                 yield handle
             self._prepare_backup(slot)
@@ -251,7 +256,7 @@ class TorchMemorySaver(_SaverCapture, _SaverLifecycles):
             paused = set(map(id, slots))
             for (ptr, _n), (t, s) in list(self._zero_copy.items()):
                 if id(s) in paused and not s.lc.read_backup(ptr, t):
-                    del self._zero_copy[(ptr, _n)]
+                    self._zero_copy.pop((ptr, _n), None)
 
     def resume(self, tag: Optional[str] = None) -> None:
         """Map the memory of ``tag`` (every tag if ``None``) back at the same addresses."""
@@ -283,7 +288,7 @@ class TorchMemorySaver(_SaverCapture, _SaverLifecycles):
                     self._retained.discard((id(s.lc), s.ltag))
             for key, (_t, s) in list(self._zero_copy.items()):
                 if id(s) in woken and (id(s.lc), s.ltag) not in self._retained:
-                    del self._zero_copy[key]
+                    self._zero_copy.pop(key, None)
 
     @property
     def enabled(self) -> bool:
@@ -334,7 +339,10 @@ class TorchMemorySaver(_SaverCapture, _SaverLifecycles):
         of the backup (which may be a spill file or split over arena segments): writes to it
         never reach the backup.  On backends that drop backups once their bytes are back (host,
         ROCm, Ascend), a retained backup is readable after resume for the tensors read with
-        ``zero_copy=True`` while paused."""
+        ``zero_copy=True`` while paused.  The host tensor of ``zero_copy=True`` is memory of its
+        own (page-locked on CUDA, as tms's pinned backup), given back to the system once its
+        backup is given up — a resume without ``retain_cpu_backup``, or the allocation freed —
+        and the caller holds it no more."""
         import torch
 
         self._ensure_initialized()
@@ -370,7 +378,7 @@ class TorchMemorySaver(_SaverCapture, _SaverLifecycles):
             if hit is not None and hit[1] is s:
                 out = hit[0] if zero_copy else hit[0].clone()
                 return out.view(x.dtype).view(x.shape)
-            out = torch.empty(n, dtype=torch.uint8)
+            out = s.lc.driver.host_buffer(n) if zero_copy else torch.empty(n, dtype=torch.uint8)
             if not s.lc.read_backup(ptr, out):
                 if paused:  # pragma: no cover - a paused backed-up tag always has its backup
                     raise InvalidTransitionError(f"get_cpu_backup(): no backup of tag {s.tag!r} is held")
@@ -433,6 +441,7 @@ class TorchMemorySaver(_SaverCapture, _SaverLifecycles):
             self._lcs.clear()
             self._slots.clear()
             self._graph_pools.clear()
+            self._region_pools.clear()
 
     # ------------------------------------------------------------------ internals
     def _ensure_initialized(self) -> None:
@@ -453,8 +462,11 @@ class TorchMemorySaver(_SaverCapture, _SaverLifecycles):
     def _load_native(self) -> None:
         """The native library as ``_impl._binary_wrapper.cdll`` (tms's per-thread settings and
         the capture's hooks); without it (not built) everything but whole-process capture works."""
+        from ..registry import driver_class
+
         path = native_library_path()
         _check_preload(path)
+        spec = driver_class(self._platform.name).capture_spec
         if not os.path.exists(path):
             self._native_problem = (
                 f"unisleep's native library {path} is missing: it is built when unisleep is installed (pip needs a C "
@@ -462,11 +474,11 @@ class TorchMemorySaver(_SaverCapture, _SaverLifecycles):
                 "tree: `python setup.py build_ext --inplace`)")
             return
         try:
-            bw = _BinaryWrapper(path)
+            bw = _BinaryWrapper(path, spec.runtime if spec is not None else None)
         except OSError as e:
             self._native_problem = f"unisleep's native library {path} does not load: {e}"
             return
-        self._impl = _Impl(bw)
+        self._impl = _Impl(bw, self)
         _listen(self, bw.cdll)
 
 
