@@ -33,8 +33,8 @@ class _NativeLibrary(ctypes.CDLL):
         self._runtime_lib = None
 
     def __getattr__(self, name: str):
-        if name.startswith("__") and name.endswith("__"):
-            raise AttributeError(name)
+        if name.startswith("_"):  # dunders, and this object's own fields before they are set
+            return super().__getattr__(name)
         try:
             return super().__getattr__(name)
         except AttributeError:
