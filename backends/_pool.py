@@ -83,6 +83,7 @@ class TagAllocator:
     def __init__(self, driver, lifecycle, tag: str, bind: Callable[[], None]):
         self.driver, self.tag, self.bind = driver, tag, bind
         self.lifecycle = weakref.ref(lifecycle)
+        self.live = 0  # segments handed to torch and not freed yet
 
     def malloc(self, size: int, device: Optional[int] = None) -> int:
         """A region of ``size`` bytes in the tag; ``device`` (the callback's argument) must be
@@ -105,6 +106,7 @@ class TagAllocator:
             except BaseException:
                 region.free(self.driver)
                 raise
+            self.live += 1
             return region.va
         except BaseException as e:  # never raise through C
             log.error("unisleep pool %r could not allocate %d bytes: %s", self.tag, size, e)
@@ -113,6 +115,7 @@ class TagAllocator:
     def free(self, ptr) -> None:
         if sys.is_finalizing() or not ptr:
             return
+        self.live -= 1
         try:
             self.bind()
             lc = self.lifecycle()
@@ -153,9 +156,6 @@ class PoolRouter:
         self.driver, self.bind, self.conf_vars = driver, bind, tuple(conf_vars)
         self.devmod, self.custom_allocator = devmod, custom_allocator
         self._pools: dict[tuple[int, str], _TorchPool] = {}
-        #: pools handed over by detach(): their allocators and callbacks must outlive every
-        #: MemPool over them (the caller's), so they are never dropped
-        self._detached: list[_TorchPool] = []
         self._lock = threading.Lock()
         atexit.register(self.close)
 
@@ -164,6 +164,8 @@ class PoolRouter:
         with self._lock:
             p = self._pools.get(key)
             if p is None or p.hooks.lifecycle() is not lifecycle:
+                if p is not None:  # a new lifecycle at a dead one's id: the old pool's tensors may live on
+                    _keep_callbacks(p)
                 p = self._pools[key] = _TorchPool(TagAllocator(self.driver, lifecycle, tag, self.bind), self.devmod,
                                                   self.custom_allocator)
             return p
@@ -178,7 +180,7 @@ class PoolRouter:
             p = self._pools.pop((id(lifecycle), tag), None)
             if p is None:
                 return None
-            self._detached.append(p)
+        _keep_callbacks(p)  # the caller's MemPool may free through them for as long as it lives
         pool, p.pool = p.pool, None
         return pool
 
@@ -195,14 +197,30 @@ class PoolRouter:
                 _ROUTING.depth -= 1
 
     def close(self) -> None:
-        # pools first, then allocators (pytorch#145168: "pure virtual method called" otherwise)
+        # pools first, then allocators (pytorch#145168: "pure virtual method called" otherwise);
+        # a tensor of a pool may outlive this (a lifecycle closed while the framework still holds
+        # one): torch frees it later through the pool's callbacks, which must still exist then
         with self._lock:
             pools = list(self._pools.values())
             self._pools.clear()
         for p in pools:
+            if p.hooks.live:
+                _keep_callbacks(p)
             p.pool = None
         for p in pools:
-            p.allocator = None
+            if not p.hooks.live:
+                p.allocator = None
+
+
+#: the allocators and callbacks of pools closed or replaced while torch still held segments of
+#: them, and of pools handed out: torch frees each such segment through them whenever it dies
+#: (torch keeps only a plain pointer to the allocator once its pool is gone: a destroyed one
+#: ends the process with "pure virtual method called"), so they are never collected
+_KEPT_CALLBACKS: list = []
+
+
+def _keep_callbacks(p: _TorchPool) -> None:
+    _KEPT_CALLBACKS.append((p.allocator, p._malloc, p._free))
 
 
 _ROUTING = threading.local()

@@ -138,6 +138,28 @@ def test_retained_backup_is_given_back_with_its_allocation(tms, paused):
     assert tms.resident_bytes("freed") == 0
 
 
+def test_a_tensor_outliving_its_closed_facade_is_freed_later_without_ending_the_process():
+    """close() released each pool and then its allocator while torch still held a segment of it
+    (a tensor the program kept): the segment's later free called into the destroyed allocator and
+    the process ended ("pure virtual method called", SIGABRT).  In a child process: the risky part."""
+    code = """
+        import gc, torch
+        from unisleep.compat.torch_memory_saver import TorchMemorySaver
+        tms = TorchMemorySaver()
+        with tms.region(tag="kept", enable_cpu_backup=True):
+            x = torch.full((1 << 20,), 7, dtype=torch.uint8, device="cuda")
+        tms.close()
+        del x
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.synchronize()
+        print("survived")
+    """
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+    assert proc.returncode == 0 and "survived" in proc.stdout, (proc.returncode, proc.stdout[-1000:] + proc.stderr[-3000:])
+
+
 def test_disable_keeps_memory_out_of_the_tag(tms):
     with tms.region(tag="trainer", enable_cpu_backup=True):
         w = torch.full((64 * MiB,), 3, dtype=torch.uint8, device="cuda")
