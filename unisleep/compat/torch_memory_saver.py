@@ -340,9 +340,10 @@ class TorchMemorySaver(_SaverCapture, _SaverLifecycles):
         never reach the backup.  On backends that drop backups once their bytes are back (host,
         ROCm, Ascend), a retained backup is readable after resume for the tensors read with
         ``zero_copy=True`` while paused.  The host tensor of ``zero_copy=True`` is memory of its
-        own (page-locked on CUDA, as tms's pinned backup), given back to the system once its
-        backup is given up — a resume without ``retain_cpu_backup``, or the allocation freed —
-        and the caller holds it no more."""
+        own — page-locked on CUDA (as tms's pinned backup) when read while ``retain_cpu_backup``
+        is on, ordinary memory otherwise — given back to the system once its backup is given up
+        (a resume without ``retain_cpu_backup``, or the allocation freed) and the caller holds
+        it no more."""
         import torch
 
         self._ensure_initialized()
@@ -378,7 +379,12 @@ class TorchMemorySaver(_SaverCapture, _SaverLifecycles):
             if hit is not None and hit[1] is s:
                 out = hit[0] if zero_copy else hit[0].clone()
                 return out.view(x.dtype).view(x.shape)
-            out = s.lc.driver.host_buffer(n) if zero_copy else torch.empty(n, dtype=torch.uint8)
+            # page-locked memory of its own (as tms's pinned backup) for a read made while
+            # retain_cpu_backup is on: that tensor outlives resumes, so the page-locking is paid
+            # once; a read made without it lives for one pause, and page-locking it anew at every
+            # pause would cost several times the copy (docs/compat-tms.md)
+            pinned = zero_copy and self._retain
+            out = s.lc.driver.host_buffer(n) if pinned else torch.empty(n, dtype=torch.uint8)
             if not s.lc.read_backup(ptr, out):
                 if paused:  # pragma: no cover - a paused backed-up tag always has its backup
                     raise InvalidTransitionError(f"get_cpu_backup(): no backup of tag {s.tag!r} is held")
