@@ -66,6 +66,7 @@ def test_a_closed_lifecycle_reads_closed_and_refuses_every_verb(tmp_path):
         "read_backup": lambda: lc.read_backup(w.data_ptr(), out),
         "preserve": lambda: lc.preserve(["*"]),
         "add_hooks": lambda: lc.add_hooks(before_sleep=lambda *a: None),
+        "on_free": lambda: lc.on_free(lambda va, size: None),
         "wait": lambda: lc.wait(),
         "ready": lambda: lc.ready(w),
         "install_ready_hooks": lambda: lc.install_ready_hooks(model),

@@ -101,7 +101,10 @@ class LifecycleAllocation:
         paths dropped it — after its records and backup are dropped.  ``fn`` runs under the
         lifecycle's lock, maybe on the allocator's thread: it must not call the lifecycle, and
         it must not raise (an error is logged)."""
+        if not callable(fn):
+            raise InvalidArgumentError(f"on_free() takes a function of (va, size), got {type(fn).__name__}")
         with self._lock:
+            self._check_open()
             self._state.free_listeners.append(fn)
 
     def _check_can_allocate(self, tag: str) -> None:
