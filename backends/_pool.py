@@ -83,7 +83,7 @@ class TagAllocator:
     def __init__(self, driver, lifecycle, tag: str, bind: Callable[[], None]):
         self.driver, self.tag, self.bind = driver, tag, bind
         self.lifecycle = weakref.ref(lifecycle)
-        self.live = 0  # segments handed to torch and not freed yet
+        self.live: dict[int, Region] = {}  # segments handed to torch and not freed yet, by address
 
     def malloc(self, size: int, device: Optional[int] = None) -> int:
         """A region of ``size`` bytes in the tag; ``device`` (the callback's argument) must be
@@ -106,7 +106,7 @@ class TagAllocator:
             except BaseException:
                 region.free(self.driver)
                 raise
-            self.live += 1
+            self.live[region.va] = region
             return region.va
         except BaseException as e:  # never raise through C
             log.error("unisleep pool %r could not allocate %d bytes: %s", self.tag, size, e)
@@ -115,12 +115,14 @@ class TagAllocator:
     def free(self, ptr) -> None:
         if sys.is_finalizing() or not ptr:
             return
-        self.live -= 1
+        mine = self.live.pop(int(ptr), None)
         try:
             self.bind()
             lc = self.lifecycle()
             region = lc.forget_region(int(ptr)) if lc is not None else None
-            if region is None:
+            if region is None:  # the lifecycle is closed or gone: it released the memory and left the address
+                if mine is not None:
+                    mine.free(self.driver)
                 return
             if region.mapped:
                 self.driver.synchronize()  # in-flight kernels may still use it

@@ -141,15 +141,27 @@ def test_retained_backup_is_given_back_with_its_allocation(tms, paused):
 def test_a_tensor_outliving_its_closed_facade_is_freed_later_without_ending_the_process():
     """close() released each pool and then its allocator while torch still held a segment of it
     (a tensor the program kept): the segment's later free called into the destroyed allocator and
-    the process ended ("pure virtual method called", SIGABRT).  In a child process: the risky part."""
+    the process ended (SIGSEGV); and it freed the segment's address, which a new pool could take
+    while torch still knew the old block there — a later free then ended the process ("invalid
+    device pointer").  In a child process: the risky part."""
     code = """
         import gc, torch
         from unisleep.compat.torch_memory_saver import TorchMemorySaver
         tms = TorchMemorySaver()
         with tms.region(tag="kept", enable_cpu_backup=True):
             x = torch.full((1 << 20,), 7, dtype=torch.uint8, device="cuda")
+        kept = x.data_ptr()
         tms.close()
+        other = TorchMemorySaver()  # a new pool must never get the address torch still holds
+        with other.region(tag="next"):
+            ys = [torch.full((1 << 20,), 5, dtype=torch.uint8, device="cuda") for _ in range(4)]
+        print("address taken again:", any(y.data_ptr() == kept for y in ys))
         del x
+        gc.collect()
+        torch.cuda.empty_cache()
+        print("others intact:", all(int(y.min()) == 5 == int(y.max()) for y in ys))
+        other.close()
+        del ys
         gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.synchronize()
@@ -158,6 +170,7 @@ def test_a_tensor_outliving_its_closed_facade_is_freed_later_without_ending_the_
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120,
                           cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
     assert proc.returncode == 0 and "survived" in proc.stdout, (proc.returncode, proc.stdout[-1000:] + proc.stderr[-3000:])
+    assert "address taken again: False" in proc.stdout and "others intact: True" in proc.stdout, proc.stdout
 
 
 def test_disable_keeps_memory_out_of_the_tag(tms):

@@ -346,7 +346,13 @@ class LifecycleState:
         for a in self.all():
             keeper = a.keeper() if a.keeper is not None else None
             try:
-                if keeper is None or exiting:
+                if a.external and not exiting:
+                    # torch still holds this segment of the framework's allocator (pool()): its
+                    # memory goes now, its address when torch frees the segment (the pool's free
+                    # callback) — never before, or a new reservation could take the same address
+                    # while torch still knows the old block there
+                    a.region.release(self.driver)
+                elif keeper is None or exiting:
                     a.region.free(self.driver)
                 else:  # live tensors point here: free the memory, keep the addresses fenced
                     a.region.release(self.driver)
