@@ -342,7 +342,8 @@ class ProcessCapture:
             lc, region = hit
             drv = lc.driver
             drv.prepare_thread()
-            if lc.forget_region(int(ptr)) is None:  # the lifecycle was closed: it freed the region
+            if lc.forget_region(int(ptr)) is None:  # the lifecycle is closed: it released the memory, left the address
+                region.free(drv)
                 return
             if region.mapped:
                 drv.synchronize()  # in-flight work may still use it

@@ -342,15 +342,17 @@ class LifecycleState:
     def free_all(self, exiting: bool) -> None:
         """Free every allocation (best effort).  One whose tensors are still referenced keeps
         its address reserved and inaccessible until the last of them dies (its memory is
-        released now); at interpreter exit everything goes."""
+        released now); a segment the framework's allocator holds keeps its address until the
+        allocator frees it; at interpreter exit everything else goes."""
         for a in self.all():
             keeper = a.keeper() if a.keeper is not None else None
             try:
-                if a.external and not exiting:
-                    # torch still holds this segment of the framework's allocator (pool()): its
-                    # memory goes now, its address when torch frees the segment (the pool's free
-                    # callback) — never before, or a new reservation could take the same address
-                    # while torch still knows the old block there
+                if a.external:
+                    # the framework's allocator still holds this segment (pool(), whole-process
+                    # capture): its memory goes now, its address when the allocator frees the
+                    # segment (the pool's or the capture's free hook) — never before, or a new
+                    # reservation could take the same address while torch still knows the old
+                    # block there; at exit the process takes it
                     a.region.release(self.driver)
                 elif keeper is None or exiting:
                     a.region.free(self.driver)
