@@ -98,20 +98,25 @@ class _ReceivePaths:
             wait_work(self.group, wt)
             pending = (k, buf, None, dec.check(bytes(tag.numpy())))
 
+    def _update_messages(self, st: "RecvState"):
+        """The sender's messages of update ``st.seq`` on the authenticated IPC connection, as
+        ``(op, msg, fds)``; the call-off of an earlier update this receiver refused is skipped."""
+        conn = self._conn
+        if conn is None or not self._ready:
+            raise TransferError("no authenticated IPC connection to the sender")
+        while True:
+            msg, fds = conn.recv(f"bucket data of update {st.seq} (still serving version {self.version!r})")
+            if msg["op"] == "go" and msg["u"] < st.seq and not fds:
+                continue
+            yield msg["op"], msg, fds
+
     # ---------------------------------------------------------------- socket path
     def _recv_socket(self, st: "RecvState") -> None:
         import socket as _socket
 
         import torch
 
-        conn = self._conn
-        if conn is None or not self._ready:
-            raise TransferError("no authenticated IPC connection to the sender")
-        while True:
-            msg, fds = conn.recv(f"bucket data of update {st.seq} (still serving version {self.version!r})")
-            op = msg["op"]
-            if op == "go" and msg["u"] < st.seq and not fds:
-                continue  # the call-off of an earlier update that this receiver had refused
+        for op, msg, fds in self._update_messages(st):
             if op == "stream":
                 if len(fds) != 1:
                     for fd in fds:
@@ -181,14 +186,8 @@ class _ReceivePaths:
         ipc = self.group.ipc_module()
         dev = self.group.device
         conn = self._conn
-        if conn is None or not self._ready:
-            raise TransferError("no authenticated IPC connection to the sender")
         slot_of: dict[str, int] = {}
-        while True:
-            msg, fds = conn.recv(f"bucket data of update {st.seq} (still serving version {self.version!r})")
-            op = msg["op"]
-            if op == "go" and msg["u"] < st.seq and not fds:
-                continue  # the call-off of an earlier update that this receiver had refused
+        for op, msg, fds in self._update_messages(st):
             if op == "buf":
                 if len(fds) != 1 or msg["slot"] not in (0, 1) or not msg["id"] or msg["nbytes"] <= 0:
                     for fd in fds:
