@@ -78,21 +78,19 @@ class _SaverCapture:
         old = bw.get_config()
         new = (old[0] if tag is None else tag, old[1] if interesting is None else interesting,
                old[2] if cpu is None else cpu, old[3] if backend is None else backend, old[4] if disk is None else disk)
-        st.quiet += 1
-        try:
-            bw.set_config(tag=new[0], interesting_region=new[1], enable_cpu_backup=new[2],
-                          cpu_backup_backend=new[3], enable_disk_backup=new[4])
-        finally:
-            st.quiet -= 1
+        def apply(cfg) -> None:  # as get_config() orders them; the listener does not hear it
+            st.quiet += 1
+            try:
+                bw.set_config(tag=cfg[0], interesting_region=cfg[1], enable_cpu_backup=cfg[2],
+                              cpu_backup_backend=cfg[3], enable_disk_backup=cfg[4])
+            finally:
+                st.quiet -= 1
+
+        apply(new)
         try:
             yield
         finally:
-            st.quiet += 1
-            try:
-                bw.set_config(tag=old[0], interesting_region=old[1], enable_cpu_backup=old[2],
-                              cpu_backup_backend=old[3], enable_disk_backup=old[4])
-            finally:
-                st.quiet -= 1
+            apply(old)
             self._reroute(st)  # the routing follows the restored setting
 
     def _interesting_changed(self) -> None:

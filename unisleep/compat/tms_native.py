@@ -58,6 +58,12 @@ class _NativeLibrary(ctypes.CDLL):
         return self._runtime_lib
 
 
+#: tms's per-thread settings: each has ``tms_set_<name>(value)`` and ``tms_get_<name>()``
+_SETTINGS = (("current_tag", ctypes.c_char_p), ("interesting_region", ctypes.c_bool),
+             ("enable_cpu_backup", ctypes.c_bool), ("cpu_backup_backend", ctypes.c_char_p),
+             ("enable_disk_backup", ctypes.c_bool))
+
+
 class _BinaryWrapper:
     """torch_memory_saver's ``_impl._binary_wrapper``: ``cdll`` is unisleep's native library
     with tms's per-thread setting functions (``tms_{get,set}_interesting_region``,
@@ -70,16 +76,9 @@ class _BinaryWrapper:
         self.path = path
         self.cdll = _NativeLibrary(path, runtime)
         c = self.cdll
-        c.tms_set_current_tag.argtypes = [ctypes.c_char_p]
-        c.tms_get_current_tag.restype = ctypes.c_char_p
-        c.tms_set_interesting_region.argtypes = [ctypes.c_bool]
-        c.tms_get_interesting_region.restype = ctypes.c_bool
-        c.tms_set_enable_cpu_backup.argtypes = [ctypes.c_bool]
-        c.tms_get_enable_cpu_backup.restype = ctypes.c_bool
-        c.tms_set_cpu_backup_backend.argtypes = [ctypes.c_char_p]
-        c.tms_get_cpu_backup_backend.restype = ctypes.c_char_p
-        c.tms_set_enable_disk_backup.argtypes = [ctypes.c_bool]
-        c.tms_get_enable_disk_backup.restype = ctypes.c_bool
+        for name, ctype in _SETTINGS:
+            getattr(c, f"tms_set_{name}").argtypes = [ctype]
+            getattr(c, f"tms_get_{name}").restype = ctype
         c.unisleep_tms_set_cpu_backup_backend.argtypes = [ctypes.c_char_p]
         c.unisleep_capture_owned.restype = ctypes.c_size_t
         c.unisleep_tms_library.restype = ctypes.c_char_p
