@@ -530,13 +530,16 @@ class CudaDriver(Driver):
             fence.synchronize()
 
     # ---- framework allocations ---------------------------------------------------------
-    @contextlib.contextmanager
-    def pool(self, lifecycle, tag: str) -> Iterator[None]:
+    def _router(self):
         from .pool import PoolRouter
 
         if self._pools is None:
             self._pools = PoolRouter(self)
-        with self._pools.route(lifecycle, tag):
+        return self._pools
+
+    @contextlib.contextmanager
+    def pool(self, lifecycle, tag: str) -> Iterator[None]:
+        with self._router().route(lifecycle, tag):
             yield
 
     def host_buffer(self, nbytes: int):
@@ -547,19 +550,12 @@ class CudaDriver(Driver):
     def mempool(self, lifecycle, tag: str, detach: bool = False):
         """The torch ``MemPool`` behind :meth:`pool` for (lifecycle, tag); ``detach``: handed to
         the caller and forgotten (``PoolRouter.detach``)."""
-        from .pool import PoolRouter
-
-        if self._pools is None:
-            self._pools = PoolRouter(self)
-        return self._pools.detach(lifecycle, tag) if detach else self._pools.mempool(lifecycle, tag).pool
+        router = self._router()
+        return router.detach(lifecycle, tag) if detach else router.mempool(lifecycle, tag).pool
 
     def graph_pool(self, lifecycle, tag: str = "cudagraph"):
         """A memory-pool handle for ``torch.cuda.graph(..., pool=...)`` whose memory lives in ``tag``."""
-        from .pool import PoolRouter
-
-        if self._pools is None:
-            self._pools = PoolRouter(self)
-        return self._pools.mempool(lifecycle, tag).id
+        return self._router().mempool(lifecycle, tag).id
 
     def close(self) -> None:
         if self._pools is not None:
