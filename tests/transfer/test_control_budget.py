@@ -54,7 +54,7 @@ def _key(payload: bytes) -> str:
         return payload[9:].decode()
     if op == S.WATCH:
         return payload[1 + S.W.size:].decode()
-    if op == S.GET:
+    if op == S.GET or op == S.AGE:
         return payload[5:].decode()
     if op == S.CHECK:
         return payload[3:].decode(errors="replace")
@@ -63,7 +63,7 @@ def _key(payload: bytes) -> str:
 
 class _Spy:
     """Counts the requests of a member's store connection: every request except the liveness
-    checks a long wait makes (a WATCH that ran out unanswered, reading a heartbeat counter, the
+    checks a long wait makes (a WATCH that ran out unanswered, asking how long ago a heartbeat beat, the
     sender looking for an answer in the store that is not there, which a slow machine may do while
     a receiver works)."""
 
@@ -74,7 +74,7 @@ class _Spy:
         def call(payload: bytes) -> bytes:
             answer = self._call(payload)
             op, key = payload[0], _key(payload)
-            if not ((op == S.WATCH and answer[0] == S.MISSING) or (op == S.ADD and key.startswith("hb/"))
+            if not ((op == S.WATCH and answer[0] == S.MISSING) or (op == S.AGE and key.startswith("hb/"))
                     or (op == S.CHECK and answer[1:2] == b"\0")):
                 self.requests.append((op, key))
             return answer

@@ -118,3 +118,22 @@ def test_watch_answers_when_the_key_changes(server):
     ver2, v3 = local.watch("w", after=ver, wait_s=5)  # rank 0 waits on the table itself
     assert v3 == b"again" and ver2 > ver
     t.join()
+
+
+def test_age_is_the_time_since_the_key_last_changed_by_the_stores_clock(server):
+    """AGE: how long ago a key changed, measured where it changed — a member's heartbeat silence
+    does not depend on when another member last looked (the transfer group's liveness)."""
+    a, local = _connect(server), S.LocalStore(server, 5)
+    assert a.aged("hb/1") is None
+    a.add("hb/1", 1)
+    time.sleep(0.3)
+    for st in (a, local):
+        age, v = st.aged("hb/1")
+        assert 0.25 < age < 2.0 and v == b"1", (age, v)
+    a.add("hb/1", 1)
+    age, v = a.prefixed("hb").aged("1")
+    assert age < 0.25 and v == b"2"
+    a.set("big", b"z" * 100)
+    with pytest.raises(S.RecordTooLargeError) as e:  # its size, not its bytes
+        a.aged("big", limit=10)
+    assert e.value.size == 100

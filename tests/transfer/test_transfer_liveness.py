@@ -185,3 +185,25 @@ def test_sigkilled_receiver_is_named_at_once(session, path, when):
     assert isinstance(err, TransferError), err
     assert "rank 1" in str(err) and "recreate the group" in str(err), err
     assert dt < LIMIT_S, f"the dead receiver was named after {dt:.1f} s"
+
+
+def test_a_peer_frozen_while_nobody_looked_is_named_by_its_last_beat(session):
+    """The sender did not look at the receiver's heartbeat for 3 s after the receiver froze (a
+    trainer's generator, a send the kernel's buffers took): the silence counts from the
+    receiver's last beat, not from the sender's next look."""
+    from unisleep.transfer.liveness import DEAD_AFTER_S, HEARTBEAT_S
+
+    g, rx = session("-,-")
+    while not [x for x in rx.lines if "ready" in x]:
+        time.sleep(0.01)
+    time.sleep(1.0)
+    os.kill(rx.p.pid, signal.SIGSTOP)
+    stopped = time.monotonic()
+    time.sleep(DEAD_AFTER_S - 2 * HEARTBEAT_S - 0.2)
+    assert g.peer_dead(1) is None, "named before its heartbeat was silent for long"
+    while (why := g.peer_dead(1)) is None and time.monotonic() - stopped < 30:
+        time.sleep(0.05)
+    took = time.monotonic() - stopped
+    assert why and "rank 1" in why and "no sign of life" in why, why
+    assert took < DEAD_AFTER_S + HEARTBEAT_S + 0.5, f"named {took:.1f} s after it froze"
+    os.kill(rx.p.pid, signal.SIGCONT)

@@ -103,7 +103,6 @@ class TransferGroup(_DataChannel, _Liveness):
         # liveness
         self._hb_store = hb_store
         self._hb_stop = threading.Event()
-        self._hb_seen: dict[int, tuple[int, float]] = {}
         self._hb_thread: Optional[threading.Thread] = None
         self._lock = threading.Lock()
         self._secret_path: Optional[str] = None

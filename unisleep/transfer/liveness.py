@@ -1,13 +1,15 @@
 """A transfer group's liveness: each member beats a heartbeat (a counter) into the group's
-store; a waiting side notices a dead or frozen peer within :data:`DEAD_AFTER_S` seconds (at once
-when it is a process of this machine that exited) and names it.  :class:`_Liveness` is a base
+store; a waiting side notices a dead or frozen peer within :data:`DEAD_AFTER_S` seconds of its
+last beat (at once when it is a process of this machine that exited) and names it.  How long a
+heartbeat has been silent is the store's answer (its clock, the time of the key's last change),
+not this side's memory of when it last looked: a side that was busy elsewhere (a trainer's
+generator, a send the kernel's buffers took) and looks again knows at once.  :class:`_Liveness` is a base
 class of :class:`~unisleep.transfer.group.TransferGroup` and uses its state."""
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 from typing import Optional
 
 from ..errors import TransferError
@@ -24,8 +26,6 @@ class _Liveness:
     """The heartbeats and liveness checks of :class:`~unisleep.transfer.group.TransferGroup`."""
 
     def _start_heartbeat(self) -> None:
-        now = time.monotonic()
-        self._hb_seen = {p.rank: (-1, now) for p in self.peers if p.rank != self.rank}
         key = f"hb/{self.rank}"
         hb = self._hb_store
         hb.add(key, 1)
@@ -67,20 +67,17 @@ class _Liveness:
             except (OSError, IndexError):
                 pass
         try:
-            n = int(self.store.add(f"hb/{r}", 0))
-        except TransferError as e:  # not a counter: only a member could have written it
+            got = self.store.aged(f"hb/{r}", 32)
+            if got is not None:
+                int(got[1].decode("ascii"))
+        except (TransferError, UnicodeDecodeError, ValueError) as e:  # only a member could have written it
             self._intrusion(f"rank {r}'s heartbeat in the store is not a counter: {e}")
             return None
         except Exception as e:
             return f"the group's store is gone (rank 0 may have died): {e}"
-        now = time.monotonic()
-        last, since = self._hb_seen.get(r, (-1, now))
-        if n != last:
-            self._hb_seen[r] = (n, now)
-            return None
-        if now - since > DEAD_AFTER_S:
+        if got is not None and got[0] > DEAD_AFTER_S:
             who = p.describe() if p is not None else f"rank {r}"
-            return f"{who} gave no sign of life for {now - since:.1f} s (dead or frozen)"
+            return f"{who} gave no sign of life for {got[0]:.1f} s (dead or frozen)"
         return None
 
     def check_alive(self, ranks) -> None:

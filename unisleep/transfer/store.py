@@ -38,7 +38,7 @@ from .fd_limit import descriptor_error
 from .store_client import LocalStore, RemoteStore, _Api, _Prefixed  # noqa: F401 - every name importable from here
 from .store_server import StoreServer, _Conn  # noqa: F401
 from .store_table import _handle, _Table
-from .store_wire import (ADD, ANSWER, AUTH_S, BAD, CAS, CHECK, DELETE, DIRECT_ANSWER, GET, HELLO, I64, LEN, LIMIT,
+from .store_wire import (ADD, AGE, ANSWER, AUTH_S, BAD, CAS, CHECK, DELETE, DIRECT_ANSWER, GET, HELLO, I64, LEN, LIMIT,
                          MAGIC, MAX_FRAME, MAX_KEY, MAX_KEYS, MAX_MEMBER_CONNS, MAX_PENDING, MAX_TOTAL, MAX_VALUE,
                          MISSING, NOTINT, NUMKEYS, OK, SET, TAG, TOOBIG, U16, U32, VERSION, W, WATCH,
                          RecordTooLargeError, StoreAuthError, StoreLimitError, _keys, _mac, _recv_exact)

@@ -18,7 +18,7 @@ from ..units import human_bytes
 from .fd_limit import descriptor_error
 from .store_server import StoreServer
 from .store_table import _handle
-from .store_wire import (ADD, ANSWER, AUTH_S, CAS, CHECK, DELETE, GET, HELLO, I64, LEN, LIMIT, MAGIC, MAX_FRAME,
+from .store_wire import (ADD, AGE, ANSWER, AUTH_S, CAS, CHECK, DELETE, GET, HELLO, I64, LEN, LIMIT, MAGIC, MAX_FRAME,
                          MAX_VALUE, MISSING, NUMKEYS, OK, SET, TAG, TOOBIG, U16, U32, VERSION, W, WATCH, _keys, _mac,
                          _recv_exact, RecordTooLargeError, StoreAuthError, StoreLimitError)
 
@@ -74,6 +74,20 @@ class _Api:
         if st != OK:
             raise TransferError(f"the group's store refused to read {key!r} (status {st})")
         return ver, v
+
+    def aged(self, key: str, limit: int = 64) -> Optional[tuple[float, bytes]]:
+        """``(seconds since key last changed, by the store's clock; its value)`` — None when it
+        is absent; :class:`RecordTooLargeError` without fetching a value larger than ``limit``."""
+        ans = self._call(bytes([AGE]) + U32.pack(min(limit, MAX_VALUE)) + key.encode())
+        if ans[0] == MISSING:
+            return None
+        if ans[0] == TOOBIG:
+            size = int.from_bytes(ans[9:17], "little")
+            raise RecordTooLargeError(f"store key {key!r} holds {human_bytes(size)}, more than the "
+                                      f"{human_bytes(limit)} this side takes: not fetched", size)
+        if ans[0] != OK:
+            self._ok(ans, f"to read {key!r}")
+        return I64.unpack_from(ans, 1)[0] / 1e6, ans[9:]
 
     def get(self, key: str) -> bytes:
         """The value of ``key``, waiting for it (the c10d ``get``)."""
@@ -146,6 +160,9 @@ class _Prefixed(_Api):
 
     def watch(self, key, limit=MAX_VALUE, after=0, wait_s=0.0):
         return self._inner.watch(self._k(key), limit, after, wait_s)
+
+    def aged(self, key, limit=64):
+        return self._inner.aged(self._k(key), limit)
 
     def add(self, key, amount):
         return self._inner.add(self._k(key), amount)

@@ -1,5 +1,5 @@
 """The store's values and the requests on them: :class:`_Table` (the values under the limits, one
-lock, a version per change for WATCH) and :func:`_handle` (one request's payload → its answer).
+lock, a version per change for WATCH, the store's time of each key's last change for AGE) and :func:`_handle` (one request's payload → its answer).
 The server (:mod:`.store_server`) and rank 0's own client (:class:`~.store_client.LocalStore`)
 both go through them (the design: :mod:`.store`)."""
 
@@ -11,18 +11,20 @@ import time
 from typing import Callable, Iterable, Optional
 
 from ..units import human_bytes
-from .store_wire import (ADD, BAD, CAS, CHECK, DELETE, GET, I64, LIMIT, MAX_KEY, MAX_KEYS, MAX_TOTAL, MAX_VALUE,
+from .store_wire import (ADD, AGE, BAD, CAS, CHECK, DELETE, GET, I64, LIMIT, MAX_KEY, MAX_KEYS, MAX_TOTAL, MAX_VALUE,
                          MISSING, NUMKEYS, OK, SET, TOOBIG, U16, U32, W, WATCH, StoreLimitError)
 
 
 class _Table:
     """The values, with the limits; every method under one lock.  Every change of a key gives it
     a new version (a counter over the whole table), so a reader can wait for a change instead of
-    polling: :meth:`watch`."""
+    polling: :meth:`watch`; and when it changed, by the store's clock (:meth:`aged`): how long a
+    member's heartbeat has been silent does not depend on when another member last looked."""
 
     def __init__(self):
         self.data: dict[str, bytes] = {}
         self.ver: dict[str, int] = {}
+        self.at: dict[str, float] = {}  # time.monotonic() of each key's last change
         self.total = 0
         self._n = 0
         self.lock = threading.Lock()
@@ -32,9 +34,11 @@ class _Table:
     def _changed(self, key: str) -> None:
         self._n += 1
         self.ver[key] = self._n
+        self.at[key] = time.monotonic()
         if len(self.ver) > 2 * MAX_KEYS:  # versions of deleted keys are forgotten, oldest first
             for k in [k for k in self.ver if k not in self.data][: len(self.ver) - MAX_KEYS]:
                 del self.ver[k]
+                self.at.pop(k, None)
         self.cv.notify_all()
         if self.on_change is not None:
             self.on_change(key)
@@ -86,6 +90,13 @@ class _Table:
                 if r[0] != MISSING or left <= 0:
                     return r
                 self.cv.wait(left)
+
+    def aged(self, key: str, limit: int) -> tuple[int, float, bytes]:
+        """(status, seconds since ``key`` last changed, value): MISSING when absent, TOOBIG (the
+        value's size in place of its bytes) when it is larger than ``limit``."""
+        with self.lock:
+            st, _ver, v = self._look(key, limit, 0)
+            return st, (time.monotonic() - self.at[key]) if st != MISSING else 0.0, v
 
     def add(self, key: str, delta: int) -> int:
         with self.lock:
@@ -155,6 +166,10 @@ def _handle(table: _Table, payload: bytes) -> bytes:
             limit, _wait_ms, after = W.unpack_from(payload, 1)
             st, ver, v = table._look_locked(payload[1 + W.size:].decode(), limit, after)
             return bytes([st]) + ver.to_bytes(8, "little") + v
+        if op == AGE:
+            (limit,) = U32.unpack_from(payload, 1)
+            st, age, v = table.aged(payload[5:].decode(), limit)
+            return bytes([st]) + I64.pack(int(age * 1e6)) + v
         if op == CAS:
             (kl,) = U16.unpack_from(payload, 1)
             key = payload[3: 3 + kl].decode()

@@ -39,7 +39,7 @@ MAX_FRAME = 1 + 2 + 4 + MAX_KEY + 2 * MAX_VALUE
 #: a larger one (a header with many tensor specs) the server's thread sends
 DIRECT_ANSWER = 64 << 10
 
-SET, GET, ADD, CHECK, DELETE, NUMKEYS, CAS, WATCH = range(1, 9)
+SET, GET, ADD, CHECK, DELETE, NUMKEYS, CAS, WATCH, AGE = range(1, 10)
 W = struct.Struct("<IIQ")  # WATCH: limit, wait in ms, the version already seen
 OK, MISSING, TOOBIG, NOTINT, LIMIT, BAD = range(6)
 
