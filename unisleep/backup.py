@@ -6,6 +6,7 @@ copy device→host, copy host→device)."""
 from __future__ import annotations
 
 import abc
+import contextlib
 import ctypes
 from typing import Any, Callable, Optional
 
@@ -22,6 +23,13 @@ class BackupStore(abc.ABC):
     @abc.abstractmethod
     def ensure_fits(self, nbytes: int) -> None:
         """Raise :class:`~unisleep.errors.HostBudgetError` if ``nbytes`` more cannot be held."""
+
+    def room_lock(self):
+        """A context manager held around a sleep's check of the room (:meth:`ensure_fits`) and
+        its reservations (:meth:`reserve`), so that stores of other processes sharing the same
+        room (a disk) take turns: one reserves, the next one's check sees it.  Default: nothing
+        is shared, nothing is held."""
+        return contextlib.nullcontext()
 
     def reserve(self, key: tuple[int, int], nbytes: int) -> None:
         """Take all the room backup ``key`` needs now (allocate its file, grow the arena), so

@@ -108,6 +108,13 @@ class TransferError(UnisleepError):
     """A weight update failed, was incomplete or corrupt; the previous version stays served."""
 
 
+class PrivateDirError(TransferError):
+    """unisleep's private run directory for this user cannot be used: another user made a
+    directory at its name (to block this user's transfer groups or read what is put there), or
+    it is not a directory of mode 0700 owned by this user.  The message names the owner and the
+    fix.  A :class:`TransferError`: a loopback transfer group keeps its secret there."""
+
+
 class VersionError(TransferError, InvalidArgumentError):
     """An update's version is not a version (an integer or a short string) or does not come after
     the version sent last (on the sender) or served (on a receiver).  Nothing was sent or applied;

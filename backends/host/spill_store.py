@@ -3,17 +3,20 @@ the trust rules of :mod:`.spill`."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import itertools
 import logging
 import os
+import time
 import warnings
 from typing import Optional
 
 from unisleep.driver import BackupStore
-from unisleep.errors import BackupCorruptError, BackupError, HostBudgetError, SpillDirError
+from unisleep.errors import BackupCorruptError, BackupError, HostBudgetError, SpillDirError, UnisleepError
 from unisleep.hostmem import check_host_room
+from unisleep.private_dir import private_dir
 from unisleep.units import human_bytes
 
 from .spill_dir import (
@@ -29,6 +32,10 @@ from .spill_dir import (
 )
 
 log = logging.getLogger("unisleep.host")
+
+#: how long a sleep waits for another process's turn at the spill disk (a turn is a free-space
+#: check and the backup files' allocation: milliseconds) before it goes on without
+ROOM_LOCK_WAIT_S = 30.0
 
 from .spill_open import SpillDirSetup
 from .spill_reads import _STEP, PIECE, _buffer, _hasher, _read_hashed
@@ -126,6 +133,46 @@ class SpillStore(SpillDirSetup, BackupStore):
     def free_space(self) -> int:
         st = os.fstatvfs(self._dir_fd)
         return st.f_bavail * st.f_frsize
+
+    @contextlib.contextmanager
+    def room_lock(self):
+        """Take turns at the disk with this user's other stores on the same file system (other
+        processes too): an exclusive ``flock`` on a lock file of that file system in this user's
+        private run directory (:func:`unisleep.private_dir.private_dir`, mode 0700: no other
+        user can hold it), held from the free-space check to the last file's allocation.  Two
+        sleeps at once onto a nearly full disk: one reserves, the other's check then sees the
+        room taken and refuses cleanly — without turns both could pass the check and both fail
+        to allocate (each allocation taking part of the room).  Held for more than
+        :data:`ROOM_LOCK_WAIT_S` (a stuck process), or no private directory: the sleep goes on
+        without it, said in a warning."""
+        fd = -1
+        try:
+            dev = os.fstat(self._dir_fd).st_dev
+            fd = os.open(os.path.join(private_dir(), f"spill-room-{dev:x}.lock"),
+                         os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except (OSError, UnisleepError) as e:
+            log.warning("the spill disk's turn lock cannot be opened (%s): this sleep checks and reserves its room "
+                        "alone", e)
+        t0, delay = time.monotonic(), 0.002
+        while fd >= 0:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() - t0 > ROOM_LOCK_WAIT_S:
+                    log.warning("another process of this user has held the turn at spill_dir %s's disk for %.0f s: "
+                                "this sleep checks and reserves its room without waiting longer", self.parent,
+                                time.monotonic() - t0)
+                    os.close(fd)
+                    fd = -1
+                    break
+                time.sleep(delay)
+                delay = min(delay * 2, 0.05)
+        try:
+            yield
+        finally:
+            if fd >= 0:
+                os.close(fd)  # the lock goes with the descriptor
 
     def ensure_fits(self, nbytes: int) -> None:
         self._retry_leftovers()

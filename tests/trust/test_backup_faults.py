@@ -21,9 +21,11 @@ pytestmark = pytest.mark.slow  # every test here starts processes
 
 # ----------------------------------------------------------------------------- a disk that fills up
 def test_two_concurrent_sleeps_on_a_nearly_full_disk(tmp_path):
-    """Two processes, 300 MiB of weights each, sleep at once onto a ~550 MB filesystem: both pass
-    the free-space check, only one backup fits.  The other fails *before* anything is released:
-    every tag awake, bytes exact, no partial file; it sleeps fine once the first one woke."""
+    """Two processes, 300 MiB of weights each, sleep at once onto a ~550 MB filesystem: only one
+    backup fits.  They take turns at the disk (without turns both could pass the free-space check
+    and then both fail to allocate: ext4 gives each allocation part of the room); the other fails
+    *before* anything is released: every tag awake, bytes exact, no partial file; it sleeps fine
+    once the first one woke."""
     with small_filesystem(560, tmp_path) as (mnt, kind):
         go, woke = os.path.join(mnt, "go"), os.path.join(str(tmp_path), "woke")
         code = f"""
@@ -71,10 +73,71 @@ def test_two_concurrent_sleeps_on_a_nearly_full_disk(tmp_path):
         report(outcome=outcome)
         """
         a, b = Child(code, tmp_path, "a"), Child(code, tmp_path, "b")
-        time.sleep(3)  # both allocated and waiting
-        open(go, "w").close()
-        outcomes = sorted([a.ok(240)["outcome"], b.ok(240)["outcome"]])
+        try:
+            time.sleep(3)  # both allocated and waiting
+            open(go, "w").close()
+            outcomes = sorted([a.ok(240)["outcome"], b.ok(240)["outcome"]])
+        finally:  # one failed or timed out: the other must not keep the test filesystem busy
+            for c in (a, b):
+                if c.proc.poll() is None:
+                    kill_tree(c.proc)
         assert outcomes == ["refused", "slept"], (outcomes, kind)
+
+
+def test_sleeps_onto_one_disk_take_turns_the_second_is_refused_by_the_check(tmp_path):
+    """Two lifecycles sleep onto one nearly full disk; the first is slow to allocate its backup
+    file (held 1 s before allocating — a slow disk).  The second waits for the first's turn, then
+    its free-space check sees the room taken: it is refused by the check (HostBudgetError,
+    before any file), the first sleeps.  Without turns the second passed the check while the
+    first had not allocated yet, took the room, and the first failed at its allocation — and when
+    both allocate at once on ext4, both fail."""
+    with small_filesystem(560, tmp_path) as (mnt, kind):
+        code = f"""
+        import threading
+        a, b = MemoryLifecycle("host", spill_dir={mnt!r}), MemoryLifecycle("host", spill_dir={mnt!r})
+        mine = {{}}
+        for name, lc in (("a", a), ("b", b)):
+            w = fill(lc.empty((300 * MiB,), torch.uint8, tag="weights"), len(name))
+            kv = fill(lc.empty((64 * MiB,), torch.uint8, tag="kv_cache"), 7)
+            mine[name] = (w, kv, crc(w), crc(kv))
+        reserve = a.backup_store.reserve
+
+        def slow_reserve(key, n):  # a slow disk: the allocation comes 1 s after the check
+            time.sleep(1.0)
+            return reserve(key, n)
+
+        a.backup_store.reserve = slow_reserve
+        out = {{}}
+
+        def sleep(name, lc):
+            try:
+                lc.sleep(1)
+                out[name] = ("slept", "")
+            except Exception as e:
+                out[name] = (type(e).__name__, str(e))
+
+        ta = threading.Thread(target=sleep, args=("a", a))
+        ta.start()
+        time.sleep(0.3)  # a checked and waits to allocate
+        tb = threading.Thread(target=sleep, args=("b", b))
+        tb.start()
+        ta.join(60)
+        tb.join(60)
+        assert out["a"][0] == "slept", out
+        assert out["b"][0] == "HostBudgetError" and "does not fit" in out["b"][1], out
+        assert "Nothing was released" in out["b"][1], out
+        w, kv, cw, ckv = mine["b"]
+        assert b.state() == {{"weights": "awake", "kv_cache": "awake"}} and (crc(w), crc(kv)) == (cw, ckv)
+        assert bins(b.backup_store.dir) == []
+        a.wake_up()
+        assert crc(mine["a"][0]) == mine["a"][2]
+        b.sleep(1)  # its turn, now that there is room
+        b.wake_up()
+        assert crc(w) == cw
+        report(a=out["a"][0], b=out["b"][0])
+        """
+        got = run_child(code, tmp_path, timeout=240)
+        assert got == {"a": "slept", "b": "HostBudgetError"}, (got, kind)
 
 
 def test_enospc_when_reserving_the_backup_changes_nothing(tmp_path):

@@ -283,9 +283,9 @@ def test_orphan_cleanup_never_removes_a_live_groups_secret_directory(tmp_path, m
     monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
     # a host where the private run directory falls back to the temp directory (no /run/user/<uid>,
     # and not root's /run/unisleep): there it sits beside the spill directories cleanup looks at
-    from unisleep.transfer import secret as secret_mod
+    from unisleep import private_dir as private_dir_mod
 
-    monkeypatch.setattr(secret_mod, "_run_dir_candidates", lambda: [])
+    monkeypatch.setattr(private_dir_mod, "_run_dir_candidates", lambda: [])
     port = _port()
     addr = f"tcp://127.0.0.1:{port}"
     groups: dict = {}

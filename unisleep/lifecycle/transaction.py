@@ -53,18 +53,19 @@ def sleep(state: LifecycleState, level: int, plan: dict, write_off: dict, patter
     for job in saves:  # a retained backup of bytes that changed since is stale: its room
         if not job.skip_copy and state.get(job.key).saved:  # counts for the new one
             state.drop_backup(state.get(job.key))
-    try:
-        state.ensure_backup_fits(need, keep_ids={j.key for j in saves})
-    except BaseException:
-        state.forget_pending_digests(saves)
-        raise
-    try:
-        reserved = state.reserve_backups(saves)
-    except BaseException as e:
-        state.forget_pending_digests(saves)
-        if not isinstance(e, Exception):  # Ctrl-C, SystemExit: themselves, not a backup failure
+    with state.store.room_lock():  # another process's sleep into the same room checks after this one reserved
+        try:
+            state.ensure_backup_fits(need, keep_ids={j.key for j in saves})
+        except BaseException:
+            state.forget_pending_digests(saves)
             raise
-        raise backup_error(state, e, saves, "sleep") from e
+        try:
+            reserved = state.reserve_backups(saves)
+        except BaseException as e:
+            state.forget_pending_digests(saves)
+            if not isinstance(e, Exception):  # Ctrl-C, SystemExit: themselves, not a backup failure
+                raise
+            raise backup_error(state, e, saves, "sleep") from e
     tr.mark("reserve")
     hooks_ran = False
     try:
