@@ -79,15 +79,8 @@ class _Api:
         """``(seconds since key last changed, by the store's clock; its value)`` — None when it
         is absent; :class:`RecordTooLargeError` without fetching a value larger than ``limit``."""
         ans = self._call(bytes([AGE]) + U32.pack(min(limit, MAX_VALUE)) + key.encode())
-        if ans[0] == MISSING:
-            return None
-        if ans[0] == TOOBIG:
-            size = int.from_bytes(ans[9:17], "little")
-            raise RecordTooLargeError(f"store key {key!r} holds {human_bytes(size)}, more than the "
-                                      f"{human_bytes(limit)} this side takes: not fetched", size)
-        if ans[0] != OK:
-            self._ok(ans, f"to read {key!r}")
-        return I64.unpack_from(ans, 1)[0] / 1e6, ans[9:]
+        age_us, v = self._watched(key, limit, ans[0], I64.unpack_from(ans, 1)[0], ans[9:])  # WATCH's layout
+        return None if v is None else (age_us / 1e6, v)
 
     def get(self, key: str) -> bytes:
         """The value of ``key``, waiting for it (the c10d ``get``)."""
