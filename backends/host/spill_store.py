@@ -65,6 +65,7 @@ class SpillStore(SpillDirSetup, BackupStore):
             raise ValueError(f"layout must be 'private' or 'flat', got {layout!r}")
         self.layout = layout
         self._fds: dict[str, int] = {}  # flat layout: file name -> its descriptor, kept open (and locked)
+        self._room_lock_path: Optional[str] = None  # room_lock()'s file
         parent = os.path.abspath(os.path.expanduser(spill_dir or default_spill_parent()))
         self._made_parent = None
         self._parent_fd = self._dir_fd = self._lock_fd = -1
@@ -147,9 +148,10 @@ class SpillStore(SpillDirSetup, BackupStore):
         without it, said in a warning."""
         fd = -1
         try:
-            dev = os.fstat(self._dir_fd).st_dev
-            fd = os.open(os.path.join(private_dir(), f"spill-room-{dev:x}.lock"),
-                         os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            if self._room_lock_path is None:  # found once: the directory and its file system stay
+                dev = os.fstat(self._dir_fd).st_dev
+                self._room_lock_path = os.path.join(private_dir(), f"spill-room-{dev:x}.lock")
+            fd = os.open(self._room_lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         except (OSError, UnisleepError) as e:
             log.warning("the spill disk's turn lock cannot be opened (%s): this sleep checks and reserves its room "
                         "alone", e)

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Callable, Optional
 
@@ -53,7 +54,8 @@ def sleep(state: LifecycleState, level: int, plan: dict, write_off: dict, patter
     for job in saves:  # a retained backup of bytes that changed since is stale: its room
         if not job.skip_copy and state.get(job.key).saved:  # counts for the new one
             state.drop_backup(state.get(job.key))
-    with state.store.room_lock():  # another process's sleep into the same room checks after this one reserved
+    # another process's sleep into the same room checks after this one reserved (nothing to take: no turn)
+    with state.store.room_lock() if need else contextlib.nullcontext():
         try:
             state.ensure_backup_fits(need, keep_ids={j.key for j in saves})
         except BaseException:
