@@ -3,8 +3,8 @@ store; a waiting side notices a dead or frozen peer within :data:`DEAD_AFTER_S` 
 last beat (at once when it is a process of this machine that exited) and names it.  How long a
 heartbeat has been silent is the store's answer (its clock, the time of the key's last change),
 not this side's memory of when it last looked: a side that was busy elsewhere (a trainer's
-generator, a send the kernel's buffers took) and looks again knows at once.  :class:`_Liveness` is a base
-class of :class:`~unisleep.transfer.group.TransferGroup` and uses its state."""
+generator, a send the kernel's buffers took) and looks again knows at once.  :class:`_Liveness`
+is a base class of :class:`~unisleep.transfer.group.TransferGroup` and uses its state."""
 
 from __future__ import annotations
 
