@@ -108,6 +108,18 @@ class TransferError(UnisleepError):
     """A weight update failed, was incomplete or corrupt; the previous version stays served."""
 
 
+class TornWeightsError(TransferError):
+    """The engine's weights are torn: an update failed after part of it was applied, and the
+    previous weights could not be restored (no retained level-1 backup held them).  Generation
+    and weight reads through unisleep refuse until a complete update arrives.  ``version`` is
+    the update that is incomplete, ``previous`` the version served before it, ``names`` the
+    tensors already overwritten (``None`` when not known)."""
+
+    def __init__(self, msg: str, *, version=None, previous=None, names=None):
+        super().__init__(msg)
+        self.version, self.previous, self.names = version, previous, names
+
+
 class PrivateDirError(TransferError):
     """unisleep's private run directory for this user cannot be used: another user made a
     directory at its name (to block this user's transfer groups or read what is put there), or
@@ -155,6 +167,7 @@ __all__ = [
     "InvalidArgumentError",
     "UnknownTagError",
     "TransferError",
+    "TornWeightsError",
     "VersionError",
     "IntrusionError",
     "DescriptorLimitError",
