@@ -21,11 +21,12 @@ import mmap as _mmap
 import os
 import queue
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 from unisleep.backends._capture import CaptureSpec
 from unisleep.driver import BackupStore, Capabilities, Driver, DriverConfig, _Trace
+from unisleep.errors import InvalidArgumentError
 
 from . import libc
 from .spill import SpillStore
@@ -53,10 +54,19 @@ class HostDriver(Driver):
     #: in an interesting region becomes a region of this driver
     capture_spec = CaptureSpec("libc10", "posix_memalign", "free", "host")
 
-    def __init__(self, device: int = 0, granularity: Optional[int] = None, chunk_bytes: Any = _DEFAULT, **options):
+    def __init__(self, device: int = 0, granularity: Optional[int] = None, chunk_bytes: Any = _DEFAULT,
+                 retain_backups: bool = False, **options):
         """``chunk_bytes``: the physical chunk size (None: one chunk per region; left out: the
-        default config's)."""
+        default config's).  ``retain_backups=True`` (``MemoryLifecycle("host",
+        retain_backups=True)``): a full level-1 backup stays in its spill file after the wake, as
+        on CUDA — an unchanged tag then skips its copy at the next sleep, and a weight update
+        that fails part-way rolls back from it; it costs the spill files' room while awake.
+        Off by default."""
+        if not isinstance(retain_backups, bool):
+            raise InvalidArgumentError(f"retain_backups must be True or False, got {retain_backups!r}")
         super().__init__(device, **options)
+        if retain_backups:
+            self.capabilities = replace(type(self).capabilities, retain_backups=True)
         page = _mmap.PAGESIZE
         gran = granularity or page
         if gran % page or gran & (gran - 1):

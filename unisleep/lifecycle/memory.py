@@ -34,7 +34,7 @@ from ..errors import (
 )
 from ..registry import backend_of
 from ..release_behind import release_behind_setting
-from . import planning, transaction
+from . import planning, rollback, transaction
 from .allocation import LifecycleAllocation
 from .flight import Flight
 from .introspection import LifecycleIntrospection
@@ -144,6 +144,7 @@ class MemoryLifecycle(LifecycleAllocation, LifecycleIntrospection):
         self._state.keep_backups = keep == "keep"
         self._lock = threading.RLock()
         self._preserve: list[str] = []
+        self._torn: Optional[rollback.Torn] = None
         self._closed = False
         self._shut = threading.Event()  # set by the finalizer (close, garbage collection or exit)
         self.last_report: Optional[Report] = None
@@ -166,6 +167,11 @@ class MemoryLifecycle(LifecycleAllocation, LifecycleIntrospection):
             matched = planning.match_preserve(self.names(), pats)
             self._preserve = pats
             return matched
+
+    def preserved_patterns(self) -> list[str]:
+        """The globs given to :meth:`preserve` (empty when none): the names a level-2 sleep keeps,
+        which a weight update may leave out."""
+        return list(self._preserve)
 
     def prepare_backup(self, nbytes: Optional[int] = None, *, background: bool = True) -> int:
         """Reserve backup room ahead of the first level-1 sleep (e.g. register a pinned host
@@ -326,6 +332,52 @@ class MemoryLifecycle(LifecycleAllocation, LifecycleIntrospection):
             if failures:
                 raise transaction.first_failure(failures)
             return rep
+
+    # ------------------------------------------------------------------ rollback of a write, torn weights
+    def restore_point(self, tags: Optional[Iterable[str]] = None) -> Optional[rollback.RestorePoint]:
+        """Before writing ``tags`` (default ``["weights"]``) in place: a point to roll them back to
+        — their retained level-1 backups, proven by keyed digest to equal their memory now
+        (:mod:`.rollback`) — or None where they have none (the backend retains no backups, the
+        tag never slept at level 1 or slept at level 2, backups are released after a wake, or
+        the memory was written since).  Costs one digest pass over the tags' memory."""
+        tags = as_tag_list(tags if tags is not None else ["weights"], "tags")
+        with self._lock:
+            self._check_open()
+            self._state.check_tags(tags)
+            return rollback.take_point(self._state, tags)
+
+    def roll_back(self, point: rollback.RestorePoint) -> int:
+        """Put the memory of ``point`` back as it was when the point was taken, byte-exact
+        (proven by the keyed digest afterwards); returns the bytes restored.  Raises
+        :class:`~unisleep.errors.BackupLostError` when a backup of the point was dropped or
+        renewed meanwhile (nothing is written then)."""
+        self._flight.refuse(list(point.tags), "roll_back")
+        with self._lock:
+            self._check_open()
+            return rollback.roll_back(self._state, point)
+
+    def mark_torn(self, *, version: Any, previous: Any, names: Sequence[str] = (), why: str = "",
+                  needs: Iterable[str] = ()) -> None:
+        """Record that the weights are torn (an update wrote part of ``version`` — ``names`` — and
+        the previous one could not be restored; ``needs``: what a repairing update must cover):
+        :meth:`check_serving` refuses until :meth:`clear_torn`.  Sleep and wake stay allowed."""
+        self._torn = rollback.Torn(version, previous, tuple(names), why, frozenset(needs))
+
+    def clear_torn(self) -> None:
+        """A complete update arrived: the weights serve again."""
+        self._torn = None
+
+    @property
+    def torn(self) -> Optional[rollback.Torn]:
+        """What :meth:`mark_torn` recorded (None: the weights are whole)."""
+        return self._torn
+
+    def check_serving(self) -> None:
+        """Raise :class:`~unisleep.errors.TornWeightsError` (naming the incomplete version and the
+        fix) while the weights are torn; call it before generating from or reading them."""
+        torn = self._torn
+        if torn is not None:
+            raise torn.error("MemoryLifecycle")
 
     # ------------------------------------------------------------------ copies in flight
     def ready(self, obj) -> None:

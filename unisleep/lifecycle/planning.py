@@ -7,7 +7,7 @@
   allocation to back up (whole, or only its preserved parameters at level 2) and the regions to
   release without a copy;
 * :func:`unchanged` — the allocations whose bytes equal their retained backup, proven by the
-  keyed digest (their copy is skipped).
+  keyed digest (their copy is skipped); :func:`proven` is that proof alone (a rollback's).
 """
 
 from __future__ import annotations
@@ -154,13 +154,19 @@ def unchanged(state: LifecycleState, allocs: list[Allocation]) -> set:
     keyed digest under that backup's key (one batch, one device wait); those keep their
     digest (``pending_digest``).  Every other one is copied, and its save job gets a fresh
     key: the driver digests it while the copies run (:meth:`Driver.take_digests`)."""
-    driver = state.driver
-    retained = [a for a in allocs if a.digest is not None and a.fully_saved and not a.corrupt]
-    same = set()
-    if retained:
-        views = [driver.view(a.region.va, a.region.size) for a in retained]
-        now = driver.keyed_digests(views, [a.digest[0] for a in retained])
-        same = {a.id for a, d in zip(retained, now) if d == a.digest[1]}
+    same = proven(state, allocs)
     for a in allocs:
         a.pending_digest = a.digest if a.id in same else None
     return same
+
+
+def proven(state: LifecycleState, allocs: list[Allocation]) -> set:
+    """Ids of the allocations whose bytes equal their retained full backup, proven by the keyed
+    digest under that backup's key (one batch, one device wait); changes nothing."""
+    driver = state.driver
+    retained = [a for a in allocs if a.digest is not None and a.fully_saved and not a.corrupt]
+    if not retained:
+        return set()
+    views = [driver.view(a.region.va, a.region.size) for a in retained]
+    now = driver.keyed_digests(views, [a.digest[0] for a in retained])
+    return {a.id for a, d in zip(retained, now) if d == a.digest[1]}
