@@ -120,6 +120,16 @@ class TornWeightsError(TransferError):
         self.version, self.previous, self.names = version, previous, names
 
 
+class IncompleteUpdateError(TransferError):
+    """An update that must cover the receiver's weights (``WeightReceiver(require_complete=...)``)
+    leaves out tensors that are not preserved across the engine's sleep: refused at the
+    acknowledgement, before any byte moved.  ``missing`` lists them."""
+
+    def __init__(self, msg: str, *, missing=None):
+        super().__init__(msg)
+        self.missing = list(missing or [])
+
+
 class PrivateDirError(TransferError):
     """unisleep's private run directory for this user cannot be used: another user made a
     directory at its name (to block this user's transfer groups or read what is put there), or
@@ -168,6 +178,7 @@ __all__ = [
     "UnknownTagError",
     "TransferError",
     "TornWeightsError",
+    "IncompleteUpdateError",
     "VersionError",
     "IntrusionError",
     "DescriptorLimitError",

@@ -1,16 +1,20 @@
-"""``WeightReceiver``: the engine's side of an update (ranks >= 1 of the group) — guard and target
-checks before a byte moves, the receiving loops of the collective and IPC paths
-(:mod:`.receive_paths`), then verify, apply and commit (through :class:`~unisleep.transfer.staging.RecvState`)."""
+"""``WeightReceiver``: the engine's side of an update (ranks >= 1 of the group) — guard, target and
+coverage checks before a byte moves, the receiving loops of the collective and IPC paths
+(:mod:`.receive_paths`), verify and apply bucket by bucket (through
+:class:`~unisleep.transfer.staging.RecvState`), and on a failure part-way the rollback or torn
+mark of :mod:`.rollback`."""
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
-from ..errors import (InvalidArgumentError, InvalidTransitionError, LifecycleClosedError, TransferError, UnisleepError,
-                      VersionError)
+from ..errors import (IncompleteUpdateError, InvalidArgumentError, InvalidTransitionError, LifecycleClosedError,
+                      TransferError, UnisleepError, VersionError)
 from . import records as R
+from . import rollback
 from .channels import IpcConn, IpcGoneError, connect_ipc, handshake_receiver, ipc_text
 from .cipher import BucketCipher
 from .group import TransferGroup
@@ -35,33 +39,79 @@ class WeightReceiver(_ReceivePaths):
     A closed guard makes ``receive`` raise :class:`InvalidTransitionError` before a byte moves
     (:class:`~unisleep.errors.LifecycleClosedError` when the lifecycle itself was closed).
 
-    ``staged`` (default True): every bucket is verified and held until the whole update is good,
-    then applied; the previous version stays intact on any failure (costs one update's size of
-    memory on the group's device).  ``staged=False`` applies each verified bucket at once
-    (two bucket buffers only) — a failure part-way then leaves the target mixed, which the error
-    says, and ``consistent`` becomes False.
+    ``staged`` (default False: streaming): each bucket is verified against the manifest's keyed
+    digests and applied into the live weights while the next one arrives — at most two bucket
+    buffers of extra memory, whatever the model size.  An update that fails part-way stays all or
+    nothing without a second copy: nothing applied yet — the previous version serves; buckets
+    applied and the guard lifecycle holds a retained level-1 backup proven equal to the weights
+    when the update began — they are rolled back from it, byte-exact; otherwise the weights are
+    *torn*: :attr:`torn` says which version is incomplete, :meth:`check_serving` (and the guard
+    lifecycle's) raises :class:`~unisleep.errors.TornWeightsError` until an update covering the
+    torn one's tensors completes.  The raised error's ``outcome`` (``"untouched"``,
+    ``"rolled_back"`` or ``"torn"``) and its message say which.  ``staged=True``: every bucket is
+    held until the whole update is verified, then applied — the previous weights keep serving
+    meanwhile (costs one update's size of memory on the group's device).
+
+    ``rollback`` (default True): with a :class:`~unisleep.MemoryLifecycle` guard whose backend
+    retains backups, each update first proves the retained backup equal to the weights (one
+    keyed-digest pass over the guarded tags) so that it can roll back to it; False skips the
+    proof (a failure part-way then marks the weights torn).
+
+    ``require_complete``: the update must cover the receiver's weights — ``True``: the names of
+    ``target`` (or, with ``apply=``, the names adopted into the guard lifecycle's guarded tags);
+    or a collection of names.  Names matched by ``preserve`` (globs) or by the guard lifecycle's
+    :meth:`~unisleep.MemoryLifecycle.preserve` patterns may be left out (a level-2 sleep keeps
+    them; the report's ``omitted`` lists them); an update leaving out any other is refused at the
+    acknowledgement, before any byte moves, with :class:`~unisleep.errors.IncompleteUpdateError`.
+    Default False: partial updates (some tensors only) are accepted.
 
     ``initial_version``: the version the target holds now; every update must come after it
     (``allow_equal_versions=True``: or equal to it).  A replayed or older update is refused.
     """
 
     def __init__(self, group: TransferGroup, *, apply: Optional[Callable] = None, target=None, guard=None,
-                 staged: bool = True, guard_tags: Optional[Sequence[str]] = None, initial_version: Any = None,
-                 allow_equal_versions: bool = False):
+                 staged: bool = False, guard_tags: Optional[Sequence[str]] = None, initial_version: Any = None,
+                 allow_equal_versions: bool = False, rollback: bool = True,
+                 require_complete: Union[bool, Iterable[str]] = False, preserve: Union[str, Sequence[str], None] = None):
         if group.is_sender:
             raise InvalidArgumentError("WeightReceiver runs on ranks >= 1; rank 0 is the sender")
         if apply is not None and target is not None:
             raise InvalidArgumentError("give apply= or target=, not both")
         if apply is None and target is None:
             raise InvalidArgumentError("a receiver needs apply= (e.g. model.load_weights) or target= (tensors to update in place)")
+        for flag, val in (("staged", staged), ("rollback", rollback)):
+            if not isinstance(val, bool):
+                raise InvalidArgumentError(f"{flag} must be True or False, got {val!r}")
+        pats = [preserve] if isinstance(preserve, str) else list(preserve or [])
+        if not all(isinstance(p, str) and p for p in pats):
+            raise InvalidArgumentError(f"preserve must be a glob or a list of globs over tensor names, got {preserve!r}")
+        if require_complete is True:
+            if target is None and not (guard is not None and hasattr(guard, "preserved_patterns")):
+                raise InvalidArgumentError(
+                    "require_complete=True needs target= (its names) or a MemoryLifecycle guard (its adopted names); "
+                    "with apply= alone give the names the update must cover: require_complete=[...]")
+            expect = None
+        elif require_complete is False or require_complete is None:
+            expect = None
+        elif isinstance(require_complete, (str, bytes)) or not all(isinstance(n, str) for n in require_complete):
+            raise InvalidArgumentError("require_complete must be True, False or a collection of tensor names, got "
+                                       f"{require_complete!r}")
+        else:
+            expect = frozenset(require_complete)
         self.group = group
         self.apply = apply
         self.target = target
         self.guard = guard
         self.guard_tags = list(guard_tags) if guard_tags else None
         self.staged = staged
+        self.rollback = rollback
+        self.require_complete = require_complete is True or expect is not None
+        self._expect = expect
+        self.preserve = pats
         self.version: Any = initial_version
         self.consistent = True
+        #: the incomplete update while the weights are torn (:class:`~unisleep.lifecycle.rollback.Torn`), else None
+        self.torn = None
         self._meta: dict[str, tuple] = {}
         self._conn: Optional[IpcConn] = None
         self._stream = None  # socket for the bucket bytes of the socket path
@@ -74,6 +124,12 @@ class WeightReceiver(_ReceivePaths):
         self.last_report: Optional[TransferReport] = None
 
     # ---------------------------------------------------------------- checks before bytes
+    def check_serving(self) -> None:
+        """Raise :class:`~unisleep.errors.TornWeightsError` while an update failed part-way left the
+        weights torn (naming the incomplete version and the fix); call it before generating."""
+        if self.torn is not None:
+            raise self.torn.error("WeightReceiver")
+
     def check_guard(self) -> None:
         """Raise :class:`InvalidTransitionError` if the target memory may not be written now
         (:class:`LifecycleClosedError` when the guarding lifecycle is closed)."""
@@ -129,6 +185,30 @@ class WeightReceiver(_ReceivePaths):
                     + (f"shape/dtype differ: {short_names(wrong, 4)}" if wrong else ""))
         return None
 
+    def _coverage(self, specs: Sequence[TensorSpec]) -> list[str]:
+        """The preserved names the update leaves out (sorted); raises (``kind`` "coverage", with
+        ``missing``) when it leaves out others.  Nothing to check unless ``require_complete``."""
+        if not self.require_complete:
+            return []
+        lc = rollback.guard_lifecycle(self)
+        if self._expect is not None:
+            expect = set(self._expect)
+        elif self.target is not None:
+            expect = set(self._target_map())
+        else:
+            expect = {n for t in rollback.guard_tags(self, lc) for n in lc.names(t)}
+        pats = list(self.preserve) + (lc.preserved_patterns() if lc is not None else [])
+        left = expect - {s.name for s in specs}
+        kept = sorted(n for n in left if any(fnmatch.fnmatchcase(n, p) for p in pats))
+        missing = sorted(left - set(kept))
+        if missing:
+            e = TransferError(f"the update leaves out {len(missing)} tensor(s) of the receiver's weights that are not "
+                              f"preserved across its sleep: {short_names(missing)}; send every tensor (or preserve "
+                              "the frozen ones: preserve= globs, or the lifecycle's preserve())")
+            e.kind, e.missing = "coverage", missing
+            raise e
+        return kept
+
     def _header_plan(self, hdr: dict) -> tuple:
         """The specs and bucket plan an authentic header describes, or an error (with ``kind``) for
         the sender: specs that do not match their id, metadata never received, a target they do
@@ -155,18 +235,30 @@ class WeightReceiver(_ReceivePaths):
         plans = plan_buckets(specs, hdr["bucket_bytes"])
         if len(plans) != hdr["buckets"] or sum(s.nbytes for s in specs) != hdr["bytes"]:
             raise bad("metadata", "the bucket count or size does not match the specs")
-        return specs, plans
+        return specs, plans, self._coverage(specs)
 
     # ---------------------------------------------------------------- one update
     def receive(self, *, timeout_s: Optional[float] = None) -> TransferReport:
         """Receive, verify and apply the next update; return its report.
 
-        Raises :class:`InvalidTransitionError` (guard closed: nothing moved) or
-        :class:`TransferError` (refused, incomplete, corrupt, sender died or timed out); in every
-        such case ``version`` is still the previous one and, with ``staged=True``, the target
-        holds the previous weights untouched.  A timeout leaves the group in step: the next
-        ``receive`` takes the next update.
+        Raises :class:`InvalidTransitionError` (guard closed: nothing moved),
+        :class:`~unisleep.errors.IncompleteUpdateError` (coverage required and not met: nothing
+        moved) or :class:`TransferError` (refused, incomplete, corrupt, sender died or timed out,
+        ``apply`` raised); in every such case ``version`` is still the previous one, and the
+        error's ``outcome`` says what became of the weights: ``"untouched"`` (nothing applied;
+        always so with ``staged=True`` unless ``apply`` itself failed), ``"rolled_back"``
+        (restored byte-exact from the guard lifecycle's retained backup) or ``"torn"`` (see
+        :attr:`torn`).  A timeout leaves the group in step: the next ``receive`` takes the next
+        update.  A complete update clears a torn mark once it covers the torn update's tensors.
         """
+        try:
+            return self._receive(timeout_s)
+        except UnisleepError as e:
+            if getattr(e, "outcome", None) is None:
+                e.outcome = "untouched"
+            raise
+
+    def _receive(self, timeout_s: Optional[float]) -> TransferReport:
         g = self.group
         g.check_usable()
         if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool)
@@ -251,11 +343,14 @@ class WeightReceiver(_ReceivePaths):
             refuse("version", why)
             raise VersionError(f"update {seq} refused: {why}; still serving version {self.version!r}")
         try:
-            specs, plans = self._header_plan(hdr)
+            specs, plans, omitted = self._header_plan(hdr)
         except Exception as e:  # noqa: BLE001 - whatever is wrong with it, the sender hears it
             kind = getattr(e, "kind", "header")
             msg = str(e) if isinstance(e, UnisleepError) else f"{type(e).__name__}: {e}"
             refuse(kind, msg)
+            if kind == "coverage":
+                raise IncompleteUpdateError(f"update {seq} (version {version!r}) refused before any byte moved: {msg}; "
+                                            f"still serving version {self.version!r}", missing=e.missing) from None
             raise TransferError(f"update {seq} (version {version!r}) refused before any byte moved: {msg}") from None
         connected = False
         try:
@@ -271,8 +366,10 @@ class WeightReceiver(_ReceivePaths):
                 raise
             raise TransferError(f"update {seq}: cannot connect to the sender's IPC socket: {e}") from e
         connected = answer(True, connected=connected)
-        # the update's keys are made while the sender collects the acknowledgements
+        # the update's keys are made while the sender collects the acknowledgements, and the
+        # retained backup to roll back to is proven equal to the weights
         seal = UpdateSeal.prepared(g, seq, epoch, plans) if hdr["verify"] else None
+        point = rollback.restore_point(self)
         if by_ipc:
             go = self._ipc_go(seq, timeout_s)
         else:
@@ -311,23 +408,26 @@ class WeightReceiver(_ReceivePaths):
                     self._release_buffers()
                 except Exception:  # noqa: BLE001 - the update's own error is the one raised
                     pass
-            if state.applied:
-                self.consistent = False
+            why = f"{type(e).__name__}: {e}"
+            if state.apply_failed:
+                why = f"applying bucket {state.apply_failed[0]} raised {why}"
+            outcome, tail = rollback.settle(self, state, point, version, why)
             if isinstance(e, VerifyError):
-                err: Exception = TransferError(str(e))
+                err: Exception = TransferError(f"{e}; {tail}")
             else:
-                tail = (f"the target was partly updated ({state.applied} buckets applied) and is inconsistent"
-                        if state.applied else f"still serving version {self.version!r}")
                 dead = g.peer_dead(0) if type(e) in (TransferError, IpcGoneError) else None
                 if dead:  # the sender's socket closed because it died: say so
                     g.broken = dead
                     err = TransferError(f"update {seq} (version {version!r}) broke off: the sender died ({dead}; "
                                         f"{e}); {tail}; recreate the group")
+                elif state.apply_failed:
+                    err = TransferError(f"update {seq} (version {version!r}) broke off: {why}; {tail}")
                 elif isinstance(e, UnisleepError):
                     err = type(e)(f"{e}; {tail}")
                 else:
                     err = TransferError(f"update {seq} (version {version!r}) broke off (the sender died, "
                                         f"timed out or the connection failed): {type(e).__name__}: {e}; {tail}")
+            err.outcome = outcome
             # the sender hears why: the done record first (it looks there when the connection fails),
             # then, on the IPC socket, an error message before this side hangs up
             try:
@@ -352,6 +452,7 @@ class WeightReceiver(_ReceivePaths):
                 seal.release()
         prev, self.version = self.version, version
         self.consistent = True
+        rollback.clear(self, [sp.name for sp in specs])
         t1 = time.perf_counter()
         if by_ipc:
             try:
@@ -366,7 +467,7 @@ class WeightReceiver(_ReceivePaths):
                                           phases={"handshake": t_ack - t0, "stream": t_recv - t_ack,
                                                   "commit": t_commit - t_recv, "buffers": self._buffer_s,
                                                   "release": t1 - t_commit},
-                                          intrusions=list(g.intrusions[intrusions0:]))
+                                          intrusions=list(g.intrusions[intrusions0:]), omitted=omitted)
         return self.last_report
 
     def _ipc_go(self, seq: int, timeout_s: Optional[float]) -> dict:

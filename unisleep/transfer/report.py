@@ -22,6 +22,9 @@ class TransferReport:
     verified: bool = True
     phases: dict = field(default_factory=dict)
     intrusions: list = field(default_factory=list)  # what the group refused during this update
+    #: the receiver's names this update left out because they are preserved across the engine's
+    #: sleep (``WeightReceiver(require_complete=...)``); empty when coverage is not checked
+    omitted: list = field(default_factory=list)
 
     @property
     def gbps(self) -> float:
@@ -29,10 +32,12 @@ class TransferReport:
 
     def as_dict(self) -> dict:
         d = {k: getattr(self, k) for k in ("version", "previous_version", "path", "tensors", "bytes", "buckets",
-                                            "seconds", "metadata_reused", "verified", "phases", "intrusions")}
+                                            "seconds", "metadata_reused", "verified", "phases", "intrusions",
+                                            "omitted")}
         d["gbps"] = self.gbps
         return d
 
     def __str__(self) -> str:
         return (f"version {self.previous_version!r} -> {self.version!r} over {self.path}: {self.tensors} tensors, "
-                f"{self.bytes / 2**30:.3f} GiB in {self.buckets} buckets, {self.seconds * 1e3:.1f} ms ({self.gbps:.2f} GB/s)")
+                f"{self.bytes / 2**30:.3f} GiB in {self.buckets} buckets, {self.seconds * 1e3:.1f} ms ({self.gbps:.2f} GB/s)"
+                + (f"; {len(self.omitted)} preserved tensor(s) left out" if self.omitted else ""))

@@ -1,5 +1,6 @@
 """The receiver's buckets of one update as they arrive (:class:`RecvState`): checked against the
-manifest, then staged until the whole update is good (or applied at once when not staged)."""
+manifest, then applied at once into the live weights (streaming, the default: no bucket is kept
+once applied) or, when the receiver is ``staged``, held until the whole update is good."""
 
 from __future__ import annotations
 
@@ -17,8 +18,13 @@ class VerifyError(TransferError):
 
 
 class RecvState:
-    """Buckets of one update as they arrive: verified, then staged (or applied at once);
-    ``rx`` is the :class:`~unisleep.transfer.receiver.WeightReceiver` receiving them."""
+    """Buckets of one update as they arrive: verified, then applied at once (or staged);
+    ``rx`` is the :class:`~unisleep.transfer.receiver.WeightReceiver` receiving them.
+
+    ``touched`` counts the buckets whose apply began (an apply that raises may have written part
+    of its bucket), ``touched_names`` their tensors; ``applied`` the buckets applied whole.  A
+    streaming update keeps no reference to a bucket once it is applied (``got`` records only
+    which arrived)."""
 
     def __init__(self, rx: Any, seq: int, specs: Sequence[TensorSpec], plans: list[BucketPlan], verify: bool,
                  seal=None, epoch: int = 0, cipher=None):
@@ -30,6 +36,9 @@ class RecvState:
         self.problems: list[str] = []
         self.aborted = False
         self.applied = 0
+        self.touched = 0
+        self.touched_names: list[str] = []
+        self.apply_failed: list[int] = []  # the bucket whose apply raised
         self._tmap: Optional[dict] = None
 
     def take(self, k: int, buf, authentic: Optional[bool] = None) -> None:
@@ -60,20 +69,20 @@ class RecvState:
                 self.corrupt += [self.specs[plan.slots[i].index].name for i in bad]
                 self.rejected.add(k)
                 return
-        self.got[k] = buf
+        self.got[k] = buf if self.rx.staged else None
         if not self.rx.staged and not self.corrupt and not self.problems:
             self._apply(plan, buf)
 
     def finish(self, version) -> None:
+        """Raise :class:`VerifyError` unless every bucket arrived and passed (the receiver adds
+        what became of the weights: untouched, rolled back or torn)."""
         if self.aborted:
             try:
                 why = self.rx.group.take(f"u{self.seq}/abort", R.ABORT, seq=self.seq, epoch=self.epoch, timeout_s=5.0,
                                          peer="the sender (rank 0)", watch=[0], what="the sender's reason")["why"]
             except TransferError:
                 why = "no reason given"
-            tail = (f"the target was partly updated ({self.applied} buckets applied) and is now inconsistent"
-                    if self.applied else f"still serving version {self.rx.version!r}")
-            raise VerifyError(f"the sender aborted update {self.seq} (version {version!r}): {why}; {tail}")
+            raise VerifyError(f"the sender aborted update {self.seq} (version {version!r}): {why}")
         missing_b = [p for p in self.plans if p.index not in self.got and p.index not in self.rejected]
         missing = [self.specs[s.index].name for p in missing_b for s in p.slots]
         if missing or self.corrupt or self.problems:
@@ -85,9 +94,7 @@ class RecvState:
                 parts.append(f"corrupt: {len(self.corrupt)} tensor(s) fail the manifest's keyed digest: {short_names(self.corrupt)}")
             if self.problems:
                 parts.append("; ".join(self.problems[:4]))
-            tail = (f"the target was partly updated ({self.applied} buckets applied) and is now inconsistent"
-                    if self.applied else f"still serving version {self.rx.version!r}")
-            raise VerifyError(f"update {self.seq} (version {version!r}) refused: " + "; ".join(parts) + f"; {tail}")
+            raise VerifyError(f"update {self.seq} (version {version!r}) refused: " + "; ".join(parts))
 
     def _views(self, plan: BucketPlan, buf) -> list:
         out = []
@@ -101,15 +108,21 @@ class RecvState:
         import torch
 
         pairs = self._views(plan, buf)
-        if self.rx.apply is not None:
-            self.rx.apply(pairs)
-        else:
-            if self._tmap is None:
-                self._tmap = self.rx._target_map()
-            tmap = self._tmap
-            with torch.no_grad():
-                for name, v in pairs:
-                    tmap[name].copy_(v)
+        self.touched += 1
+        self.touched_names += [name for name, _ in pairs]
+        try:
+            if self.rx.apply is not None:
+                self.rx.apply(pairs)
+            else:
+                if self._tmap is None:
+                    self._tmap = self.rx._target_map()
+                tmap = self._tmap
+                with torch.no_grad():
+                    for name, v in pairs:
+                        tmap[name].copy_(v)
+        except BaseException:
+            self.apply_failed.append(plan.index)
+            raise
         self.applied += 1
 
     def commit(self) -> None:
