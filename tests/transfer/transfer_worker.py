@@ -116,7 +116,8 @@ def receiver(port: int, out: dict, path_out: str) -> None:
     lc.adopt(target, tag="weights")
     g = TransferGroup.create(f"tcp://127.0.0.1:{port}", 1, 2, platform="host", timeout_s=TIMEOUT_S)
     out["default_pg_initialized"] = torch.distributed.is_initialized()
-    rx = WeightReceiver(g, target=target, guard=lc)
+    # staged: its corrupt and missing updates must leave the previous version serving untouched
+    rx = WeightReceiver(g, target=target, guard=lc, staged=True)
 
     def step(name, expect_version):
         out[name] = outcome(rx.receive)
