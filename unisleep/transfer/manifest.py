@@ -24,7 +24,10 @@ import hmac
 import json
 import struct
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
+from functools import cached_property
+from typing import Iterable, NamedTuple, Optional, Sequence
+
+from .records import MAX_NAME as _MAX_NAME
 
 ALIGN = 64  # byte offset of every tensor inside a bucket
 
@@ -59,7 +62,18 @@ class TensorSpec:
 
     @classmethod
     def of(cls, name: str, tensor) -> "TensorSpec":
-        return cls(name, tuple(int(s) for s in tensor.shape), str(tensor.dtype).replace("torch.", ""))
+        return cls(name, tuple(tensor.shape), dtype_name(tensor.dtype))
+
+
+_DTYPE_NAMES: dict = {}  # torch.dtype -> its name as a spec spells it
+
+
+def dtype_name(dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"`` (cached per dtype: a spec per tensor costs little)."""
+    n = _DTYPE_NAMES.get(dtype)
+    if n is None:
+        n = _DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
+    return n
 
 
 def spec_of(s, i: int) -> TensorSpec:
@@ -120,11 +134,17 @@ def check_tensor(name, t, i: int):
 
     from ..errors import InvalidArgumentError
 
-    check_name(name, i)
+    if not (type(name) is str and 0 < len(name) <= _MAX_NAME):
+        check_name(name, i)
     if not isinstance(t, torch.Tensor):
         raise InvalidArgumentError(f"tensor #{i} {name!r} is a {type(t).__name__}, not a torch.Tensor")
-    check_dtype(t.dtype, name, i)
+    if t.dtype not in _GOOD_DTYPES:
+        check_dtype(t.dtype, name, i)
+        _GOOD_DTYPES.add(t.dtype)
     return t
+
+
+_GOOD_DTYPES: set = set()  # torch dtypes check_dtype accepted
 
 
 def _torch_dtype(name: str):
@@ -146,9 +166,9 @@ def _itemsize(dtype: str) -> int:
     return n
 
 
-@dataclass(frozen=True)
-class Slot:
-    """Where one tensor sits: index into the specs, byte offset in its bucket, byte length."""
+class Slot(NamedTuple):
+    """Where one tensor sits: index into the specs, byte offset in its bucket, byte length (a
+    named tuple: an update of many tensors makes one per tensor, on both sides)."""
 
     index: int
     offset: int
@@ -210,7 +230,7 @@ class Manifest:
 
     specs: tuple[TensorSpec, ...]
 
-    @property
+    @cached_property
     def meta_id(self) -> str:
         h = hashlib.sha256(json.dumps([(s.name, list(s.shape), s.dtype) for s in self.specs]).encode())
         return h.hexdigest()[:24]
@@ -219,7 +239,7 @@ class Manifest:
     def names(self) -> list[str]:
         return [s.name for s in self.specs]
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.specs)
 
@@ -243,7 +263,7 @@ class UpdateSeal:
         self._ctx = f"{group_id}/{epoch}/{seq}/".encode()
 
     def pad(self, bucket: int, slot: int) -> tuple[int, int]:
-        m = hmac.new(self._pad_key, self._ctx + struct.pack("<QQ", bucket, slot), hashlib.sha256).digest()
+        m = hmac.digest(self._pad_key, self._ctx + struct.pack("<QQ", bucket, slot), "sha256")
         return struct.unpack_from("<QQ", m)
 
     def release(self) -> None:
@@ -268,7 +288,11 @@ class UpdateSeal:
 
     def pads(self, bucket: int, n: int) -> list[int]:
         """The pads of slots ``0..n-1`` of a bucket as signed int64 words ``[a0, b0, a1, b1, ...]``."""
-        return [_signed(v) for i in range(n) for v in self.pad(bucket, i)]
+        key, ctx, out = self._pad_key, self._ctx, []
+        for i in range(n):
+            a, b = struct.unpack_from("<qq", hmac.digest(key, ctx + struct.pack("<QQ", bucket, i), "sha256"))
+            out += (a, b)
+        return out
 
     def lanes(self, buf_u8, plan: "BucketPlan"):
         """The NH lanes of every tensor of a bucket on the bucket's device, no wait: int64 [2n]
@@ -286,9 +310,11 @@ class UpdateSeal:
 
     def digests(self, buf_u8, plan: "BucketPlan", algorithm: Optional[str] = None, slots=None) -> list:
         """The keyed digest of every tensor of a bucket (or of ``slots``), one wait for the device."""
-        from ..keyed_hash import digest_many
+        from ..keyed_hash import GMAC, digest_many, gmac_spans
 
         slots = plan.slots if slots is None else slots
+        if buf_u8.device.type == "cpu" and algorithm in (None, GMAC) and buf_u8.is_contiguous():
+            return gmac_spans(buf_u8, [(s.offset, s.nbytes) for s in slots], self.hash_key)
         return digest_many([buf_u8[s.offset: s.offset + s.nbytes] for s in slots], [self.hash_key] * len(slots),
                            algorithm=algorithm)
 
@@ -313,10 +339,14 @@ def write_trailer(buf_u8, plan: BucketPlan, seq: int, seal: Optional[UpdateSeal]
     if seal is None:
         words += [0] * (WORDS_PER_TENSOR * len(plan.slots))
     else:
+        pads = seal.pads(plan.index, len(plan.slots))
         for i, d in enumerate(seal.digests(buf_u8, plan)):
-            pa, pb = seal.pad(plan.index, i)
-            words += [ALGORITHMS.index(d.algorithm), d.nbytes, _signed(d.lane_a ^ pa), _signed(d.lane_b ^ pb)]
-    tr.copy_(torch.tensor(words, dtype=torch.int64), non_blocking=True)
+            words += (ALGORITHMS.index(d.algorithm), d.nbytes, _signed(d.lane_a) ^ pads[2 * i],
+                      _signed(d.lane_b) ^ pads[2 * i + 1])
+    if tr.device.type == "cpu" and tr.is_contiguous():
+        tr.numpy()[:] = words  # one conversion, no temporary tensor
+    else:
+        tr.copy_(torch.tensor(words, dtype=torch.int64), non_blocking=True)
 
 
 def _write_on_device(buf_u8, tr, plan: BucketPlan, words: list, seal: UpdateSeal, lanes=None) -> None:
@@ -353,13 +383,14 @@ def check_bucket(buf_u8, plan: BucketPlan, seq: int, seal: Optional[UpdateSeal])
     if seal is None or not plan.slots:
         return None, []
     bad, wanted = [], {}  # algorithm -> [(slot index, expected digest)]
+    pads = seal.pads(plan.index, len(plan.slots))
     for i, s in enumerate(plan.slots):
         algo, n, a, b = tr[TRAILER_HEAD + WORDS_PER_TENSOR * i: TRAILER_HEAD + WORDS_PER_TENSOR * (i + 1)]
-        pa, pb = seal.pad(plan.index, i)
         if not 0 <= algo < len(ALGORITHMS) or n != s.nbytes:
             bad.append(i)
             continue
-        wanted.setdefault(ALGORITHMS[algo], []).append((i, Digest(n, (a & _M64) ^ pa, (b & _M64) ^ pb, ALGORITHMS[algo])))
+        wanted.setdefault(ALGORITHMS[algo], []).append(
+            (i, Digest(n, (a ^ pads[2 * i]) & _M64, (b ^ pads[2 * i + 1]) & _M64, ALGORITHMS[algo])))
     for algo, items in wanted.items():  # one wait for the device per algorithm, not per tensor
         got = seal.digests(buf_u8, plan, algorithm=algo, slots=[plan.slots[i] for i, _ in items])
         bad += [i for (i, want), d in zip(items, got) if d != want]

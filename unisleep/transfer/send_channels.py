@@ -13,7 +13,7 @@ import time
 from typing import TYPE_CHECKING, Any, Optional
 
 from ..errors import TransferError
-from .channels import ABORT, CIPHERED, END, PIECED, _corrupt, receiver_failure, wait_work
+from .channels import ABORT, CIPHERED, END, PIECED, _corrupt, pack_tensor, receiver_failure, wait_work
 from .fd_limit import descriptor_error
 from .manifest import BucketPlan
 
@@ -131,7 +131,7 @@ class _Streamer:
 
     def put(self, slot, t) -> None:
         if slot.nbytes:
-            self.buf[slot.offset: slot.offset + slot.nbytes].view(t.dtype).view(t.shape).copy_(t)
+            pack_tensor(self.buf, slot.offset, slot.nbytes, t)
         if not self.corrupt:  # (test hook: a bucket to alter goes once its digests are made)
             self.advance(slot.offset + slot.nbytes)
 
@@ -177,7 +177,7 @@ class _Sealer:
             src = src.contiguous().reshape(-1).view(torch.uint8)
             self.enc.into(memoryview(src.numpy()), self.mv, slot.offset)
         elif slot.nbytes:
-            self.buf[slot.offset: slot.offset + slot.nbytes].view(t.dtype).view(t.shape).copy_(t)
+            pack_tensor(self.buf, slot.offset, slot.nbytes, t)
         self.done = slot.offset + slot.nbytes
         if not (self.corrupt and self.enc is None):  # (test hook: a plain bucket to alter goes once digested)
             self._flush(final=False)

@@ -10,11 +10,11 @@ import time
 from typing import Iterator, Optional
 
 from ..errors import InvalidArgumentError, InvalidTransitionError, TransferError, UnisleepError, VersionError
-from .channels import ipc_text, named_error
+from .channels import ipc_text, named_error, pack_tensor
 from .cipher import BucketCipher
 from .ipc_send import IpcSendChannel
 from . import records as R
-from .manifest import BucketPlan, Manifest, UpdateSeal, check_tensor, write_trailer
+from .manifest import BucketPlan, Manifest, UpdateSeal, check_tensor, dtype_name, write_trailer
 from .report import TransferReport
 from .send_channels import CollectiveSendChannel, SocketSendChannel
 
@@ -235,13 +235,13 @@ class _SendUpdate:
                                                f"{str(item)[:80]}")
                 name, t = item
                 check_tensor(name, t, s.index)
-                if name != spec.name or tuple(t.shape) != spec.shape or str(t.dtype).replace("torch.", "") != spec.dtype:
+                if name != spec.name or t.shape != spec.shape or dtype_name(t.dtype) != spec.dtype:
                     raise TransferError(f"tensor #{s.index} is {name!r} {tuple(t.shape)} {t.dtype}, "
                                         f"the specs say {spec.name!r} {spec.shape} {spec.dtype}")
                 if sealer is not None:
                     sealer.put(s, t)
                 elif s.nbytes and not (hasher is not None and hasher.fill(i, t)):
-                    buf[s.offset: s.offset + s.nbytes].view(t.dtype).view(t.shape).copy_(t)
+                    pack_tensor(buf, s.offset, s.nbytes, t)
             write_trailer(buf, plan, seq, seal, lanes=hasher.lanes() if hasher is not None else None)
             if sealer is not None:
                 sealer.close()
