@@ -137,12 +137,14 @@ def _run_side(rank: int, port: int, job: dict) -> dict:
 def _updates(job: dict):
     """What each side runs, in order: ``(kind, key, label, tensor specs, timed)`` — every size
     (a warm-up, then ``repeat`` timed updates), then with ``tensors`` the per-tensor pair (the
-    same bytes as ``tensors`` tensors and as few, alternating after one warm-up of each)."""
+    same bytes as ``tensors`` tensors and as few, alternating after one warm-up of each).
+    ``warm_up=False`` in the job: no warm-up of the sizes (a test that measures memory, not time)."""
     chunk = job["chunk_bytes"]
+    first = 0 if job.get("warm_up", True) else 1
     for size in job["sizes"]:
         n = max(1, size // chunk)
         specs = [(f"layer.{i}.weight", (chunk // 2,), "bfloat16") for i in range(n)]
-        for rep in range(job["repeat"] + 1):
+        for rep in range(first, job["repeat"] + 1):
             yield "size", n * chunk, f"{n * chunk / GiB:.2f} GiB {'warm-up' if not rep else f'run {rep}'}", specs, rep > 0
     many, each = job.get("tensors") or 0, job.get("tensor_bytes") or 0
     if many:
@@ -204,7 +206,8 @@ def _receive_all(g, job: dict, device) -> dict:
 
     chunk = job["chunk_bytes"]
     landed = {"bytes": 0}
-    dst = torch.empty(chunk // 2, dtype=torch.bfloat16, device=device)  # the "model" copy lands here
+    # the "model" copy lands here: made and touched before any update, as an engine's weights are
+    dst = torch.zeros(chunk // 2, dtype=torch.bfloat16, device=device)
 
     def apply(pairs):  # what load_weights does: copy each tensor into the engine's parameter
         for _, t in pairs:
