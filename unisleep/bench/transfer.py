@@ -19,8 +19,22 @@ The sender streams the update from a generator (one source chunk reused under ma
 manifest and lands it in its own memory (``staged=False``, an apply callback that keeps nothing),
 so memory stays at a few buckets per process whatever the size, and nothing is written to disk; the
 callback copies every tensor into one receiver-owned tensor, as ``model.load_weights`` copies into
-parameters.  Each size runs one warm-up update, then ``--repeat`` timed updates; the best is
-reported.  By default every update makes its bucket memory and gives it back when it ends;
+parameters.  ``--staged`` makes the receiver hold the whole verified update before it applies it
+(``staged=True``), so both can be compared in one call.  Each size runs one warm-up update, then
+``--repeat`` timed updates; the best is reported.
+
+Memory: a second table gives, per path and size, each side's peak memory above its own level
+before the update (the largest over the timed updates; :mod:`unisleep.bench.peak_memory`): host
+resident memory, its ``buffer_bytes()`` (bucket buffers), and on a device the allocator's peak;
+the largest size's row says whether every figure stayed within one bucket of the smallest size's
+(a flat line: memory that does not grow with the model).  Shared memory (``host-ipc``'s memfd
+buckets) counts in both processes that touch it.  With two or fewer buckets per update the bucket
+count itself grows with the size, so choose ``--bucket-mib`` well below the smallest size to see
+the line.
+
+Cost per tensor (``--tensors N --chunk-kib K``): after the sizes, an update of N tensors of K KiB
+and one of the same bytes in as few tensors as ``--chunk-mib`` allows, alternating in the same
+processes; the row gives the seconds per tensor beyond the byte time, (many − few) / (N − few).  By default every update makes its bucket memory and gives it back when it ends;
 ``--keep-buffers`` keeps it between updates (``WeightSender(keep_buffers=True)``): the note says what
 making and giving back cost.  The memory the host paths need is checked before anything starts; a long
 update reports its progress every 10 s; Ctrl-C stops both processes of the path.
