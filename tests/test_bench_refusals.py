@@ -73,6 +73,9 @@ BENCH_BAD = [
     (["--transfer", "--sizes", "x"], "--sizes takes GiB numbers"),
     (["--transfer", "--repeat", "0"], "--repeat must be >= 1"),
     (["--transfer", "--chunk-mib", "0"], "--chunk-mib must be >= 1"),
+    (["--transfer", "--tensors", "-1"], "--tensors must be >= 0"),
+    (["--transfer", "--tensors", "2000", "--chunk-kib", "0"], "--chunk-kib must be >= 1"),
+    (["--transfer", "--tensors", "2000000", "--chunk-kib", "4096"], "is more than 4 GiB"),
     (["--progressive", "--weights", "0.01"], "--weights must be at least 0.125 GiB with --layers 32"),
     (["--progressive", "--layers", "0"], "--layers must be >= 1"),
 ]
