@@ -114,3 +114,30 @@ def test_coverage_accepts_exactly_the_preserved_names_and_refuses_others(pair, t
     assert "before any byte moved" in str(r) and rx.version == 2
     assert all(torch.equal(p, before[k]) for k, p in model.named_parameters())
     lc.close()
+
+
+def test_a_written_update_drops_the_stale_retained_backup(pair, tmp_path):
+    """After an update wrote the weights, their retained backup holds older bytes: it is dropped,
+    so the next update's restore point (and the next sleep's unchanged check) need no digest
+    pass to learn it; a later level-1 sleep backs the new bytes up and rolls back to them."""
+    g0, g1 = pair
+    lc, model = _engine(tmp_path, True)
+    lc.sleep(1)
+    lc.wake_up()
+    p = next(iter(model.parameters()))
+    probe = torch.empty(p.numel() * p.element_size(), dtype=torch.uint8)
+    assert lc.read_backup(p.data_ptr(), probe) and lc.restore_point() is not None
+    rx = WeightReceiver(g1, target=model, guard=lc, initial_version=1)
+    tx = WeightSender(g0, bucket_bytes=40000, path="collective")
+    s, r = _both(lambda: tx.send(_w(2), 2), rx.receive)
+    assert not isinstance(r, Exception), r
+    assert not lc.read_backup(p.data_ptr(), probe) and lc.restore_point() is None
+    lc.sleep(1)
+    lc.wake_up()
+    assert lc.restore_point() is not None
+    tx._faults["corrupt"] = {2}
+    s, r = _both(lambda: tx.send(_w(3), 3), rx.receive)
+    tx._faults["corrupt"] = set()
+    assert isinstance(r, TransferError) and r.outcome == "rolled_back"
+    assert all(torch.equal(q, _w(2)[k]) for k, q in model.named_parameters())
+    lc.close()

@@ -356,6 +356,17 @@ class MemoryLifecycle(LifecycleAllocation, LifecycleIntrospection):
             self._check_open()
             return rollback.roll_back(self._state, point)
 
+    def mark_written(self, tags: Optional[Iterable[str]] = None) -> None:
+        """The memory of ``tags`` (default ``["weights"]``) was written in place (a weight update
+        applied part or all of itself): their retained level-1 backups hold older bytes and are
+        dropped — the next :meth:`restore_point` and the next sleep's unchanged check then know
+        it without a digest pass.  A later level-1 sleep backs the new bytes up."""
+        tags = as_tag_list(tags if tags is not None else ["weights"], "tags")
+        with self._lock:
+            self._check_open()
+            self._state.check_tags(tags)
+            rollback.written(self._state, tags)
+
     def mark_torn(self, *, version: Any, previous: Any, names: Sequence[str] = (), why: str = "",
                   needs: Iterable[str] = ()) -> None:
         """Record that the weights are torn (an update wrote part of ``version`` — ``names`` — and

@@ -10,6 +10,10 @@ streaming weight update) can roll back to if it fails part-way, without a second
   of the tags has no such backup (never slept at level 1, a level-2 sleep, backups released,
   bytes changed since the wake).  The proof has to come first: once the write has started the
   memory no longer equals the backup and nothing could show that it did before.
+* :func:`written` — after a write that changed the memory (an update applied, or torn): the
+  retained backups of the tags hold older bytes; they are dropped, so the next point (one per
+  update: OpenRLHF sends one tensor per update) and the next sleep's unchanged check find none
+  at once instead of digesting the memory to learn it.  A failed proof drops them the same way.
 * :func:`roll_back` — after a failed write: the memory of the point's allocations is loaded from
   those same backups (checked first to be still recorded, unchanged, for all of them: nothing is
   written otherwise) and then proven equal to them by the same keyed digests.
@@ -72,9 +76,21 @@ def take_point(state: LifecycleState, tags: Sequence[str]) -> Optional[RestorePo
     if not allocs or not all(a.digest is not None and a.fully_saved and not a.corrupt
                              and state.store.has((a.id, 0)) for a in allocs):
         return None
-    if planning.proven(state, allocs) != {a.id for a in allocs}:
-        return None  # written since the backup was taken: it holds older bytes
+    same = planning.proven(state, allocs)
+    if same != {a.id for a in allocs}:
+        for a in allocs:  # written since the backup was taken: older bytes, not to be proven again
+            if a.id not in same:
+                state.drop_backup(a)
+        return None
     return RestorePoint(tuple(tags), tuple((a.id, a.digest) for a in allocs), sum(a.region.size for a in allocs))
+
+
+def written(state: LifecycleState, tags: Sequence[str]) -> None:
+    """The memory of ``tags`` was written in place: drop the retained backups of their awake
+    allocations (they hold the bytes from before the write)."""
+    for a in state.of(*tags):
+        if a.saved and state.tags.get(a.tag) == AWAKE:
+            state.drop_backup(a)
 
 
 def roll_back(state: LifecycleState, point: RestorePoint) -> int:

@@ -77,6 +77,7 @@ def settle(rx, state, point, version, why: str) -> tuple[str, str]:
                                    f"serving version {rx.version!r}")
         except Exception as e:  # noqa: BLE001 - the weights are torn then, and the error says why
             failed = f"; the rollback from the retained backup failed ({type(e).__name__}: {e})"
+    written(rx)
     names = tuple(dict.fromkeys(state.touched_names))
     torn = Torn(version, rx.version, names, why[:300], frozenset(s.name for s in state.specs))
     rx.torn = torn
@@ -90,9 +91,18 @@ def settle(rx, state, point, version, why: str) -> tuple[str, str]:
                     f"complete update arrives: send the whole update again")
 
 
+def written(rx) -> None:
+    """The update wrote the weights: the guard lifecycle's retained backups of them hold older
+    bytes now (dropped: see :meth:`~unisleep.MemoryLifecycle.mark_written`)."""
+    lc = guard_lifecycle(rx)
+    if lc is not None:
+        lc.mark_written(guard_tags(rx, lc))
+
+
 def clear(rx, names) -> None:
     """A complete update of ``names`` was applied: the torn mark goes when it covers every tensor
     of the torn update."""
+    written(rx)
     torn = rx.torn
     if torn is None or not torn.needs <= set(names):
         return
