@@ -26,6 +26,7 @@ The receiving loops of both paths are methods of :class:`~unisleep.transfer.rece
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import logging
 import os
@@ -260,8 +261,6 @@ def pack_tensor(buf, offset: int, nbytes: int, t) -> None:
     """Copy tensor ``t`` (``nbytes`` bytes, its spec checked) into ``buf[offset:]``: a plain
     memory copy when both are dense host memory (a microsecond or two, where a tensor view and
     ``copy_`` cost tens of microseconds per small tensor), else through torch."""
-    import ctypes
-
     import torch
 
     if (t.device.type == "cpu" and buf.device.type == "cpu" and t.layout == torch.strided and t.is_contiguous()

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Iterable, NamedTuple, Optional, Sequence
 
-from .records import MAX_NAME as _MAX_NAME
+from ..errors import InvalidArgumentError
+from .records import DTYPES, MAX_DIMS, MAX_NAME
 
 ALIGN = 64  # byte offset of every tensor inside a bucket
 
@@ -80,8 +81,6 @@ def spec_of(s, i: int) -> TensorSpec:
     """The :class:`TensorSpec` of entry ``i`` of a ``specs`` list (a TensorSpec or ``(name, shape,
     dtype)``, dtype a ``torch.dtype`` or its name); :class:`InvalidArgumentError` naming the entry
     and what is wrong with it."""
-    from ..errors import InvalidArgumentError
-
     if isinstance(s, TensorSpec):
         name, shape, dtype = s.name, s.shape, s.dtype
     else:
@@ -92,9 +91,6 @@ def spec_of(s, i: int) -> TensorSpec:
 
 
 def check_name(name, i: int) -> str:
-    from ..errors import InvalidArgumentError
-    from .records import MAX_NAME
-
     if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME:
         raise InvalidArgumentError(f"tensor #{i}: its name must be a string of 1-{MAX_NAME} characters, "
                                    f"got {str(name)[:80]!r} ({type(name).__name__})")
@@ -102,9 +98,6 @@ def check_name(name, i: int) -> str:
 
 
 def check_shape(shape, name: str, i: int) -> tuple:
-    from ..errors import InvalidArgumentError
-    from .records import MAX_DIMS
-
     try:
         dims = tuple(shape)
     except TypeError:
@@ -117,9 +110,6 @@ def check_shape(shape, name: str, i: int) -> tuple:
 
 
 def check_dtype(dtype, name: str, i: int) -> str:
-    from ..errors import InvalidArgumentError
-    from .records import DTYPES
-
     d = str(dtype).replace("torch.", "") if not isinstance(dtype, str) else dtype.replace("torch.", "")
     if d not in DTYPES or _torch_dtype(d) is None:
         raise InvalidArgumentError(f"tensor #{i} {name!r}: unknown dtype {str(dtype)[:40]!r}; a weight update carries "
@@ -132,9 +122,7 @@ def check_tensor(name, t, i: int):
     :class:`InvalidArgumentError` naming it."""
     import torch
 
-    from ..errors import InvalidArgumentError
-
-    if not (type(name) is str and 0 < len(name) <= _MAX_NAME):
+    if not (type(name) is str and 0 < len(name) <= MAX_NAME):
         check_name(name, i)
     if not isinstance(t, torch.Tensor):
         raise InvalidArgumentError(f"tensor #{i} {name!r} is a {type(t).__name__}, not a torch.Tensor")
