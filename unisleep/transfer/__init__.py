@@ -21,7 +21,7 @@ member ``UNISLEEP_TRANSFER_SECRET_FILE``; see docs/security.md); nothing receive
 Bytes move over the platform's collective, or — when both ends share a device — by IPC through a
 shared file descriptor, handed only to a process that proved the secret.  Every update is checked
 against a manifest (names, shapes, dtypes, keyed digests) before it is applied; a failure leaves
-the previous version in place.
+the previous version in place (rolled back, or the weights marked torn, when it failed part-way).
 
 One update, in order (every step can fail cleanly; the receiver keeps its previous version):
 
@@ -32,8 +32,9 @@ One update, in order (every step can fail cleanly; the receiver keeps its previo
 3. sender: ``go``; buckets stream, double buffered — bucket k+1 is packed while bucket k is in
    flight; each bucket carries the keyed digests of its tensors in a trailer;
 4. receiver: each bucket is verified against the manifest (digests, order, completeness) and
-   staged; only when all of them are good is the update applied (``apply`` callback or in-place
-   copy into ``target``) and the version committed;
+   applied at once (``apply`` callback or in-place copy into ``target``) while the next arrives —
+   or, with ``staged=True``, held until all of them are good; a failure part-way is rolled back
+   from the guard lifecycle's retained backup or marks the weights torn (``rollback``);
 5. receiver: a ``done`` acknowledgement (or the error), which ``send`` waits for.
 
 Paths: ``collective`` (the group's process-group backend: gloo on host, the vendor collective on
@@ -47,7 +48,7 @@ Modules: ``group`` (the private group), ``rendezvous`` (its address and listenin
 ``netinfo`` (who is at the other end of a local TCP connection), ``records`` (the authenticated
 control records), ``secret`` (the group secret), ``manifest`` (specs, buckets, digests),
 ``sender`` (``WeightSender``), ``receiver`` (``WeightReceiver``), ``receive_paths`` (its receiving
-loops), ``staging`` (the receiver's buckets of one update), ``channels`` (the IPC messages and what
+loops), ``staging`` (the receiver's buckets of one update), ``rollback`` (a failure part-way), ``channels`` (the IPC messages and what
 the send channels share), ``send_channels`` (collective and Unix-stream), ``ipc_send`` (IPC),
 ``names`` (``(name, tensor)`` pairs), ``report`` (``TransferReport``).
 """
