@@ -3,14 +3,16 @@ MemoryLifecycle) and a trainer that sends it weights.  The test kills the sender
 engine's address space, part-way through an update.
 
     python partway_worker.py engine RETAIN MODE PORT [PORT2] SPILL_DIR
-    python partway_worker.py sender MODE PORT VERSION[,VERSION...] [slow]
+    python partway_worker.py sender MODE PATH PORT VERSION[,VERSION...] [slow]
 
 ``RETAIN``: 1 — the lifecycle retains its level-1 backups (``MemoryLifecycle("host",
 retain_backups=True)``) and the engine slept at level 1 before the failing update; 0 — it slept at
 level 2 (verl's sleep before every sync), no backup holds the weights.  ``MODE``: ``kill`` (the
 test SIGKILLs the sender of update 2; update 3 comes from a fresh sender on ``PORT2``) or ``oom``
 (the engine receives update 2 under an address-space limit that its largest bucket does not fit
-in; update 3 comes from the same sender, the limit lifted).
+in; update 3 comes from the same sender, the limit lifted).  ``PATH``: the sender's ``path``
+(``ipc``: the engine maps the sender's bucket memory; ``collective``: the bytes come over a
+socket into the engine's own bucket buffers).
 
 Every step is one JSON line on stdout.  The engine prints ``{"applied": n}`` after each bucket it
 wrote (through :class:`Observed`, a test-side subclass: the receiver's apply is the engine's own
@@ -25,13 +27,15 @@ import os
 import resource
 import sys
 import time
+import traceback
 
 import torch
 
 #: the kill test: the default tiny model, in small buckets (about 20 of them)
 SMALL = dict()
 #: the memory test: two 64 MiB tensors (the token embedding and the head) that come last, each
-#: in a bucket of its own whose receive buffer the address-space limit does not leave room for
+#: in a bucket of its own whose memory (a mapping of the sender's, or a receive buffer) the
+#: address-space limit leaves no room for
 BIG = dict(vocab_size=131072, d_model=128)
 BUCKET_BYTES = 16 << 10
 #: address space the engine may still take during update 2 (the big buckets need 64 MiB more)
@@ -59,14 +63,14 @@ def weights(mode: str, v: int) -> dict:
     return dict(sorted(out.items(), key=lambda kv: kv[1].numel()))
 
 
-def sender(mode: str, port: int, versions: list, slow: bool) -> int:
+def sender(mode: str, path: str, port: int, versions: list, slow: bool) -> int:
     from unisleep.transfer import TransferGroup, WeightSender
 
     g = TransferGroup.create(f"tcp://127.0.0.1:{port}", 0, 2, platform="host", timeout_s=60)
     say(ready="sender")
     # the memory test: the receive buffers are given back after each update (as on an accelerator), so
     # that update 2 allocates its big buckets anew
-    tx = WeightSender(g, bucket_bytes=BUCKET_BYTES, keep_buffers=False if mode == "oom" else None)
+    tx = WeightSender(g, bucket_bytes=BUCKET_BYTES, path=path, keep_buffers=False if mode == "oom" else None)
     for i, v in enumerate(versions):
         w = weights(mode, v)
         items = w.items()
@@ -122,7 +126,9 @@ def engine(retain: bool, mode: str, ports: list, spill: str) -> int:
             return {"ok": True, "version": rep.version, "seconds": time.monotonic() - t0}
         except Exception as e:  # noqa: BLE001
             gen.abort_weight_update()
-            return {"ok": False, "type": type(e).__name__, "msg": str(e)[:2000],
+            cause = e.__cause__
+            where = traceback.format_exception(cause)[-3:] if cause is not None else []
+            return {"ok": False, "type": type(e).__name__, "msg": str(e)[:2000], "cause": "".join(where)[-1500:],
                     "outcome": getattr(e, "outcome", None), "seconds": time.monotonic() - t0}
 
     def generation() -> dict:
@@ -168,8 +174,8 @@ def engine(retain: bool, mode: str, ports: list, spill: str) -> int:
 def main() -> int:
     role = sys.argv[1]
     if role == "sender":
-        mode, port, versions = sys.argv[2], int(sys.argv[3]), [int(v) for v in sys.argv[4].split(",")]
-        return sender(mode, port, versions, slow=sys.argv[5:] == ["slow"])
+        mode, path, port, versions = sys.argv[2], sys.argv[3], int(sys.argv[4]), [int(v) for v in sys.argv[5].split(",")]
+        return sender(mode, path, port, versions, slow=sys.argv[6:] == ["slow"])
     retain, mode = sys.argv[2] == "1", sys.argv[3]
     ports = [int(p) for p in sys.argv[4:-1]]
     return engine(retain, mode, ports, sys.argv[-1])

@@ -1,6 +1,8 @@
 """An update that fails part-way, for real, in processes of their own: the sender SIGKILLed after
 the engine wrote some of its buckets, or the engine's next bucket buffer refused for lack of
-memory (an address-space limit in the engine's process).  With a retained level-1 backup the
+memory (an address-space limit in the engine's process) — on both ways bytes move on one
+machine: shared memory (the engine maps the sender's bucket memory) and the collective path (a
+socket into the engine's own bucket buffers).  With a retained level-1 backup the
 engine rolls back byte-exact and generates as before; without one (after a level-2 sleep) it is
 torn and TorchGenerator.generate refuses with TornWeightsError naming the versions, until a
 complete update — from a fresh sender when the old one died — clears it.
@@ -31,6 +33,8 @@ pytestmark = pytest.mark.slow  # every test here starts processes
 LIVENESS_S = 4.0
 MARGIN_S = 3.0
 RUNS = 20
+#: the sender's path: shared memory (the default on one machine), the bytes over a socket
+PATHS = ["ipc", "collective"]
 
 
 def _port() -> int:
@@ -103,8 +107,9 @@ def _check_cleared(three: dict) -> None:
     assert "tokens" in three["generate"], three
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("retain", [True, False], ids=["level1-backup", "level2-torn"])
-def test_sender_killed_part_way(tmp_path, retain):
+def test_sender_killed_part_way(tmp_path, retain, path):
     """The sender of update 2 is SIGKILLed once the engine has written k of its buckets (k drawn
     per run); the engine notices within the liveness time, rolls back or is torn; a fresh sender's
     complete update 3 clears it."""
@@ -115,8 +120,8 @@ def test_sender_killed_part_way(tmp_path, retain):
         spill = tmp_path / f"spill{run}"
         spill.mkdir()
         eng = Child("engine", int(retain), "kill", p1, p2, spill)
-        tx1 = Child("sender", "kill", p1, "1,2", "slow")
-        tx2 = Child("sender", "kill", p2, "3")
+        tx1 = Child("sender", "kill", path, p1, "1,2", "slow")
+        tx2 = Child("sender", "kill", path, p2, "3")
         try:
             ready, _ = eng.wait_for(lambda x: x.get("ready") == "engine")
             k = rng.randint(1, 8)
@@ -139,21 +144,23 @@ def test_sender_killed_part_way(tmp_path, retain):
         finally:
             for c in (eng, tx1, tx2):
                 c.close()
-    print(f"\nsender killed part-way, {'retained level-1 backup' if retain else 'after a level-2 sleep'}: "
+    print(f"\nsender killed part-way ({path}), {'retained level-1 backup' if retain else 'after a level-2 sleep'}: "
           f"{len(seen['outcome'])} runs, outcomes {dict((o, seen['outcome'].count(o)) for o in set(seen['outcome']))}, "
           f"buckets written at the kill {seen['applied_at_kill']}, when the engine noticed "
           f"{seen['applied_when_noticed']}, noticed after (s) {seen['noticed_s']}")
     assert len(seen["outcome"]) == RUNS
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("retain", [True, False], ids=["level1-backup", "level2-torn"])
-def test_engine_out_of_memory_part_way(tmp_path, retain):
+def test_engine_out_of_memory_part_way(tmp_path, retain, path):
     """Update 2 arrives while the engine's process may take only 24 MiB more address space: the
-    small buckets come first and are written, the first 64 MiB bucket's receive buffer is refused
-    (ENOMEM).  The limit is lifted after the receive; update 3 from the same sender clears it."""
+    small buckets come first and are written, then the memory of the first 64 MiB bucket is
+    refused (ENOMEM: mapping the sender's bucket, or allocating the receive buffer).  The limit
+    is lifted after the receive; update 3 from the same sender clears it."""
     p = _port()
     eng = Child("engine", int(retain), "oom", p, tmp_path)
-    tx = Child("sender", "oom", p, "1,2,3")
+    tx = Child("sender", "oom", path, p, "1,2,3")
     try:
         _, two = eng.wait_for(lambda x: x.get("update") == 2)
         _check_failed(two, retain, "Cannot allocate memory")
@@ -162,8 +169,8 @@ def test_engine_out_of_memory_part_way(tmp_path, retain):
         _, three = eng.wait_for(lambda x: x.get("update") == 3)
         _check_cleared(three)
         assert eng.p.wait(60) == 0, "".join(eng.err)[-3000:]
-        print(f"\nengine out of memory part-way ({'retained backup' if retain else 'level-2 sleep'}): "
-              f"{two['outcome']} after {two['applied']} bucket(s) written")
+        print(f"\nengine out of memory part-way ({path}, {'retained backup' if retain else 'level-2 sleep'}): "
+              f"{two['outcome']} after {two['applied']} bucket(s) written; the failure: {two['cause'].strip().splitlines()[-1][:200]}")
     finally:
         eng.close()
         tx.close()
