@@ -43,6 +43,11 @@ class Engine(abc.ABC):
         if all(g is not guard for g in guards):
             guards.append(guard)
 
+    def unguard_serving(self, guard: Any) -> None:
+        """Stop asking ``guard`` (given to :meth:`guard_serving`); a no-op when it was not given."""
+        guards = self.__dict__.get("_serving_guards", [])
+        guards[:] = [g for g in guards if g is not guard]
+
     def serving_guards(self) -> list:
         """What :meth:`check_serving` asks: the guards given to :meth:`guard_serving`."""
         return list(self.__dict__.get("_serving_guards", ()))
