@@ -156,3 +156,61 @@ def test_pause_resume_and_bad_arguments(engine):
         engine.generate([[1] * 30], max_tokens=8)  # beyond max_len
     with pytest.raises(InvalidArgumentError):
         engine.generate([[999]], max_tokens=1)
+
+
+def test_torn_weights_refuse_generation_scoring_and_resume_until_a_complete_update(engine, lifecycle):
+    """An update that failed part-way with nothing to roll back to marks the engine's lifecycle
+    torn (what WeightReceiver(guard=lifecycle) does): generate, score and the guarded loop's
+    resume refuse with TornWeightsError naming the versions; a partial update does not clear
+    it, a complete one does."""
+    from unisleep.errors import TornWeightsError
+    from unisleep.loop import Handoff
+
+    ref = engine.generate(PROMPTS, max_tokens=6)
+    lifecycle.mark_torn(version="2", previous="0", names=["head.weight"], why="the sender died",
+                        needs=engine.parameter_names())
+    for call in (lambda: engine.generate(PROMPTS, max_tokens=6),
+                 lambda: engine.score([g.prompt_ids for g in ref[:1]], [g.token_ids for g in ref[:1]])):
+        with pytest.raises(TornWeightsError) as ei:
+            call()
+        e = ei.value
+        assert (e.version, e.previous, e.names) == ("2", "0", ["head.weight"])
+        assert "version '2'" in str(e) and "Send a complete update" in str(e) and "the sender died" in str(e)
+    engine.pause("wait")
+    with pytest.raises(TornWeightsError):
+        Handoff(engine).resume()
+    assert engine.is_paused()  # refused before the engine was resumed
+    engine.resume()
+    sd = TinyLM(TinyLMConfig(seed=9)).state_dict()
+    engine.start_weight_update()
+    engine.update_weights(list(sd.items())[:3])
+    with pytest.raises(TransferError, match="incomplete"):
+        engine.finish_weight_update("3")
+    with pytest.raises(TornWeightsError):
+        engine.generate(PROMPTS, max_tokens=6)
+    engine.load_weights(sd, "3")
+    assert lifecycle.torn is None and engine.weight_version() == "3"
+    assert len(engine.generate(PROMPTS, max_tokens=6)) == len(PROMPTS)
+
+
+def test_a_guard_given_to_the_engine_is_asked_before_generating(engine, spill_dir):
+    """guard_serving: a receiver or lifecycle that writes the engine's weights elsewhere (here a
+    second lifecycle) is asked too; anything without check_serving() is refused."""
+    from unisleep import MemoryLifecycle
+    from unisleep.errors import TornWeightsError
+
+    other = MemoryLifecycle("host", spill_dir=spill_dir)
+    try:
+        engine.guard_serving(other)
+        engine.guard_serving(other)
+        assert engine.serving_guards() == [other]
+        engine.generate(PROMPTS, max_tokens=2)
+        other.mark_torn(version=7, previous=6, names=["x"], why="a bucket failed its digest")
+        with pytest.raises(TornWeightsError, match="version 7"):
+            engine.generate(PROMPTS, max_tokens=2)
+        other.clear_torn()
+        engine.generate(PROMPTS, max_tokens=2)
+        with pytest.raises(InvalidArgumentError, match="check_serving"):
+            engine.guard_serving(object())
+    finally:
+        other.close()

@@ -314,7 +314,13 @@ class Handoff:
         return acc
 
     def resume(self) -> None:
+        """Let the engine generate again — refused first (:class:`~unisleep.errors.TornWeightsError`,
+        the engine stays paused) while its weights are torn: an update that failed part-way with
+        nothing to roll back to must be followed by a complete one before rollouts resume."""
         eng = self.engine
+        check = getattr(eng, "check_serving", None)
+        if check is not None:
+            check()
         self._timed("resume", eng.resume)
         if type(eng).is_paused is not Engine.is_paused and eng.is_paused():
             raise EngineError(f"{eng.kind} engine still reports paused after resume()")

@@ -240,6 +240,27 @@ def test_async_verbs_from_a_caller_loop(eng, tiny_models, base_a, want_b):
         asyncio.run_coroutine_threadsafe(sync_verb_on_engine_loop(), eng.loop).result(30)
 
 
+def test_generation_refuses_while_a_guard_is_torn(eng, base_a, tmp_path):
+    """generate and agenerate ask the guards given to the adapter before a request reaches the
+    engine: a torn lifecycle refuses them with TornWeightsError; cleared, they serve again."""
+    from unisleep import MemoryLifecycle
+    from unisleep.errors import TornWeightsError
+
+    lc = MemoryLifecycle("host", spill_dir=str(tmp_path))
+    eng.guard_serving(lc)
+    try:
+        lc.mark_torn(version=5, previous=4, names=["lm_head.weight"], why="the sender died")
+        with pytest.raises(TornWeightsError, match="version 5"):
+            eng.generate(PROMPTS, max_tokens=4)
+        with pytest.raises(TornWeightsError, match="version 5"):
+            asyncio.run(eng.agenerate(PROMPTS, max_tokens=4))
+        lc.clear_torn()
+        assert greedy(eng) == base_a
+    finally:
+        eng.unguard_serving(lc)
+        lc.close()
+
+
 @pytest.mark.skipif(transfer_api_missing() is not None, reason=str(transfer_api_missing()))
 def test_weight_transfer_changes_and_restores(eng, base_a, want_b):
     from unisleep.engines.tiny_model import tiny_state_dict

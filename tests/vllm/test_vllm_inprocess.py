@@ -43,3 +43,26 @@ def test_inprocess_verbs(vllm_inprocess, tiny_models):
     assert eng.collective_rpc("check_health") == [None]
     with pytest.raises(EngineError, match="no_such_method"):
         eng.collective_rpc("no_such_method")
+
+
+def test_inprocess_generation_refuses_while_a_guard_is_torn(vllm_inprocess, tmp_path):
+    """A lifecycle marked torn (what a receiver guarded by it does when an update fails part-way
+    with nothing to roll back to), given to the adapter: generate refuses before vLLM runs."""
+    from unisleep import MemoryLifecycle
+    from unisleep.errors import TornWeightsError
+
+    eng = vllm_inprocess
+    base = greedy(eng)
+    lc = MemoryLifecycle("host", spill_dir=str(tmp_path))
+    eng.guard_serving(lc)
+    try:
+        lc.mark_torn(version=5, previous=4, names=["lm_head.weight"], why="the sender died")
+        with pytest.raises(TornWeightsError) as ei:
+            eng.generate(PROMPTS, max_tokens=4)
+        assert ei.value.version == 5 and ei.value.previous == 4 and "Send a complete update" in str(ei.value)
+        lc.clear_torn()
+        assert greedy(eng) == base
+    finally:
+        eng.unguard_serving(lc)
+        lc.close()
+    assert eng.serving_guards() == []

@@ -461,3 +461,25 @@ def test_resident_bytes_are_unknown_when_the_allocator_keeps_no_sleep_state(monk
         alloc = types.SimpleNamespace(pointer_to_data={i: r for i, r in enumerate(records)})
         monkeypatch.setattr(da, "get_mem_allocator_instance", lambda a=alloc: a)
         assert allocator_resident_bytes() == want
+
+
+def test_http_adapter_refuses_generation_while_a_guard_is_torn(tmp_path):
+    """A guard given to the adapter (guard_serving) is asked before any request: a torn one
+    raises TornWeightsError, not the connection error of the server that is not there."""
+    from unisleep import MemoryLifecycle
+    from unisleep.engines.vllm_http import VLLMHTTPEngine
+    from unisleep.errors import TornWeightsError
+
+    eng = VLLMHTTPEngine("http://127.0.0.1:9", timeout=0.5)   # nothing listens there
+    lc = MemoryLifecycle("host", spill_dir=str(tmp_path))
+    try:
+        eng.guard_serving(lc)
+        with pytest.raises(EngineError):  # not torn: the request is sent (and fails: no server)
+            eng.generate([[1, 2]], max_tokens=1)
+        lc.mark_torn(version=4, previous=3, names=["lm_head.weight"], why="the sender died")
+        for call in (lambda: eng.generate([[1, 2]], max_tokens=1), lambda: eng.complete([1, 2], max_tokens=1)):
+            with pytest.raises(TornWeightsError) as ei:
+                call()
+            assert ei.value.version == 4 and ei.value.previous == 3
+    finally:
+        lc.close()

@@ -26,6 +26,40 @@ class Engine(abc.ABC):
     #: short name shown in reports ("vllm-http", "vllm", "torch")
     kind: str = "?"
 
+    # ---- torn weights ----------------------------------------------------------------
+    def guard_serving(self, guard: Any) -> None:
+        """Refuse generation while ``guard``'s weights are torn: a
+        :class:`~unisleep.transfer.WeightReceiver` or :class:`~unisleep.MemoryLifecycle` that
+        writes this engine's weights (anything with a ``check_serving()`` that raises
+        :class:`~unisleep.errors.TornWeightsError`).  An engine adapter asks each before it
+        generates (:meth:`check_serving`)."""
+        if not callable(getattr(guard, "check_serving", None)):
+            from ..errors import InvalidArgumentError
+
+            raise InvalidArgumentError(
+                f"guard_serving needs a WeightReceiver or a MemoryLifecycle (an object with check_serving()), got "
+                f"{type(guard).__name__}")
+        guards = self.__dict__.setdefault("_serving_guards", [])
+        if all(g is not guard for g in guards):
+            guards.append(guard)
+
+    def unguard_serving(self, guard: Any) -> None:
+        """Stop asking ``guard`` (given to :meth:`guard_serving`); a no-op when it was not given."""
+        guards = self.__dict__.get("_serving_guards", [])
+        guards[:] = [g for g in guards if g is not guard]
+
+    def serving_guards(self) -> list:
+        """What :meth:`check_serving` asks: the guards given to :meth:`guard_serving`."""
+        return list(self.__dict__.get("_serving_guards", ()))
+
+    def check_serving(self) -> None:
+        """Raise :class:`~unisleep.errors.TornWeightsError` — naming the incomplete version, the
+        one served before it and the fix (send a complete update) — while an update that failed
+        part-way left this engine's weights torn.  A flag check per guard; every ``generate``
+        calls it before touching the weights."""
+        for g in self.__dict__.get("_serving_guards", ()):
+            g.check_serving()
+
     # ---- generation ----------------------------------------------------------------
     @abc.abstractmethod
     def generate(

@@ -13,7 +13,11 @@ driver) and behaves like a real engine towards the RL loop:
   an update that did not cover every tensor raises :class:`~unisleep.errors.TransferError`;
 * it refuses to generate or take weights while the memory it would touch is asleep, raising
   :class:`~unisleep.errors.InvalidTransitionError` *before* touching it — touching sleeping host
-  memory would kill the process with SIGSEGV.
+  memory would kill the process with SIGSEGV;
+* it refuses to generate or score while its weights are torn — an update that failed part-way
+  with no retained backup to roll back to marked its lifecycle (or its receiver) torn — raising
+  :class:`~unisleep.errors.TornWeightsError`, which names the incomplete version, until a
+  complete update arrives.
 
 :func:`sequence_logprobs` is the trainer-side scorer of the same model (full forward, no cache).
 """
@@ -236,6 +240,17 @@ class TorchGenerator(Engine):
                 "nothing was touched."
             )
 
+    def check_serving(self) -> None:
+        """Raise :class:`~unisleep.errors.TornWeightsError` while the weights are torn: marked so
+        on the engine's lifecycle (by a :class:`~unisleep.transfer.WeightReceiver` guarded by it),
+        on the receiver of :meth:`init_weight_transfer`, or on a guard given to
+        :meth:`guard_serving`.  Flag checks only."""
+        self.lifecycle.check_serving()
+        rx = self._receiver
+        if rx is not None:
+            rx.check_serving()
+        super().check_serving()
+
     # ------------------------------------------------------------------ generation
     def generate(
         self, prompts: Sequence[Sequence[int]], *, max_tokens: int = 16, temperature: float = 0.0,
@@ -246,6 +261,7 @@ class TorchGenerator(Engine):
         if self._updating is not None:
             raise InvalidTransitionError("a weight update is in progress; finish_weight_update() first")
         self._require_awake(("weights", "kv_cache"), "generate")
+        self.check_serving()
         if max_tokens < 1:
             raise InvalidArgumentError("max_tokens must be >= 1")
         if temperature < 0 or not (0.0 < top_p <= 1.0):
@@ -290,6 +306,7 @@ class TorchGenerator(Engine):
     def score(self, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]]) -> torch.Tensor:
         """Full-vocabulary logprobs of ``completion_ids`` under the engine's current weights."""
         self._require_awake(("weights",), "score")
+        self.check_serving()
         with torch.no_grad():
             return sequence_logprobs(
                 self.model, torch.tensor(prompt_ids, device=self.device), torch.tensor(completion_ids, device=self.device)
@@ -377,8 +394,18 @@ class TorchGenerator(Engine):
                 f"({', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}); the engine now holds a mix of "
                 f"versions and stays labelled {self._version!r}. Re-send the full set before generating."
             )
+        self._whole()
         if version is not None:
             self._version = str(version)
+
+    def _whole(self) -> None:
+        """Every tensor was just written by one update: a torn mark left by an earlier update that
+        failed part-way goes (on the lifecycle, and on this engine's receiver)."""
+        if self.lifecycle.torn is not None:
+            self.lifecycle.clear_torn()
+        rx = self._receiver
+        if rx is not None and rx.torn is not None:
+            rx.torn = None
 
     def abort_weight_update(self) -> None:
         """Drop an unfinished update (its tensors may already be written: re-send the full set)."""
@@ -397,7 +424,15 @@ class TorchGenerator(Engine):
     def init_weight_transfer(self, init_info: dict) -> Any:
         """Join the trainer's private transfer group and return a receiver that writes into this
         engine.  ``init_info``: ``rendezvous``, ``rank``, ``world_size`` and optional ``timeout_s``
-        and ``secret_file`` (the path of the group secret, mode 0600 — never the secret itself)."""
+        and ``secret_file`` (the path of the group secret, mode 0600 — never the secret itself).
+
+        The receiver writes through :meth:`update_weights` (between :meth:`start_weight_update`
+        and :meth:`finish_weight_update`) and is guarded by the engine's lifecycle: an update
+        that fails part-way is rolled back from a retained level-1 backup where one exists
+        (``MemoryLifecycle("host", retain_backups=True)``, CUDA after a level-1 wake), else the
+        engine is torn and :meth:`generate` refuses until a complete update arrives.  Called
+        again (a new group: the previous sender died), the new receiver starts from the engine's
+        version and knows of a torn update, so that its first complete update clears it."""
         from ..transfer import TransferGroup, WeightReceiver
 
         group = TransferGroup.create(
@@ -405,8 +440,15 @@ class TorchGenerator(Engine):
             world_size=init_info.get("world_size", 2), timeout_s=init_info.get("timeout_s", 60.0),
             secret_file=init_info.get("secret_file"),
         )
-        self._receiver = WeightReceiver(group, apply=self.update_weights, guard=self.can_receive_weights)
-        return self._receiver
+        old = self._receiver
+        rx = WeightReceiver(group, apply=self.update_weights, guard=self.lifecycle, guard_tags=["weights"],
+                            initial_version=old.version if old is not None else None)
+        rx.torn = self.lifecycle.torn or (old.torn if old is not None else None)
+        if old is not None:
+            old.close()
+            old.group.close()
+        self._receiver = rx
+        return rx
 
     def can_receive_weights(self) -> bool:
         """True when the weights may be written now (awake, not closed): a transfer guard."""
@@ -416,6 +458,10 @@ class TorchGenerator(Engine):
         if self._closed:
             return
         self._closed = True
+        rx, self._receiver = self._receiver, None
+        if rx is not None:  # the group this engine joined in init_weight_transfer
+            rx.close()
+            rx.group.close()
         if self._own_lifecycle:  # the engine's own model dies with it
             self.lifecycle.close()
 

@@ -265,7 +265,9 @@ class VLLMAsyncEngine(_AsyncWeightVerbs, Engine):
                  logprobs: bool = True, ignore_eos: bool = False,
                  timeout: Optional[float] = None) -> list[Generation]:
         """All prompts at once (concurrent requests); final outputs, in prompt order.  On
-        timeout the requests are cancelled (vLLM aborts them)."""
+        timeout the requests are cancelled (vLLM aborts them).  Refused while a guard given to
+        :meth:`guard_serving` reports the weights torn (:class:`~unisleep.errors.TornWeightsError`)."""
+        self.check_serving()
         sp = self._gen_args(max_tokens, temperature, top_p, seed, logprobs, ignore_eos)
         return self._run("generate", self._generate(list(prompts), sp, logprobs), timeout=timeout)
 
@@ -273,6 +275,7 @@ class VLLMAsyncEngine(_AsyncWeightVerbs, Engine):
                         temperature: float = 0.0, top_p: float = 1.0, seed: Optional[int] = None,
                         logprobs: bool = True, ignore_eos: bool = False,
                         timeout: Optional[float] = None) -> list[Generation]:
+        self.check_serving()
         sp = self._gen_args(max_tokens, temperature, top_p, seed, logprobs, ignore_eos)
         return await self._await("generate", self._generate(list(prompts), sp, logprobs),
                                  timeout=timeout)

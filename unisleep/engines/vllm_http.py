@@ -199,13 +199,16 @@ class VLLMHTTPEngine(Engine):
 
     # ---- generation ----------------------------------------------------------------
     def complete(self, prompt: Any, **fields) -> dict:
-        """Raw ``POST /v1/completions``; returns the response body."""
+        """Raw ``POST /v1/completions``; returns the response body.  Refused while a guard given
+        to :meth:`guard_serving` reports the weights torn (:class:`~unisleep.errors.TornWeightsError`)."""
+        self.check_serving()
         body = {"model": self.model_name(), "prompt": prompt, **fields}
         return self._post("/v1/completions", json=body)
 
     def generate(self, prompts: Sequence[Sequence[int]], *, max_tokens: int = 16,
                  temperature: float = 0.0, top_p: float = 1.0, seed: Optional[int] = None,
                  logprobs: bool = True, ignore_eos: bool = False) -> list[Generation]:
+        self.check_serving()
         prompts = [list(map(int, p)) for p in prompts]
         if not prompts:
             return []

@@ -134,6 +134,9 @@ class VLLMEngine(Engine):
     def generate(self, prompts: Sequence[Sequence[int]], *, max_tokens: int = 16,
                  temperature: float = 0.0, top_p: float = 1.0, seed: Optional[int] = None,
                  logprobs: bool = True, ignore_eos: bool = False) -> list[Generation]:
+        """Refused while a guard given to :meth:`guard_serving` reports the weights torn
+        (:class:`~unisleep.errors.TornWeightsError`)."""
+        self.check_serving()
         sp = sampling_params(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                              seed=seed, logprobs=logprobs, ignore_eos=ignore_eos)
         reqs = [{"prompt_token_ids": list(map(int, p))} for p in prompts]
