@@ -141,3 +141,28 @@ def test_a_written_update_drops_the_stale_retained_backup(pair, tmp_path):
     assert isinstance(r, TransferError) and r.outcome == "rolled_back"
     assert all(torch.equal(q, _w(2)[k]) for k, q in model.named_parameters())
     lc.close()
+
+
+def test_a_new_receiver_s_complete_update_clears_its_guard_s_torn_mark(pair, tmp_path):
+    """After a sender dies its group goes with it, so the next update comes to a new receiver
+    guarded by the same lifecycle: its complete update makes the weights whole, and the torn mark
+    the lifecycle carries goes (the new receiver never was torn itself)."""
+    g0, g1 = pair
+    lc, model = _engine(tmp_path, False)
+    lc.sleep(1)
+    lc.wake_up()
+    rx = WeightReceiver(g1, target=model, guard=lc, initial_version=1)
+    tx = WeightSender(g0, bucket_bytes=40000, path="collective")
+    tx._faults["corrupt"] = {2}
+    s, r = _both(lambda: tx.send(_w(2), 2), rx.receive)
+    tx._faults["corrupt"] = set()
+    assert isinstance(r, TransferError) and r.outcome == "torn"
+    with pytest.raises(TornWeightsError):
+        lc.check_serving()
+    rx2 = WeightReceiver(g1, target=model, guard=lc, initial_version=1)
+    assert rx2.torn is None
+    s, r = _both(lambda: tx.send(_w(3), 3), rx2.receive)
+    assert not isinstance(r, Exception), r
+    lc.check_serving(), rx2.check_serving()
+    assert all(torch.equal(p, _w(3)[k]) for k, p in model.named_parameters())
+    lc.close()

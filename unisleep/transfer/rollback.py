@@ -103,10 +103,12 @@ def clear(rx, names) -> None:
     """A complete update of ``names`` was applied: the torn mark goes when it covers every tensor
     of the torn update."""
     written(rx)
-    torn = rx.torn
+    lc = guard_lifecycle(rx)
+    # a receiver made after the one that tore the weights (its sender died with the group, so a
+    # new group and a new receiver) clears the mark its guard lifecycle still carries
+    torn = rx.torn or (lc.torn if lc is not None else None)
     if torn is None or not torn.needs <= set(names):
         return
     rx.torn = None
-    lc = guard_lifecycle(rx)
     if lc is not None and lc.torn is not None:
         lc.clear_torn()
