@@ -130,6 +130,12 @@ class IncompleteUpdateError(TransferError):
         self.missing = list(missing or [])
 
 
+class UpdateMemoryError(TransferError, InsufficientMemoryError):
+    """The receiving side ran out of memory (host or device) part-way through an update — its
+    own memory, not a fault of the sender; ``outcome`` says what became of the weights.  Free
+    memory on the receiving side, or give the sender a smaller ``bucket_bytes``."""
+
+
 class PrivateDirError(TransferError):
     """unisleep's private run directory for this user cannot be used: another user made a
     directory at its name (to block this user's transfer groups or read what is put there), or
@@ -170,6 +176,7 @@ __all__ = [
     "BackupCorruptError",
     "BackupLostError",
     "InsufficientMemoryError",
+    "UpdateMemoryError",
     "SpillDirError",
     "LiveTensorsError",
     "UnsupportedError",

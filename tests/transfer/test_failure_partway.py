@@ -164,6 +164,8 @@ def test_engine_out_of_memory_part_way(tmp_path, retain, path):
     try:
         _, two = eng.wait_for(lambda x: x.get("update") == 2)
         _check_failed(two, retain, "Cannot allocate memory")
+        # this side's own memory, said so (not blamed on the sender)
+        assert two["type"] == "UpdateMemoryError" and "this side ran out of memory" in two["msg"], two
         _, sent = tx.wait_for(lambda x: x.get("sent") == 2)
         assert not sent["ok"] and "receiver rank 1 stopped" in sent["msg"], sent
         _, three = eng.wait_for(lambda x: x.get("update") == 3)

@@ -12,7 +12,7 @@ import time
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 from ..errors import (IncompleteUpdateError, InvalidArgumentError, InvalidTransitionError, LifecycleClosedError,
-                      TransferError, UnisleepError, VersionError)
+                      TransferError, UnisleepError, UpdateMemoryError, VersionError)
 from . import records as R
 from . import rollback
 from .channels import IpcConn, IpcGoneError, connect_ipc, handshake_receiver, ipc_text
@@ -24,6 +24,15 @@ from .records import check_version
 from .names import short_names, tensor_pairs
 from .report import TransferReport
 from .staging import RecvState, VerifyError
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    """``e`` says this process could not get memory (host or device)."""
+    import errno
+
+    return (isinstance(e, MemoryError) or (isinstance(e, OSError) and e.errno == errno.ENOMEM)
+            or type(e).__name__ == "OutOfMemoryError" or "out of memory" in str(e).lower()
+            or "DefaultCPUAllocator: can't allocate memory" in str(e))
 
 
 class WeightReceiver(_ReceivePaths):
@@ -422,6 +431,13 @@ class WeightReceiver(_ReceivePaths):
                                         f"{e}); {tail}; recreate the group")
                 elif state.apply_failed:
                     err = TransferError(f"update {seq} (version {version!r}) broke off: {why}; {tail}")
+                elif _out_of_memory(e):  # this side's own memory, not the sender
+                    arrived = len(state.got) + len(state.rejected)
+                    err = UpdateMemoryError(
+                        f"update {seq} (version {version!r}) broke off: this side ran out of memory for its next bucket "
+                        f"({arrived} of {len(state.plans)} buckets had arrived, the largest "
+                        f"{max((p.total_bytes for p in state.plans), default=0)} bytes): {type(e).__name__}: {e}; {tail}; free memory on this side or "
+                        "give the sender a smaller bucket_bytes")
                 elif isinstance(e, UnisleepError):
                     err = type(e)(f"{e}; {tail}")
                 else:
