@@ -38,7 +38,7 @@ from typing import Optional, Sequence
 
 from ..errors import TransferError
 from . import records as R
-from .fd_limit import descriptor_error
+from .netinfo import descriptor_error
 from .group import TransferGroup
 from .manifest import BucketPlan
 

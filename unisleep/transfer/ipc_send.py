@@ -17,7 +17,7 @@ from typing import Any, Optional, Sequence
 from ..errors import TransferError
 from .channels import (HANDSHAKE_S, STORE_LOOK_S, IpcConn, IpcGoneError, _corrupt, ipc_context, named_error,
                        peer_credentials, receiver_failure, recv_sealed, send_sealed)
-from .fd_limit import descriptor_error
+from .netinfo import descriptor_error
 from .group import TransferGroup
 from .manifest import BucketPlan
 from .netinfo import user_name

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from ..errors import TransferError
 from .channels import ABORT, CIPHERED, END, PIECED, _corrupt, pack_tensor, receiver_failure, wait_work
-from .fd_limit import descriptor_error
+from .netinfo import descriptor_error
 from .manifest import BucketPlan
 
 if TYPE_CHECKING:
