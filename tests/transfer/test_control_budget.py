@@ -9,7 +9,9 @@ each update's steps counted once both sides are connected."""
 
 from __future__ import annotations
 
+import os
 import socket
+import sys
 import threading
 import time
 
@@ -18,6 +20,9 @@ import torch
 
 from unisleep.transfer import TransferGroup, WeightReceiver, WeightSender
 from unisleep.transfer import store as S
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from faults import FaultySender  # noqa: E402
 
 #: store requests per update from a receiver already connected to the sender's IPC socket: one
 #: WATCH, answered with the header (acknowledgement, go and done travel on that connection); there
@@ -88,16 +93,16 @@ class _Messages:
     def __init__(self, monkeypatch):
         import collections
 
-        from unisleep.transfer import channels as C
+        from unisleep.transfer import ipc
 
         self.ops: collections.Counter = collections.Counter()
-        real = C.send_sealed
+        real = ipc.send_sealed
 
         def send_sealed(sock, key, ctx, op, *a, **k):
             self.ops[op] += 1
             return real(sock, key, ctx, op, *a, **k)
 
-        monkeypatch.setattr(C, "send_sealed", send_sealed)
+        monkeypatch.setattr(ipc, "send_sealed", send_sealed)
 
 
 class _Wakes:
@@ -176,7 +181,7 @@ def test_refusals_call_offs_and_rejections_on_the_ipc_connection_leave_it_in_ste
         got = {}
         rx = WeightReceiver(g1, apply=lambda pairs: got.update((n, t.clone()) for n, t in pairs),
                             guard=lambda: awake["on"])
-        tx = WeightSender(g0, bucket_bytes=1 << 16, path=path)
+        tx = FaultySender(g0, bucket_bytes=1 << 16, path=path)
         weights = {f"layer.{i}": torch.full((3000 + i,), float(i)) for i in range(6)}
         specs = [(k, tuple(t.shape), "float32") for k, t in weights.items()]
 
@@ -203,9 +208,9 @@ def test_refusals_call_offs_and_rejections_on_the_ipc_connection_leave_it_in_ste
         s, r = both(lambda: tx.send(failing(), 3, specs=specs))  # called off (ipc: first bucket) or aborted
         assert isinstance(s, TransferError) and "generator failed" in str(s), s
         assert isinstance(r, TransferError) and "generator failed" in str(r), r
-        tx._faults = {"skip": set(), "corrupt": {1}}
+        tx.corrupt = {1}
         s, r = both(lambda: tx.send(weights, 4))  # rejected: a bucket altered on the way
-        tx._faults = {"skip": set(), "corrupt": set()}
+        tx.corrupt = set()
         assert isinstance(s, TransferError) and "rejected" in str(s) and "corrupt" in str(s), s
         assert isinstance(r, TransferError) and rx.version == 1, r
         assert not [k for op, k in spy.requests if "/ack/" in k or k.endswith("/go")], spy.requests

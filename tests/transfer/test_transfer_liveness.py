@@ -191,7 +191,7 @@ def test_a_peer_frozen_while_nobody_looked_is_named_by_its_last_beat(session):
     """The sender did not look at the receiver's heartbeat for 2 s after the receiver froze (a
     trainer's generator, a send the kernel's buffers took): the silence counts from the
     receiver's last beat, not from the sender's next look."""
-    from unisleep.transfer.liveness import DEAD_AFTER_S, HEARTBEAT_S
+    from unisleep.transfer.group import DEAD_AFTER_S, HEARTBEAT_S
 
     g, rx = session("-,-")
     while not [x for x in rx.lines if "ready" in x]:
