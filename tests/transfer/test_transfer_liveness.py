@@ -153,9 +153,13 @@ def test_sigkilled_receiver_is_named_at_once(session, path, when):
         w = weights(1)
         specs = [(k, tuple(v.shape), v.dtype) for k, v in w.items()]
 
+        moving = threading.Event()  # set once buckets move (after go, on every path)
+
         def slow():
-            for k, v in w.items():
+            for i, (k, v) in enumerate(w.items()):
                 time.sleep(0.3)
+                if i == 2:
+                    moving.set()
                 yield k, v
 
         res: dict = {}
@@ -165,9 +169,7 @@ def test_sigkilled_receiver_is_named_at_once(session, path, when):
 
         send = threading.Thread(target=run, daemon=True)
         send.start()
-        t0 = time.monotonic()
-        while not g.check("u0/go") and time.monotonic() - t0 < 30:
-            time.sleep(0.01)
+        assert moving.wait(30), res
         time.sleep(0.4)
         os.kill(rx.p.pid, signal.SIGSTOP if when.startswith("frozen") else signal.SIGKILL)
         killed = time.monotonic()

@@ -349,7 +349,8 @@ class CollectiveSendChannel:
         assert sealer is not None and sealer.plan is plan, "an encrypted bucket is posted after it was packed"
         self.pending[slot] = sealer.works
 
-    def end(self, abort: bool) -> None:
+    def end(self, abort: bool, why: str = "") -> None:
+        """The update's end (``abort``: broken off; the reason is in the store)."""
         if self._open is not None:  # a bucket broke off while packed: send the rest, unsealed (its tag fails)
             sealer, self._open = self._open, None
             sealer.abandon()

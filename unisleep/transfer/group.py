@@ -3,8 +3,9 @@
 It has its own store (:mod:`.store`, served by rank 0, the sender) and the platform's
 process-group backend constructed directly on it, so the default process group of either side
 (the trainer's data-parallel group, the engine's tensor-parallel group) is never created or
-touched.  The store carries the small control records of an update (header, acknowledgements),
-the heartbeats and the backend's bootstrap values; the bytes go over the backend or a Unix socket.
+touched.  The store carries the update's header (and, on the collective path, its other control
+records: acknowledgements, go, done), the heartbeats and the backend's bootstrap values; the bytes
+go over the backend or a Unix socket.
 
 Security (see docs/security.md): rank 0 opens the listening socket itself, bound to exactly the
 address of the rendezvous (a loopback rendezvous listens on loopback only).  Only members use the

@@ -59,12 +59,9 @@ MAX_TEXT = 8 << 10
 HANDSHAKE_S = 5.0
 #: how long a receiver retries connecting to a full IPC socket (the liveness window)
 CONNECT_RETRY_S = 5.0
-#: the sender, waiting for a connected receiver's answer on the IPC socket, looks in the store for
-#: it after this long and then this often (a receiver answers there only when it connects anew)
-STORE_LOOK_S = 0.02
-#: ``ack``, ``go`` and ``done`` carry an update's control records between a sender and a receiver
-#: whose connection is already up (the header says ``"control": "ipc"``): the same fields as the
-#: store's records (``ok``, ``kind``, ``msg``), for update ``u``
+#: ``ack``, ``go`` and ``done`` are the IPC path's control records (the header says ``"control":
+#: "ipc"``): the same fields as the store's records of the other paths (``ok``, ``kind``, ``msg``),
+#: for update ``u``; ``end`` carries an abort's reason in ``msg``
 OPS = ("hello", "proof", "welcome", "buf", "bucket", "free", "error", "end", "stream", "ack", "go", "done")
 IPC_MSG = {"op": OPS, "id": R.OPT_STR, "slot": R.INT, "k": R.INT, "nbytes": R.INT, "u": R.INT, "abort": R.BOOL,
            "msg": R.STR, "nonce": R.OPT_STR, "rank": R.INT, "pid": R.INT, "ok": R.BOOL, "kind": R.STR}
@@ -83,31 +80,6 @@ def ipc_text(text: str) -> str:
     while len(json.dumps(text, ensure_ascii=True)) > MAX_TEXT:
         text = text[: len(text) * 3 // 4]
     return text
-
-
-def receiver_failure(group: TransferGroup, seq: int, epoch: int, r: int, e: TransferError,
-                     wait_s: float = 0.5) -> TransferError:
-    """The error to raise when receiver ``r``'s connection failed during update ``seq``: the
-    reason the receiver wrote in its ``done`` record (it writes it before hanging up; looked for
-    up to ``wait_s``), as the named error it was, else ``e``."""
-    if group.broken or ("receiver rank" in str(e) and type(e) not in (TransferError, IpcGoneError)):
-        return e  # a dead or frozen receiver (named already) writes no reason
-    deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            raw = group.store.fetch(f"u{seq}/done/{r}", 1 << 16)
-            if raw is not None:
-                _, _, body = R.open_record(group._rec_key, group.group_id, raw, name=f"u{seq}/done/{r}",
-                                           peer=f"receiver rank {r}", schema=R.DONE, seq=seq, epoch=epoch,
-                                           limit=1 << 16)
-                if not body["ok"]:
-                    return named_error(f"receiver rank {r} stopped update {seq}: {body['msg']}")
-                return e
-        except Exception:  # noqa: BLE001 - no better reason than e
-            return e
-        if time.monotonic() > deadline:
-            return e
-        time.sleep(0.01)
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
@@ -172,18 +144,26 @@ def send_sealed(sock: socket.socket, key: bytes, ctx: str, op: str, n: int, fiel
 def recv_sealed(sock: socket.socket, key: bytes, ctx: str, n: Optional[int], what: str, peer: str,
                 timeout_s: Optional[float] = None, quiet_timeout: bool = False) -> tuple[dict, list[int]]:
     old = sock.gettimeout()
-    if timeout_s is not None:
+    changed = timeout_s is not None
+    if changed:
         sock.settimeout(timeout_s)
     try:
-        data, fds, flags, _addr = socket.recv_fds(sock, MAX_MSG + 64, 4)
+        try:
+            data, fds, flags, _addr = socket.recv_fds(sock, MAX_MSG + 64, 4)
+        except ConnectionResetError:
+            # the peer hung up with messages of this side unread: the kernel says so before the
+            # messages the peer sent first (its reason, say), which are still there to read
+            changed = True
+            sock.settimeout(0)
+            data, fds, flags, _addr = socket.recv_fds(sock, MAX_MSG + 64, 4)
     except socket.timeout as e:
         if quiet_timeout:
             raise
         raise TransferError(f"timed out waiting for {what} on the IPC socket ({peer})") from e
-    except OSError as e:
+    except OSError as e:  # (BlockingIOError: reset, and nothing left to read)
         raise IpcGoneError(f"IPC socket failed while waiting for {what} ({peer}): {e}") from e
     finally:
-        if timeout_s is not None:
+        if changed and sock.fileno() >= 0:
             sock.settimeout(old)
     try:
         if flags & socket.MSG_CTRUNC:  # the kernel dropped the descriptors sent: no room for them here
@@ -350,7 +330,8 @@ class IpcSenderState:
 
     # -- the sender's thread
     def accept(self, ranks: Sequence[int]) -> None:
-        """Take one authenticated connection from each of ``ranks``; refuse everything else."""
+        """Take one authenticated connection from each of ``ranks`` (the Unix-stream path, after
+        their acknowledgements in the store said they connect anew); refuse everything else."""
         g = self.group
         want = set(ranks)
         deadline = time.monotonic() + g.timeout_s
@@ -361,78 +342,101 @@ class IpcSenderState:
             with self._cv:
                 if not self._queued and self.fd_error is None:
                     self._cv.wait(min(left, 0.5))
-                if self.fd_error is not None:
-                    err, self.fd_error = self.fd_error, None
-                    raise err
-                item = self._queued.pop(0) if self._queued else None
+            item = self._next_queued()
             if item is None:
                 g.check_alive(sorted(want))
                 continue
             got = self._admit(*item, want)
-            if got is None:
-                continue
-            r, conn = got
-            old = self.conns.pop(r, None)
-            if old is not None:
-                old.close()
-            stream = self.streams.pop(r, None)
-            if stream is not None:
-                stream.close()
-            self.conns[r] = conn
-            for ranks_ in self.shared.values():
-                ranks_.discard(r)
-            want.discard(r)
+            if got is not None:
+                self._install(*got)
+                want.discard(got[0])
 
-    def control(self, r: int, op: str, seq: int, what: str, key: str) -> Optional[dict]:
-        """Receiver ``r``'s ``op`` message (or its ``error``) of update ``seq`` on its connection,
-        skipping what is left there of earlier updates; None when that connection is gone (closed
-        and forgotten: its receiver answers in the store and connects again) or the receiver
-        answered in the store instead (at ``key``: another receiver object of that rank, whose new
-        connection :meth:`accept` takes in place of this one; looked for after
-        :data:`STORE_LOOK_S`, then every :data:`STORE_LOOK_S`).  A message out of step (neither that
-        nor a late word of an earlier update) closes the connection and raises, as does a dead or
-        frozen receiver, or one that says nothing within the group's timeout."""
+    def admit_queued(self) -> None:
+        """Run the secret handshake with every connection the accepting thread queued (a
+        receiver's uid); one that passes replaces its receiver's old connection."""
+        while True:
+            item = self._next_queued()
+            if item is None:
+                return
+            got = self._admit(*item, set(self.group.receivers))
+            if got is not None:
+                self._install(*got)
+
+    def _next_queued(self) -> Optional[tuple[socket.socket, int, int]]:
+        with self._cv:
+            if self.fd_error is not None:
+                err, self.fd_error = self.fd_error, None
+                raise err
+            return self._queued.pop(0) if self._queued else None
+
+    def _install(self, r: int, conn: IpcConn) -> None:
+        """``conn`` (authenticated) is receiver ``r``'s connection from now on: the old one, its
+        bucket-bytes socket and what that receiver had mapped are forgotten."""
+        old = self.conns.pop(r, None)
+        if old is not None:
+            old.close()
+        stream = self.streams.pop(r, None)
+        if stream is not None:
+            stream.close()
+        self.conns[r] = conn
+        for ranks_ in self.shared.values():
+            ranks_.discard(r)
+
+    def answer(self, r: int, op: str, seq: int, what: str) -> dict:
+        """Receiver ``r``'s ``op`` message (``ack`` or ``done``, or its ``error``) of update ``seq``
+        on its IPC connection — the IPC path's control plane.
+
+        A receiver without a connection (its first update, or after its connection broke off)
+        connects meanwhile: every connection the accepting thread queues is admitted while this
+        waits, and one of receiver ``r`` (a new receiver object of that rank, say) replaces its old
+        connection.  What is left on a connection of earlier updates is skipped.  A message out of
+        step (neither that nor a late word of an earlier update) closes the connection and raises,
+        as does a dead or frozen receiver (named within a few seconds) or one that says nothing
+        within the group's timeout."""
         g = self.group
-        conn = self.conns.get(r)
-        if conn is None:
-            return None
         t0 = time.monotonic()
-        next_live, next_look, nap = t0 + 0.5, t0 + STORE_LOOK_S, 0.001
-        try:
-            while True:
+        next_live, nap = t0 + 0.5, 0.001
+        while True:
+            self.admit_queued()
+            conn = self.conns.get(r)
+            ready = []
+            if conn is not None:
                 try:
                     ready = select.select([conn.sock], [], [], nap)[0]
                 except (OSError, ValueError):
-                    raise IpcGoneError(f"the IPC connection of receiver rank {r} is closed") from None
-                if not ready:
-                    now = time.monotonic()
-                    if now >= next_look:
-                        next_look = now + STORE_LOOK_S
-                        if g.check(key):
-                            return None
-                    if now >= next_live:
-                        next_live = now + 0.5
-                        g.check_alive([r])
-                    if now - t0 > g.timeout_s:
-                        raise TransferError(f"timed out waiting for {what} (on the IPC socket and in the store)")
-                    nap = min(nap * 2, STORE_LOOK_S)
+                    self._forget(r, conn)
                     continue
+            else:
+                with self._cv:
+                    if not self._queued and self.fd_error is None:
+                        self._cv.wait(nap)
+            if not ready:
+                now = time.monotonic()
+                if now >= next_live:
+                    next_live = now + 0.5
+                    g.check_alive([r])
+                if now - t0 > g.timeout_s:
+                    raise TransferError(f"timed out waiting for {what} on the IPC socket" +
+                                        ("" if conn is not None else " (it never connected)"))
+                nap = min(nap * 2, 0.02)
+                continue
+            try:
                 msg, fds = conn.recv(what)
-                for fd in fds:
-                    os.close(fd)
-                if msg["u"] == seq and msg["op"] in (op, "error") and not fds:
-                    return msg
-                if msg["u"] < seq and msg["op"] in ("free", "ack", "done", "error") and not fds:
-                    continue  # a late word of an update that broke off
+            except IpcGoneError:  # it hung up: that receiver connects again
                 self._forget(r, conn)
-                raise TransferError(f"receiver rank {r} sent {msg['op']!r} (update {msg['u']}) on the IPC socket while "
-                                    f"the sender waited for {what} (update {seq}); that connection was closed (the "
-                                    "receiver connects again on its next update)")
-        except IpcGoneError:
+                if g.broken:
+                    raise
+                continue
+            for fd in fds:
+                os.close(fd)
+            if msg["u"] == seq and msg["op"] in (op, "error") and not fds:
+                return msg
+            if msg["u"] < seq and msg["op"] in ("free", "ack", "done", "error") and not fds:
+                continue  # a late word of an update that broke off
             self._forget(r, conn)
-            if g.broken:
-                raise
-            return None
+            raise TransferError(f"receiver rank {r} sent {msg['op']!r} (update {msg['u']}) on the IPC socket while "
+                                f"the sender waited for {what} (update {seq}); that connection was closed (the "
+                                "receiver connects again on its next update)")
 
     def _forget(self, r: int, conn: IpcConn) -> None:
         """Close receiver ``r``'s connection ``conn`` and stop using it."""
@@ -516,7 +520,23 @@ class IpcSendChannel:
         try:
             return self.st.conns[r].recv(what)
         except TransferError as e:
-            raise receiver_failure(self.s.group, self.seq, self.epoch, r, e) from e
+            raise self._failure(r, e) from e
+
+    def _failure(self, r: int, e: TransferError) -> TransferError:
+        """The error to raise when receiver ``r``'s connection failed while this side wrote to it:
+        the reason the receiver sent before it hung up (its ``error``, still queued on the
+        connection), as the named error it was, else ``e``."""
+        conn = self.st.conns.get(r)
+        try:
+            while conn is not None:
+                msg, fds = conn.recv("the receiver's reason", timeout_s=0.5)
+                for fd in fds:
+                    os.close(fd)
+                if msg["op"] == "error" or (msg["op"] == "done" and not msg["ok"]):
+                    return named_error(f"receiver rank {r} stopped update {self.seq}: {msg['msg']}")
+        except TransferError:  # nothing more on it
+            pass
+        return e
 
     def _wait_free(self, slot: int) -> None:
         st = self.st
@@ -527,7 +547,7 @@ class IpcSendChannel:
                     continue  # a late word of an update that broke off
                 if msg["op"] == "free" and msg["slot"] in (0, 1):
                     st.busy[msg["slot"]].discard(r)
-                elif msg["op"] == "error":
+                elif msg["op"] == "error" or (msg["op"] == "done" and not msg["ok"]):
                     raise named_error(f"receiver rank {r}: {msg['msg']}")
                 else:
                     raise TransferError(f"receiver rank {r} sent {msg['op']!r} while the sender waited for 'free'")
@@ -566,16 +586,17 @@ class IpcSendChannel:
                     have.add(r)
                 conn.send("bucket", k=plan.index, id=bid, slot=slot, nbytes=plan.total_bytes, u=self.seq)
             except TransferError as e:
-                raise receiver_failure(self.s.group, self.seq, self.epoch, r, e) from e
+                raise self._failure(r, e) from e
             st.busy[slot].add(r)
 
-    def end(self, abort: bool) -> None:
+    def end(self, abort: bool, why: str = "") -> None:
+        """The update's end (``abort``: broken off, ``why`` tells the receivers)."""
         st = self.st
         if not abort:
             self._wait_free(0)
             self._wait_free(1)
         for conn in st.conns.values():
-            conn.send("end", abort=abort, u=self.seq)
+            conn.send("end", abort=abort, u=self.seq, msg=ipc_text(why))
         if abort:
             st.busy = [set(), set()]
 

@@ -3,8 +3,9 @@
 
 One update (:meth:`WeightSender.send`), in order: the arguments checked and the manifest made
 (nothing sent yet); the path resolved; the header posted in the store; every receiver's
-acknowledgement (on its IPC connection or in the store) — a refusal calls the update off before
-any byte moved; ``go``; the buckets packed (hashed or encrypted in the same pass) and streamed
+acknowledgement (on the path's control plane: its IPC connection on the IPC path, where a receiver
+without one connects first, else the store) — a refusal calls the update off before any byte
+moved; ``go``; the buckets packed (hashed or encrypted in the same pass) and streamed
 double buffered through the path's channel (:mod:`.collective`, :mod:`.socket_path`,
 :mod:`.ipc`); then every receiver's commit, and the report.
 
@@ -144,7 +145,7 @@ class WeightSender:
         self._coll_slots: list = [None, None]
         self._ipc: Optional[IpcSenderState] = None
         self._seal_ahead: Optional[tuple] = None  # (seq, epoch, seal) made while the last update committed
-        self._no_records = -1  # the last update whose answers all travelled on the IPC connections (no store records)
+        self._no_records = -1  # the last update of the IPC path (it left no records in the store)
         self.last_report: Optional[TransferReport] = None
         self.version: Any = None
 
@@ -292,11 +293,11 @@ class WeightSender:
                     via=via, cipher=cipher, sock=sock, keep=keep, t0=t0,
                     reuse=manifest.meta_id == self._last_meta_id,
                     digests=self.verify and cipher == "none",  # an encrypted bucket is authenticated by its tag
-                    # receivers still connected from the last update answer on that connection
-                    # (acknowledgement, go, done: sealed like the store's records), not through the
-                    # store — rank 0's store is a thread of this process, and every request to it
-                    # waits for this thread's interpreter lock
-                    control="ipc" if sock and self._ipc.conns and set(self._ipc.conns) >= set(g.receivers) else "store")
+                    # one control plane per path: the IPC path's acknowledgement, go and done travel
+                    # on its IPC connections (sealed like the store's records; rank 0's store is a
+                    # thread of this process, and every request to it waits for this thread's
+                    # interpreter lock), the other paths' in the store
+                    control="ipc" if path == "ipc" else "store")
         u.header = {
             "version": version, "previous_version": self.version, "meta_id": manifest.meta_id,
             "specs": None if u.reuse else [[s.name, list(s.shape), s.dtype] for s in manifest.specs],
@@ -321,11 +322,13 @@ class WeightSender:
         u.crypt = BucketCipher.of(g, u.seq, u.epoch) if u.cipher != "none" else None
         first, packing = self._pack_first(u)
         # the last update's records are dropped while the receivers answer (after the first
-        # bucket's packing is queued: nothing waits on them) — unless every answer of it travelled
-        # on the IPC connections (it left no record in the store)
+        # bucket's packing is queued: nothing waits on them) — unless it was an IPC update (it left
+        # no record in the store)
         if u.seq and self._no_records != u.seq - 1:
             for k in ("go", "abort", *(f"ack/{r}" for r in g.receivers), *(f"done/{r}" for r in g.receivers)):
                 g.drop(f"u{u.seq - 1}/{k}")
+        if u.control == "ipc":
+            self._no_records = u.seq
         connect = self._acknowledgements(u, packing)
         t_ack = time.perf_counter()
         try:
@@ -383,9 +386,8 @@ class WeightSender:
                 g.process_group()  # a new epoch connects here; the receivers follow when they read the header
             for r in g.receivers:
                 what = f"receiver rank {r} to accept update {u.seq} (version {u.version!r}); is receive() running?"
-                ack = self._ipc_record(r, "ack", u.seq, what, f"u{u.seq}/ack/{r}") if u.control == "ipc" else None
-                if ack is not None:
-                    u.by_ipc.append(r)
+                if u.control == "ipc":  # a receiver not connected yet connects (and proves the secret) first
+                    ack = self._ipc_record(r, "ack", u.seq, what)
                 else:
                     ack = g.take(f"u{u.seq}/ack/{r}", R.ACK, seq=u.seq, epoch=u.epoch, peer=f"receiver rank {r}",
                                  watch=[r], what=what)
@@ -415,13 +417,17 @@ class WeightSender:
         """``go``, then every bucket packed and posted through the path's channel, then its end; a
         failure aborts the update (every receiver hears why) and raises, naming a dead receiver."""
         g = self.group
-        if len(u.by_ipc) < len(g.receivers):
+        if u.control == "store":
             g.put(f"u{u.seq}/go", {"go": True, "why": ""}, u.seq, u.epoch)
         live = None  # the channel, once every receiver is connected to it
         try:
-            for r in u.by_ipc:
-                self._ipc.conns[r].send("go", u=u.seq)
-            if u.sock:
+            if u.control == "ipc":
+                for r in g.receivers:
+                    conn = self._ipc.conns.get(r)
+                    if conn is None:
+                        raise TransferError(f"receiver rank {r}'s IPC connection closed after it acknowledged")
+                    conn.send("go", u=u.seq)
+            if u.via == "socket":  # the receivers that said they connect anew
                 self._ipc.accept(connect)
                 missing = sorted(set(g.receivers) - set(self._ipc.conns))
                 if missing:  # a receiver that kept a connection this side has closed: it connects next time
@@ -435,10 +441,12 @@ class WeightSender:
             live.end(abort=False)
         except Exception as e:  # the generator, a spec mismatch, the transport...
             ended = False
+            why = f"{type(e).__name__}: {e}"
             try:
-                g.put(f"u{u.seq}/abort", {"why": f"{type(e).__name__}: {e}"[:4000]}, u.seq, u.epoch)
+                if u.control == "store":
+                    g.put(f"u{u.seq}/abort", {"why": why[:4000]}, u.seq, u.epoch)
                 if live is not None:
-                    live.end(abort=True)
+                    live.end(abort=True, why=why)
                     ended = True
             except Exception:
                 pass
@@ -459,13 +467,12 @@ class WeightSender:
     def _commits(self, u: "_Update") -> None:
         """Wait for every receiver's verdict (verified and committed, or why not)."""
         g = self.group
-        errors, done_by_ipc = [], 0
+        errors = []
         try:
             for r in g.receivers:
                 what = f"receiver rank {r} to verify and commit version {u.version!r}"
-                done = self._ipc_record(r, "done", u.seq, what, f"u{u.seq}/done/{r}") if r in u.by_ipc else None
-                if done is not None:
-                    done_by_ipc += 1
+                if u.control == "ipc":
+                    done = self._ipc_record(r, "done", u.seq, what)
                 else:
                     done = g.take(f"u{u.seq}/done/{r}", R.DONE, seq=u.seq, epoch=u.epoch, peer=f"receiver rank {r}",
                                   watch=[r], what=what)
@@ -478,8 +485,6 @@ class WeightSender:
         if errors:
             raise named_error(f"update {u.seq} (version {u.version!r}) was rejected; receivers keep their previous "
                               "version: " + "; ".join(errors))
-        if len(u.by_ipc) == done_by_ipc == len(g.receivers):
-            self._no_records = u.seq
 
     def _channel(self, u: "_Update"):
         """The path's send channel (the ``buffer`` / ``begin`` / ``post`` / ``end`` verbs)."""
@@ -611,29 +616,32 @@ class WeightSender:
                 out.append(why)
         return out
 
-    def _ipc_record(self, r: int, op: str, seq: int, what: str, key: str) -> Optional[dict]:
+    def _ipc_record(self, r: int, op: str, seq: int, what: str) -> dict:
         """Receiver ``r``'s ``ack`` or ``done`` of update ``seq`` from its IPC connection, as the
-        store's record would say it (an ``error`` there is a ``done`` that failed); None when the
-        receiver wrote it to the store (at ``key``) instead."""
-        msg = self._ipc.control(r, op, seq, what, key) if self._ipc is not None else None
-        if msg is None:
-            return None
+        store's record would say it (an ``error`` there is a ``done`` that failed)."""
+        msg = self._ipc.answer(r, op, seq, what)
         ok = msg["op"] == op and msg["ok"]
         return {"ok": ok, "kind": msg["kind"] if msg["op"] == op else "error", "msg": msg["msg"], "connected": False}
 
     def _call_off(self, u: "_Update", why: str) -> None:
         """Before any byte moved: withdraw the header (a late receiver waits for the next one)
-        and tell those waiting for ``go`` — in the store, and (``u.control == "ipc"``) on every IPC
-        connection (a receiver that is not waiting there skips it as a word of an earlier update)."""
+        and tell those waiting for ``go`` — on the update's control plane: on every IPC connection
+        (the receivers that connected meanwhile admitted first; a receiver that is not waiting there
+        skips it as a word of an earlier update), or in the store."""
         g = self.group
         g.drop("hdr")
-        if u.control == "ipc" and self._ipc is not None:
+        if u.control == "ipc":
+            try:
+                self._ipc.admit_queued()
+            except TransferError:
+                pass
             for r in list(self._ipc.conns):
                 conn = self._ipc.conns[r]
                 try:
                     conn.send("go", u=u.seq, ok=False, msg=ipc_text(why))
                 except TransferError:
                     self._ipc._forget(r, conn)  # gone: that receiver connects again
+            return
         try:
             g.put(f"u{u.seq}/go", {"go": False, "why": why[:4000]}, u.seq, u.epoch)
         except TransferError:
@@ -659,9 +667,8 @@ class _Update:
     t0: float
     reuse: bool  # the receivers have its specs already (the header carries only their id)
     digests: bool  # every tensor has a keyed digest in its bucket's trailer
-    control: str  # where the acknowledgement, go and done travel: "ipc" or "store"
+    control: str  # where the acknowledgement, go and done travel: "ipc" (the IPC path) or "store"
     header: dict = field(default_factory=dict)
     seal: Optional[UpdateSeal] = None  # the digests' keys
     crypt: Optional[BucketCipher] = None
     chan: Any = None  # the IPC channel the first bucket was packed into while the receivers answered
-    by_ipc: list = field(default_factory=list)  # receivers that acknowledged on their IPC connection

@@ -23,13 +23,41 @@ import time
 from typing import TYPE_CHECKING, Any, Optional
 
 from ..errors import TransferError
-from .ipc import receiver_failure, update_messages
+from . import records as R
+from .ipc import IpcGoneError, update_messages
+from .records import named_error
 from .manifest import BucketPlan, pack_tensor
 from .netinfo import descriptor_error
 
 if TYPE_CHECKING:
+    from .group import TransferGroup
     from .ipc import IpcSenderState
     from .receiver import RecvState
+
+
+def receiver_failure(group: TransferGroup, seq: int, epoch: int, r: int, e: TransferError,
+                     wait_s: float = 0.5) -> TransferError:
+    """The error to raise when receiver ``r``'s connection failed during update ``seq``: the
+    reason the receiver wrote in its ``done`` record (it writes it before hanging up; looked for
+    up to ``wait_s``), as the named error it was, else ``e``."""
+    if group.broken or ("receiver rank" in str(e) and type(e) not in (TransferError, IpcGoneError)):
+        return e  # a dead or frozen receiver (named already) writes no reason
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            raw = group.store.fetch(f"u{seq}/done/{r}", 1 << 16)
+            if raw is not None:
+                _, _, body = R.open_record(group._rec_key, group.group_id, raw, name=f"u{seq}/done/{r}",
+                                           peer=f"receiver rank {r}", schema=R.DONE, seq=seq, epoch=epoch,
+                                           limit=1 << 16)
+                if not body["ok"]:
+                    return named_error(f"receiver rank {r} stopped update {seq}: {body['msg']}")
+                return e
+        except Exception:  # noqa: BLE001 - no better reason than e
+            return e
+        if time.monotonic() > deadline:
+            return e
+        time.sleep(0.01)
 
 
 class _Streamer:
@@ -141,7 +169,8 @@ class SocketSendChannel:
         assert st is not None and st.plan is plan, "a bucket is posted after it was packed"
         self._check()
 
-    def end(self, abort: bool) -> None:
+    def end(self, abort: bool, why: str = "") -> None:
+        """The update's end (``abort``: broken off; the reason is in the store)."""
         if self._open is not None:  # a bucket broke off while packed: the rest goes as it is
             self._open.advance(self._open.plan.total_bytes)
             self._open = None
