@@ -239,8 +239,9 @@ class IpcSenderState:
     A thread accepts from the moment the socket exists, reads each caller's credentials at once
     (``SO_PEERCRED``) and closes a process that is not a receiver of the group (named in
     ``intrusions``, counted under a flood): idle connections of other users never fill the backlog.
-    Connections from a receiver's uid wait (at most :data:`MAX_QUEUED`) for :meth:`accept`, which
-    runs the secret handshake."""
+    Connections from a receiver's uid wait (at most :data:`MAX_QUEUED`) for the sender's thread to
+    run the secret handshake: while it waits for an answer (:meth:`answer`, the IPC path) or for
+    the receivers that said they connect (:meth:`accept`, the Unix-stream path)."""
 
     MAX_QUEUED = 16
 
