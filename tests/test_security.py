@@ -487,7 +487,7 @@ def test_sender_and_receiver_refuse_old_versions():
 def test_collective_bootstrap_records_are_authenticated():
     """The collective's own bootstrap values (addresses, unique ids) are sealed too: a planted one
     is named and waited past, so nobody redirects a member's connection to their own socket."""
-    from unisleep.transfer.group import _sealed_store_class
+    from unisleep.transfer.collective import _sealed_store_class
 
     g0, g1 = _pair()
     try:

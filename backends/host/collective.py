@@ -10,7 +10,7 @@ BACKEND = "gloo"
 #: two ranks on the same device may share a group (gloo moves host memory over sockets)
 SAME_DEVICE_OK = True
 #: gloo pairs a listening socket with whoever first sends the number it expects: every pair of a new
-#: data channel proves the group secret before use (unisleep.transfer.group, docs/security.md)
+#: data channel proves the group secret before use (unisleep.transfer.collective, docs/security.md)
 PAIR_PROOF = True
 #: buckets are host memory: they can be encrypted (AES-256-GCM) on the wire
 CIPHER = True

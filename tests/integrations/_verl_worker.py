@@ -32,6 +32,17 @@ def digest(named) -> dict:
             + f"|{tuple(t.shape)}|{t.dtype}" for n, t in named}
 
 
+def _faulty_sender(eng):
+    """The engine's sender, as the engine makes it, but one that can alter a bucket on its way."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "transfer"))
+    from faults import FaultySender
+
+    return FaultySender(eng.group, bucket_bytes=eng.bucket_size, path=eng.path)
+
+
 async def _collect(agen) -> list:
     return [(n, t) async for n, t in agen]
 
@@ -55,15 +66,12 @@ def main(role: str, is_master: bool, bucket_size: int, engine_kwargs: dict, conn
                 out = id(eng.group)
             elif cmd == "send":
                 seed, corrupt = arg
-                if corrupt:  # WeightSender's test hook: the first bucket's bytes go out altered
-                    from unisleep.transfer import WeightSender
-
-                    eng._sender = eng._sender or WeightSender(eng.group, bucket_bytes=eng.bucket_size,
-                                                              path=eng.path)
-                    eng._sender._faults["corrupt"] = {0}
+                if corrupt:  # a sender whose first bucket goes out altered (tests/transfer/faults.py)
+                    eng._sender = eng._sender or _faulty_sender(eng)
+                    eng._sender.corrupt = {0}
                 metrics = asyncio.run(eng.send_weights(iter(make_state(seed).items()), global_steps=seed))
-                if eng._sender is not None:
-                    eng._sender._faults["corrupt"] = set()
+                if hasattr(eng._sender, "corrupt"):
+                    eng._sender.corrupt = set()
                 out = metrics
             elif cmd == "recv":
                 got = asyncio.run(_collect(eng.receive_weights(global_steps=arg)))

@@ -2,14 +2,18 @@
 the machine; the count does not): rank 0's store is a thread of the trainer's process, so every
 request a receiver sends it waits for that process's interpreter lock, and rank 0's own writes
 must not need that thread to answer; the backend registry reads every installed distribution's
-metadata, so no step of an update may ask it again.
+metadata, so no step of an update may ask it again.  Each path has one control plane: the IPC
+path's acknowledgement, go and done travel on its IPC connection, the Unix-stream path's (the
+collective path on one machine) in the store.
 
 A sender and a receiver on two threads of this process (real store, real memfd and Unix sockets),
 each update's steps counted once both sides are connected."""
 
 from __future__ import annotations
 
+import os
 import socket
+import sys
 import threading
 import time
 
@@ -19,17 +23,21 @@ import torch
 from unisleep.transfer import TransferGroup, WeightReceiver, WeightSender
 from unisleep.transfer import store as S
 
-#: store requests per update from a receiver already connected to the sender's IPC socket: one
-#: WATCH, answered with the header (acknowledgement, go and done travel on that connection); there
-#: were 5 (the header fetched twice, the acknowledgement, go, done)
-STORE_REQUESTS = 1
-#: and from the sender: writing the header (there were 5: the header, and dropping the last
-#: update's go, abort, acknowledgement and done, which an update answered on the connection never
-#: writes)
-SENDER_STORE_REQUESTS = 1
-#: sealed messages per update on a receiver's IPC connection besides the buckets' own (bucket,
-#: free, buf, stream, end): acknowledgement, go, done
-CONTROL_MESSAGES = 3
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from faults import FaultySender  # noqa: E402
+
+#: store requests per update from a receiver, by path — IPC: one WATCH, answered with the header
+#: (acknowledgement, go and done travel on the IPC connection; there were 5: the header fetched
+#: twice, the acknowledgement, go, done); the Unix stream: the header, the acknowledgement, go,
+#: done (its control plane is the store)
+STORE_REQUESTS = {"ipc": 1, "collective": 4}
+#: and from the sender — IPC: writing the header (there were 5: the header, and dropping the last
+#: update's go, abort, acknowledgement and done, which an IPC update never writes); the Unix
+#: stream: the header, go, and dropping the last update's four records
+SENDER_STORE_REQUESTS = {"ipc": 1, "collective": 6}
+#: sealed control messages per update on a receiver's IPC connection (besides the buckets' own:
+#: bucket, free, buf, stream, end) — IPC: acknowledgement, go, done; the Unix stream: none
+CONTROL_MESSAGES = {"ipc": 3, "collective": 0}
 UPDATES = 4
 
 
@@ -88,16 +96,16 @@ class _Messages:
     def __init__(self, monkeypatch):
         import collections
 
-        from unisleep.transfer import channels as C
+        from unisleep.transfer import ipc
 
         self.ops: collections.Counter = collections.Counter()
-        real = C.send_sealed
+        real = ipc.send_sealed
 
         def send_sealed(sock, key, ctx, op, *a, **k):
             self.ops[op] += 1
             return real(sock, key, ctx, op, *a, **k)
 
-        monkeypatch.setattr(C, "send_sealed", send_sealed)
+        monkeypatch.setattr(ipc, "send_sealed", send_sealed)
 
 
 class _Wakes:
@@ -140,9 +148,9 @@ def test_a_colocated_update_costs_one_store_request_and_no_registry_lookup(path,
             t.join(30)
             assert errs and not isinstance(errs[0], Exception), errs
 
-        update(1)  # connects: the first update's answers go through the store
+        update(1)  # connects
         assert tx.resolve()[1] in ("ipc", "socket")
-        update(2)  # the first over the connection: it drops the first update's records from the store
+        update(2)
         reads = []
         real = reg._entry_points
         monkeypatch.setattr(reg, "_entry_points", lambda: reads.append(1) or real())
@@ -150,13 +158,14 @@ def test_a_colocated_update_costs_one_store_request_and_no_registry_lookup(path,
         for v in range(3, 3 + UPDATES):
             update(v)
         assert not reads, f"the backend registry read the installed distributions {len(reads)} times in {UPDATES} updates"
-        assert len(spy.requests) <= STORE_REQUESTS * UPDATES, (
-            f"{len(spy.requests)} store requests in {UPDATES} updates (budget {STORE_REQUESTS} each): {spy.requests}")
-        assert len(spy0.requests) <= SENDER_STORE_REQUESTS * UPDATES, (
+        assert len(spy.requests) <= STORE_REQUESTS[path] * UPDATES, (
+            f"{len(spy.requests)} store requests in {UPDATES} updates (budget {STORE_REQUESTS[path]} each): "
+            f"{spy.requests}")
+        assert len(spy0.requests) <= SENDER_STORE_REQUESTS[path] * UPDATES, (
             f"the sender made {len(spy0.requests)} store requests in {UPDATES} updates (budget "
-            f"{SENDER_STORE_REQUESTS} each): {spy0.requests}")
+            f"{SENDER_STORE_REQUESTS[path]} each): {spy0.requests}")
         control = sum(n for op, n in msgs.ops.items() if op in ("ack", "go", "done", "error"))
-        assert control == CONTROL_MESSAGES * UPDATES, f"{control} control messages in {UPDATES} updates: {msgs.ops}"
+        assert control == CONTROL_MESSAGES[path] * UPDATES, f"{control} control messages in {UPDATES} updates: {msgs.ops}"
         assert wakes.n == 0, f"rank 0's own writes woke its store thread {wakes.n} times in {UPDATES} updates"
         assert all(torch.equal(got[k], t) for k, t in weights.items()) and rx.version == 2 + UPDATES
     finally:
@@ -164,10 +173,10 @@ def test_a_colocated_update_costs_one_store_request_and_no_registry_lookup(path,
 
 
 @pytest.mark.parametrize("path", ["ipc", "collective"])
-def test_refusals_call_offs_and_rejections_on_the_ipc_connection_leave_it_in_step(path):
-    """Once connected, a receiver's refusal, the sender's call-off (or abort) and a rejected update
-    all travel on the IPC connection — each side raises the named error; no acknowledgement or go
-    goes through the store — and the next update lands."""
+def test_refusals_call_offs_and_rejections_leave_the_control_plane_in_step(path):
+    """A receiver's refusal, the sender's call-off (or abort) and a rejected update travel on the
+    path's control plane — the IPC connection (no acknowledgement or go goes through the store), or
+    the store for the Unix stream — each side raises the named error, and the next update lands."""
     from unisleep.errors import InvalidTransitionError, TransferError
 
     g0, g1 = _pair()
@@ -176,7 +185,7 @@ def test_refusals_call_offs_and_rejections_on_the_ipc_connection_leave_it_in_ste
         got = {}
         rx = WeightReceiver(g1, apply=lambda pairs: got.update((n, t.clone()) for n, t in pairs),
                             guard=lambda: awake["on"])
-        tx = WeightSender(g0, bucket_bytes=1 << 16, path=path)
+        tx = FaultySender(g0, bucket_bytes=1 << 16, path=path)
         weights = {f"layer.{i}": torch.full((3000 + i,), float(i)) for i in range(6)}
         specs = [(k, tuple(t.shape), "float32") for k, t in weights.items()]
 
@@ -203,12 +212,16 @@ def test_refusals_call_offs_and_rejections_on_the_ipc_connection_leave_it_in_ste
         s, r = both(lambda: tx.send(failing(), 3, specs=specs))  # called off (ipc: first bucket) or aborted
         assert isinstance(s, TransferError) and "generator failed" in str(s), s
         assert isinstance(r, TransferError) and "generator failed" in str(r), r
-        tx._faults = {"skip": set(), "corrupt": {1}}
+        tx.corrupt = {1}
         s, r = both(lambda: tx.send(weights, 4))  # rejected: a bucket altered on the way
-        tx._faults = {"skip": set(), "corrupt": set()}
+        tx.corrupt = set()
         assert isinstance(s, TransferError) and "rejected" in str(s) and "corrupt" in str(s), s
         assert isinstance(r, TransferError) and rx.version == 1, r
-        assert not [k for op, k in spy.requests if "/ack/" in k or k.endswith("/go")], spy.requests
+        in_store = [k for op, k in spy.requests if "/ack/" in k or k.endswith("/go")]
+        if path == "ipc":  # its control plane is the IPC connection
+            assert not in_store, spy.requests
+        else:  # the Unix stream's is the store: every update's acknowledgement there
+            assert {f"u{n}/ack/1" for n in (1, 2, 3)} <= set(in_store), spy.requests
         s, r = both(lambda: tx.send(weights, 5))
         assert not isinstance(s, Exception) and not isinstance(r, Exception), (s, r)
         assert rx.version == 5 and all(torch.equal(got[k], t) for k, t in weights.items())
@@ -224,9 +237,9 @@ def _catch(fn):
 
 
 def test_a_new_receiver_object_or_an_out_of_step_connection_costs_one_update_at_most():
-    """A second receiver object of the same rank (no connection of its own) answers in the store
-    and connects; the sender, waiting on the first object's connection, finds that answer there
-    and the update lands.  A word out of step on a connection closes it and fails that update at
+    """A second receiver object of the same rank (no connection of its own) connects and answers
+    there; the sender, waiting on the first object's connection, admits the new one in its place
+    and reads the answer from it (the store carries no answer of the IPC path).  A word out of step on a connection closes it and fails that update at
     once on both sides, named (not after the group's timeout); the next one lands."""
     from unisleep.errors import TransferError
 
@@ -256,7 +269,7 @@ def test_a_new_receiver_object_or_an_out_of_step_connection_costs_one_update_at_
         rx2.version = rx.version
         s, r, dt = both(rx2, 2)  # the first object's connection stays open, silent
         assert isinstance(s, TransferError) and "metadata" in str(s), s  # it never had the specs: resend them
-        assert dt < 5, f"the sender took {dt:.1f} s to find the refusal in the store"
+        assert dt < 5, f"the sender took {dt:.1f} s to hear the refusal"
         s, r, _ = both(rx2, 3)
         assert not isinstance(r, Exception) and not isinstance(s, Exception), (s, r)
         assert rx2.version == 3
@@ -269,7 +282,7 @@ def test_a_new_receiver_object_or_an_out_of_step_connection_costs_one_update_at_
         assert not isinstance(r, Exception) and not isinstance(s, Exception), (s, r)
         assert rx2.version == 5
         # the same word read before the receiver even took the header: the receiver keeps a
-        # connection the sender has closed, and must connect again when the sender asks in the store
+        # connection the sender has closed, and must see that and connect again
         rx2._conn.send("done", u=99, ok=True)
         s = _catch(lambda: tx.send(weights, 6))
         assert isinstance(s, TransferError) and "sent 'done' (update 99)" in str(s), s

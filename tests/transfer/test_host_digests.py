@@ -5,7 +5,7 @@ slice, a bucket's pads at once against one pad per slot, and a memory copy again
 import torch
 
 from unisleep.keyed_hash import GMAC, HashKey, digest, gmac_spans
-from unisleep.transfer.channels import pack_tensor
+from unisleep.transfer.manifest import pack_tensor
 from unisleep.transfer.manifest import TensorSpec, UpdateSeal, check_bucket, plan_buckets, write_trailer
 
 

@@ -16,6 +16,7 @@ from unisleep.errors import IncompleteUpdateError, TornWeightsError, TransferErr
 from unisleep.transfer import WeightReceiver, WeightSender
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from faults import FaultySender  # noqa: E402
 from test_transfer_units import _both, _pair  # noqa: E402
 
 
@@ -48,10 +49,9 @@ def test_corrupt_bucket_part_way_rolls_back_or_tears(pair, tmp_path, retain):
     lc.wake_up()
     before = {k: v.detach().clone() for k, v in model.named_parameters()}
     rx = WeightReceiver(g1, target=model, guard=lc, initial_version=1)
-    tx = WeightSender(g0, bucket_bytes=40000, path="collective")
-    tx._faults["corrupt"] = {2}  # buckets 0 and 1 are applied first
+    tx = FaultySender(g0, bucket_bytes=40000, path="collective", corrupt={2})  # buckets 0 and 1 are applied first
     s, r = _both(lambda: tx.send(_w(2), 2), rx.receive)
-    tx._faults["corrupt"] = set()
+    tx.corrupt = set()
     assert isinstance(r, TransferError) and rx.version == 1
     if retain:
         assert r.outcome == "rolled_back" and "rolled back" in str(r)
@@ -128,16 +128,16 @@ def test_a_written_update_drops_the_stale_retained_backup(pair, tmp_path):
     probe = torch.empty(p.numel() * p.element_size(), dtype=torch.uint8)
     assert lc.read_backup(p.data_ptr(), probe) and lc.restore_point() is not None
     rx = WeightReceiver(g1, target=model, guard=lc, initial_version=1)
-    tx = WeightSender(g0, bucket_bytes=40000, path="collective")
+    tx = FaultySender(g0, bucket_bytes=40000, path="collective")
     s, r = _both(lambda: tx.send(_w(2), 2), rx.receive)
     assert not isinstance(r, Exception), r
     assert not lc.read_backup(p.data_ptr(), probe) and lc.restore_point() is None
     lc.sleep(1)
     lc.wake_up()
     assert lc.restore_point() is not None
-    tx._faults["corrupt"] = {2}
+    tx.corrupt = {2}
     s, r = _both(lambda: tx.send(_w(3), 3), rx.receive)
-    tx._faults["corrupt"] = set()
+    tx.corrupt = set()
     assert isinstance(r, TransferError) and r.outcome == "rolled_back"
     assert all(torch.equal(q, _w(2)[k]) for k, q in model.named_parameters())
     lc.close()
@@ -152,10 +152,9 @@ def test_a_new_receiver_s_complete_update_clears_its_guard_s_torn_mark(pair, tmp
     lc.sleep(1)
     lc.wake_up()
     rx = WeightReceiver(g1, target=model, guard=lc, initial_version=1)
-    tx = WeightSender(g0, bucket_bytes=40000, path="collective")
-    tx._faults["corrupt"] = {2}
+    tx = FaultySender(g0, bucket_bytes=40000, path="collective", corrupt={2})
     s, r = _both(lambda: tx.send(_w(2), 2), rx.receive)
-    tx._faults["corrupt"] = set()
+    tx.corrupt = set()
     assert isinstance(r, TransferError) and r.outcome == "torn"
     with pytest.raises(TornWeightsError):
         lc.check_serving()

@@ -153,9 +153,13 @@ def test_sigkilled_receiver_is_named_at_once(session, path, when):
         w = weights(1)
         specs = [(k, tuple(v.shape), v.dtype) for k, v in w.items()]
 
+        moving = threading.Event()  # set once buckets move (after go, on every path)
+
         def slow():
-            for k, v in w.items():
+            for i, (k, v) in enumerate(w.items()):
                 time.sleep(0.3)
+                if i == 2:
+                    moving.set()
                 yield k, v
 
         res: dict = {}
@@ -165,9 +169,7 @@ def test_sigkilled_receiver_is_named_at_once(session, path, when):
 
         send = threading.Thread(target=run, daemon=True)
         send.start()
-        t0 = time.monotonic()
-        while not g.check("u0/go") and time.monotonic() - t0 < 30:
-            time.sleep(0.01)
+        assert moving.wait(30), res
         time.sleep(0.4)
         os.kill(rx.p.pid, signal.SIGSTOP if when.startswith("frozen") else signal.SIGKILL)
         killed = time.monotonic()
@@ -191,7 +193,7 @@ def test_a_peer_frozen_while_nobody_looked_is_named_by_its_last_beat(session):
     """The sender did not look at the receiver's heartbeat for 2 s after the receiver froze (a
     trainer's generator, a send the kernel's buffers took): the silence counts from the
     receiver's last beat, not from the sender's next look."""
-    from unisleep.transfer.liveness import DEAD_AFTER_S, HEARTBEAT_S
+    from unisleep.transfer.group import DEAD_AFTER_S, HEARTBEAT_S
 
     g, rx = session("-,-")
     while not [x for x in rx.lines if "ready" in x]:

@@ -7,6 +7,7 @@ import gc
 import os
 import re
 import socket
+import sys
 import threading
 
 import pytest
@@ -15,6 +16,9 @@ import torch
 from unisleep.errors import InvalidArgumentError, InvalidTransitionError, TransferError
 from unisleep.transfer import TensorSpec, TransferGroup, WeightReceiver, WeightSender
 from unisleep.transfer.manifest import ALIGN, UpdateSeal, check_bucket, plan_buckets, write_trailer
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from faults import FaultySender  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -233,8 +237,7 @@ def test_a_bucket_altered_on_the_way_is_refused(pair, way):
     g0, g1 = pair
     tgt = {k: torch.zeros_like(v) for k, v in _weights(0).items()}
     rx = WeightReceiver(g1, target=tgt)
-    tx = WeightSender(g0, bucket_bytes=1 << 20, **WAYS[way])
-    tx._faults["corrupt"] = {0}
+    tx = FaultySender(g0, bucket_bytes=1 << 20, **WAYS[way], corrupt={0})
     s, r = _both(lambda: tx.send(_weights(8), 8), rx.receive)
     assert isinstance(r, TransferError) and "corrupt" in str(r) and "w" in str(r), r
     if way == "gloo":

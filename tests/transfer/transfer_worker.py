@@ -69,22 +69,25 @@ def outcome(fn):
 
 
 def sender(port: int, out: dict, path_out: str) -> None:
-    from unisleep.transfer import TransferGroup, WeightSender
+    from unisleep.transfer import TransferGroup
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from faults import FaultySender
 
     g = TransferGroup.create(f"tcp://127.0.0.1:{port}", 0, 2, platform="host", timeout_s=TIMEOUT_S)
     out["default_pg_initialized"] = torch.distributed.is_initialized()
-    coll = WeightSender(g, bucket_bytes=BUCKET, path="collective")
-    ipc = WeightSender(g, bucket_bytes=BUCKET, path="ipc")
+    coll = FaultySender(g, bucket_bytes=BUCKET, path="collective")
+    ipc = FaultySender(g, bucket_bytes=BUCKET, path="ipc")
 
-    def via(s, v, **faults):
-        s._faults = {"skip": set(faults.get("skip", ())), "corrupt": set(faults.get("corrupt", ()))}
+    def via(s, v, corrupt=(), drop=()):
+        s.corrupt, s.drop = set(corrupt), set(drop)
         return s.send(model(v), v)
 
     out["v1_collective"] = outcome(lambda: via(coll, 1))
     out["v2_collective_reuse"] = outcome(lambda: via(coll, 2))
     out["v3_ipc"] = outcome(lambda: via(ipc, 3))
     out["v4_corrupt_collective"] = outcome(lambda: via(coll, 4, corrupt={2}))
-    out["v5_missing_collective"] = outcome(lambda: via(coll, 5, skip={1}))
+    out["v5_missing_collective"] = outcome(lambda: via(coll, 5, drop={1}))
     out["v6_corrupt_ipc"] = outcome(lambda: via(ipc, 6, corrupt={0}))
     out["v7_asleep"] = outcome(lambda: via(coll, 7))
     out["v8_after_wake"] = outcome(lambda: via(ipc, 8))
@@ -102,7 +105,7 @@ def sender(port: int, out: dict, path_out: str) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
             yield n, m9[n]
 
-    coll._faults = {"skip": set(), "corrupt": set()}
+    coll.corrupt, coll.drop = set(), set()
     coll.send(dying(), 9, specs=specs)
 
 

@@ -37,20 +37,24 @@ One update, in order (every step can fail cleanly; the receiver keeps its previo
    from the guard lifecycle's retained backup or marks the weights torn (``rollback``);
 5. receiver: a ``done`` acknowledgement (or the error), which ``send`` waits for.
 
+One control plane per path: the header is always in the store; the acknowledgement, ``go``,
+``abort`` and ``done`` travel in the store on the collective path, as sealed messages on the
+receiver's IPC connection on the IPC path.
+
 Paths: ``collective`` (the group's process-group backend: gloo on host, the vendor collective on
 accelerators) or ``ipc`` (colocated: bucket memory shared through a file descriptor passed over a
 Unix socket; the vendor's ``ipc`` module makes the shareable memory).
 
-Modules: ``group`` (the private group), ``rendezvous`` (its address and listening socket), ``peers``
-(who the members are), ``data_channel`` (the backend per epoch), ``liveness`` (heartbeats),
-``store`` (the group's store: only members use it, bounded; split into ``store_wire``,
-``store_table``, ``store_server``, ``store_client``), ``fd_limit`` (running out of descriptors),
-``netinfo`` (who is at the other end of a local TCP connection), ``records`` (the authenticated
-control records), ``secret`` (the group secret), ``manifest`` (specs, buckets, digests),
-``sender`` (``WeightSender``), ``receiver`` (``WeightReceiver``), ``receive_paths`` (its receiving
-loops), ``staging`` (the receiver's buckets of one update), ``rollback`` (a failure part-way), ``channels`` (the IPC messages and what
-the send channels share), ``send_channels`` (collective and Unix-stream), ``ipc_send`` (IPC),
-``names`` (``(name, tensor)`` pairs), ``report`` (``TransferReport``).
+Modules: ``group`` (the private group: rendezvous, members, control records, liveness), ``store``
+(the group's store: only members use it, bounded), ``collective`` (the collective path, both ends:
+the data channel of each epoch, the broadcast channel, the receiving loop), ``socket_path`` (the
+Unix-stream path, both ends), ``ipc`` (the IPC path, both ends: the IPC socket's messages, the
+sender's socket and channel, the receiving loop), ``sender`` (``WeightSender`` and its update's
+steps), ``receiver`` (``WeightReceiver``, its update's steps, ``RecvState``), ``rollback`` (a failure
+part-way), ``manifest`` (specs, buckets, digests, ``(name, tensor)`` pairs), ``cipher`` (AES-256-GCM
+over gloo), ``records`` (the authenticated control records), ``secret`` (the group secret),
+``netinfo`` (who is at the other end of a local TCP connection; running out of descriptors),
+``waiting`` (saying what a member waits for), ``report`` (``TransferReport``).
 """
 
 from .group import DEFAULT_TIMEOUT_S, TransferGroup

@@ -3,8 +3,9 @@
 It has its own store (:mod:`.store`, served by rank 0, the sender) and the platform's
 process-group backend constructed directly on it, so the default process group of either side
 (the trainer's data-parallel group, the engine's tensor-parallel group) is never created or
-touched.  The store carries the small control records of an update (header, acknowledgements),
-the heartbeats and the backend's bootstrap values; the bytes go over the backend or a Unix socket.
+touched.  The store carries the update's header (and, on the collective path, its other control
+records: acknowledgements, go, done), the heartbeats and the backend's bootstrap values; the bytes
+go over the backend or a Unix socket.
 
 Security (see docs/security.md): rank 0 opens the listening socket itself, bound to exactly the
 address of the rendezvous (a loopback rendezvous listens on loopback only).  Only members use the
@@ -21,10 +22,17 @@ backend) has an epoch: after an update broke off mid-stream the sender moves to 
 The vendor part (which backend class, how a device is identified) is the platform's collective
 module, named by its backend descriptor (:class:`unisleep.backend.Backend`).
 
-Modules: :mod:`.rendezvous` (the address, rank 0's listening socket), :mod:`.peers` (who the
-members are), :mod:`.data_channel` (the backend of each epoch, its sealed bootstrap, the pairs'
-proofs), :mod:`.liveness` (heartbeats); this module: creating the group, the control records,
-intrusions, closing.
+Liveness: each member beats a heartbeat (a counter) into the group's store; a waiting side notices
+a dead or frozen peer within :data:`DEAD_AFTER_S` seconds of its last beat (at once when it is a
+process of this machine that exited) and names it.  How long a heartbeat has been silent is the
+store's answer (its clock, the time of the key's last change), not this side's memory of when it
+last looked: a side that was busy elsewhere (a trainer's generator, a send the kernel's buffers
+took) and looks again knows at once.
+
+This module: the rendezvous (the address, rank 0's listening socket), who the members are
+(:class:`Peer`), creating the group, the control records, liveness, intrusions, closing.  The data
+channel (the backend of each epoch, its sealed bootstrap, the pairs' proofs) is the collective
+path's, in :mod:`.collective`.
 """
 
 from __future__ import annotations
@@ -35,16 +43,15 @@ import secrets as _secrets
 import socket
 import threading
 import time
+from dataclasses import dataclass
 from typing import Optional
+from urllib.parse import urlparse
 
 from ..addresses import is_loopback
 from ..errors import InvalidArgumentError, TransferError, UnsupportedError
 from ..platform import Platform, detect_platform
 from . import records as R
-from .data_channel import PROOF_S, _SEALED, _DataChannel, _quiet, _sealed_store_class, _shutdown  # noqa: F401
-from .liveness import DEAD_AFTER_S, HEARTBEAT_S, _Liveness  # noqa: F401 - importable from here as before
-from .peers import Peer, _boot_id, _netns, _peer_of, _pidns, _same_device_ranks
-from .rendezvous import listen_socket, parse_rendezvous
+from .collective import _DataChannel
 from .secret import resolve_secret
 from .store import LocalStore, RecordTooLargeError, RemoteStore, StoreAuthError, StoreServer
 from .waiting import WaitNotice
@@ -52,11 +59,93 @@ from .waiting import WaitNotice
 log = logging.getLogger("unisleep.transfer")
 
 DEFAULT_TIMEOUT_S = 300.0
+HEARTBEAT_S = 0.5
+#: a peer whose heartbeat did not move for this long is dead
+DEAD_AFTER_S = 4.0
 #: entries kept in ``TransferGroup.intrusions`` (the last one then counts the rest)
 MAX_INTRUSIONS = 256
 
 
-class TransferGroup(_DataChannel, _Liveness):
+def parse_rendezvous(rendezvous: str) -> tuple[str, int]:
+    """``tcp://HOST:PORT`` → (host, port)."""
+    u = urlparse(rendezvous if "://" in rendezvous else f"tcp://{rendezvous}")
+    try:
+        port = u.port
+    except ValueError:
+        port = None
+    if u.scheme != "tcp" or not u.hostname or not port:
+        raise InvalidArgumentError(f"rendezvous must look like tcp://HOST:PORT, got {rendezvous!r}")
+    return u.hostname, int(port)
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on exactly ``host:port`` (not on every interface)."""
+    infos = socket.getaddrinfo("127.0.0.1" if host == "localhost" else host, port, type=socket.SOCK_STREAM)
+    err: Optional[OSError] = None
+    for family, kind, proto, _name, addr in infos:
+        s = socket.socket(family, kind, proto)
+        try:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            s.bind(addr)
+            s.listen(128)
+            s.set_inheritable(False)
+            return s
+        except OSError as e:
+            s.close()
+            err = e
+    raise OSError(f"cannot listen on {host}:{port}: {err}")
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _netns() -> int:
+    try:
+        return os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        return 0
+
+
+def _pidns() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+@dataclass(frozen=True)
+class Peer:
+    rank: int
+    device_key: str
+    host: str
+    pid: int
+    uid: int = -1
+    pidns: int = 0
+    boot: str = ""
+    netns: int = 0
+
+    def describe(self) -> str:
+        return f"rank {self.rank} (pid {self.pid} on {self.host})"
+def _peer_of(body: dict) -> Peer:
+    return Peer(body["rank"], body["device_key"], body["host"], body["pid"], body["uid"], body["pidns"], body["boot"],
+                body["netns"])
+
+
+def _same_device_ranks(peers: list[Peer]) -> set[int]:
+    seen: dict[str, list[int]] = {}
+    for p in peers:
+        seen.setdefault(p.device_key, []).append(p.rank)
+    return {r for ranks in seen.values() if len(ranks) > 1 for r in ranks}
+
+
+class TransferGroup(_DataChannel):
     """A weight-transfer group: rank 0 sends, ranks 1..world_size-1 receive.
 
     Create it on every member at about the same time (it is a rendezvous)::
@@ -413,6 +502,75 @@ class TransferGroup(_DataChannel, _Liveness):
             self.store.delete_key(key)
         except Exception:
             pass
+
+    # ------------------------------------------------------------------ liveness
+    def _start_heartbeat(self) -> None:
+        key = f"hb/{self.rank}"
+        hb = self._hb_store
+        hb.add(key, 1)
+        gname = self.group_id.split("/")[0]
+
+        def beat():
+            failing = False
+            while not self._hb_stop.wait(HEARTBEAT_S):
+                try:
+                    hb.add(key, 1)
+                    if failing:
+                        log.warning("transfer group %s rank %d: its heartbeat beats again", gname, self.rank)
+                        failing = False
+                except Exception as e:  # never silently: said, then retried while the store is there
+                    self.heartbeat_error = f"{type(e).__name__}: {e}"
+                    if isinstance(e, (ConnectionError, OSError)):
+                        log.warning("transfer group %s rank %d: the heartbeat stopped: %s", gname, self.rank, e)
+                        self.broken = self.broken or f"rank {self.rank} lost the group's store: {e}"
+                        return
+                    if not failing:
+                        log.warning("transfer group %s rank %d: a heartbeat failed (%s); retrying", gname, self.rank,
+                                    self.heartbeat_error)
+                        failing = True
+
+        self._hb_thread = threading.Thread(target=beat, daemon=True, name=f"unisleep-transfer-hb-{self.rank}")
+        self._hb_thread.start()
+
+    def peer_dead(self, r: int) -> Optional[str]:
+        """Why rank ``r`` is dead (None: it seems alive)."""
+        p = self.peers[r] if r < len(self.peers) else None
+        if p is not None and p.boot == self.peers[self.rank].boot and p.pidns == _pidns() and p.pid > 0:
+            try:
+                with open(f"/proc/{p.pid}/stat") as f:
+                    state = f.read().rsplit(")", 1)[1].split()[0]
+                if state in ("Z", "X"):
+                    return f"{p.describe()} has exited"
+            except FileNotFoundError:
+                return f"{p.describe()} has exited"
+            except (OSError, IndexError):
+                pass
+        try:
+            got = self.store.aged(f"hb/{r}", 32)
+            if got is not None:
+                int(got[1].decode("ascii"))
+        except (TransferError, UnicodeDecodeError, ValueError) as e:  # only a member could have written it
+            self._intrusion(f"rank {r}'s heartbeat in the store is not a counter: {e}")
+            return None
+        except Exception as e:
+            return f"the group's store is gone (rank 0 may have died): {e}"
+        if got is not None and got[0] > DEAD_AFTER_S:
+            who = p.describe() if p is not None else f"rank {r}"
+            return f"{who} gave no sign of life for {got[0]:.1f} s (dead or frozen)"
+        return None
+
+    def check_alive(self, ranks) -> None:
+        for r in ranks:
+            why = self.peer_dead(r)
+            if why:
+                self.broken = why
+                raise TransferError(f"{why}; recreate the group")
+
+    def check_usable(self) -> None:
+        if self.closed:
+            raise TransferError("this transfer group is closed; create a new one")
+        if self.broken:
+            raise TransferError(f"this transfer group is broken ({self.broken}); recreate the group on every member")
 
     def close(self) -> None:
         """Shut the backend down, stop the heartbeat, close the store connections (rank 0: the store

@@ -1,13 +1,18 @@
-"""Who is at the other end of a local TCP connection, from ``/proc/net/tcp{,6}`` (Linux): the uid
-that owns a socket is listed there for every socket of this network namespace, so a connection
-made from this machine can be named ("uid 65534 (nobody)") in an intrusion.  Connections from
-another machine are named by address only."""
+"""What this machine says about a socket, to name who or what is behind a failure: who is at the
+other end of a local TCP connection, from ``/proc/net/tcp{,6}`` (Linux: the uid that owns a socket
+is listed there for every socket of this network namespace, so a connection made from this machine
+can be named, "uid 65534 (nobody)", in an intrusion; connections from another machine are named by
+address only), and running out of file descriptors, said as a
+:class:`~unisleep.errors.DescriptorLimitError` that names the limit and the fix."""
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 from typing import Iterable, Optional
+
+from ..errors import DescriptorLimitError
 
 _STATES = {"01": "ESTABLISHED", "0A": "LISTEN"}
 
@@ -106,3 +111,22 @@ def foreign_connections(ports: Iterable[int], allowed_uids: Iterable[int], ip: O
 
 
 __all__ = ["tcp_table", "peer_uid", "describe_peer", "listening_ports", "foreign_connections", "user_name"]
+
+
+def descriptor_error(e: OSError, what: str, who: str = "this process") -> Optional[DescriptorLimitError]:
+    """A :class:`DescriptorLimitError` for ``e`` when it is EMFILE/ENFILE (else None)."""
+    if e.errno not in (errno.EMFILE, errno.ENFILE):
+        return None
+    try:
+        n = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        n = -1
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    scope = "the system's file table is full (fs.file-max)" if e.errno == errno.ENFILE else \
+        f"it holds {n} descriptors, its limit (RLIMIT_NOFILE) is {soft} (hard {hard})"
+    return DescriptorLimitError(
+        f"{who} (pid {os.getpid()}) ran out of file descriptors {what}: {scope}; raise the limit "
+        f"(ulimit -n {min(hard, max(soft * 4, 65536)) if hard > 0 else 65536}, or resource.setrlimit in the "
+        f"process) or find what holds them (ls -l /proc/{os.getpid()}/fd)")

@@ -1,29 +1,39 @@
-"""``WeightReceiver``: the engine's side of an update (ranks >= 1 of the group) — guard, target and
-coverage checks before a byte moves, the receiving loops of the collective and IPC paths
-(:mod:`.receive_paths`), verify and apply bucket by bucket (through
-:class:`~unisleep.transfer.staging.RecvState`), and on a failure part-way the rollback or torn
-mark of :mod:`.rollback`."""
+"""``WeightReceiver``: the engine's side of an update (ranks >= 1 of the group), and
+:class:`RecvState`, the buckets of one update as they arrive.
+
+One update (:meth:`WeightReceiver.receive`), in order: the header taken from the store; the checks
+before a byte moves (the way the header names, the data channel, the guard, the version, the
+target and the coverage) — a refusal is the acknowledgement; the IPC socket connected when the
+path needs it; the acknowledgement; ``go``; the buckets through the path's receiving loop
+(:mod:`.collective`, :mod:`.socket_path`, :mod:`.ipc`), each verified against the manifest and
+applied at once into the live weights (streaming, the default: no bucket is kept once applied) —
+or, when the receiver is ``staged``, held until the whole update is good; the guard checked again;
+the commit and ``done``.  A failure part-way is rolled back or marks the weights torn
+(:mod:`.rollback`), and the sender hears why."""
 
 from __future__ import annotations
 
 import fnmatch
+import logging
 import os
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 from ..errors import (IncompleteUpdateError, InvalidArgumentError, InvalidTransitionError, LifecycleClosedError,
                       TransferError, UnisleepError, UpdateMemoryError, VersionError)
 from . import records as R
 from . import rollback
-from .channels import IpcConn, IpcGoneError, connect_ipc, handshake_receiver, ipc_text
+from . import collective, ipc, socket_path
 from .cipher import BucketCipher
 from .group import TransferGroup
-from .manifest import Manifest, UpdateSeal, plan_buckets, spec_of
-from .receive_paths import _ReceivePaths
+from .ipc import IpcConn, IpcGoneError, connect_ipc, handshake_receiver, ipc_text
+from .manifest import (BucketPlan, Manifest, TensorSpec, UpdateSeal, check_bucket, plan_buckets, short_names, spec_of,
+                       tensor_pairs)
 from .records import check_version
-from .names import short_names, tensor_pairs
 from .report import TransferReport
-from .staging import RecvState, VerifyError
+
+log = logging.getLogger("unisleep.transfer")
 
 
 def _out_of_memory(e: BaseException) -> bool:
@@ -35,7 +45,7 @@ def _out_of_memory(e: BaseException) -> bool:
             or "DefaultCPUAllocator: can't allocate memory" in str(e))
 
 
-class WeightReceiver(_ReceivePaths):
+class WeightReceiver:
     """Engine side (rank ≥ 1 of ``group``).
 
     Apply with ``apply`` — a callable taking a list of ``(name, tensor)`` pairs, e.g.
@@ -268,6 +278,7 @@ class WeightReceiver(_ReceivePaths):
             raise
 
     def _receive(self, timeout_s: Optional[float]) -> TransferReport:
+        """Header, checks, acknowledgement, ``go``, the buckets, the commit and ``done``."""
         g = self.group
         g.check_usable()
         if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool)
@@ -276,136 +287,27 @@ class WeightReceiver(_ReceivePaths):
                                        f"got {timeout_s!r}")
         t0 = time.perf_counter()
         intrusions0 = len(g.intrusions)
-        try:
-            seq, epoch, hdr = g.take("hdr", R.HEADER, seq=None, epoch=None, timeout_s=timeout_s,
-                                     peer="the sender (rank 0)", watch=[0], accept=lambda rs, _e, _b: rs > g.last_seq,
-                                     what=f"the next update from the sender (still serving version {self.version!r})",
-                                     resume=True)
-        except R.MalformedRecordError as e:  # authentic, but this side cannot take it: the sender hears why
-            g.last_seq = e.seq
-            try:
-                g.put(f"u{e.seq}/ack/{g.rank}", {"ok": False, "kind": "header", "msg": str(e)[:4000], "connected": False},
-                      e.seq, e.epoch)
-            except TransferError:
-                pass
-            if self._conn is not None and self._ready:  # the sender may wait for it there
-                try:
-                    self._conn.send("ack", u=e.seq, ok=False, kind="header", msg=ipc_text(str(e)))
-                except TransferError:
-                    self._drop_ipc()
-            raise TransferError(f"update {e.seq} refused: {e}; still serving version {self.version!r}") from None
-        g.last_seq = seq
-        if epoch != g.epoch:
-            g.epoch = epoch  # the sender moved the data channel on after a broken update
-        version = hdr["version"]
-        ack_key, done_key = f"u{seq}/ack/{g.rank}", f"u{seq}/done/{g.rank}"
-        via, sock = hdr["via"], hdr["path"] == "ipc" or hdr["via"] == "socket"
-        # still connected to the sender's IPC socket: the acknowledgement, go and done travel there
-        by_ipc = (sock and hdr["control"] == "ipc" and self._conn is not None and self._ready
-                  and self._sock_name == hdr["ipc"])
-
-        def answer(ok: bool, kind: str = "", msg: str = "", connected: bool = False) -> bool:
-            """Acknowledge (or refuse); returns whether this receiver connected to the IPC socket anew."""
-            nonlocal by_ipc
-            failed = None
-            if by_ipc:
-                try:
-                    self._conn.send("ack", u=seq, ok=ok, kind=kind, msg=ipc_text(msg))
-                    return connected
-                except TransferError:  # the sender closed this connection: it reads the store
-                    self._drop_ipc()
-                    by_ipc = False
-                    if ok:
-                        try:
-                            connected = self._connect(hdr["ipc"] or "")
-                        except Exception as e:  # noqa: BLE001
-                            failed = e
-                            ok, kind, msg = False, "ipc", f"cannot connect to the sender's IPC socket: {type(e).__name__}: {e}"
-            g.put(ack_key, {"ok": ok, "kind": kind, "msg": msg[:4000], "connected": connected}, seq, epoch)
-            if failed is not None:
-                if isinstance(failed, UnisleepError):
-                    raise failed
-                raise TransferError(f"update {seq}: {msg}") from failed
-            return connected
-
-        def refuse(kind: str, msg: str) -> None:
-            answer(False, kind, msg)
-
-        if (hdr["path"] == "ipc") != (via == "ipc") or (via == "socket" and not g.local) or (
-                hdr["cipher"] != "none" and via != "backend"):
-            msg = f"path {hdr['path']!r} via {via!r} with cipher {hdr['cipher']!r} is not a way to this receiver"
-            refuse("header", msg)
-            raise TransferError(f"update {seq} refused: {msg}")
-        try:
-            if via == "backend":
-                g.process_group()  # the data channel of this epoch (a new one connects with the sender's)
-        except Exception as e:
-            refuse("channel", str(e))
-            raise
-        try:
-            self.check_guard()
-        except InvalidTransitionError as e:
-            refuse("asleep", str(e))
-            raise
-        why = check_version(version, self.version, self.allow_equal_versions, "this receiver")
-        if why:
-            refuse("version", why)
-            raise VersionError(f"update {seq} refused: {why}; still serving version {self.version!r}")
-        try:
-            specs, plans, omitted = self._header_plan(hdr)
-        except Exception as e:  # noqa: BLE001 - whatever is wrong with it, the sender hears it
-            kind = getattr(e, "kind", "header")
-            msg = str(e) if isinstance(e, UnisleepError) else f"{type(e).__name__}: {e}"
-            refuse(kind, msg)
-            if kind == "coverage":
-                raise IncompleteUpdateError(f"update {seq} (version {version!r}) refused before any byte moved: {msg}; "
-                                            f"still serving version {self.version!r}", missing=e.missing) from None
-            raise TransferError(f"update {seq} (version {version!r}) refused before any byte moved: {msg}") from None
-        connected = False
-        try:
-            if sock and not by_ipc and self._conn is not None:
-                # the sender answers in the store when it lacks a connection to some receiver —
-                # perhaps this one's (it closed a connection out of step): connect anew
-                self._drop_ipc()
-            if sock:
-                connected = self._connect(hdr["ipc"] or "")
-        except Exception as e:
-            refuse("ipc", f"cannot connect to the sender's IPC socket: {type(e).__name__}: {e}")
-            if isinstance(e, UnisleepError):
-                raise
-            raise TransferError(f"update {seq}: cannot connect to the sender's IPC socket: {e}") from e
-        connected = answer(True, connected=connected)
+        u = self._take_header(timeout_s)
+        specs, plans, omitted = self._check_header(u)
+        self._acknowledge(u)
         # the update's keys are made while the sender collects the acknowledgements, and the
         # retained backup to roll back to is proven equal to the weights
-        seal = UpdateSeal.prepared(g, seq, epoch, plans) if hdr["verify"] else None
+        seal = UpdateSeal.prepared(g, u.seq, u.epoch, plans) if u.hdr["verify"] else None
         point = rollback.restore_point(self)
-        if by_ipc:
-            go = self._ipc_go(seq, timeout_s)
-        else:
-            go = g.take(f"u{seq}/go", R.GO, seq=seq, epoch=epoch, timeout_s=timeout_s, peer="the sender (rank 0)",
-                        watch=[0], what=f"the sender to start update {seq}")
-        if not go["go"]:
-            if connected:
-                self._drop_ipc()
-            raise TransferError(f"update {seq} (version {version!r}) was called off by the sender: {go['why']}; "
-                                f"still serving version {self.version!r}")
+        self._wait_go(u, timeout_s)
         t_ack = time.perf_counter()
-        crypt = BucketCipher.of(g, seq, epoch) if hdr["cipher"] != "none" else None
-        state = RecvState(self, seq, specs, plans, hdr["verify"], seal, epoch, cipher=crypt)
+        crypt = BucketCipher.of(g, u.seq, u.epoch) if u.hdr["cipher"] != "none" else None
+        state = RecvState(self, u.seq, specs, plans, u.hdr["verify"], seal, u.epoch, cipher=crypt, control=u.control)
         self._buffer_s = 0.0
-        keep = hdr["keep_buffers"]
+        keep = u.hdr["keep_buffers"]
         try:
-            if sock and connected:
+            if u.via == "socket" and u.connected:  # the sender admits it once every receiver acknowledged
                 handshake_receiver(self._conn, min(g.timeout_s, 30.0))
                 self._ready = True
-            if hdr["path"] == "ipc":
-                self._recv_ipc(state)
-            elif via == "socket":
-                self._recv_socket(state)
-            else:
-                self._recv_collective(state)
+            path = ipc if u.hdr["path"] == "ipc" else socket_path if u.via == "socket" else collective
+            path.receive(self, state)
             t_recv = time.perf_counter()
-            state.finish(version)
+            state.finish(u.version)
             self.check_guard()  # nobody put the weights to sleep meanwhile
             state.commit()
             t_commit = time.perf_counter()
@@ -417,74 +319,206 @@ class WeightReceiver(_ReceivePaths):
                     self._release_buffers()
                 except Exception:  # noqa: BLE001 - the update's own error is the one raised
                     pass
-            why = f"{type(e).__name__}: {e}"
-            if state.apply_failed:
-                why = f"applying bucket {state.apply_failed[0]} raised {why}"
-            outcome, tail = rollback.settle(self, state, point, version, why)
-            if isinstance(e, VerifyError):
-                err: Exception = TransferError(f"{e}; {tail}")
-            else:
-                dead = g.peer_dead(0) if type(e) in (TransferError, IpcGoneError) else None
-                if dead:  # the sender's socket closed because it died: say so
-                    g.broken = dead
-                    err = TransferError(f"update {seq} (version {version!r}) broke off: the sender died ({dead}; "
-                                        f"{e}); {tail}; recreate the group")
-                elif state.apply_failed:
-                    err = TransferError(f"update {seq} (version {version!r}) broke off: {why}; {tail}")
-                elif _out_of_memory(e):  # this side's own memory, not the sender
-                    arrived = len(state.got) + len(state.rejected)
-                    err = UpdateMemoryError(
-                        f"update {seq} (version {version!r}) broke off: this side ran out of memory for its next bucket "
-                        f"({arrived} of {len(state.plans)} buckets had arrived, the largest "
-                        f"{max((p.total_bytes for p in state.plans), default=0)} bytes): {type(e).__name__}: {e}; {tail}; free memory on this side or "
-                        "give the sender a smaller bucket_bytes")
-                elif isinstance(e, UnisleepError):
-                    err = type(e)(f"{e}; {tail}")
-                else:
-                    err = TransferError(f"update {seq} (version {version!r}) broke off (the sender died, "
-                                        f"timed out or the connection failed): {type(e).__name__}: {e}; {tail}")
-            err.outcome = outcome
-            # the sender hears why: the done record first (it looks there when the connection fails),
-            # then, on the IPC socket, an error message before this side hangs up
-            try:
-                g.put(done_key, {"ok": False, "msg": f"{type(err).__name__}: {err}"[:4000], "version": None}, seq, epoch)
-            except Exception:
-                pass
-            if sock and isinstance(e, VerifyError) and by_ipc and self._conn is not None:
-                try:  # the socket is in step: the sender waits for the verdict there
-                    self._conn.send("done", u=seq, ok=False, msg=ipc_text(f"{type(err).__name__}: {err}"))
-                except TransferError:
-                    self._drop_ipc()
-            if sock and not isinstance(e, VerifyError):
-                if self._conn is not None and self._ready:
-                    try:
-                        self._conn.send("error", u=seq, msg=ipc_text(f"{type(err).__name__}: {err}"))
-                    except Exception:  # noqa: BLE001
-                        pass
-                self._drop_ipc()  # the socket may be out of step: reconnect on the next update
-            raise err from e
+            raise self._failed(u, state, point, e) from e
         finally:
             if seal is not None:
                 seal.release()
-        prev, self.version = self.version, version
+        prev, self.version = self.version, u.version
         self.consistent = True
         rollback.clear(self, [sp.name for sp in specs])
         t1 = time.perf_counter()
-        if by_ipc:
+        if u.control == "ipc":
             try:
-                self._conn.send("done", u=seq, ok=True)
-            except TransferError:  # the sender hung up: it looks in the store
+                self._conn.send("done", u=u.seq, ok=True)
+            except TransferError:  # the sender hung up (it says why); this side has the update
                 self._drop_ipc()
-                by_ipc = False
-        if not by_ipc:
-            g.put(done_key, {"ok": True, "msg": "", "version": version}, seq, epoch)
-        self.last_report = TransferReport(version, prev, hdr["path"], len(specs), hdr["bytes"], len(plans), t1 - t0,
-                                          metadata_reused=hdr["specs"] is None, verified=state.verify or crypt is not None,
+        else:
+            g.put(f"u{u.seq}/done/{g.rank}", {"ok": True, "msg": "", "version": u.version}, u.seq, u.epoch)
+        self.last_report = TransferReport(u.version, prev, u.hdr["path"], len(specs), u.hdr["bytes"], len(plans),
+                                          t1 - t0, metadata_reused=u.hdr["specs"] is None,
+                                          verified=state.verify or crypt is not None,
                                           phases={"handshake": t_ack - t0, "stream": t_recv - t_ack,
                                                   "commit": t_commit - t_recv, "buffers": self._buffer_s,
                                                   "release": t1 - t_commit},
                                           intrusions=list(g.intrusions[intrusions0:]), omitted=omitted)
         return self.last_report
+
+    # ---------------------------------------------------------------- the steps of one update
+    def _take_header(self, timeout_s: Optional[float]) -> "_Incoming":
+        """The next update's header from the store (the update numbers increase)."""
+        g = self.group
+        try:
+            seq, epoch, hdr = g.take("hdr", R.HEADER, seq=None, epoch=None, timeout_s=timeout_s,
+                                     peer="the sender (rank 0)", watch=[0], accept=lambda rs, _e, _b: rs > g.last_seq,
+                                     what=f"the next update from the sender (still serving version {self.version!r})",
+                                     resume=True)
+        except R.MalformedRecordError as e:  # authentic, but this side cannot take it: the sender hears why
+            # (the header's path cannot be read: answered where the sender may listen — on the IPC
+            # connection when there is one, else in the store)
+            g.last_seq = e.seq
+            if self._conn is not None and self._ready:
+                try:
+                    self._conn.send("ack", u=e.seq, ok=False, kind="header", msg=ipc_text(str(e)))
+                except TransferError:
+                    self._drop_ipc()
+            try:
+                g.put(f"u{e.seq}/ack/{g.rank}", {"ok": False, "kind": "header", "msg": str(e)[:4000],
+                                                 "connected": False}, e.seq, e.epoch)
+            except TransferError:
+                pass
+            raise TransferError(f"update {e.seq} refused: {e}; still serving version {self.version!r}") from None
+        g.last_seq = seq
+        if epoch != g.epoch:
+            g.epoch = epoch  # the sender moved the data channel on after a broken update
+        return _Incoming(seq, epoch, hdr)
+
+    def _check_header(self, u: "_Incoming") -> tuple:
+        """Everything that can refuse the update before a byte moves — the way the header names,
+        the data channel, the guard, the version, the target and the coverage; a refusal is the
+        acknowledgement (the sender raises it) and raises here.  Returns (specs, plans, omitted)."""
+        g, hdr, via = self.group, u.hdr, u.via
+        if (hdr["path"] == "ipc") != (via == "ipc") or (via == "socket" and not g.local) or (
+                hdr["cipher"] != "none" and via != "backend") or u.control != ("ipc" if via == "ipc" else "store"):
+            msg = (f"path {hdr['path']!r} via {via!r} with cipher {hdr['cipher']!r} and control {u.control!r} is not a "
+                   "way to this receiver")
+            self._refuse(u, "header", msg)
+            raise TransferError(f"update {u.seq} refused: {msg}")
+        try:
+            if via == "backend":
+                g.process_group()  # the data channel of this epoch (a new one connects with the sender's)
+        except Exception as e:
+            self._refuse(u, "channel", str(e))
+            raise
+        try:
+            self.check_guard()
+        except InvalidTransitionError as e:
+            self._refuse(u, "asleep", str(e))
+            raise
+        why = check_version(u.version, self.version, self.allow_equal_versions, "this receiver")
+        if why:
+            self._refuse(u, "version", why)
+            raise VersionError(f"update {u.seq} refused: {why}; still serving version {self.version!r}")
+        try:
+            return self._header_plan(hdr)
+        except Exception as e:  # noqa: BLE001 - whatever is wrong with it, the sender hears it
+            kind = getattr(e, "kind", "header")
+            msg = str(e) if isinstance(e, UnisleepError) else f"{type(e).__name__}: {e}"
+            self._refuse(u, kind, msg)
+            if kind == "coverage":
+                raise IncompleteUpdateError(f"update {u.seq} (version {u.version!r}) refused before any byte moved: "
+                                            f"{msg}; still serving version {self.version!r}", missing=e.missing) from None
+            raise TransferError(f"update {u.seq} (version {u.version!r}) refused before any byte moved: {msg}") from None
+
+    def _refuse(self, u: "_Incoming", kind: str, msg: str) -> None:
+        """Refuse the update on its control plane (the IPC path: connected first, if this side can;
+        when it cannot, the refusal is raised here all the same and the sender hears of this
+        receiver within its timeout)."""
+        try:
+            self._answer(u, False, kind, msg)
+        except Exception as e:  # noqa: BLE001 - the refusal is the error raised
+            log.warning("update %d: the refusal (%s) could not reach the sender: %s", u.seq, kind, e)
+
+    def _acknowledge(self, u: "_Incoming") -> None:
+        """Say yes: the IPC path connects (and proves the group secret) first; the Unix-stream path
+        connects when this side has no live connection to the sender's socket (its handshake
+        follows ``go``), and its acknowledgement in the store says so."""
+        if u.sock and u.control == "store":
+            try:
+                u.connected = self._connect(u.hdr["ipc"] or "")
+            except Exception as e:
+                msg = f"cannot connect to the sender's IPC socket: {type(e).__name__}: {e}"
+                self._refuse(u, "ipc", msg)
+                if isinstance(e, UnisleepError):
+                    raise
+                raise TransferError(f"update {u.seq}: {msg}") from e
+        self._answer(u, True)
+
+    def _answer(self, u: "_Incoming", ok: bool, kind: str = "", msg: str = "") -> None:
+        """The acknowledgement (or refusal) of the header, on the update's control plane."""
+        if u.control == "store":
+            g = self.group
+            g.put(f"u{u.seq}/ack/{g.rank}", {"ok": ok, "kind": kind, "msg": msg[:4000], "connected": u.connected},
+                  u.seq, u.epoch)
+            return
+        self._connect(u.hdr["ipc"] or "")
+        if not self._ready:
+            try:
+                handshake_receiver(self._conn, min(self.group.timeout_s, 30.0))
+            except BaseException:
+                self._drop_ipc()
+                raise
+            self._ready = True
+        try:
+            self._conn.send("ack", u=u.seq, ok=ok, kind=kind, msg=ipc_text(msg))
+        except TransferError as e:  # the sender closed this connection: this update is over, the next connects
+            self._drop_ipc()
+            raise TransferError(f"update {u.seq}: the sender closed the IPC connection ({e}); still serving version "
+                                f"{self.version!r}") from e
+
+    def _wait_go(self, u: "_Incoming", timeout_s: Optional[float]) -> None:
+        """The sender's ``go`` (every receiver said yes), or its call-off (raised)."""
+        if u.control == "ipc":
+            go = self._ipc_go(u.seq, timeout_s)
+        else:
+            go = self.group.take(f"u{u.seq}/go", R.GO, seq=u.seq, epoch=u.epoch, timeout_s=timeout_s,
+                                 peer="the sender (rank 0)", watch=[0], what=f"the sender to start update {u.seq}")
+        if not go["go"]:
+            if u.connected:  # the sender never admitted this connection
+                self._drop_ipc()
+            raise TransferError(f"update {u.seq} (version {u.version!r}) was called off by the sender: {go['why']}; "
+                                f"still serving version {self.version!r}")
+
+    def _failed(self, u: "_Incoming", state: "RecvState", point, e: Exception) -> Exception:
+        """The update failed once bytes moved: what became of the weights (untouched, rolled back
+        or torn) is settled, the sender hears why on the update's control plane, and the error to
+        raise (its ``outcome`` set) is returned."""
+        g = self.group
+        why = f"{type(e).__name__}: {e}"
+        if state.apply_failed:
+            why = f"applying bucket {state.apply_failed[0]} raised {why}"
+        outcome, tail = rollback.settle(self, state, point, u.version, why)
+        if isinstance(e, VerifyError):
+            err: Exception = TransferError(f"{e}; {tail}")
+        else:
+            dead = g.peer_dead(0) if type(e) in (TransferError, IpcGoneError) else None
+            if dead:  # the sender's socket closed because it died: say so
+                g.broken = dead
+                err = TransferError(f"update {u.seq} (version {u.version!r}) broke off: the sender died ({dead}; "
+                                    f"{e}); {tail}; recreate the group")
+            elif state.apply_failed:
+                err = TransferError(f"update {u.seq} (version {u.version!r}) broke off: {why}; {tail}")
+            elif _out_of_memory(e):  # this side's own memory, not the sender
+                arrived = len(state.got) + len(state.rejected)
+                err = UpdateMemoryError(
+                    f"update {u.seq} (version {u.version!r}) broke off: this side ran out of memory for its next "
+                    f"bucket ({arrived} of {len(state.plans)} buckets had arrived, the largest "
+                    f"{max((p.total_bytes for p in state.plans), default=0)} bytes): {type(e).__name__}: {e}; "
+                    f"{tail}; free memory on this side or give the sender a smaller bucket_bytes")
+            elif isinstance(e, UnisleepError):
+                err = type(e)(f"{e}; {tail}")
+            else:
+                err = TransferError(f"update {u.seq} (version {u.version!r}) broke off (the sender died, "
+                                    f"timed out or the connection failed): {type(e).__name__}: {e}; {tail}")
+        err.outcome = outcome
+        text = f"{type(err).__name__}: {err}"
+        if u.control == "store":  # the done record first: the sender looks there when the connection fails
+            try:
+                g.put(f"u{u.seq}/done/{g.rank}", {"ok": False, "msg": text[:4000], "version": None}, u.seq, u.epoch)
+            except Exception:  # noqa: BLE001
+                pass
+        elif isinstance(e, VerifyError) and self._conn is not None:
+            try:  # the connection is in step: the sender waits for the verdict there
+                self._conn.send("done", u=u.seq, ok=False, msg=ipc_text(text))
+            except TransferError:
+                self._drop_ipc()
+        elif self._conn is not None and self._ready:  # the reason, before this side hangs up
+            try:
+                self._conn.send("error", u=u.seq, msg=ipc_text(text))
+            except Exception:  # noqa: BLE001
+                pass
+        if u.sock and not isinstance(e, VerifyError):
+            self._drop_ipc()  # the connection may be out of step: connect again on the next update
+        return err
 
     def _ipc_go(self, seq: int, timeout_s: Optional[float]) -> dict:
         """The sender's ``go`` for update ``seq`` on the IPC connection (as the store's record)."""
@@ -508,9 +542,13 @@ class WeightReceiver(_ReceivePaths):
                                     f"{self.version!r}; recreate the group") from e
             raise TransferError(f"update {seq}: no start from the sender ({e}); still serving version "
                                 f"{self.version!r}") from e
-    # ---------------------------------------------------------------- IPC path
+
+    # ---------------------------------------------------------------- the IPC connection
     def _connect(self, name: str) -> bool:
-        if self._conn is not None and self._sock_name == name and self._ready:
+        """Connect to the sender's IPC socket ``name`` unless this side holds a live connection to
+        it (one the sender has closed — it was out of step — is dropped first); returns whether it
+        connected anew (the handshake is the caller's)."""
+        if self._conn is not None and self._sock_name == name and self._ready and not self._hung_up():
             return False
         self._drop_ipc()
         if not name.startswith("\0unisleep-transfer-"):
@@ -518,6 +556,20 @@ class WeightReceiver(_ReceivePaths):
         self._conn = connect_ipc(self.group, name)
         self._sock_name, self._ready = name, False
         return True
+
+    def _hung_up(self) -> bool:
+        """Whether the sender closed this side's IPC connection (what it sent before is read
+        first: a late word of an earlier update is skipped where it is read)."""
+        import select
+        import socket
+
+        sock = self._conn.sock
+        try:
+            if not select.select([sock], [], [], 0)[0]:
+                return False  # nothing to read: not closed
+            return sock.recv(1, socket.MSG_PEEK) == b""
+        except (OSError, ValueError):
+            return True
 
     def _release_buffers(self) -> None:
         """Give back the bucket memory of the update that ended: the sender's buffers this side
@@ -559,4 +611,163 @@ class WeightReceiver(_ReceivePaths):
         self._rot = [None, None]
 
 
-__all__ = ["WeightReceiver"]
+class VerifyError(TransferError):
+    """The update's bytes fail the manifest (missing, corrupt, out of place), or the sender
+    aborted it and said so: refused, and the IPC socket is still in step."""
+
+
+class RecvState:
+    """Buckets of one update as they arrive: verified, then applied at once (or staged);
+    ``rx`` is the :class:`~unisleep.transfer.receiver.WeightReceiver` receiving them.
+
+    ``touched`` counts the buckets whose apply began (an apply that raises may have written part
+    of its bucket), ``touched_names`` their tensors; ``applied`` the buckets applied whole.  A
+    streaming update keeps no reference to a bucket once it is applied (``got`` records only
+    which arrived)."""
+
+    def __init__(self, rx: Any, seq: int, specs: Sequence[TensorSpec], plans: list[BucketPlan], verify: bool,
+                 seal=None, epoch: int = 0, cipher=None, control: str = "store"):
+        self.rx, self.seq, self.specs, self.plans, self.verify = rx, seq, specs, plans, verify
+        self.seal, self.epoch, self.cipher, self.control = seal, epoch, cipher, control
+        self.why = ""  # an abort's reason, as the IPC path's end message says it
+        self.got: dict[int, Any] = {}
+        self.rejected: set[int] = set()
+        self.corrupt: list[str] = []
+        self.problems: list[str] = []
+        self.aborted = False
+        self.applied = 0
+        self.touched = 0
+        self.touched_names: list[str] = []
+        self.apply_failed: list[int] = []  # the bucket whose apply raised
+        self._tmap: Optional[dict] = None
+
+    def take(self, k: int, buf, authentic: Optional[bool] = None) -> None:
+        """Bucket ``k`` arrived in ``buf``; ``authentic``: the verdict of its AES-GCM tag when it
+        came encrypted (its tensors are then not digested again)."""
+        if not 0 <= k < len(self.plans):
+            self.problems.append(f"bucket {k} is not in the manifest ({len(self.plans)} buckets)")
+            return
+        plan = self.plans[k]
+        if k in self.got or k in self.rejected:
+            self.problems.append(f"bucket {k} arrived twice")
+            return
+        if buf.numel() != plan.total_bytes:
+            self.problems.append(f"bucket {k} has {buf.numel()} bytes, the manifest says {plan.total_bytes}")
+            self.corrupt += [self.specs[s.index].name for s in plan.slots]
+            self.rejected.add(k)
+            return
+        if authentic is False:
+            self.problems.append(f"bucket {k} fails authentication (its AES-GCM tag): altered or forged on the way")
+            self.corrupt += [self.specs[s.index].name for s in plan.slots]
+            self.rejected.add(k)
+            return
+        if self.verify or authentic:
+            problem, bad = check_bucket(buf, plan, self.seq, self.seal if self.verify else None)
+            if problem:
+                self.problems.append(problem)
+            if bad:
+                self.corrupt += [self.specs[plan.slots[i].index].name for i in bad]
+                self.rejected.add(k)
+                return
+        self.got[k] = buf if self.rx.staged else None
+        if not self.rx.staged and not self.corrupt and not self.problems:
+            self._apply(plan, buf)
+
+    def end(self, msg: dict) -> None:
+        """The sender's ``end`` message (IPC connection) closes the update this side receives
+        (aborted or not); an end for another update is an error."""
+        if msg["u"] != self.seq:
+            raise TransferError(f"the sender ended update {msg['u']} while this side received update {self.seq}")
+        self.aborted = bool(msg["abort"])
+        self.why = msg["msg"]
+
+    def finish(self, version) -> None:
+        """Raise :class:`VerifyError` unless every bucket arrived and passed (the receiver adds
+        what became of the weights: untouched, rolled back or torn)."""
+        if self.aborted:
+            why = self.why or "no reason given"
+            if self.control == "store":  # the reason is a record of the update's control plane
+                try:
+                    why = self.rx.group.take(f"u{self.seq}/abort", R.ABORT, seq=self.seq, epoch=self.epoch,
+                                             timeout_s=5.0, peer="the sender (rank 0)", watch=[0],
+                                             what="the sender's reason")["why"]
+                except TransferError:
+                    pass
+            raise VerifyError(f"the sender aborted update {self.seq} (version {version!r}): {why}")
+        missing_b = [p for p in self.plans if p.index not in self.got and p.index not in self.rejected]
+        missing = [self.specs[s.index].name for p in missing_b for s in p.slots]
+        if missing or self.corrupt or self.problems:
+            parts = []
+            if missing:
+                parts.append(f"incomplete: {len(missing)} tensor(s) never arrived (buckets "
+                             f"{short_names([str(p.index) for p in missing_b])}): {short_names(missing)}")
+            if self.corrupt:
+                parts.append(f"corrupt: {len(self.corrupt)} tensor(s) fail the manifest's keyed digest: {short_names(self.corrupt)}")
+            if self.problems:
+                parts.append("; ".join(self.problems[:4]))
+            raise VerifyError(f"update {self.seq} (version {version!r}) refused: " + "; ".join(parts))
+
+    def _views(self, plan: BucketPlan, buf) -> list:
+        out = []
+        for s in plan.slots:
+            spec = self.specs[s.index]
+            v = buf[s.offset: s.offset + s.nbytes].view(spec.torch_dtype()).view(spec.shape)
+            out.append((spec.name, v))
+        return out
+
+    def _apply(self, plan: BucketPlan, buf) -> None:
+        import torch
+
+        pairs = self._views(plan, buf)
+        self.touched += 1
+        self.touched_names += [name for name, _ in pairs]
+        try:
+            if self.rx.apply is not None:
+                self.rx.apply(pairs)
+            else:
+                if self._tmap is None:
+                    self._tmap = self.rx._target_map()
+                tmap = self._tmap
+                with torch.no_grad():
+                    for name, v in pairs:
+                        tmap[name].copy_(v)
+        except BaseException:
+            self.apply_failed.append(plan.index)
+            raise
+        self.applied += 1
+
+    def commit(self) -> None:
+        if not self.rx.staged:
+            return
+        for plan in self.plans:
+            self._apply(plan, self.got[plan.index])
+        self.got.clear()
+
+
+@dataclass(eq=False)
+class _Incoming:
+    """The update a :class:`WeightReceiver` takes: its header and what its steps share."""
+
+    seq: int
+    epoch: int
+    hdr: dict
+    connected: bool = False  # this side connected to the sender's IPC socket anew for it
+
+    @property
+    def version(self) -> Any:
+        return self.hdr["version"]
+
+    @property
+    def via(self) -> str:
+        return self.hdr["via"]
+
+    @property
+    def control(self) -> str:
+        """Where the acknowledgement, go and done travel: ``"ipc"`` (the IPC path) or ``"store"``."""
+        return self.hdr["control"]
+
+    @property
+    def sock(self) -> bool:
+        """Through the sender's IPC socket (the IPC and Unix-stream paths)."""
+        return self.hdr["path"] == "ipc" or self.hdr["via"] == "socket"
+

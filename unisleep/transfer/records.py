@@ -226,3 +226,14 @@ def check_version(new: Any, old: Any, allow_equal: bool, who: str) -> Optional[s
 
 __all__ = ["PROTOCOL", "MAX_RECORD", "ForgedRecordError", "MalformedRecordError", "derive_key", "seal", "open_record", "check_schema",
            "version_order", "check_version", "PEER", "HEADER", "ACK", "GO", "ABORT", "DONE"]
+
+
+def named_error(msg: str) -> TransferError:
+    """A peer's error message as the named error it was (``"...: DescriptorLimitError: ..."`` →
+    :class:`DescriptorLimitError`), else :class:`TransferError`."""
+    from ..errors import DescriptorLimitError, IntrusionError, VersionError
+
+    for cls in (DescriptorLimitError, VersionError, IntrusionError):
+        if f"{cls.__name__}: " in msg:
+            return cls(msg)
+    return TransferError(msg)

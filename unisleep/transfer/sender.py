@@ -1,6 +1,17 @@
-"""``WeightSender``: the trainer's side of an update (rank 0 of the group) — header,
-acknowledgements, buckets streamed double buffered, then every receiver's commit (those steps in
-:mod:`.send_update`) — and :func:`default_bucket_bytes`, the bucket size the free memory allows."""
+"""``WeightSender``: the trainer's side of an update (rank 0 of the group), and
+:func:`default_bucket_bytes`, the bucket size the free memory allows.
+
+One update (:meth:`WeightSender.send`), in order: the arguments checked and the manifest made
+(nothing sent yet); the path resolved; the header posted in the store; every receiver's
+acknowledgement (on the path's control plane: its IPC connection on the IPC path, where a receiver
+without one connects first, else the store) — a refusal calls the update off before any byte
+moved; ``go``; the buckets packed (hashed or encrypted in the same pass) and streamed
+double buffered through the path's channel (:mod:`.collective`, :mod:`.socket_path`,
+:mod:`.ipc`); then every receiver's commit, and the report.
+
+Test seam: :meth:`WeightSender._sends_bucket` and :meth:`WeightSender._bucket_packed` are called
+once per bucket and do nothing here; a test's subclass (tests/transfer/faults.py) overrides them
+to drop a bucket or alter one on its way.  No production channel takes a fault argument."""
 
 from __future__ import annotations
 
@@ -8,17 +19,20 @@ import logging
 import time
 import weakref
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Sequence
 
-from ..errors import InvalidArgumentError, VersionError
-from .group import TransferGroup
-from .ipc_send import IpcSenderState
+from ..errors import InvalidArgumentError, InvalidTransitionError, TransferError, UnisleepError, VersionError
 from . import records as R
-from .manifest import Manifest, check_tensor, plan_buckets, spec_of
-from .names import short_names, tensor_pairs
-from .records import check_version
+from .cipher import SLACK, BucketCipher
+from .collective import CollectiveSendChannel
+from .group import TransferGroup
+from .ipc import IpcSenderState, IpcSendChannel, ipc_text
+from .manifest import (BucketPlan, Manifest, UpdateSeal, check_tensor, dtype_name, pack_tensor, plan_buckets,
+                       short_names, spec_of, tensor_pairs, write_trailer)
+from .records import check_version, named_error
 from .report import TransferReport
-from .send_update import _SendUpdate
+from .socket_path import SocketSendChannel
 
 log = logging.getLogger("unisleep.transfer")
 
@@ -62,7 +76,7 @@ def default_bucket_bytes(group: TransferGroup, path: str = "collective") -> int:
     return max(16 * MiB, min(cap, free // 16 // MiB * MiB))
 
 
-class WeightSender(_SendUpdate):
+class WeightSender:
     """Trainer side (rank 0 of ``group``).
 
     ``bucket_bytes``: tensor bytes per bucket (``None``: sized from free memory for the path,
@@ -128,11 +142,10 @@ class WeightSender(_SendUpdate):
         self.keep_buffers = keep_buffers
         self._buffer_s = 0.0  # seconds this update spent making (and exporting) bucket memory
         self._last_meta_id: Optional[str] = None
-        self._faults: dict[str, set] = {"skip": set(), "corrupt": set()}  # test hooks: bucket indices
         self._coll_slots: list = [None, None]
         self._ipc: Optional[IpcSenderState] = None
         self._seal_ahead: Optional[tuple] = None  # (seq, epoch, seal) made while the last update committed
-        self._no_records = -1  # the last update whose answers all travelled on the IPC connections (no store records)
+        self._no_records = -1  # the last update of the IPC path (it left no records in the store)
         self.last_report: Optional[TransferReport] = None
         self.version: Any = None
 
@@ -204,17 +217,27 @@ class WeightSender(_SendUpdate):
         :class:`TransferError` when a receiver refused or rejected the update, or is dead (then the
         message says to recreate the group).
         """
-        g = self.group
-        g.check_usable()
+        self.group.check_usable()
         t0 = time.perf_counter()
         why = check_version(version, self.version, self.allow_equal_versions, "this sender")
         if why:
             raise VersionError(why)
-        keep = self.keep_buffers
-        if keep is None:
-            keep = not g.platform.is_accelerator
-        if not isinstance(keep, bool):
-            raise InvalidArgumentError(f"keep_buffers must be True, False or None, got {keep!r}")
+        manifest, items = self._manifest(named_tensors, specs)
+        u = self._plan(version, manifest, items, t0)
+        try:  # on success the update gives its bucket memory back itself (timed: the "release" phase)
+            return self._run(u)
+        except BaseException:
+            if not u.keep:  # the update failed: its bucket memory goes back all the same
+                try:
+                    self._release_buffers()
+                except Exception as e:  # noqa: BLE001 - the update's own error is the one raised
+                    log.warning("giving back the bucket memory of a failed update also failed: %s", e)
+            raise
+
+    # ---------------------------------------------------------------- before anything is sent
+    def _manifest(self, named_tensors, specs) -> tuple[Manifest, Iterator]:
+        """The update's manifest and an iterator over its ``(name, tensor)`` pairs; raises
+        :class:`InvalidArgumentError` for a bad argument (nothing is sent)."""
         if specs is not None:
             if isinstance(specs, (str, bytes, Mapping)) or not hasattr(specs, "__iter__"):
                 raise InvalidArgumentError(f"specs must be a list of TensorSpec or (name, shape, dtype), got "
@@ -241,6 +264,17 @@ class WeightSender(_SendUpdate):
         if len(set(names)) != len(names):
             dup = sorted({n for n in names if names.count(n) > 1})
             raise InvalidArgumentError(f"duplicate tensor names in the update: {short_names(dup)}")
+        return manifest, items
+
+    def _plan(self, version: Any, manifest: Manifest, items: Iterator, t0: float) -> "_Update":
+        """The update's path, bucket plan, number and header (the IPC socket opened if its path
+        needs one)."""
+        g = self.group
+        keep = self.keep_buffers
+        if keep is None:
+            keep = not g.platform.is_accelerator
+        if not isinstance(keep, bool):
+            raise InvalidArgumentError(f"keep_buffers must be True, False or None, got {keep!r}")
         path, via, cipher = self.resolve()
         if self._path_buckets is not None:  # sized once per path, so the plan stays the same
             if path not in self._path_buckets:
@@ -248,40 +282,290 @@ class WeightSender(_SendUpdate):
             self.bucket_bytes = self._path_buckets[path]
         plans = plan_buckets(manifest.specs, self.bucket_bytes)
         seq, g._seq = g._seq, g._seq + 1
-        epoch = g.epoch
-        reuse = manifest.meta_id == self._last_meta_id
-        ipc_name = None
         sock = path == "ipc" or via == "socket"  # through the IPC socket's authenticated connections
-        if sock:
-            if self._ipc is None:
-                self._ipc = IpcSenderState(g)
-                # its accept thread keeps the channel alive: a sender dropped without close()
-                # still gives back its socket and the buffers it kept
-                self._ipc_finalizer = weakref.finalize(self, self._ipc.close)
-            ipc_name = self._ipc.name
-        digests = self.verify and cipher == "none"  # an encrypted bucket is authenticated by its tag
+        if sock and self._ipc is None:
+            self._ipc = IpcSenderState(g)
+            # its accept thread keeps the channel alive: a sender dropped without close()
+            # still gives back its socket and the buffers it kept
+            self._ipc_finalizer = weakref.finalize(self, self._ipc.close)
         self._buffer_s = 0.0
-        # receivers still connected from the last update answer on that connection (acknowledgement,
-        # go, done: sealed like the store's records), not through the store — rank 0's store is a
-        # thread of this process, and every request to it waits for this thread's interpreter lock
-        control = "ipc" if sock and self._ipc.conns and set(self._ipc.conns) >= set(g.receivers) else "store"
-        header = {
+        u = _Update(seq=seq, epoch=g.epoch, version=version, manifest=manifest, items=items, plans=plans, path=path,
+                    via=via, cipher=cipher, sock=sock, keep=keep, t0=t0,
+                    reuse=manifest.meta_id == self._last_meta_id,
+                    digests=self.verify and cipher == "none",  # an encrypted bucket is authenticated by its tag
+                    # one control plane per path: the IPC path's acknowledgement, go and done travel
+                    # on its IPC connections (sealed like the store's records; rank 0's store is a
+                    # thread of this process, and every request to it waits for this thread's
+                    # interpreter lock), the other paths' in the store
+                    control="ipc" if path == "ipc" else "store")
+        u.header = {
             "version": version, "previous_version": self.version, "meta_id": manifest.meta_id,
-            "specs": None if reuse else [[s.name, list(s.shape), s.dtype] for s in manifest.specs],
+            "specs": None if u.reuse else [[s.name, list(s.shape), s.dtype] for s in manifest.specs],
             "bucket_bytes": self.bucket_bytes, "path": path, "via": via, "cipher": cipher, "buckets": len(plans),
-            "bytes": manifest.nbytes, "ipc": ipc_name, "verify": digests, "keep_buffers": keep,
-            "control": control,
+            "bytes": manifest.nbytes, "ipc": self._ipc.name if sock else None, "verify": u.digests,
+            "keep_buffers": keep, "control": u.control,
         }
-        try:  # on success the update gives its bucket memory back itself (timed: the "release" phase)
-            return self._send_update(g, t0, version, manifest, items, plans, seq, epoch, path, via, cipher, reuse,
-                                     sock, digests, header)
-        except BaseException:
-            if not keep:  # the update failed: its bucket memory goes back all the same
-                try:
-                    self._release_buffers()
-                except Exception as e:  # noqa: BLE001 - the update's own error is the one raised
-                    log.warning("giving back the bucket memory of a failed update also failed: %s", e)
+        return u
+
+    # ---------------------------------------------------------------- one update, in order
+    def _run(self, u: "_Update") -> TransferReport:
+        """Header, acknowledgements, ``go``, the buckets, every commit, the report."""
+        g = self.group
+        intrusions0 = len(g.intrusions)
+        g.put("hdr", u.header, u.seq, u.epoch)
+        # the update's keys: made while the last update committed, else now, while the receivers
+        # read the header (not after "go")
+        ahead, self._seal_ahead = self._seal_ahead, None
+        if u.digests:
+            u.seal = (ahead[2] if ahead is not None and ahead[:2] == (u.seq, u.epoch)
+                      else UpdateSeal.prepared(g, u.seq, u.epoch, u.plans))
+        u.crypt = BucketCipher.of(g, u.seq, u.epoch) if u.cipher != "none" else None
+        first, packing = self._pack_first(u)
+        # the last update's records are dropped while the receivers answer (after the first
+        # bucket's packing is queued: nothing waits on them) — unless it was an IPC update (it left
+        # no record in the store)
+        if u.seq and self._no_records != u.seq - 1:
+            for k in ("go", "abort", *(f"ack/{r}" for r in g.receivers), *(f"done/{r}" for r in g.receivers)):
+                g.drop(f"u{u.seq - 1}/{k}")
+        if u.control == "ipc":
+            self._no_records = u.seq
+        connect = self._acknowledgements(u, packing)
+        t_ack = time.perf_counter()
+        try:
+            self._stream_buckets(u, connect, first)
+        finally:
+            if u.seal is not None:
+                u.seal.release()
+        t_sent = time.perf_counter()
+        # meanwhile the receivers verify and commit, the next update's keys are made (derived from
+        # the group secret, the epoch and the update number: nothing new is learnt)
+        if u.digests:
+            self._seal_ahead = (u.seq + 1, u.epoch, UpdateSeal.prepared(g, u.seq + 1, u.epoch, u.plans))
+        self._commits(u)
+        prev, self.version = self.version, u.version
+        self._last_meta_id = u.manifest.meta_id
+        t_done = time.perf_counter()
+        release_s = 0.0
+        if not u.keep:  # every receiver has given its mappings back: the memory goes now
+            self._release_buffers()
+            release_s = time.perf_counter() - t_done
+        t1 = time.perf_counter()
+        self.last_report = TransferReport(u.version, prev, u.path, len(u.manifest.specs), u.manifest.nbytes,
+                                          len(u.plans), t1 - u.t0, metadata_reused=u.reuse,
+                                          verified=u.digests or u.cipher != "none",
+                                          phases={"handshake": t_ack - u.t0, "stream": t_sent - t_ack,
+                                                  "commit_wait": t_done - t_sent, "buffers": self._buffer_s,
+                                                  "release": release_s},
+                                          intrusions=list(g.intrusions[intrusions0:]))
+        return self.last_report
+
+    def _pack_first(self, u: "_Update") -> tuple:
+        """Colocated: the first bucket is packed (and hashed) while the receivers read the header
+        and answer; its bytes stay in this process's own buffer until ``go``.  Returns (its
+        buffer or None, the error packing it raised or None: said once the receivers answered)."""
+        if u.path != "ipc" or not u.plans or self._ipc.busy[0]:
+            return None, None
+        u.chan = IpcSendChannel(self, u.seq)
+        try:
+            return self._pack(u, u.plans[0], u.chan), None
+        except Exception as e:  # the generator, a spec mismatch: said once the receivers answered
+            return None, e
+        except BaseException as e:
+            self._call_off(u, f"{type(e).__name__}: {e}")
             raise
+
+    def _acknowledgements(self, u: "_Update", packing: Optional[BaseException]) -> list[int]:
+        """Every receiver's answer to the header: nothing moves before every one said yes.  Returns
+        the receivers that connect to the IPC socket anew; a refusal (or the first bucket's packing
+        error) calls the update off and raises."""
+        g = self.group
+        refusals, connect = [], []
+        try:
+            g.check_alive(g.receivers)  # a dead receiver: say so now, not after a timeout
+            if u.via == "backend":
+                g.process_group()  # a new epoch connects here; the receivers follow when they read the header
+            for r in g.receivers:
+                what = f"receiver rank {r} to accept update {u.seq} (version {u.version!r}); is receive() running?"
+                if u.control == "ipc":  # a receiver not connected yet connects (and proves the secret) first
+                    ack = self._ipc_record(r, "ack", u.seq, what)
+                else:
+                    ack = g.take(f"u{u.seq}/ack/{r}", R.ACK, seq=u.seq, epoch=u.epoch, peer=f"receiver rank {r}",
+                                 watch=[r], what=what)
+                if not ack["ok"]:
+                    refusals.append((r, ack))
+                elif ack["connected"]:
+                    connect.append(r)
+        except BaseException as e:
+            self._call_off(u, f"{type(e).__name__}: {e}")
+            raise
+        if refusals:
+            self._call_off(u, "a receiver refused")
+            r, ack = refusals[0]
+            if any(a["kind"] == "metadata" for _, a in refusals):
+                self._last_meta_id = None
+            cls = {"asleep": InvalidTransitionError, "version": VersionError}.get(ack["kind"], TransferError)
+            raise cls(f"receiver rank {r} refused update {u.seq} (version {u.version!r}); nothing was sent: {ack['msg']}")
+        if packing is not None:  # every receiver that read the header hears why, as "called off"
+            self._call_off(u, f"{type(packing).__name__}: {packing}")
+            if isinstance(packing, UnisleepError):
+                raise packing
+            raise TransferError(f"update {u.seq} (version {u.version!r}) aborted on the sender: "
+                                f"{type(packing).__name__}: {packing}") from packing
+        return connect
+
+    def _stream_buckets(self, u: "_Update", connect: list[int], first) -> None:
+        """``go``, then every bucket packed and posted through the path's channel, then its end; a
+        failure aborts the update (every receiver hears why) and raises, naming a dead receiver."""
+        g = self.group
+        if u.control == "store":
+            g.put(f"u{u.seq}/go", {"go": True, "why": ""}, u.seq, u.epoch)
+        live = None  # the channel, once every receiver is connected to it
+        try:
+            if u.control == "ipc":
+                for r in g.receivers:
+                    conn = self._ipc.conns.get(r)
+                    if conn is None:
+                        raise TransferError(f"receiver rank {r}'s IPC connection closed after it acknowledged")
+                    conn.send("go", u=u.seq)
+            if u.via == "socket":  # the receivers that said they connect anew
+                self._ipc.accept(connect)
+                missing = sorted(set(g.receivers) - set(self._ipc.conns))
+                if missing:  # a receiver that kept a connection this side has closed: it connects next time
+                    raise TransferError(f"receivers {missing} answered without connecting to the IPC socket, whose "
+                                        "connection to them this side had closed")
+            live = u.chan or self._channel(u)
+            for plan in u.plans:
+                buf = first if first is not None and plan.index == 0 else self._pack(u, plan, live)
+                if buf is not None:
+                    live.post(plan.index % 2, plan, buf)
+            live.end(abort=False)
+        except Exception as e:  # the generator, a spec mismatch, the transport...
+            ended = False
+            why = f"{type(e).__name__}: {e}"
+            try:
+                if u.control == "store":
+                    g.put(f"u{u.seq}/abort", {"why": why[:4000]}, u.seq, u.epoch)
+                if live is not None:
+                    live.end(abort=True, why=why)
+                    ended = True
+            except Exception:
+                pass
+            if u.sock and not ended:
+                self._drop_ipc()  # the socket is out of step; an ended one stays (the receivers read 'end')
+            else:
+                g.channel_broke(f"update {u.seq} broke off")
+            dead = self._dead_receivers()
+            if isinstance(e, UnisleepError) and not dead:
+                raise
+            if dead:
+                g.broken = dead[0]
+                raise TransferError(f"update {u.seq} (version {u.version!r}) broke off: {'; '.join(dead)}; recreate "
+                                    f"the group ({type(e).__name__}: {str(e)[:300]})") from e
+            raise TransferError(f"update {u.seq} (version {u.version!r}) aborted on the sender: {type(e).__name__}: "
+                                f"{e}") from e
+
+    def _commits(self, u: "_Update") -> None:
+        """Wait for every receiver's verdict (verified and committed, or why not)."""
+        g = self.group
+        errors = []
+        try:
+            for r in g.receivers:
+                what = f"receiver rank {r} to verify and commit version {u.version!r}"
+                if u.control == "ipc":
+                    done = self._ipc_record(r, "done", u.seq, what)
+                else:
+                    done = g.take(f"u{u.seq}/done/{r}", R.DONE, seq=u.seq, epoch=u.epoch, peer=f"receiver rank {r}",
+                                  watch=[r], what=what)
+                if not done["ok"]:
+                    errors.append(f"rank {r}: {done['msg']}")
+        except BaseException:
+            if u.via == "backend":
+                g.channel_broke(f"update {u.seq}: no answer")
+            raise
+        if errors:
+            raise named_error(f"update {u.seq} (version {u.version!r}) was rejected; receivers keep their previous "
+                              "version: " + "; ".join(errors))
+
+    def _channel(self, u: "_Update"):
+        """The path's send channel (the ``buffer`` / ``begin`` / ``post`` / ``end`` verbs)."""
+        if u.path == "ipc":
+            return IpcSendChannel(self, u.seq)
+        if u.via == "socket":
+            return SocketSendChannel(self, u.seq)
+        return CollectiveSendChannel(self, u.seq, u.crypt)
+
+    def _pack(self, u: "_Update", plan: BucketPlan, chan):
+        """Pack (and, on a device, hash in the same pass; on an encrypting channel, encrypt in the
+        same pass and send each piece as soon as it is sealed) the next tensors of the update into
+        the channel's buffer for ``plan``; returns the buffer (None: the bucket is not sent)."""
+        import torch
+
+        send = self._sends_bucket(plan)
+        buf = chan.buffer(plan.index % 2, plan.total_bytes)
+        seal, specs = u.seal, u.manifest.specs
+        # a device bucket is hashed while it is packed (one pass over each tensor)
+        hasher = seal.hasher(buf, plan) if seal is not None and plan.slots and buf.device.type != "cpu" else None
+        sealer = chan.begin(plan, buf) if hasattr(chan, "begin") and send else None
+        with torch.no_grad():
+            for i, s in enumerate(plan.slots):
+                spec = specs[s.index]
+                try:
+                    item = next(u.items)
+                except StopIteration:
+                    raise TransferError(f"the tensors ran out at {spec.name!r} (#{s.index}); the specs list {len(specs)}") from None
+                if not isinstance(item, tuple) or len(item) != 2:
+                    raise InvalidArgumentError(f"item #{s.index} of the tensors is not a (name, tensor) pair: "
+                                               f"{str(item)[:80]}")
+                name, t = item
+                check_tensor(name, t, s.index)
+                if name != spec.name or t.shape != spec.shape or dtype_name(t.dtype) != spec.dtype:
+                    raise TransferError(f"tensor #{s.index} is {name!r} {tuple(t.shape)} {t.dtype}, "
+                                        f"the specs say {spec.name!r} {spec.shape} {spec.dtype}")
+                if sealer is not None:
+                    sealer.put(s, t)
+                elif s.nbytes and not (hasher is not None and hasher.fill(i, t)):
+                    pack_tensor(buf, s.offset, s.nbytes, t)
+            write_trailer(buf, plan, u.seq, seal, lanes=hasher.lanes() if hasher is not None else None)
+            if sealer is not None:
+                sealer.seal()
+            if send:
+                self._bucket_packed(plan, buf)
+            if sealer is not None:
+                sealer.close()
+        return buf if send else None
+
+    # ---------------------------------------------------------------- test seam (no-ops here)
+    def _sends_bucket(self, plan: BucketPlan) -> bool:
+        """Whether bucket ``plan`` goes out (asked before it is packed; its tensors are consumed
+        either way).  Always True here; a test's subclass drops a bucket to show that the receiver
+        names what never arrived."""
+        return True
+
+    def _bucket_packed(self, plan: BucketPlan, buf) -> None:
+        """Called once per bucket that goes out, once it is packed, its trailer written and (on an
+        encrypting channel) encrypted, before the trailer's bytes leave this process (a host
+        channel streams a bucket while it is packed: the data before the trailer may have left
+        already).  Does nothing here; a test's subclass alters the trailer there to show that the
+        receiver refuses the bucket."""
+
+    # ---------------------------------------------------------------- helpers of the steps
+    def _host_buffer(self, slot: int, nbytes: int):
+        """Send buffer ``slot`` of the collective and Unix-stream channels, at least ``nbytes`` (+
+        :data:`~.cipher.SLACK`); a bucket larger than the usual size (one big tensor) gets a buffer
+        of its own."""
+        import torch
+
+        cur = self._coll_slots[slot]
+        if cur is None or cur.numel() < nbytes + SLACK:
+            t0 = time.perf_counter()
+            try:
+                if nbytes > self.bucket_bytes + 4096:
+                    return torch.empty(nbytes + SLACK, dtype=torch.uint8, device=self.group.device)
+                cur = self._coll_slots[slot] = torch.empty(max(nbytes, self.bucket_bytes + 4096) + SLACK,
+                                                           dtype=torch.uint8, device=self.group.device)
+            finally:
+                self._buffer_s += time.perf_counter() - t0
+        return cur
 
     def _drop_ipc(self) -> None:
         if self._ipc is not None:
@@ -319,5 +603,72 @@ class WeightSender(_SendUpdate):
         self._drop_ipc()
         self._coll_slots = [None, None]
 
+    def _dead_receivers(self) -> list[str]:
+        """Why receivers are dead, for a transport failure (a process that exited is seen at
+        once; a silent heartbeat after a few seconds)."""
+        out: list[str] = []
+        for r in self.group.receivers:
+            try:
+                why = self.group.peer_dead(r)
+            except Exception:  # noqa: BLE001
+                why = None
+            if why:
+                out.append(why)
+        return out
 
-__all__ = ["WeightSender", "default_bucket_bytes", "PATHS", "MAX_DEFAULT_BUCKET"]
+    def _ipc_record(self, r: int, op: str, seq: int, what: str) -> dict:
+        """Receiver ``r``'s ``ack`` or ``done`` of update ``seq`` from its IPC connection, as the
+        store's record would say it (an ``error`` there is a ``done`` that failed)."""
+        msg = self._ipc.answer(r, op, seq, what)
+        ok = msg["op"] == op and msg["ok"]
+        return {"ok": ok, "kind": msg["kind"] if msg["op"] == op else "error", "msg": msg["msg"], "connected": False}
+
+    def _call_off(self, u: "_Update", why: str) -> None:
+        """Before any byte moved: withdraw the header (a late receiver waits for the next one)
+        and tell those waiting for ``go`` — on the update's control plane: on every IPC connection
+        (the receivers that connected meanwhile admitted first; a receiver that is not waiting there
+        skips it as a word of an earlier update), or in the store."""
+        g = self.group
+        g.drop("hdr")
+        if u.control == "ipc":
+            try:
+                self._ipc.admit_queued()
+            except TransferError:
+                pass
+            for r in list(self._ipc.conns):
+                conn = self._ipc.conns[r]
+                try:
+                    conn.send("go", u=u.seq, ok=False, msg=ipc_text(why))
+                except TransferError:
+                    self._ipc._forget(r, conn)  # gone: that receiver connects again
+            return
+        try:
+            g.put(f"u{u.seq}/go", {"go": False, "why": why[:4000]}, u.seq, u.epoch)
+        except TransferError:
+            pass
+
+
+@dataclass(eq=False)
+class _Update:
+    """One update of a :class:`WeightSender` while it runs: what its header says and what its
+    steps share."""
+
+    seq: int
+    epoch: int
+    version: Any
+    manifest: Manifest
+    items: Iterator  # the (name, tensor) pairs, consumed as the buckets are packed
+    plans: list
+    path: str  # "ipc" or "collective"
+    via: str  # "ipc", "socket" or "backend"
+    cipher: str  # "aes-256-gcm" or "none"
+    sock: bool  # through the IPC socket's authenticated connections (the IPC and Unix-stream paths)
+    keep: bool  # the bucket memory is kept after the update
+    t0: float
+    reuse: bool  # the receivers have its specs already (the header carries only their id)
+    digests: bool  # every tensor has a keyed digest in its bucket's trailer
+    control: str  # where the acknowledgement, go and done travel: "ipc" (the IPC path) or "store"
+    header: dict = field(default_factory=dict)
+    seal: Optional[UpdateSeal] = None  # the digests' keys
+    crypt: Optional[BucketCipher] = None
+    chan: Any = None  # the IPC channel the first bucket was packed into while the receivers answered

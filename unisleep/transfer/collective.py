@@ -1,0 +1,507 @@
+"""The collective path, both ends: bucket bytes over the group's process-group backend (gloo on
+the host platform, the vendor's collective on an accelerator).
+
+* The data channel (:class:`_DataChannel`, a base class of
+  :class:`~unisleep.transfer.group.TransferGroup` that uses its state: secret, peers, store,
+  liveness): the backend of the current epoch, bootstrapped through a store whose values carry an
+  HMAC under the group secret, and — for a backend that connects whoever first sends the number it
+  expects — each pair's proof of the group secret before a byte of weights moves.  After an update
+  broke off mid-stream the sender moves to the next epoch (a fresh backend) and every receiver
+  follows when it reads the next header.
+* The sender's channel (:class:`CollectiveSendChannel`, the ``buffer`` / ``post`` / ``end`` verbs
+  of every path): a 4-word descriptor (update, bucket, bytes, flags), then the bucket, both
+  broadcast from rank 0; two send buffers alternate so packing overlaps the transfer in flight.  A
+  host bucket goes in pieces, each broadcast as soon as it is packed (:class:`_Sealer`), and with
+  a cipher (:mod:`.cipher`) each piece is encrypted in place just before, then its tag.  Device
+  memory is packed, then sent (never encrypted).
+* The receiver's loop (:func:`receive`): each descriptor, then its bucket into one of two receive
+  buffers (or a fresh one when staged); bucket k-1 is verified and applied while bucket k is in
+  flight; encrypted pieces are decrypted as each arrives.
+* Every wait on the backend checks the other members' liveness (:func:`wait_work`): a dead peer
+  ends it within a few seconds, named, instead of the group's timeout.
+
+The control records of an update on this path (acknowledgement, go, done) travel in the group's
+store.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Optional
+
+from ..errors import TransferError, UnsupportedError
+from .cipher import SLACK, pieces, writable_view
+from .manifest import BucketPlan, pack_tensor
+from .netinfo import foreign_connections, listening_ports
+
+if TYPE_CHECKING:
+    from .group import TransferGroup
+    from .receiver import RecvState
+
+log = logging.getLogger("unisleep.transfer")
+
+ABORT, END = 1, -1  # descriptor flag: the update was aborted; descriptor bucket index: no more buckets
+CIPHERED = 2  # descriptor flag: the bucket's pieces are encrypted, and its tag follows them (.cipher)
+PIECED = 4  # descriptor flag: the bucket follows in pieces of cipher.PIECE bytes
+
+#: once both ends of a data-channel pair are up, the proof that it is theirs arrives within this
+PROOF_S = 5.0
+
+
+class _DataChannel:
+    """The data channel (epochs) of :class:`~unisleep.transfer.group.TransferGroup`."""
+
+    def process_group(self, connect: bool = True):
+        """The backend object that moves bytes (of the current epoch); raises with the reason when
+        it cannot exist.  ``connect=False``: only check that it can exist."""
+        if self._shared and not self._collective.SAME_DEVICE_OK:
+            raise UnsupportedError(self._collective.same_device_message(self._shared))
+        self.check_usable()
+        if not connect:
+            return self._pg
+        if self._pg is None or self._pg_epoch != self.epoch:
+            self._connect_pg(self.epoch)
+        return self._pg
+
+    def _connect_pg(self, epoch: int) -> None:
+        from ..errors import IntrusionError
+
+        old, self._pg = self._pg, None
+        if old is not None:
+            _shutdown(old)
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        store = _sealed_store_class()(self.store.prefixed(f"pg{epoch}"), self, f"pg{epoch}")
+        proof = getattr(self._collective, "PAIR_PROOF", False)
+        before = listening_ports() if proof else set()
+        try:
+            pg = self._collective.create_backend(store, self.rank, self.world_size, timeout, self.device_index,
+                                                 host=self.host)
+        except Exception as e:
+            self.broken = f"the data channel (epoch {epoch}) could not connect: {type(e).__name__}: {e}"
+            raise TransferError(f"{self.broken}; recreate the group") from e
+        # the backend holds only the C++ side of this Python store: without a Python reference
+        # it is collected, and a backend that bootstraps later (on its first collective)
+        # finds no ``get`` to call ("Not implemented")
+        self._pg_store = store
+        if proof:
+            ports = {p for _ip, p in listening_ports() - before}
+            try:
+                self._prove_pairs(pg, epoch, store, ports)
+            except IntrusionError as e:
+                self._intrusion(str(e))
+                _shutdown(pg)
+                self.channel_broke(f"the data channel of epoch {epoch} was not the group's")
+                raise
+            except BaseException:
+                _shutdown(pg)
+                raise
+            self._name_foreign(ports, epoch)
+        self._pg = pg
+        self._pg_epoch = epoch
+
+    def _prove_pairs(self, pg, epoch: int, store, ports) -> None:
+        """Before a byte of weights moves over a new data channel, each end of every pair of it
+        proves the group secret to the other, over that very connection (an HMAC of the group, the
+        epoch and the direction).  A backend that connects whoever first sends the number it
+        expects (gloo) can have handed a pair to a process outside the group: then the proof never
+        arrives though both members are up (or a wrong one does), and :class:`IntrusionError` names
+        it within :data:`PROOF_S` seconds — the weights never went there."""
+        import hashlib
+        import hmac
+
+        import torch
+
+        from ..errors import IntrusionError
+
+        key = self.subkey("data channel proof")
+
+        def tag(i: int, j: int) -> bytes:
+            return hmac.new(key, f"{self.group_id}/pg{epoch}/{i}->{j}".encode(), hashlib.sha256).digest()
+
+        import torch.distributed as dist
+
+        n = self.world_size
+        others = [p.rank for p in self.peers if p.rank != self.rank]
+        # an all-to-all: every rank sends to every other over their pair, both ways (the pairs the
+        # broadcasts of the buckets use)
+        inp = torch.frombuffer(bytearray(b"".join(tag(self.rank, j) if j != self.rank else bytes(32)
+                                                  for j in range(n))), dtype=torch.uint8)
+        out = torch.zeros(32 * n, dtype=torch.uint8)
+        store.set(f"ready/{self.rank}", b"1")
+        w = pg.alltoall_base(out, inp, [], [], dist.AllToAllOptions())
+        t0 = time.monotonic()
+        up: dict[int, float] = {}
+        next_live = t0 + 0.5
+        delay = 0.0002
+        while not w.is_completed():
+            now = time.monotonic()
+            for j in others:
+                if j not in up and store.check([f"ready/{j}"]):
+                    up[j] = now
+            if len(up) == len(others) and now - max(up.values()) > PROOF_S:
+                raise IntrusionError(self._hijacked(epoch, others, ports, f"sent no proof of the group secret within "
+                                                                          f"{PROOF_S:.0f} s though every member is up"))
+            if now >= next_live:
+                next_live = now + 0.5
+                self.check_alive(others)
+                if now - t0 > self.timeout_s:
+                    raise TransferError(f"the data channel (epoch {epoch}) did not prove itself within "
+                                        f"{self.timeout_s:.0f} s")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.005)
+        try:
+            w.wait()
+        except Exception as e:  # noqa: BLE001 - a member that died is named first
+            self.check_alive(others)
+            raise IntrusionError(self._hijacked(epoch, others, ports, f"failed during their proof ({type(e).__name__}: "
+                                                                      f"{str(e)[:200]})")) from None
+        got = bytes(out.numpy())
+        wrong = [j for j in others if not hmac.compare_digest(got[32 * j: 32 * j + 32], tag(j, self.rank))]
+        if wrong:
+            raise IntrusionError(self._hijacked(epoch, wrong, ports, "answered with a wrong proof of the group secret"))
+
+    def _hijacked(self, epoch: int, ranks, ports, what: str) -> str:
+        foreign = self._foreign(ports)
+        who = ", ".join(f"rank {j}" for j in ranks)
+        return (f"the data channel (epoch {epoch}): the connections to {who} {what}: a process outside the group "
+                f"holds one" + (f" ({'; '.join(foreign)})" if foreign else
+                                " (not on this machine, or gone: no connection to it from another user is listed here)")
+                + "; no weights were sent over it, and the next update opens a new data channel")
+
+    def _foreign(self, ports) -> list:
+        if not ports:
+            return []
+        try:
+            return foreign_connections(ports, {p.uid for p in self.peers})
+        except OSError:
+            return []
+
+    def _name_foreign(self, ports, epoch: int) -> None:
+        """Connections of another user to this data channel's listening ports that gloo keeps
+        waiting (they sent a number no pair expects): named, though the channel proved itself."""
+        for f in self._foreign(ports):
+            self._intrusion(f"a connection to this rank's data channel (epoch {epoch}) that is not a member: {f}")
+
+    def channel_broke(self, why: str) -> None:
+        """The data channel may be out of step (an update broke off mid-stream): the sender moves
+        to the next epoch with its next update."""
+        if self.rank == 0:
+            self.epoch += 1
+            log.info("transfer group %s: data channel reset to epoch %d (%s)", self.group_id.split("/")[0], self.epoch, why)
+
+
+_SEALED: list = []
+
+
+def _sealed_store_class():
+    """A store for the collective's own bootstrap (addresses, unique ids): every value it writes
+    carries an HMAC-SHA256 tag under the group secret, and a value read back without a valid tag
+    (planted to point a member at someone else's socket) is logged as an intrusion and waited
+    past until the genuine one is there."""
+    if _SEALED:
+        return _SEALED[0]
+    import hashlib
+    import hmac
+
+    import torch.distributed as dist
+
+    class SealedStore(dist.Store):
+        def __init__(self, inner, group: "TransferGroup", prefix: str):
+            super().__init__()
+            self._inner, self._group, self._prefix = inner, group, prefix
+            self._key = group.subkey("collective bootstrap")
+
+        def _tag(self, k: str, v: bytes) -> bytes:
+            ctx = f"{self._group.group_id}/{self._prefix}/{k}".encode()
+            return hmac.new(self._key, ctx + b"\0" + v, hashlib.sha256).digest()
+
+        def set(self, key, value):
+            v = value.encode() if isinstance(value, str) else bytes(value)
+            self._inner.set(key, self._tag(key, v) + v)
+
+        def get(self, key):
+            deadline = time.monotonic() + self._group.timeout_s
+            while True:
+                raw = bytes(self._inner.get(key))
+                tag, v = raw[:32], raw[32:]
+                if len(raw) >= 32 and hmac.compare_digest(tag, self._tag(key, v)):
+                    return v
+                self._group._intrusion(f"the collective's bootstrap record {self._prefix}/{key} fails authentication "
+                                       "(planted by a process without the group secret)")
+                if time.monotonic() > deadline:
+                    raise TransferError(f"the collective's bootstrap record {key} never authenticated")
+                time.sleep(0.01)
+
+        def wait(self, keys, timeout=None):
+            return self._inner.wait(keys) if timeout is None else self._inner.wait(keys, timeout)
+
+        def add(self, key, amount):
+            return self._inner.add(key, amount)
+
+        def check(self, keys):
+            return self._inner.check(keys)
+
+        def delete_key(self, key):
+            return self._inner.delete_key(key)
+
+        def num_keys(self):
+            return self._inner.num_keys()
+
+        def set_timeout(self, timeout):
+            return self._inner.set_timeout(timeout)
+
+    _SEALED.append(SealedStore)
+    return SealedStore
+
+
+def _shutdown(pg) -> None:
+    """Shut a backend down without waiting on work that can never finish (a pair a process
+    outside the group holds)."""
+    t = threading.Thread(target=lambda: _quiet(pg.shutdown), daemon=True, name="unisleep-transfer-pg-shutdown")
+    t.start()
+    t.join(2.0)
+
+
+def _quiet(fn) -> None:
+    try:
+        fn()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def wait_work(group: TransferGroup, work) -> None:
+    """Wait for a collective's work object, checking the other ranks' liveness meanwhile: a dead
+    peer ends the wait within a few seconds (and names the peer) instead of the group timeout."""
+    if not hasattr(work, "is_completed"):
+        work.wait()
+        return
+    delay, t0, next_live = 0.0002, time.monotonic(), time.monotonic() + 0.5
+    while not work.is_completed():
+        now = time.monotonic()
+        if now >= next_live:
+            next_live = now + 0.5
+            group.check_alive([p.rank for p in group.peers if p.rank != group.rank])
+            if now - t0 > group.timeout_s:
+                raise TransferError(f"a collective did not complete within {group.timeout_s:.0f} s")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.001)
+    work.wait()
+
+
+# ---------------------------------------------------------------------------- the sender's end
+class CollectiveSendChannel:
+    """Buckets through the group's backend: a 4-word descriptor, then the bucket, both broadcast
+    from rank 0; two send buffers alternate so packing overlaps the transfer in flight.  With a
+    cipher (:mod:`.cipher`) each bucket goes in pieces, each encrypted in place just before it is
+    broadcast, then its tag."""
+
+    def __init__(self, sender: Any, seq: int, cipher=None):  # sender: the WeightSender that owns this channel
+        import torch.distributed as dist
+
+        self.s = sender
+        self.seq = seq
+        self.pg = sender.group.process_group()
+        self.dev = sender.group.device
+        self.opts = dist.BroadcastOptions()
+        self.opts.rootRank = 0
+        self.pending: list[list] = [[], []]
+        self.cipher = cipher
+        self._open: Optional[_Sealer] = None  # the encrypted bucket being packed
+
+    def _bcast(self, t):
+        return self.pg.broadcast([t], self.opts)
+
+    def _desc(self, k: int, nbytes: int, flag: int):
+        import torch
+
+        return torch.tensor([self.seq, k, nbytes, flag], dtype=torch.int64, device=self.dev)
+
+    def _finish_pending(self, slot: int) -> None:
+        for w in self.pending[slot]:
+            if hasattr(w, "wait"):
+                wait_work(self.s.group, w)
+        self.pending[slot] = []
+
+    def buffer(self, slot: int, nbytes: int):
+        self._finish_pending(slot)
+        return self.s._host_buffer(slot, nbytes)
+
+    def begin(self, plan: BucketPlan, buf) -> Optional["_Sealer"]:
+        """Host memory: the bucket's descriptor goes out now, and each piece of it as soon as it is
+        packed (and, with a cipher, encrypted from where the tensors are straight into ``buf``:
+        one pass over the bytes) — :class:`_Sealer`.  Device memory: None (packed, then sent)."""
+        if buf.device.type != "cpu":
+            return None
+        d = self._desc(plan.index, plan.total_bytes, PIECED | (CIPHERED if self.cipher is not None else 0))
+        self._open = _Sealer(self, plan, buf, [self._bcast(d), d, buf])
+        return self._open
+
+    def post(self, slot: int, plan: BucketPlan, buf) -> None:
+        n = plan.total_bytes
+        if self._open is None:
+            d = self._desc(plan.index, n, 0)
+            self.pending[slot] = [self._bcast(d), self._bcast(buf[:n]), d, buf]
+            return
+        sealer, self._open = self._open, None
+        assert sealer is not None and sealer.plan is plan, "an encrypted bucket is posted after it was packed"
+        self.pending[slot] = sealer.works
+
+    def end(self, abort: bool, why: str = "") -> None:
+        """The update's end (``abort``: broken off; the reason is in the store)."""
+        if self._open is not None:  # a bucket broke off while packed: send the rest, unsealed (its tag fails)
+            sealer, self._open = self._open, None
+            sealer.abandon()
+            self.pending[sealer.plan.index % 2] = sealer.works
+        for slot in (0, 1):
+            self._finish_pending(slot)
+        wait_work(self.s.group, self._bcast(self._desc(END, 0, ABORT if abort else 0)))
+
+
+class _Sealer:
+    """One host bucket being packed for the collective: every piece of :data:`~.cipher.PIECE`
+    bytes is broadcast as soon as it is packed, so packing overlaps the transfer even within one
+    bucket.  With a cipher each tensor is encrypted from its own memory into the bucket (the
+    padding between tensors is zeroed and encrypted in place), and the tag follows the last piece;
+    :meth:`seal` (after the trailer was written behind the data) makes the rest final, :meth:`close`
+    sends it."""
+
+    def __init__(self, chan: CollectiveSendChannel, plan: BucketPlan, buf, works: list):
+        self.chan, self.plan, self.buf, self.works = chan, plan, buf, works
+        self.enc = chan.cipher.encryptor(plan.index, plan.total_bytes) if chan.cipher is not None else None
+        self.mv = writable_view(buf)
+        self.pieces = pieces(plan.total_bytes)
+        self.done = 0  # bytes packed (and sealed)
+        self.sent = 0  # pieces sent
+
+    def _gap(self, upto: int) -> None:
+        if upto > self.done:
+            if self.enc is not None:
+                self.buf[self.done: upto].zero_()
+                self.enc.piece(self.mv, self.done, upto)
+            self.done = upto
+
+    def put(self, slot, t) -> None:
+        import torch
+
+        self._gap(slot.offset)
+        if slot.nbytes and self.enc is not None:
+            src = t.detach()
+            if src.device.type != "cpu":
+                src = src.cpu()
+            src = src.contiguous().reshape(-1).view(torch.uint8)
+            self.enc.into(memoryview(src.numpy()), self.mv, slot.offset)
+        elif slot.nbytes:
+            pack_tensor(self.buf, slot.offset, slot.nbytes, t)
+        self.done = slot.offset + slot.nbytes
+        self._flush(final=False)
+
+    def seal(self) -> None:
+        """After the trailer was written behind the data: the rest of the bucket is final (and
+        encrypted); the piece that holds the trailer has not left yet."""
+        self._gap(self.plan.data_bytes)
+        if self.enc is not None:
+            self.enc.piece(self.mv, self.done, self.plan.total_bytes)
+        self.done = self.plan.total_bytes
+
+    def close(self) -> None:
+        """After :meth:`seal`: the rest goes, then (encrypted) the tag."""
+        import torch
+
+        self._flush(final=True)
+        if self.enc is not None:
+            tag = torch.frombuffer(bytearray(self.enc.tag()), dtype=torch.uint8)
+            self.works += [self.chan._bcast(tag), tag]
+
+    def abandon(self) -> None:
+        import torch
+
+        self.done = self.plan.total_bytes
+        self._flush(final=True)
+        if self.enc is not None:
+            tag = torch.zeros(16, dtype=torch.uint8)
+            self.works += [self.chan._bcast(tag), tag]
+
+    def _flush(self, final: bool) -> None:
+        while self.sent < len(self.pieces):
+            off, end = self.pieces[self.sent]
+            if end > self.done and not final:
+                return
+            self.works.append(self.chan._bcast(self.buf[off:end]))
+            self.sent += 1
+
+
+# ---------------------------------------------------------------------------- the receiver's end
+def receive(rx, st: "RecvState") -> None:
+    """The receiver's loop: every bucket of update ``st.seq`` from the group's backend into ``st``
+    (bucket k-1 is verified and applied while bucket k is in flight), until the sender's end
+    descriptor."""
+    import torch
+    import torch.distributed as dist
+
+    pg = rx.group.process_group()
+    dev = rx.group.device
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    pending = None  # (bucket, buffer, its work or None, authentic or None)
+
+    def settle(p) -> None:
+        if p[2] is not None:
+            wait_work(rx.group, p[2])
+        st.take(p[0], p[1], authentic=p[3])
+
+    while True:
+        d = torch.empty(4, dtype=torch.int64, device=dev)
+        wait_work(rx.group, pg.broadcast([d], opts))
+        seq, k, nbytes, flag = d.tolist()
+        if k == END:
+            if pending is not None:
+                settle(pending)
+            st.aborted = bool(flag & ABORT)
+            return
+        if seq != st.seq:
+            raise TransferError(f"out of step: got a bucket of update {seq} while receiving update {st.seq}")
+        if not 0 <= k < len(st.plans) or nbytes != st.plans[k].total_bytes:
+            raise TransferError(f"bucket descriptor {k} ({nbytes} bytes) is not in the manifest of update {st.seq}")
+        if bool(flag & CIPHERED) != (st.cipher is not None):
+            raise TransferError(f"bucket {k} is {'' if flag & CIPHERED else 'not '}encrypted; the header said "
+                                f"{'aes-256-gcm' if st.cipher is not None else 'none'}")
+        tb = time.perf_counter()
+        if rx.staged:
+            full = torch.empty(nbytes + SLACK, dtype=torch.uint8, device=dev)
+        else:
+            slot = k % 2
+            full = rx._rot[slot]
+            if full is None or full.numel() < nbytes + SLACK:
+                full = rx._rot[slot] = torch.empty(nbytes + SLACK, dtype=torch.uint8, device=dev)
+        rx._buffer_s += time.perf_counter() - tb
+        buf = full[:nbytes]
+        if not flag & PIECED:
+            w = pg.broadcast([buf], opts)
+            if pending is not None:  # verify bucket k-1 while bucket k is in flight
+                settle(pending)
+            pending = (k, buf, w, None)
+            continue
+        # in pieces: every piece is posted at once; each is decrypted as soon as it arrived,
+        # while the next is on the wire; the tag comes last
+        works = [(off, end, pg.broadcast([full[off:end]], opts)) for off, end in pieces(nbytes)]
+        if st.cipher is None:
+            if pending is not None:
+                settle(pending)
+            pending = (k, buf, works[-1][2] if works else None, None)
+            for _off, _end, w in works[:-1]:
+                wait_work(rx.group, w)
+            continue
+        tag = torch.empty(16, dtype=torch.uint8)
+        wt = pg.broadcast([tag], opts)
+        if pending is not None:
+            settle(pending)
+        dec = st.cipher.decryptor(k, nbytes)
+        mv = writable_view(full)
+        for off, end, w in works:
+            wait_work(rx.group, w)
+            dec.piece(mv, off, end)
+        wait_work(rx.group, wt)
+        pending = (k, buf, None, dec.check(bytes(tag.numpy())))
