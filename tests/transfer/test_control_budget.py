@@ -2,9 +2,10 @@
 the machine; the count does not): rank 0's store is a thread of the trainer's process, so every
 request a receiver sends it waits for that process's interpreter lock, and rank 0's own writes
 must not need that thread to answer; the backend registry reads every installed distribution's
-metadata, so no step of an update may ask it again.  Each path has one control plane: the IPC
-path's acknowledgement, go and done travel on its IPC connection, the Unix-stream path's (the
-collective path on one machine) in the store.
+metadata, so no step of an update may ask it again.  Each path has one control plane: the
+acknowledgement, go and done of the IPC path and of the Unix-stream path (the collective path on
+one machine, whose stream socket comes over the IPC connection) travel on the receiver's IPC
+connection.
 
 A sender and a receiver on two threads of this process (real store, real memfd and Unix sockets),
 each update's steps counted once both sides are connected."""
@@ -26,18 +27,16 @@ from unisleep.transfer import store as S
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from faults import FaultySender  # noqa: E402
 
-#: store requests per update from a receiver, by path — IPC: one WATCH, answered with the header
+#: store requests per update from a receiver, by path — one WATCH, answered with the header
 #: (acknowledgement, go and done travel on the IPC connection; there were 5: the header fetched
-#: twice, the acknowledgement, go, done); the Unix stream: the header, the acknowledgement, go,
-#: done (its control plane is the store)
-STORE_REQUESTS = {"ipc": 1, "collective": 4}
-#: and from the sender — IPC: writing the header (there were 5: the header, and dropping the last
-#: update's go, abort, acknowledgement and done, which an IPC update never writes); the Unix
-#: stream: the header, go, and dropping the last update's four records
-SENDER_STORE_REQUESTS = {"ipc": 1, "collective": 6}
+#: twice, the acknowledgement, go, done)
+STORE_REQUESTS = {"ipc": 1, "collective": 1}
+#: and from the sender — writing the header (there were 5: the header, and dropping the last
+#: update's go, abort, acknowledgement and done, which such an update never writes)
+SENDER_STORE_REQUESTS = {"ipc": 1, "collective": 1}
 #: sealed control messages per update on a receiver's IPC connection (besides the buckets' own:
-#: bucket, free, buf, stream, end) — IPC: acknowledgement, go, done; the Unix stream: none
-CONTROL_MESSAGES = {"ipc": 3, "collective": 0}
+#: bucket, free, buf, stream, end): acknowledgement, go, done
+CONTROL_MESSAGES = {"ipc": 3, "collective": 3}
 UPDATES = 4
 
 
@@ -175,8 +174,9 @@ def test_a_colocated_update_costs_one_store_request_and_no_registry_lookup(path,
 @pytest.mark.parametrize("path", ["ipc", "collective"])
 def test_refusals_call_offs_and_rejections_leave_the_control_plane_in_step(path):
     """A receiver's refusal, the sender's call-off (or abort) and a rejected update travel on the
-    path's control plane — the IPC connection (no acknowledgement or go goes through the store), or
-    the store for the Unix stream — each side raises the named error, and the next update lands."""
+    path's control plane — the IPC connection, for the IPC path and the Unix stream alike (no
+    acknowledgement or go goes through the store) — each side raises the named error, and the next
+    update lands."""
     from unisleep.errors import InvalidTransitionError, TransferError
 
     g0, g1 = _pair()
@@ -218,10 +218,7 @@ def test_refusals_call_offs_and_rejections_leave_the_control_plane_in_step(path)
         assert isinstance(s, TransferError) and "rejected" in str(s) and "corrupt" in str(s), s
         assert isinstance(r, TransferError) and rx.version == 1, r
         in_store = [k for op, k in spy.requests if "/ack/" in k or k.endswith("/go")]
-        if path == "ipc":  # its control plane is the IPC connection
-            assert not in_store, spy.requests
-        else:  # the Unix stream's is the store: every update's acknowledgement there
-            assert {f"u{n}/ack/1" for n in (1, 2, 3)} <= set(in_store), spy.requests
+        assert not in_store, spy.requests  # the control plane is the IPC connection
         s, r = both(lambda: tx.send(weights, 5))
         assert not isinstance(s, Exception) and not isinstance(r, Exception), (s, r)
         assert rx.version == 5 and all(torch.equal(got[k], t) for k, t in weights.items())

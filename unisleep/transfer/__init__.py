@@ -38,8 +38,8 @@ One update, in order (every step can fail cleanly; the receiver keeps its previo
 5. receiver: a ``done`` acknowledgement (or the error), which ``send`` waits for.
 
 One control plane per path: the header is always in the store; the acknowledgement, ``go``,
-``abort`` and ``done`` travel in the store on the collective path, as sealed messages on the
-receiver's IPC connection on the IPC path.
+``abort`` and ``done`` travel in the store on the collective path over the backend, as sealed
+messages on the receiver's IPC connection on the IPC path and the Unix-socket path.
 
 Paths: ``collective`` (the group's process-group backend: gloo on host, the vendor collective on
 accelerators) or ``ipc`` (colocated: bucket memory shared through a file descriptor passed over a

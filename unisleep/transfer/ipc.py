@@ -385,7 +385,7 @@ class IpcSenderState:
 
     def answer(self, r: int, op: str, seq: int, what: str) -> dict:
         """Receiver ``r``'s ``op`` message (``ack`` or ``done``, or its ``error``) of update ``seq``
-        on its IPC connection — the IPC path's control plane.
+        on its IPC connection — the control plane of the IPC and Unix-socket paths.
 
         A receiver without a connection (its first update, or after its connection broke off)
         connects meanwhile: every connection the accepting thread queues is admitted while this

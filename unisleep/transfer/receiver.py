@@ -378,7 +378,7 @@ class WeightReceiver:
         acknowledgement (the sender raises it) and raises here.  Returns (specs, plans, omitted)."""
         g, hdr, via = self.group, u.hdr, u.via
         if (hdr["path"] == "ipc") != (via == "ipc") or (via == "socket" and not g.local) or (
-                hdr["cipher"] != "none" and via != "backend") or u.control != ("ipc" if via == "ipc" else "store"):
+                hdr["cipher"] != "none" and via != "backend") or u.control != ("ipc" if via in ("ipc", "socket") else "store"):
             msg = (f"path {hdr['path']!r} via {via!r} with cipher {hdr['cipher']!r} and control {u.control!r} is not a "
                    "way to this receiver")
             self._refuse(u, "header", msg)
@@ -410,7 +410,7 @@ class WeightReceiver:
             raise TransferError(f"update {u.seq} (version {u.version!r}) refused before any byte moved: {msg}") from None
 
     def _refuse(self, u: "_Incoming", kind: str, msg: str) -> None:
-        """Refuse the update on its control plane (the IPC path: connected first, if this side can;
+        """Refuse the update on its control plane (the IPC connection: connected first, if this side can;
         when it cannot, the refusal is raised here all the same and the sender hears of this
         receiver within its timeout)."""
         try:

@@ -3,8 +3,8 @@
 
 One update (:meth:`WeightSender.send`), in order: the arguments checked and the manifest made
 (nothing sent yet); the path resolved; the header posted in the store; every receiver's
-acknowledgement (on the path's control plane: its IPC connection on the IPC path, where a receiver
-without one connects first, else the store) — a refusal calls the update off before any byte
+acknowledgement (on the path's control plane: its IPC connection on the IPC and Unix-socket paths,
+where a receiver without one connects first, else the store) — a refusal calls the update off before any byte
 moved; ``go``; the buckets packed (hashed or encrypted in the same pass) and streamed
 double buffered through the path's channel (:mod:`.collective`, :mod:`.socket_path`,
 :mod:`.ipc`); then every receiver's commit, and the report.
@@ -293,11 +293,13 @@ class WeightSender:
                     via=via, cipher=cipher, sock=sock, keep=keep, t0=t0,
                     reuse=manifest.meta_id == self._last_meta_id,
                     digests=self.verify and cipher == "none",  # an encrypted bucket is authenticated by its tag
-                    # one control plane per path: the IPC path's acknowledgement, go and done travel
-                    # on its IPC connections (sealed like the store's records; rank 0's store is a
-                    # thread of this process, and every request to it waits for this thread's
-                    # interpreter lock), the other paths' in the store
-                    control="ipc" if path == "ipc" else "store")
+                    # one control plane per path: the acknowledgement, go and done of the paths
+                    # through the IPC socket (IPC, and the Unix stream, whose socket comes over
+                    # that connection) travel on its authenticated connections (sealed like the
+                    # store's records; rank 0's store is a thread of this process, and every
+                    # request to it waits for this thread's interpreter lock), the collective's
+                    # in the store
+                    control="ipc" if sock else "store")
         u.header = {
             "version": version, "previous_version": self.version, "meta_id": manifest.meta_id,
             "specs": None if u.reuse else [[s.name, list(s.shape), s.dtype] for s in manifest.specs],

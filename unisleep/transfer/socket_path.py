@@ -9,8 +9,8 @@ soon as they are packed (:class:`_Streamer`), and one bucket while the next is p
 receiver's loop (:func:`receive`) reads them into one of two receive buffers (a fresh one when
 staged) and hands each bucket to the update's state.
 
-The control records of an update on this path (acknowledgement, go, done) travel in the group's
-store.
+The control messages of an update on this path (acknowledgement, go, done, a receiver's reason
+for stopping) travel on that same IPC connection, as on the IPC path: one control plane.
 """
 
 from __future__ import annotations
@@ -23,8 +23,7 @@ import time
 from typing import TYPE_CHECKING, Any, Optional
 
 from ..errors import TransferError
-from . import records as R
-from .ipc import IpcGoneError, update_messages
+from .ipc import IpcGoneError, ipc_text, update_messages
 from .records import named_error
 from .manifest import BucketPlan, pack_tensor
 from .netinfo import descriptor_error
@@ -36,28 +35,25 @@ if TYPE_CHECKING:
 
 
 def receiver_failure(group: TransferGroup, seq: int, epoch: int, r: int, e: TransferError,
-                     wait_s: float = 0.5) -> TransferError:
-    """The error to raise when receiver ``r``'s connection failed during update ``seq``: the
-    reason the receiver wrote in its ``done`` record (it writes it before hanging up; looked for
-    up to ``wait_s``), as the named error it was, else ``e``."""
-    if group.broken or ("receiver rank" in str(e) and type(e) not in (TransferError, IpcGoneError)):
-        return e  # a dead or frozen receiver (named already) writes no reason
+                     conn=None, wait_s: float = 2.0) -> TransferError:
+    """The error to raise when receiver ``r``'s bucket socket failed during update ``seq``: the
+    reason the receiver sent on its IPC connection ``conn`` before it hung up (an ``error``, or a
+    refused ``done``; looked for up to ``wait_s``), as the named error it was, else ``e``."""
+    if group.broken or conn is None or ("receiver rank" in str(e) and type(e) not in (TransferError, IpcGoneError)):
+        return e  # a dead or frozen receiver (named already) sends no reason
     deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            raw = group.store.fetch(f"u{seq}/done/{r}", 1 << 16)
-            if raw is not None:
-                _, _, body = R.open_record(group._rec_key, group.group_id, raw, name=f"u{seq}/done/{r}",
-                                           peer=f"receiver rank {r}", schema=R.DONE, seq=seq, epoch=epoch,
-                                           limit=1 << 16)
-                if not body["ok"]:
-                    return named_error(f"receiver rank {r} stopped update {seq}: {body['msg']}")
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
                 return e
-        except Exception:  # noqa: BLE001 - no better reason than e
-            return e
-        if time.monotonic() > deadline:
-            return e
-        time.sleep(0.01)
+            msg, fds = conn.recv(f"receiver rank {r}'s reason", timeout_s=left)
+            for fd in fds:
+                os.close(fd)
+            if msg["u"] == seq and (msg["op"] == "error" or (msg["op"] == "done" and not msg["ok"])):
+                return named_error(f"receiver rank {r} stopped update {seq}: {msg['msg']}")
+    except Exception:  # noqa: BLE001 - no better reason than e (the connection is gone, or silent)
+        return e
 
 
 class _Streamer:
@@ -133,7 +129,7 @@ class SocketSendChannel:
                     conn.send("stream", [theirs.fileno()])
                 except TransferError as e:
                     mine.close()
-                    raise receiver_failure(sender.group, seq, self.epoch, r, e) from e
+                    raise receiver_failure(sender.group, seq, self.epoch, r, e, conn) from e
                 finally:
                     theirs.close()
                 self.st.streams[r] = mine
@@ -170,7 +166,8 @@ class SocketSendChannel:
         self._check()
 
     def end(self, abort: bool, why: str = "") -> None:
-        """The update's end (``abort``: broken off; the reason is in the store)."""
+        """The update's end (``abort``: broken off, ``why`` tells the receivers, on the IPC
+        connection that is this path's control plane)."""
         if self._open is not None:  # a bucket broke off while packed: the rest goes as it is
             self._open.advance(self._open.plan.total_bytes)
             self._open = None
@@ -180,9 +177,9 @@ class SocketSendChannel:
         self._check()
         for r, conn in self.st.conns.items():
             try:
-                conn.send("end", abort=abort, u=self.seq)
+                conn.send("end", abort=abort, u=self.seq, msg=ipc_text(why))
             except TransferError as e:
-                raise receiver_failure(self.s.group, self.seq, self.epoch, r, e) from e
+                raise receiver_failure(self.s.group, self.seq, self.epoch, r, e, conn) from e
 
     def _writer(self) -> None:
         while True:
@@ -196,7 +193,7 @@ class SocketSendChannel:
                         try:
                             conn.send("bucket", k=plan.index, slot=plan.index % 2, nbytes=plan.total_bytes, u=self.seq)
                         except TransferError as e:
-                            raise receiver_failure(self.s.group, self.seq, self.epoch, r, e) from e
+                            raise receiver_failure(self.s.group, self.seq, self.epoch, r, e, conn) from e
                     sent = 0
                     while sent < plan.total_bytes:
                         upto = st.wait_past(sent)
@@ -223,7 +220,8 @@ class SocketSendChannel:
                     raise TransferError(f"receiver rank {r} took no bucket bytes for {g.timeout_s:.0f} s") from None
             except OSError as e:
                 raise receiver_failure(g, self.seq, self.epoch, r, TransferError(
-                    f"the bucket socket to receiver rank {r} failed: {e} (it died or gave up)")) from e
+                    f"the bucket socket to receiver rank {r} failed: {e} (it died or gave up)"),
+                    self.st.conns.get(r)) from e
 
 
 # ---------------------------------------------------------------------------- the receiver's end
