@@ -21,24 +21,37 @@ it each weight sync:
    :class:`~unisleep.transfer.TransferGroup` (created once, kept across syncs);
 4. actor: ``await send_weights(per_tensor_param, global_steps)``; rollout:
    ``async for name, tensor in receive_weights(global_steps)`` (verl feeds them to its server
-   adapter);
+   adapter) — both bucket by bucket, see below;
 5. ``finalize()``: the sender's bucket buffers are freed; the group stays (unless
    ``rebuild_group``).
 
 What it adds over verl's NCCL/HCCL engines: every tensor is checked against the sender's
-manifest (names, shapes, dtypes, keyed digests) and **nothing is yielded to the rollout until
-the whole update has arrived and verified** — a broken or tampered update raises and the rollout
-keeps serving its previous weights; versions must increase (a replay is refused); the group is
-authenticated (no pickled metadata: verl's NCCL engine sends bucket metadata with
-``send_pyobj`` over an unauthenticated ZeroMQ socket); one engine for every vendor and for CPU
-(gloo), IPC when sender and receiver share a device.
+manifest (names, shapes, dtypes, keyed digests) before verl sees it; versions must increase (a
+replay is refused); the group is authenticated (no pickled metadata: verl's NCCL engine sends
+bucket metadata with ``send_pyobj`` over an unauthenticated ZeroMQ socket); one engine for every
+vendor and for CPU (gloo), IPC when sender and receiver share a device.
+
+Streaming (the default): rank 0 sends the tensors as verl's generator produces them, a bucket's
+worth at a time — each bucket one verified update, a *chunk* of the sync (transfer version
+``"<sync>.<chunk>:<last|more>:<global step>"``) — and each rollout worker yields a chunk's
+tensors as soon as it has verified, while the next one arrives.  Memory per GPU, whatever the
+model size: actor rank 0 holds one bucket of the generator's tensors and the transfer's send
+buffer (two buckets); a rollout worker holds the transfer's receive buffer and one bucket of
+copies that verl's consumer is taking (two buckets; a bucket is copied only once the consumer
+took every tensor of the one before).  A failure part-way raises in verl's consumer at once:
+:class:`~unisleep.errors.TransferError` with ``outcome == "untouched"`` when nothing was yielded
+yet, else :class:`~unisleep.errors.TornWeightsError` (``outcome == "torn"``: part of the update is
+loaded; the next complete sync repairs it).  ``staging="host"`` or ``"device"`` (opt-in) holds
+the whole update on the rollout (pageable host memory, or the device) until every chunk has
+verified, and yields nothing from a broken update — at the cost of one model copy per rollout
+worker.
 
 ``engine_kwargs.unisleep`` (all optional): ``host`` (rendezvous address, default 127.0.0.1 —
 give the trainer node's address and a ``secret_file`` for rollouts on other machines),
 ``port`` (default: a free one), ``secret_file`` (group secret, mode 0600, readable by every
-worker), ``path`` (``auto`` | ``collective`` | ``ipc``), ``staging`` (``host`` | ``device``:
-where the rollout side holds the update until it is complete; host = pinned host memory),
-``timeout_s``, ``group_name``, ``rebuild_group``.
+worker), ``path`` (``auto`` | ``collective`` | ``ipc``), ``staging`` (``none``: streaming, the
+default | ``host`` | ``device``: whole-update staging), ``timeout_s`` (every wait of a sync: the
+rendezvous, each chunk, verl's consumer taking a bucket), ``group_name``, ``rebuild_group``.
 """
 
 from __future__ import annotations
