@@ -19,13 +19,17 @@ for the last parameter.  Two lines switch that to unisleep (docs/integrations/op
           master_address, master_port, world_size)
 
 What changes for the run: every parameter is checked against the sender's manifest (shape,
-dtype, keyed digest) and staged in host memory; the model is written only when the last one
-(``empty_cache=True``) has arrived, in one layerwise reload — a broken, tampered or mis-shaped
-sync raises and vLLM keeps serving the previous weights (OpenRLHF's ``WorkerWrap`` loads each
-parameter as it comes); the group is authenticated (OpenRLHF's IPC path calls a function
-received over the wire, ``func(*args)`` of a pickled handle); sleeping weights are refused
-(vLLM #57853); the same code runs on CUDA, ROCm, Ascend and CPU (gloo), over IPC when the trainer
-and the engine share a device.
+dtype, keyed digest), the announced shape and dtype and the checkpoint before it is applied, then
+loaded into the model as it arrives, inside one layerwise reload per sync (begun at the first
+parameter, finished at the last, ``empty_cache=True``): nothing of the sync is held but the layer
+vLLM is completing.  A refused parameter is not applied and ends the sync: the layers already
+completed keep the new weights, the others are put back, and the error's ``outcome`` says which
+(``"untouched"`` / ``"torn"``).  ``UNISLEEP_OPENRLHF_STAGING=host`` (pageable host memory) or
+``device`` in the engines' environment stages the whole sync and applies it at the last
+parameter instead (a broken sync then leaves the model untouched).  The group is authenticated
+(OpenRLHF's IPC path calls a function received over the wire, ``func(*args)`` of a pickled
+handle); sleeping weights are refused (vLLM #57853); the same code runs on CUDA, ROCm, Ascend
+and CPU (gloo), over IPC when the trainer and the engine share a device.
 
 ``update_weight_cuda_ipc(name, dtype, shape, ipc_handles=None, empty_cache=False)`` receives the
 same way (the group takes IPC by itself when colocated); it refuses OpenRLHF's own

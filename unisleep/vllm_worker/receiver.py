@@ -4,10 +4,12 @@ every vLLM from 0.24, called through ``collective_rpc``).
 
 :class:`ReceiverCore` runs one update session: ``start_weight_update`` (weights awake? device
 staging fits?), ``update_weights`` x N (each chunk received over a
-:class:`~unisleep.transfer.TransferGroup`, verified against the sender's manifest and staged, in
-host memory by default), ``finish_weight_update`` (coverage checked against the checkpoint the
-model was loaded from, then applied with vLLM's layerwise reload).  Nothing touches the model
-before the apply; a refused or broken update leaves the served weights as they were.
+:class:`~unisleep.transfer.TransferGroup`, verified against the sender's manifest, checked against
+the checkpoint the model was loaded from, and loaded into the model bucket by bucket inside one
+vLLM layerwise reload — or, with ``staging`` "host"/"device", held whole), ``finish_weight_update``
+(coverage checked, the reload finished, or the staged update applied).  A failure part-way puts
+back every layer the update did not complete and marks the receiver ``torn`` when some layer
+already holds new weights (the error's ``outcome`` says which).
 
 Its host object provides ``model``, ``model_config``, ``parallel_config`` and ``device`` (vLLM's
 engine base class sets them; :class:`WorkerReceiver` takes them from a worker), and
