@@ -97,10 +97,11 @@ def main(role: str, is_master: bool, bucket_size: int, engine_kwargs: dict, conn
                     eng._sender = eng._sender or WeightSender(eng.group, bucket_bytes=eng.bucket_size,
                                                               path=eng.path)
                     eng._sender._faults["corrupt"] = {0}
-                metrics = asyncio.run(eng.send_weights(iter(make_state(seed).items()), global_steps=seed))
-                if eng._sender is not None:
-                    eng._sender._faults["corrupt"] = set()
-                out = metrics
+                try:
+                    out = asyncio.run(eng.send_weights(iter(make_state(seed).items()), global_steps=seed))
+                finally:  # the sender is kept across syncs: the hook must not outlive this one
+                    if eng._sender is not None:
+                        eng._sender._faults["corrupt"] = set()
             elif cmd == "recv":
                 got = asyncio.run(_collect(eng.receive_weights(global_steps=arg)))
                 out = {"names": [n for n, _ in got], "digest": digest(got),

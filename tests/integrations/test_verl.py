@@ -155,13 +155,16 @@ def test_a_sync_streams_bucket_by_bucket(path, monkeypatch):
     tensors before the actor's generator has produced the last one, and neither side's peak
     resident memory grows by more than about two buckets (the model is 48)."""
     monkeypatch.setenv("UNISLEEP_PLATFORM", "host")
+    # glibc then maps every allocation of 1 MiB or more on its own and unmaps it when freed, so
+    # the resident set shows what the adapter holds, not what the C allocator keeps cached
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
     ctx = mp.get_context("spawn")
     first = ctx.Event()
     bucket, n, numel = 4 << 20, 48, 1 << 20   # 48 float32 tensors of 4 MiB: one bucket each
     w = _Workers(ctx, [("actor", True), ("rollout", False)], {"path": path}, bucket=bucket, first=first)
     try:
         w.connect()
-        for seed in (1, 2):  # the second sync: buffers already made, the group kept
+        for seed in (1, 2, 3):  # from the second sync: buffers already made, the group kept
             first.clear()
             w.ask(1, "recv_lazy", seed)
             w.ask(0, "send_lazy", (n, numel, seed, 60))
@@ -172,7 +175,7 @@ def test_a_sync_streams_bucket_by_bucket(path, monkeypatch):
             assert got[1]["digest"] == W.lazy_digest(n, numel, seed)
             # from the second sync on (the first one makes the group's channels and buffers); the
             # IPC path maps the sender's two buffers on top (shared pages, counted on both sides)
-            if path == "collective" and seed == 2:
+            if path == "collective" and seed > 1:
                 for side in (sent[1], got[1]):
                     assert side["peak_extra"] < 2 * bucket + (12 << 20), (side, n * bucket)
             assert all(st == "ok" for st, _ in w.all("finalize", [None] * 2))

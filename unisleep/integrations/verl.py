@@ -169,10 +169,11 @@ class UnisleepCheckpointEngine(CheckpointEngine):
         log.info("unisleep checkpoint engine: rank %d/%d joined %s", rank, world_size, rendezvous)
 
     def finalize(self) -> None:
-        """Free the sender's bucket buffers; keep the group (``rebuild_group``: close it)."""
-        sender, self._sender = self._sender, None
-        if sender is not None:
-            sender.close()
+        """End of a sync: the group, the sender and the receiver (their connections) stay for
+        the next one — ``rebuild_group``: all closed.  Bucket memory needs nothing here: on an
+        accelerator the transfer gives it back at the end of every update (the device belongs to
+        whoever works next); on the host platform it keeps its buffers (the kernel would zero
+        fresh pages every sync)."""
         if self.rebuild_group:
             self._close_group()
 
@@ -287,7 +288,12 @@ class UnisleepCheckpointEngine(CheckpointEngine):
         ``hand``; return the last chunk's report."""
         from ..transfer import WeightReceiver
 
-        rx = WeightReceiver(self.group, apply=hand, staged=False, initial_version=self._applied)
+        # one receiver per group, kept across syncs (its IPC connection stays); this sync's hand-off
+        if self._receiver is None or self._receiver.group is not self.group:
+            self._receiver = WeightReceiver(self.group, apply=hand, staged=False,
+                                            initial_version=self._applied)
+        rx = self._receiver
+        rx.apply, rx.version = hand, self._applied
         n = None
         try:
             for k in itertools.count():
@@ -304,7 +310,7 @@ class UnisleepCheckpointEngine(CheckpointEngine):
                 if last:
                     return report
         finally:
-            rx.close()
+            rx.apply = _gone
 
     async def receive_weights(self, global_steps: Optional[int] = None) -> AsyncGenerator:
         """Rollout side: receive the next update and yield its ``(name, tensor)`` pairs in the
@@ -412,6 +418,11 @@ class UnisleepCheckpointEngine(CheckpointEngine):
             err = e
         err.outcome = "untouched"
         return err
+
+
+def _gone(named) -> None:
+    """The hand-off of a receiver between syncs: no consumer takes a bucket."""
+    raise TransferError("no receive_weights is running on this rollout worker")
 
 
 def chunk_tag(n: int, k: int, last: bool, global_steps) -> str:
