@@ -9,11 +9,11 @@
 verl's own registry (as ``checkpoint_engine.custom_backend_module`` does) and sync ``--mib`` MiB
 of float32 weights (4 MiB tensors, 64 MiB buckets), ``--rounds`` times per path after one
 warm-up; the time is ``send_weights`` on the actor, from the first tensor to every rollout
-having verified the update (the rollout then yields it).
+having verified the last bucket (the rollout yields each bucket as it verifies).
 
 ``openrlhf``: OpenRLHF's own ``RolloutRayActor`` runs a tiny vLLM model (1.7 M parameters,
 float32) with ``UnisleepWorkerWrap``; the time is one full per-parameter sync as OpenRLHF's
-trainer does it (``update_weight.remote`` + ``broadcast`` per parameter, applied at the last).
+trainer does it (``update_weight.remote`` + ``broadcast`` per parameter, each loaded as it arrives).
 """
 
 from __future__ import annotations

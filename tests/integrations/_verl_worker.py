@@ -47,7 +47,43 @@ async def _collect(agen) -> list:
     return [(n, t) async for n, t in agen]
 
 
-def main(role: str, is_master: bool, bucket_size: int, engine_kwargs: dict, conn) -> None:
+def lazy_state(n: int, numel: int, seed: int):
+    """``n`` float32 tensors of ``numel`` elements, each made only when the generator reaches it
+    (the model never exists at once on the actor, as with verl's gathered parameters)."""
+    import torch
+
+    for i in range(n):
+        g = torch.Generator().manual_seed(seed * 1000 + i)
+        yield f"layers.{i}.weight", torch.randn(numel, generator=g)
+
+
+def lazy_digest(n: int, numel: int, seed: int) -> str:
+    h = hashlib.sha256()
+    for _, t in lazy_state(n, numel, seed):
+        h.update(memoryview(t.numpy()))
+    return h.hexdigest()
+
+
+def _vm(key: str) -> int:
+    """A field of /proc/self/status, in bytes."""
+    with open("/proc/self/status") as f:
+        for ln in f:
+            if ln.startswith(key + ":"):
+                return int(ln.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def _reset_peak() -> int:
+    """Reset the peak resident set (Linux: clear_refs 5) and return the resident set now."""
+    import gc
+
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _vm("VmRSS")
+
+
+def main(role: str, is_master: bool, bucket_size: int, engine_kwargs: dict, conn, first=None) -> None:
     from verl.checkpoint_engine.base import CheckpointEngineRegistry
     from verl.utils.import_utils import import_external_libs
 
@@ -69,14 +105,49 @@ def main(role: str, is_master: bool, bucket_size: int, engine_kwargs: dict, conn
                 if corrupt:  # a sender whose first bucket goes out altered (tests/transfer/faults.py)
                     eng._sender = eng._sender or _faulty_sender(eng)
                     eng._sender.corrupt = {0}
-                metrics = asyncio.run(eng.send_weights(iter(make_state(seed).items()), global_steps=seed))
-                if hasattr(eng._sender, "corrupt"):
-                    eng._sender.corrupt = set()
-                out = metrics
+                try:
+                    out = asyncio.run(eng.send_weights(iter(make_state(seed).items()), global_steps=seed))
+                finally:  # the sender is kept across syncs: the fault must not outlive this one
+                    if hasattr(eng._sender, "corrupt"):
+                        eng._sender.corrupt = set()
             elif cmd == "recv":
                 got = asyncio.run(_collect(eng.receive_weights(global_steps=arg)))
                 out = {"names": [n for n, _ in got], "digest": digest(got),
                        "version": eng.last_report.version, "path": eng.last_report.path}
+            elif cmd == "send_lazy":  # a model many buckets long, produced tensor by tensor
+                n, numel, seed, wait_s = arg[:4]
+                fail_at = arg[4] if len(arg) > 4 else None
+                saw_first = []
+
+                def gen():
+                    for i, pair in enumerate(lazy_state(n, numel, seed)):
+                        if i == fail_at:
+                            raise RuntimeError(f"the trainer's generator failed at tensor {i}")
+                        if i == n - 1 and first is not None:  # has the rollout seen the first tensor?
+                            saw_first.append(first.wait(wait_s))
+                        yield pair
+
+                base = _reset_peak()
+                asyncio.run(eng.send_weights(gen(), global_steps=seed))
+                out = {"saw_first": saw_first, "peak_extra": _vm("VmHWM") - base}
+            elif cmd == "recv_lazy":  # verl's consumer: takes each tensor and drops it
+                async def consume():
+                    h, names = hashlib.sha256(), []
+                    async for name, t in eng.receive_weights(global_steps=arg):
+                        if first is not None:
+                            first.set()
+                        h.update(memoryview(t.contiguous().numpy()))
+                        names.append(name)
+                        del t
+                    return h.hexdigest(), names
+
+                base = _reset_peak()
+                try:
+                    dig, names = asyncio.run(consume())
+                except Exception as e:  # what verl's consumer sees
+                    out = {"error": type(e).__name__, "outcome": getattr(e, "outcome", None), "msg": str(e)}
+                else:
+                    out = {"digest": dig, "names": names, "peak_extra": _vm("VmHWM") - base}
             elif cmd == "finalize":
                 eng.finalize()
                 out = None

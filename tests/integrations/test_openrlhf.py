@@ -8,9 +8,10 @@ while this process plays OpenRLHF's trainer: ``trainer_group`` where OpenRLHF ca
 ``stateless_init_process_group``, and per parameter ``update_weight.remote(...)`` with
 ``_model_update_group.broadcast(param.data, src=0)`` as ``ppo_actor._broadcast_param`` does.
 
-The engine starts on model B; A's weights are synced in (the output changes — and not before the
-last parameter), then B's (the output is B's again, exactly); a mis-announced or mis-shaped
-parameter and OpenRLHF's own IPC handles are refused while B keeps serving."""
+The engine starts on model B; A's weights are synced in (each parameter goes into the model as it
+arrives: the first ones hold A's values before the last is sent; then the output is A's), then
+B's (the output is B's again, exactly); a mis-announced or mis-shaped parameter and OpenRLHF's own
+IPC handles are refused while B keeps serving."""
 
 from __future__ import annotations
 
@@ -50,7 +51,9 @@ def ray_engine(tiny_models):
     from openrlhf.trainer.ray.vllm_engine import RolloutRayActor
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"UNISLEEP_PLATFORM": "host"}})
+             # the insecure serialization lets the test read a parameter in the worker (_param_sum)
+             runtime_env={"env_vars": {"UNISLEEP_PLATFORM": "host",
+                                       "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}})
     try:
         actor = RolloutRayActor.options(num_cpus=0, num_gpus=0).remote(
             # full_determinism: OpenRLHF then runs the engine core in the actor
@@ -72,6 +75,24 @@ def _greedy(actor):
     out = ray.get(actor.generate.remote(PROMPT, SamplingParams(temperature=0.0, max_tokens=12)),
                   timeout=300)
     return list(out.outputs[0].token_ids)
+
+
+def _param_sum(actor, name):
+    """The sum of parameter ``name`` in the engine's model, read in its worker: vLLM's
+    ``collective_rpc`` with a function (the test's engine allows that serialization), run on
+    the event loop of OpenRLHF's engine actor (the one its engine's output handler runs on)."""
+    import ray
+
+    def probe(self):
+        import asyncio
+
+        def read(worker):
+            return float(dict(worker.model_runner.get_model().named_parameters())[name].sum())
+
+        loop = self.llm.output_handler.get_loop()  # started by the first generate
+        return asyncio.run_coroutine_threadsafe(self.llm.collective_rpc(read), loop).result(120)[0]
+
+    return ray.get(actor.__ray_call__.remote(probe), timeout=180)
 
 
 def _sync(actor, group, state, *, method="update_weight", before_last=None, **extra):
@@ -108,9 +129,14 @@ def test_weight_sync_through_openrlhfs_engine_actor(ray_engine, tiny_models):
     try:
         ray.get(ref, timeout=300)
 
+        # streaming (the default): each parameter goes into the model as it arrives — before the
+        # last one, the embedding (a layer of its own, sent first) already holds A's values.  No
+        # generation in between: the model is inside one layerwise reload until the last one
+        emb = next(n for n in state_a if n.endswith("embed_tokens.weight"))
         seen = []
-        _sync(actor, group, state_a, before_last=lambda: seen.append(_greedy(actor)))
-        assert seen == [out_b]                  # nothing applied before the last parameter
+        _sync(actor, group, state_a, before_last=lambda: seen.append(_param_sum(actor, emb)))
+        assert seen[0] == pytest.approx(float(state_a[emb].sum()), rel=1e-5)
+        assert seen[0] != pytest.approx(float(state_b[emb].sum()), rel=1e-5)
         out_a = _greedy(actor)
         assert out_a != out_b
 

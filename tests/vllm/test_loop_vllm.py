@@ -205,26 +205,38 @@ def test_handoff_refuses_to_send_into_a_sleeping_engine(spy, pusher, baseline_a,
     assert sent == [1] and spy.weight_version() == "B-2" and greedy(spy) != baseline_a
 
 
-def test_incomplete_update_refused_and_engine_keeps_serving_old_weights(spy, pusher, baseline_a, state_a,
-                                                                       state_b):
-    h = Handoff(spy)
-    h.release(level=2)
-    partial = [(n, t) for n, t in state_b.items() if "layers.1." not in n]
-    spy.calls.clear()
-    with pytest.raises(TransferError, match="incomplete update") as ei:
-        h.reacquire(lambda e: pusher.send(partial, "B-partial"), version="B-partial")
-    assert "no update session left open" in str(ei.value)
-    assert spy.calls == ["wake_up(weights)", "start", "update", "abort->True"]  # never finished
-    assert spy.weight_version() != "B-partial"
-    assert spy.is_sleeping() and spy.sleeping_tags() == {"kv_cache"}  # paused, KV cache still asleep
-    h.wake_kv_cache()
-    h.reset_prefix_cache()
-    h.resume()
-    assert greedy(spy) == baseline_a  # the old weights, untouched
+@pytest.mark.parametrize("staging", ["none", "host"])
+def test_incomplete_update_refused_and_the_session_closed(spy, baseline_a, state_a, state_b, staging):
+    """The guarded step aborts an incomplete update (never finished, no session left open, the KV
+    cache still asleep).  Streaming (the default) had loaded its buckets as they came: the error
+    says the weights are torn and the next full update repairs them; with staging="host" (the
+    opt-in) the old weights are untouched."""
+    from unisleep.engines.vllm_trainer import VLLMWeightPusher
 
-    h.release(level=2)  # and the next full update is accepted
-    h.reacquire(lambda e: pusher.send(state_a.items(), "A-after"), version="A-after")
-    assert spy.weight_version() == "A-after" and greedy(spy) == baseline_a
+    pusher = VLLMWeightPusher(spy, timeout_s=60, path="collective", staging=staging).init()
+    try:
+        h = Handoff(spy)
+        h.release(level=2)
+        partial = [(n, t) for n, t in state_b.items() if "layers.1." not in n]
+        spy.calls.clear()
+        with pytest.raises(TransferError, match="incomplete update") as ei:
+            h.reacquire(lambda e: pusher.send(partial, "B-partial"), version="B-partial")
+        assert "no update session left open" in str(ei.value)
+        assert ("torn" in str(ei.value)) == (staging == "none")
+        assert spy.calls == ["wake_up(weights)", "start", "update", "abort->True"]  # never finished
+        assert spy.weight_version() != "B-partial"
+        assert spy.is_sleeping() and spy.sleeping_tags() == {"kv_cache"}  # paused, KV cache still asleep
+        h.wake_kv_cache()
+        h.reset_prefix_cache()
+        h.resume()
+        if staging == "host":
+            assert greedy(spy) == baseline_a  # the old weights, untouched
+
+        h.release(level=2)  # and the next full update is accepted (and repairs torn weights)
+        h.reacquire(lambda e: pusher.send(state_a.items(), f"A-after-{staging}"), version=f"A-after-{staging}")
+        assert spy.weight_version() == f"A-after-{staging}" and greedy(spy) == baseline_a
+    finally:
+        pusher.close()
 
 
 def test_a_send_that_dies_after_start_is_aborted_and_does_not_block_the_next(spy, pusher, baseline_a,

@@ -344,11 +344,12 @@ def test_draft_update_is_checked_against_the_drafts_checkpoint(tmp_path, tiny_mo
     eng.set_weight_update_target(torch.nn.Linear(3, 4),
                                  types.SimpleNamespace(model=str(draft_dir), enable_sleep_mode=False))
     assert eng._expected_specs() == {"draft.fc.weight": (4, 3)}
-    eng._staged = {"draft.fc.weight": torch.zeros(4, 3)}
+    assert eng._refuse_bucket([("draft.fc.weight", torch.zeros(4, 3))]) is None
+    eng._seen = {"draft.fc.weight": (4, 3)}
     eng._verify_coverage(partial=False)  # the full draft: accepted
-    eng._staged = {"draft.fc.weight": torch.zeros(4, 4)}
-    with pytest.raises(TransferError, match="wrong shape"):
-        eng._verify_coverage(partial=False)
+    eng._seen = {}
+    refusal = eng._refuse_bucket([("draft.fc.weight", torch.zeros(4, 4))])  # checked before it is applied
+    assert isinstance(refusal, TransferError) and "wrong shape" in str(refusal)
     eng.reset_weight_update_target()
     assert eng._expected_specs() == main
 
@@ -369,14 +370,14 @@ def _sparse_checkpoint(path, nbytes):
 
 
 @pytest.mark.slow
-def test_staging_is_host_by_default_and_device_staging_is_fit_checked(tmp_path, tiny_models):
+def test_streaming_is_the_default_and_device_staging_is_fit_checked(tmp_path, tiny_models):
     from unisleep.vllm_worker.transfer_engine import UnisleepWeightTransferEngine, checkpoint_nbytes
     from unisleep.errors import TransferError
 
     eng = _transfer_engine(model_path=tiny_models[0], enable_sleep_mode=False)
     assert isinstance(eng, UnisleepWeightTransferEngine)
     info = eng.parse_init_info({"rendezvous": "tcp://127.0.0.1:1"})
-    assert info.staging == "host" and eng.staging == "host"
+    assert info.staging == "none" and eng.staging == "none"
     bad = eng.parse_init_info({"rendezvous": "tcp://127.0.0.1:1", "staging": "gpu"})
     with pytest.raises(ValueError, match="staging must be one of"):
         eng.init_transfer_engine(bad)  # refused before any group is joined
@@ -402,8 +403,9 @@ def test_host_staging_keeps_its_own_copy():
     import torch
 
     eng = _transfer_engine(enable_sleep_mode=False)
+    eng.staging = "host"  # the opt-in: pageable host memory
     src = torch.arange(12, dtype=torch.float32).view(3, 4)[:, 1:3]  # a view, as the transfer hands out
-    eng._stage([("w", src)])
+    eng._take([("w", src)])
     src.zero_()
     assert eng._staged["w"].tolist() == [[1.0, 2.0], [5.0, 6.0], [9.0, 10.0]]
     assert eng._staged["w"].device.type == "cpu"

@@ -177,10 +177,11 @@ def outputs(engine, tiny_models):
     return want_a, want_b
 
 
-def _pusher(engine, route):
+def _pusher(engine, route, staging="none"):
     from unisleep.engines.vllm_trainer import VLLMWeightPusher
 
-    return VLLMWeightPusher(engine, timeout_s=60, route=route, group_name=f"smoke-{route}").init()
+    return VLLMWeightPusher(engine, timeout_s=60, route=route, group_name=f"smoke-{route}",
+                            staging=staging).init()
 
 
 def test_worker_methods_push_change_and_restore(engine, outputs, state_a, state_b):
@@ -201,25 +202,36 @@ def test_worker_methods_push_change_and_restore(engine, outputs, state_a, state_
 
 
 def test_worker_methods_refuse_incomplete_and_misshaped_updates(engine, outputs, state_a, state_b):
+    """Streaming (the default): an incomplete update is refused at its end with the weights torn
+    (its buckets went in as they came), a mis-shaped tensor before it is applied; the next
+    complete update serves exactly.  With staging="host" (opt-in) the incomplete update leaves
+    the served weights untouched."""
     want_a, _ = outputs
+    partial = [(n, t) for n, t in state_b.items() if "layers.1." not in n]
     p = _pusher(engine, "extension")
     try:
-        partial = [(n, t) for n, t in state_b.items() if "layers.1." not in n]
-        with pytest.raises(TransferError, match="incomplete update"):
+        with pytest.raises(TransferError, match="incomplete update.*torn"):
             p.push(partial, version="B-partial")
-        assert greedy(engine) == want_a                       # nothing was applied
+        p.push(state_a.items(), version="A-repair")            # a complete update repairs them
+        assert greedy(engine) == want_a
         bad = dict(state_b)
         name = next(n for n in bad if n.endswith("embed_tokens.weight"))
         bad[name] = bad[name][:-1].clone()
         with pytest.raises(TransferError, match="wrong shape"):
             p.push(bad.items(), version="B-bad-shape")
-        assert greedy(engine) == want_a
         p.push(state_a.items(), version="A-after-refusals")  # the engine is still usable
         assert greedy(engine) == want_a
     finally:
         p.close()
-        if p.route == "extension":
-            engine.collective_rpc("unisleep_shutdown_weight_transfer")
+        engine.collective_rpc("unisleep_shutdown_weight_transfer")
+    p = _pusher(engine, "extension", staging="host")
+    try:
+        with pytest.raises(TransferError, match="incomplete update"):
+            p.push(partial, version="B-partial-staged")
+        assert greedy(engine) == want_a                       # nothing was applied
+    finally:
+        p.close()
+        engine.collective_rpc("unisleep_shutdown_weight_transfer")
 
 
 @needs_feature("engine_session_api")

@@ -59,16 +59,30 @@ def test_push_over_http_changes_and_restores(http_engine, pusher, tiny_models, b
     assert greedy(http_engine) == baseline_a and http_engine.weight_version() == "A-2"
 
 
-def test_incomplete_update_refused_and_engine_keeps_serving(http_engine, pusher, baseline_a,
-                                                            state_a, state_b):
+def test_incomplete_update_refused_and_a_complete_one_repairs(http_engine, pusher, baseline_a,
+                                                              state_a, state_b):
+    """Streaming (the default): the buckets went into the model as they came, so an incomplete
+    update is refused at its end with the weights torn (the message says so); the engine stays
+    usable and the next complete update serves exactly."""
     partial = [(n, t) for n, t in state_b.items() if "layers.1." not in n]
-    with pytest.raises(TransferError, match="incomplete update"):
+    with pytest.raises(TransferError, match="incomplete update.*torn"):
         pusher.push(partial, version="B-partial")
-    assert greedy(http_engine) == baseline_a                 # nothing was applied
     assert http_engine.weight_version() != "B-partial"
-    # the engine is still usable: a complete update goes through
     pusher.push(state_a.items(), version="A-after-refusal")
     assert greedy(http_engine) == baseline_a
+
+
+def test_host_staging_refuses_an_incomplete_update_untouched(http_engine, baseline_a, state_b):
+    """``staging="host"`` (opt-in): nothing is applied before the whole update has arrived, so an
+    incomplete one leaves the served weights exactly as they were."""
+    from unisleep.engines.vllm_trainer import VLLMWeightPusher
+
+    with VLLMWeightPusher(http_engine, timeout_s=60, staging="host") as p:
+        partial = [(n, t) for n, t in state_b.items() if "layers.1." not in n]
+        with pytest.raises(TransferError, match="incomplete update"):
+            p.push(partial, version="B-partial-staged")
+        assert greedy(http_engine) == baseline_a                 # nothing was applied
+        assert http_engine.weight_version() != "B-partial-staged"
 
 
 def test_wrong_shape_refused(http_engine, pusher, baseline_a, state_b):

@@ -74,7 +74,7 @@ class VLLMWeightPusher:
     def __init__(self, engine, *, rendezvous: Optional[str] = None, host: str = "127.0.0.1",
                  timeout_s: float = 120.0, world_size: int = 2, group_name: str = "vllm",
                  path: str = "auto", secret_file: Optional[str] = None, insecure: bool = False,
-                 route: str = "engine") -> None:
+                 route: str = "engine", staging: str = "none") -> None:
         if route not in ROUTES:
             raise InvalidArgumentError(f"route must be one of {ROUTES}, got {route!r}")
         self.engine = engine
@@ -97,12 +97,16 @@ class VLLMWeightPusher:
         self.group_name = group_name
         self.path = path   # WeightSender path: "auto" (IPC when colocated), "collective", "ipc"
         self.group = None
+        # where the engine holds an update: "none" (each verified bucket into the model at once),
+        # "host" / "device" (all of it until complete; a broken update leaves the model untouched)
+        self.staging = staging
 
     # ---- setup -----------------------------------------------------------------------
     def init_info(self) -> dict:
         return {"rendezvous": self.rendezvous, "rank_offset": 1, "world_size": self.world_size,
                 "timeout_s": self.timeout_s, "group_name": self.group_name,
-                "secret_file": self.secret_file or "", "insecure": self.insecure}
+                "secret_file": self.secret_file or "", "insecure": self.insecure,
+                "staging": self.staging}
 
     def _prepare_secret(self) -> None:
         import os

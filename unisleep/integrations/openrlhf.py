@@ -19,13 +19,17 @@ for the last parameter.  Two lines switch that to unisleep (docs/integrations/op
           master_address, master_port, world_size)
 
 What changes for the run: every parameter is checked against the sender's manifest (shape,
-dtype, keyed digest) and staged in host memory; the model is written only when the last one
-(``empty_cache=True``) has arrived, in one layerwise reload — a broken, tampered or mis-shaped
-sync raises and vLLM keeps serving the previous weights (OpenRLHF's ``WorkerWrap`` loads each
-parameter as it comes); the group is authenticated (OpenRLHF's IPC path calls a function
-received over the wire, ``func(*args)`` of a pickled handle); sleeping weights are refused
-(vLLM #57853); the same code runs on CUDA, ROCm, Ascend and CPU (gloo), over IPC when the trainer
-and the engine share a device.
+dtype, keyed digest), the announced shape and dtype and the checkpoint before it is applied, then
+loaded into the model as it arrives, inside one layerwise reload per sync (begun at the first
+parameter, finished at the last, ``empty_cache=True``): nothing of the sync is held but the layer
+vLLM is completing.  A refused parameter is not applied and ends the sync: the layers already
+completed keep the new weights, the others are put back, and the error's ``outcome`` says which
+(``"untouched"`` / ``"torn"``).  ``UNISLEEP_OPENRLHF_STAGING=host`` (pageable host memory) or
+``device`` in the engines' environment stages the whole sync and applies it at the last
+parameter instead (a broken sync then leaves the model untouched).  The group is authenticated
+(OpenRLHF's IPC path calls a function received over the wire, ``func(*args)`` of a pickled
+handle); sleeping weights are refused (vLLM #57853); the same code runs on CUDA, ROCm, Ascend
+and CPU (gloo), over IPC when the trainer and the engine share a device.
 
 ``update_weight_cuda_ipc(name, dtype, shape, ipc_handles=None, empty_cache=False)`` receives the
 same way (the group takes IPC by itself when colocated); it refuses OpenRLHF's own
@@ -43,6 +47,7 @@ docs/security.md.  OpenRLHF itself is not imported here.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, Optional
 
 from ..vllm_worker.extension import UnisleepWorkerExtension, _receiver
@@ -52,6 +57,9 @@ log = logging.getLogger(__name__)
 
 #: the group name OpenRLHF uses (ppo_actor._init_vllm_sync_group)
 GROUP_NAME = "openrlhf"
+#: where the worker holds a sync: "none" (default: each parameter into the model as it arrives),
+#: "host" or "device" (the whole sync staged, applied at its last parameter)
+STAGING_ENV = "UNISLEEP_OPENRLHF_STAGING"
 #: the name each broadcast tensor travels under (the worker files it under update_weight's name)
 TRANSFER_NAME = "param"
 
@@ -85,42 +93,41 @@ class UnisleepWorkerWrap(UnisleepWorkerExtension):
                                    "rank_offset": 0, "world_size": int(world_size),
                                    "group_name": str(group_name)})
         rx.fixed_rank = rank  # OpenRLHF's layout, not vLLM's DP one
+        info.staging = os.environ.get(STAGING_ENV, "none") or "none"
         rx.init_transfer_engine(info)
         self._unisleep_openrlhf = {"round": 0}
         log.info("unisleep (OpenRLHF): worker joined %s as rank %d/%d (backend %r not used)",
                  info.rendezvous, rank, world_size, backend)
 
     def update_weight(self, name: str, dtype, shape, empty_cache: bool = False) -> None:
-        """Receive parameter ``name`` (OpenRLHF broadcasts it now); stage it; with
-        ``empty_cache`` (OpenRLHF's last parameter) verify and apply the whole sync."""
+        """Receive parameter ``name`` (OpenRLHF broadcasts it now), verified against the sender's
+        manifest, the announced shape and dtype and the checkpoint, then loaded into the model
+        at once (the default, ``staging="none"``: one layerwise reload per sync, begun at the
+        first parameter and finished at ``empty_cache``, OpenRLHF's last one) or staged (an
+        opt-in: ``UNISLEEP_OPENRLHF_STAGING=host|device``) and applied whole at the last."""
         rx = _receiver(self, create=False)
         if rx is None or rx.group is None:
             raise RuntimeError("update_weight before init_process_group")
+        model_dtype = getattr(self.vllm_config.model_config, "dtype", None)
+        refusal = None
+        if model_dtype is not None and _dtype_name(model_dtype) != _dtype_name(dtype):
+            refusal = (f"mismatch dtype: src {_dtype_name(dtype)}, dst {_dtype_name(model_dtype)} "
+                       "(OpenRLHF's check)")
         if not rx._active:
             rx.start_weight_update()  # refuses while the weights sleep; nothing received yet
-        if name in rx._staged:
-            rx.abort_session()
-            raise InvalidArgumentError(f"update_weight({name!r}) twice in one sync; nothing was applied")
         rx.rename = {TRANSFER_NAME: name}
+        # checked on arrival, before the tensor goes into the model; a mismatch is not applied
+        rx.announced = {TRANSFER_NAME: (name, tuple(shape), _dtype_name(dtype), refusal)}
         try:
             rx.update_weights({"final": bool(empty_cache), "partial": True})
         finally:
-            rx.rename = {}
-        got = rx._staged.get(name)
-        if got is None:
-            rx.abort_session()
-            raise InvalidArgumentError(f"update_weight({name!r}): the trainer sent no tensor "
-                                       f"{TRANSFER_NAME!r}; nothing was applied")
-        if tuple(got.shape) != tuple(shape) or _dtype_name(got.dtype) != _dtype_name(dtype):
-            rx.abort_session()
-            raise InvalidArgumentError(
-                f"update_weight({name!r}) announced {tuple(shape)} {_dtype_name(dtype)}, the trainer "
-                f"sent {tuple(got.shape)} {_dtype_name(got.dtype)}; nothing was applied")
-        model_dtype = getattr(self.vllm_config.model_config, "dtype", None)
-        if model_dtype is not None and _dtype_name(model_dtype) != _dtype_name(dtype):
-            rx.abort_session()
-            raise InvalidArgumentError(f"mismatch dtype: src {_dtype_name(dtype)}, dst "
-                                       f"{_dtype_name(model_dtype)} (OpenRLHF's check); nothing was applied")
+            rx.rename, rx.announced = {}, {}
+        if name not in rx._seen:
+            tail = rx._end_failed_session()
+            e = InvalidArgumentError(f"update_weight({name!r}): the trainer sent no tensor "
+                                     f"{TRANSFER_NAME!r}; {tail}")
+            e.outcome = "torn" if rx.torn else "untouched"
+            raise e
         if empty_cache:
             rx.finish_weight_update()
             self._unisleep_openrlhf["round"] = self._unisleep_openrlhf.get("round", 0) + 1

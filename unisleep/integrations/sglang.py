@@ -1,8 +1,10 @@
 """SGLang's weight-update entry points fed from :mod:`unisleep.transfer`.
 
-A :class:`~unisleep.transfer.WeightReceiver` verifies every update (manifest, keyed digests,
-versions) before it calls its ``apply``; these adapters are that ``apply`` for an SGLang engine,
-so SGLang loads only weights that arrived whole and unchanged:
+A :class:`~unisleep.transfer.WeightReceiver` verifies every bucket (manifest, keyed digests,
+versions) before it calls its ``apply`` with it — streaming by default: one call per bucket while
+the next arrives, two bucket buffers at most (``staged=True``: after the whole update verified);
+these adapters are that ``apply`` for an SGLang engine, so SGLang loads only weights that arrived
+whole and unchanged:
 
 * :class:`TensorUpdate` — colocated: ``engine.update_weights_from_tensor(named_tensors=...,
   load_format=..., flush_cache=...)`` (SGLang serialises the tensors for its scheduler itself);

@@ -21,31 +21,46 @@ it each weight sync:
    :class:`~unisleep.transfer.TransferGroup` (created once, kept across syncs);
 4. actor: ``await send_weights(per_tensor_param, global_steps)``; rollout:
    ``async for name, tensor in receive_weights(global_steps)`` (verl feeds them to its server
-   adapter);
+   adapter) — both bucket by bucket, see below;
 5. ``finalize()``: the sender's bucket buffers are freed; the group stays (unless
    ``rebuild_group``).
 
 What it adds over verl's NCCL/HCCL engines: every tensor is checked against the sender's
-manifest (names, shapes, dtypes, keyed digests) and **nothing is yielded to the rollout until
-the whole update has arrived and verified** — a broken or tampered update raises and the rollout
-keeps serving its previous weights; versions must increase (a replay is refused); the group is
-authenticated (no pickled metadata: verl's NCCL engine sends bucket metadata with
-``send_pyobj`` over an unauthenticated ZeroMQ socket); one engine for every vendor and for CPU
-(gloo), IPC when sender and receiver share a device.
+manifest (names, shapes, dtypes, keyed digests) before verl sees it; versions must increase (a
+replay is refused); the group is authenticated (no pickled metadata: verl's NCCL engine sends
+bucket metadata with ``send_pyobj`` over an unauthenticated ZeroMQ socket); one engine for every
+vendor and for CPU (gloo), IPC when sender and receiver share a device.
+
+Streaming (the default): rank 0 sends the tensors as verl's generator produces them, a bucket's
+worth at a time — each bucket one verified update, a *chunk* of the sync (transfer version
+``"<sync>.<chunk>:<last|more>:<global step>"``) — and each rollout worker yields a chunk's
+tensors as soon as it has verified, while the next one arrives.  Memory per GPU, whatever the
+model size: actor rank 0 holds one bucket of the generator's tensors and the transfer's send
+buffer (two buckets); a rollout worker holds the transfer's receive buffer and one bucket of
+copies that verl's consumer is taking (two buckets; a bucket is copied only once the consumer
+took every tensor of the one before).  A failure part-way raises in verl's consumer at once:
+:class:`~unisleep.errors.TransferError` with ``outcome == "untouched"`` when nothing was yielded
+yet, else :class:`~unisleep.errors.TornWeightsError` (``outcome == "torn"``: part of the update is
+loaded; the next complete sync repairs it).  ``staging="host"`` or ``"device"`` (opt-in) holds
+the whole update on the rollout (pageable host memory, or the device) until every chunk has
+verified, and yields nothing from a broken update — at the cost of one model copy per rollout
+worker.
 
 ``engine_kwargs.unisleep`` (all optional): ``host`` (rendezvous address, default 127.0.0.1 —
 give the trainer node's address and a ``secret_file`` for rollouts on other machines),
 ``port`` (default: a free one), ``secret_file`` (group secret, mode 0600, readable by every
-worker), ``path`` (``auto`` | ``collective`` | ``ipc``), ``staging`` (``host`` | ``device``:
-where the rollout side holds the update until it is complete; host = pinned host memory),
-``timeout_s``, ``group_name``, ``rebuild_group``.
+worker), ``path`` (``auto`` | ``collective`` | ``ipc``), ``staging`` (``none``: streaming, the
+default | ``host`` | ``device``: whole-update staging), ``timeout_s`` (every wait of a sync: the
+rendezvous, each chunk, verl's consumer taking a bucket), ``group_name``, ``rebuild_group``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import threading
+import time
 from typing import Any, AsyncGenerator, Optional
 
 import torch
@@ -56,12 +71,13 @@ except ImportError as e:  # the module is only useful inside verl
     raise ImportError(f"unisleep.integrations.verl needs verl (pip install verl; tested with verl "
                       f"0.9.1): {e}") from e
 
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, TornWeightsError, TransferError
 
 log = logging.getLogger(__name__)
 
 BACKEND = "unisleep"
-STAGING = ("host", "device")
+#: where a rollout worker holds the update: "none" (streaming), or all of it until verified
+STAGING = ("none", "host", "device")
 
 
 @CheckpointEngineRegistry.register(BACKEND)
@@ -75,7 +91,7 @@ class UnisleepCheckpointEngine(CheckpointEngine):
 
     def __init__(self, bucket_size: int, is_master: bool = False, *, host: str = "127.0.0.1",
                  port: Optional[int] = None, secret_file: Optional[str] = None, path: str = "auto",
-                 staging: str = "host", timeout_s: float = 300.0, group_name: str = "verl",
+                 staging: str = "none", timeout_s: float = 300.0, group_name: str = "verl",
                  rebuild_group: bool = False, insecure: bool = False) -> None:
         if bucket_size is None or int(bucket_size) <= 0:
             raise InvalidArgumentError(f"bucket_size must be > 0 bytes, got {bucket_size!r}")
@@ -101,7 +117,8 @@ class UnisleepCheckpointEngine(CheckpointEngine):
         self._sender = None
         self._receiver = None
         self._updates = 0                 # sender: updates sent in this group
-        self._applied: Any = None         # receiver: transfer version yielded last
+        self._applied: Any = None         # receiver: transfer version received last
+        self._rx_thread: Optional[threading.Thread] = None
         self.last_report = None
 
     # ------------------------------------------------------------------ topology
@@ -152,10 +169,11 @@ class UnisleepCheckpointEngine(CheckpointEngine):
         log.info("unisleep checkpoint engine: rank %d/%d joined %s", rank, world_size, rendezvous)
 
     def finalize(self) -> None:
-        """Free the sender's bucket buffers; keep the group (``rebuild_group``: close it)."""
-        sender, self._sender = self._sender, None
-        if sender is not None:
-            sender.close()
+        """End of a sync: the group, the sender and the receiver (their connections) stay for
+        the next one — ``rebuild_group``: all closed.  Bucket memory needs nothing here: on an
+        accelerator the transfer gives it back at the end of every update (the device belongs to
+        whoever works next); on the host platform it keeps its buffers (the kernel would zero
+        fresh pages every sync)."""
         if self.rebuild_group:
             self._close_group()
 
@@ -169,11 +187,40 @@ class UnisleepCheckpointEngine(CheckpointEngine):
         self._sender = self._receiver = self.group = None
 
     # ------------------------------------------------------------------ send
+    def _sender_for_update(self):
+        if self._sender is None:
+            from ..transfer import WeightSender
+
+            self._sender = WeightSender(self.group, bucket_bytes=self.bucket_size, path=self.path)
+        return self._sender
+
+    def _send_chunk(self, chunk: list, n: int, k: int, last: bool, global_steps) -> Any:
+        """One bucket's worth of tensors as one verified update (blocking: run in a thread)."""
+        return self._sender_for_update().send(chunk, chunk_tag(n, k, last, global_steps))
+
+    def _abort_chunk(self, n: int, k: int, global_steps, why: str) -> None:
+        """Tell every rollout worker that sync ``n`` broke off on the trainer, so none waits for
+        the rest until its timeout: an update whose only tensor cannot be produced (the
+        transfer aborts it and the receivers hear ``why``)."""
+        def broken():
+            raise TransferError(why)
+            yield  # pragma: no cover - a generator
+
+        try:
+            self._sender_for_update().send(broken(), chunk_tag(n, k, True, global_steps),
+                                           specs=[("unisleep.sync_aborted", (1,), "uint8")])
+        except Exception:  # noqa: BLE001 - the receivers heard it (or are gone); the cause is raised
+            pass
+
     @torch.no_grad()
     async def send_weights(self, weights, global_steps: Optional[int] = None):
-        """Actor side.  Rank 0 sends ``weights`` (``(name, tensor)`` pairs, sync or async) as one
-        update and returns once every rollout worker verified it; the other actor ranks only
-        walk the generator (producing each weight is collective over the actor group)."""
+        """Actor side.  Rank 0 sends ``weights`` (``(name, tensor)`` pairs, sync or async) as they
+        come: every time the next tensor would overflow the bucket, the tensors gathered so far
+        go out as one verified update (a chunk of this sync) while the generator waits, so rank
+        0 holds one bucket of tensors besides the transfer's send buffer — never the model.
+        Returns once every rollout worker verified the last chunk.  The other actor ranks only
+        walk the generator (producing each weight is collective over the actor group); after a
+        failure rank 0 walks the rest too, so their collectives complete, then raises."""
         from verl.workers.rollout.utils import ensure_async_iterator
 
         if self.rank is None:
@@ -184,65 +231,218 @@ class UnisleepCheckpointEngine(CheckpointEngine):
             return {}
         if self.rank != 0:
             raise InvalidArgumentError(f"only group rank 0 sends; this is rank {self.rank}")
-        items = []
-        async for name, tensor in ensure_async_iterator(weights):
-            t = tensor.detach()
-            if t.device.type != "cpu":  # host copy: the update never sits twice on the device
-                dst = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
-                dst.copy_(t, non_blocking=True)
-                t = dst
-            items.append((str(name), t))
-        if items and items[-1][1].is_pinned():
-            torch.accelerator.synchronize()
-        if not items:
-            raise InvalidArgumentError("send_weights got no tensors")
         self._updates += 1
-        tag = f"{self._updates}:{global_steps if global_steps is not None else 'none'}"
-        if self._sender is None:
-            from ..transfer import WeightSender
-
-            self._sender = WeightSender(self.group, bucket_bytes=self.bucket_size, path=self.path)
-        report = await asyncio.to_thread(self._sender.send, items, tag)
-        self.last_report = report
-        log.info("unisleep checkpoint engine: sent %s", report)
-        return {"unisleep/transfer_s": report.seconds, "unisleep/transfer_gbps": report.gbps}
+        n, k = self._updates, 0
+        chunk: list = []
+        held = 0
+        t0 = time.perf_counter()
+        total, reports = 0, []
+        it = ensure_async_iterator(weights)
+        try:
+            async for name, tensor in it:
+                t = tensor.detach()
+                size = t.numel() * t.element_size()
+                if chunk and held + size > self.bucket_size:
+                    reports.append(await asyncio.to_thread(self._send_chunk, chunk, n, k, False, global_steps))
+                    chunk, held, k = [], 0, k + 1
+                chunk.append((str(name), t))
+                held += size
+                total += size
+            if not chunk:
+                raise InvalidArgumentError("send_weights got no tensors")
+            reports.append(await asyncio.to_thread(self._send_chunk, chunk, n, k, True, global_steps))
+        except BaseException as e:
+            chunk = []
+            if not isinstance(e, TransferError):  # a transfer error: the receivers have heard it
+                why = f"the trainer's sync {n} broke off after {k} chunk(s): {type(e).__name__}: {e}"
+                await asyncio.to_thread(self._abort_chunk, n, k + 1, global_steps, why[:2000])
+            if isinstance(e, Exception):
+                try:
+                    async for _ in it:  # the other actor ranks are still producing the weights
+                        pass
+                except Exception:  # noqa: BLE001 - the first error is the one raised
+                    pass
+            raise
+        seconds = time.perf_counter() - t0
+        self.last_report = reports[-1]
+        log.info("unisleep checkpoint engine: sent %d bytes in %d chunk(s) in %.3f s", total,
+                 len(reports), seconds)
+        return {"unisleep/transfer_s": seconds,
+                "unisleep/transfer_gbps": total / seconds / 1e9 if seconds > 0 else 0.0,
+                "unisleep/chunks": len(reports)}
 
     # ------------------------------------------------------------------ receive
-    async def receive_weights(self, global_steps: Optional[int] = None) -> AsyncGenerator:
-        """Rollout side: receive the next update, verify all of it, then yield its ``(name,
-        tensor)`` pairs in the sender's order.  Nothing is yielded when the update fails
-        (TransferError): the rollout keeps its weights."""
-        if self.rank is None or self.rank < 1 or self.group is None:
-            raise InvalidArgumentError("receive_weights needs init_process_group with a rollout rank (>= 1)")
-        staged: list = []
-        pin = self.staging == "host" and self.group.platform.is_accelerator
+    def _join_previous(self) -> None:
+        prev = self._rx_thread
+        if prev is not None and prev.is_alive():
+            prev.join(self.timeout_s + 30)
+            if prev.is_alive():
+                raise TransferError(
+                    f"the previous receive_weights of this rollout worker is still receiving after "
+                    f"{self.timeout_s + 30:.0f} s (its consumer stopped early?); nothing was received "
+                    "— rebuild the group (rebuild_group) or restart the rollout worker")
+        self._rx_thread = None
 
-        def stage(named) -> None:
-            for name, t in named:  # views of transfer memory, valid during this call only
-                if self.staging == "device":
-                    staged.append((name, t.detach().clone()))
-                else:
-                    dst = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
-                    dst.copy_(t, non_blocking=pin)
-                    staged.append((name, dst))
-            if pin:
-                torch.accelerator.synchronize()
-
+    def _receive_chunks(self, hand, stop: threading.Event) -> Any:
+        """Receive one sync's chunks (blocking: run on a thread), handing each verified bucket to
+        ``hand``; return the last chunk's report."""
         from ..transfer import WeightReceiver
 
-        rx = WeightReceiver(self.group, apply=stage, staged=False, initial_version=self._applied)
+        # one receiver per group, kept across syncs (its IPC connection stays); this sync's hand-off
+        if self._receiver is None or self._receiver.group is not self.group:
+            self._receiver = WeightReceiver(self.group, apply=hand, staged=False,
+                                            initial_version=self._applied)
+        rx = self._receiver
+        rx.apply, rx.version = hand, self._applied
+        n = None
         try:
-            report = await asyncio.to_thread(rx.receive, timeout_s=self.timeout_s)
-        except BaseException:
-            staged.clear()
-            raise
+            for k in itertools.count():
+                if stop.is_set():
+                    raise TransferError("verl's consumer stopped taking the update; the rest was not received")
+                report = rx.receive(timeout_s=self.timeout_s)
+                self._applied = report.version
+                got_n, got_k, last = parse_chunk_tag(report.version)
+                if got_k != k or (n is not None and got_n != n):
+                    raise TransferError(
+                        f"chunk {report.version!r} out of order: expected chunk {k} of sync "
+                        f"{n if n is not None else '(a new one)'}; the rollout worker missed part of a sync")
+                n = got_n
+                if last:
+                    return report
         finally:
-            rx.close()
-        self._applied = report.version
-        self.last_report = report
-        log.info("unisleep checkpoint engine: received %s (global step %s)", report, global_steps)
-        for pair in staged:
-            yield pair
+            rx.apply = _gone
+
+    async def receive_weights(self, global_steps: Optional[int] = None) -> AsyncGenerator:
+        """Rollout side: receive the next update and yield its ``(name, tensor)`` pairs in the
+        sender's order.
+
+        ``staging="none"`` (default, streaming): each chunk's bucket is verified against the
+        sender's manifest, then its tensors are copied once (on the group's device) and yielded
+        while the next bucket arrives; a bucket is copied only when verl's consumer has taken
+        every tensor of the one before, so this worker holds at most two buckets (the transfer's
+        receive buffer and one bucket of copies), whatever the model size.  A failure part-way
+        raises :class:`~unisleep.errors.TransferError` — with ``outcome == "untouched"`` when
+        nothing was yielded yet, else :class:`~unisleep.errors.TornWeightsError` with ``outcome
+        == "torn"`` (the consumer has loaded part of it: the next complete sync repairs it).
+
+        ``staging="host"`` / ``"device"``: the whole update is held (host: pageable host memory)
+        until every chunk has verified, then yielded; a failure yields nothing."""
+        if self.rank is None or self.rank < 1 or self.group is None:
+            raise InvalidArgumentError("receive_weights needs init_process_group with a rollout rank (>= 1)")
+        self._join_previous()
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        room = threading.Event()   # verl's consumer took everything handed so far
+        stop = threading.Event()   # verl's consumer is gone
+        room.set()
+        staging = self.staging
+        accel = self.group.platform.is_accelerator
+        wait_s = self.timeout_s
+        staged: list = []
+
+        def hand(named) -> None:  # views of transfer memory, valid during this call only
+            if staging == "none":
+                if not room.wait(wait_s):
+                    raise TransferError(f"verl's consumer did not take the previous bucket within {wait_s:.0f} s "
+                                        "(timeout_s); the rest of the update was not received")
+                if stop.is_set():
+                    raise TransferError("verl's consumer stopped taking the update")
+                room.clear()
+                copies = [(name, t.clone()) for name, t in named]
+                if accel:
+                    torch.accelerator.synchronize()
+                loop.call_soon_threadsafe(queue.put_nowait, ("bucket", copies))
+            else:
+                for name, t in named:
+                    staged.append((name, t.clone() if staging == "device" else t.to("cpu", copy=True)))
+                if accel:
+                    torch.accelerator.synchronize()
+
+        def run() -> None:
+            try:
+                report = self._receive_chunks(hand, stop)
+            except BaseException as e:  # handed to the consumer's side
+                loop.call_soon_threadsafe(queue.put_nowait, ("error", e))
+            else:
+                loop.call_soon_threadsafe(queue.put_nowait, ("done", report))
+
+        th = threading.Thread(target=run, name="unisleep-verl-receive", daemon=True)
+        self._rx_thread = th
+        th.start()
+        yielded = 0
+        try:
+            while True:
+                try:
+                    kind, payload = await asyncio.wait_for(queue.get(), wait_s + 30)
+                except asyncio.TimeoutError:
+                    raise TransferError(f"no bucket from the receiving thread within {wait_s + 30:.0f} s; "
+                                        f"{yielded} tensor(s) were yielded") from None
+                if kind == "bucket":
+                    for pair in payload:
+                        yielded += 1
+                        yield pair
+                    payload = pair = None
+                    room.set()
+                elif kind == "done":
+                    self.last_report = payload
+                    log.info("unisleep checkpoint engine: received %s (global step %s)", payload, global_steps)
+                    break
+                else:
+                    raise self._failure(payload, yielded, global_steps)
+            if staging != "none":
+                pairs, staged[:] = list(staged), []
+                for pair in pairs:
+                    yield pair
+        finally:
+            stop.set()
+            room.set()
+            staged.clear()
+
+    def _failure(self, err: BaseException, yielded: int, global_steps) -> BaseException:
+        """The error verl's consumer sees when the update breaks off, carrying ``outcome``."""
+        if not isinstance(err, Exception):
+            return err
+        if yielded:
+            e = TornWeightsError(
+                f"the weight sync of global step {global_steps} broke off after {yielded} tensor(s) were "
+                f"yielded to the rollout: {type(err).__name__}: {err}; the rollout's weights are mixed — "
+                "the next complete sync repairs them (send the whole update again)",
+                version=self._applied)
+            e.outcome = "torn"
+            e.__cause__ = err
+            return e
+        if not isinstance(err, TransferError):
+            e = TransferError(f"the weight sync of global step {global_steps} failed before any tensor was "
+                              f"yielded: {type(err).__name__}: {err}; the rollout keeps its weights")
+            e.__cause__ = err
+            err = e
+        err.outcome = "untouched"
+        return err
 
 
-__all__ = ["UnisleepCheckpointEngine", "BACKEND"]
+def _gone(named) -> None:
+    """The hand-off of a receiver between syncs: no consumer takes a bucket."""
+    raise TransferError("no receive_weights is running on this rollout worker")
+
+
+def chunk_tag(n: int, k: int, last: bool, global_steps) -> str:
+    """The transfer version of chunk ``k`` of sync ``n``: ``"<n>.<k>:<last|more>:<global_steps>"``
+    (versions increase chunk by chunk and sync by sync; a replay is refused)."""
+    return f"{n}.{k}:{'last' if last else 'more'}:{global_steps if global_steps is not None else 'none'}"
+
+
+def parse_chunk_tag(tag) -> tuple:
+    """``(n, k, last)`` of a :func:`chunk_tag`; TransferError for anything else."""
+    try:
+        nk, mark, _ = str(tag).split(":", 2)
+        n, k = (int(x) for x in nk.split("."))
+        if mark not in ("last", "more"):
+            raise ValueError(mark)
+    except ValueError:
+        raise TransferError(f"the sender's version {tag!r} is not a chunk of a verl sync "
+                            "(<sync>.<chunk>:<last|more>:<global step>): is the trainer running "
+                            "the same unisleep?") from None
+    return n, k, mark == "last"
+
+
+__all__ = ["UnisleepCheckpointEngine", "BACKEND", "STAGING", "chunk_tag", "parse_chunk_tag"]

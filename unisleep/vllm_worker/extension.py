@@ -24,8 +24,9 @@ names, all plain-data arguments (no insecure serialization)::
 
 ``init_info`` and ``update_info`` have the fields of the weight-transfer engine's
 (:mod:`unisleep.vllm_worker.transfer_engine`); each worker keeps one
-:class:`~unisleep.vllm_worker.receiver.WorkerReceiver`: staged in host memory, checked against
-the manifest and the checkpoint, applied with vLLM's layerwise reload only when complete.
+:class:`~unisleep.vllm_worker.receiver.WorkerReceiver`: each bucket checked against the manifest
+and the checkpoint, then loaded at once inside one layerwise reload per update (``staging``
+"host"/"device": held until complete, then applied).
 """
 
 from __future__ import annotations
@@ -69,8 +70,8 @@ def unisleep_start_weight_update(self) -> None:
 
 
 def unisleep_update_weights(self, update_info: Optional[dict] = None) -> None:
-    """Receive one chunk (while rank 0 sends it) into the staging; verify coverage on the final
-    one.  ``{"abort": true}`` drops the session (raises, naming the abort)."""
+    """Receive one chunk (while rank 0 sends it) into the model (or the staging); verify
+    coverage on the final one.  ``{"abort": true}`` drops the session (raises, naming the abort)."""
     _session(self).update_weights(dict(update_info or {}))
 
 

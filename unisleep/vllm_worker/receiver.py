@@ -4,10 +4,12 @@ every vLLM from 0.24, called through ``collective_rpc``).
 
 :class:`ReceiverCore` runs one update session: ``start_weight_update`` (weights awake? device
 staging fits?), ``update_weights`` x N (each chunk received over a
-:class:`~unisleep.transfer.TransferGroup`, verified against the sender's manifest and staged, in
-host memory by default), ``finish_weight_update`` (coverage checked against the checkpoint the
-model was loaded from, then applied with vLLM's layerwise reload).  Nothing touches the model
-before the apply; a refused or broken update leaves the served weights as they were.
+:class:`~unisleep.transfer.TransferGroup`, verified against the sender's manifest, checked against
+the checkpoint the model was loaded from, and loaded into the model bucket by bucket inside one
+vLLM layerwise reload — or, with ``staging`` "host"/"device", held whole), ``finish_weight_update``
+(coverage checked, the reload finished, or the staged update applied).  A failure part-way puts
+back every layer the update did not complete and marks the receiver ``torn`` when some layer
+already holds new weights (the error's ``outcome`` says which).
 
 Its host object provides ``model``, ``model_config``, ``parallel_config`` and ``device`` (vLLM's
 engine base class sets them; :class:`WorkerReceiver` takes them from a worker), and
@@ -26,7 +28,12 @@ from typing import Any, Optional
 
 import torch
 
-from ..errors import InvalidArgumentError, InvalidTransitionError, TransferError
+from ..errors import InvalidArgumentError, InvalidTransitionError, TransferError, UnisleepError
+
+
+def dtype_name(dtype) -> str:
+    """``torch.float32`` -> ``"float32"``."""
+    return str(dtype).replace("torch.", "")
 
 #: the answer of the unisleep transfer engine to ``update_weights({"abort": true})``
 ABORTED = "unisleep weight update aborted on request"
@@ -47,7 +54,7 @@ class TransferInit:
     group_name: str = "vllm"
     secret_file: str = ""    # path of the group secret (mode 0600), never the secret itself
     insecure: bool = False   # a non-loopback group without a secret (warns)
-    staging: str = "host"    # "host" (pinned on accelerators) or "device" (opt-in, fit-checked)
+    staging: str = "none"    # "none" (streaming), or whole-update staging: "host" or "device" (fit-checked)
 
 
 @dataclass
@@ -77,7 +84,9 @@ def parse_fields(cls, data: Any, what: str):
     return cls(**data)
 
 
-STAGING = ("host", "device")
+#: "none": each verified bucket goes into the model at once; "host"/"device": the whole update is
+#: held there until complete (opt-ins)
+STAGING = ("none", "host", "device")
 _DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2,
                 "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 
@@ -139,7 +148,14 @@ class ReceiverCore:
         self._session_version: Any = None
         self._floor: Any = None  # transfer version of the update applied last (in this group)
         self.applied_versions: list[Optional[str]] = []
-        self.staging = "host"  # where update_weights stages the received tensors (init_info)
+        self.staging = "none"  # "none": apply each verified bucket; "host"/"device": stage (init_info)
+        self._seen: dict[str, tuple] = {}  # name -> shape of every tensor received this session
+        self._reloading = False  # the model is in vLLM's layerwise-reload state (streaming session)
+        self._refusal: Optional[BaseException] = None  # a bucket refused before it was applied
+        #: transfer name -> (shape, dtype name) the caller announced (OpenRLHF's update_weight)
+        self.announced: dict[str, tuple] = {}
+        #: a streaming session that failed after part of it was applied: its description
+        self.torn: Optional[str] = None
         # checkpoint specs per update target (the model's, the draft's): keyed by checkpoint path
         self._expected: dict[str, dict[str, tuple[int, ...]]] = {}
         # transfer name -> model name, for a sender that does not know the names (OpenRLHF's
@@ -217,7 +233,11 @@ class ReceiverCore:
         self._check_weights_awake()
         if self.staging == "device":
             self._check_device_staging_fits()
+        if self._reloading:  # a session left open: put the model back first
+            self.abort_session()
         self._staged = {}
+        self._seen = {}
+        self._refusal = None
         self._verified = False
         self._active = True
         self._session_version = None  # version of this session's chunks (set by the first)
@@ -226,17 +246,17 @@ class ReceiverCore:
         # the base class would call torch.accelerator.synchronize(), which raises on host
         typed = self.parse_update_info(update_info)
         if typed.abort:
-            self._staged = {}
-            self._verified = False
-            self._active = False
+            tail = self._end_failed_session()
             # vLLM has no abort route; an error here makes the worker close the session
-            raise RuntimeError(f"{ABORTED}; nothing was applied and the served weights are unchanged")
+            raise RuntimeError(f"{ABORTED}; {tail}")
         try:
             self.receive_weights(typed)
-        except BaseException:
-            self._staged = {}   # the worker aborts the session; drop the partial staging
-            self._verified = False
-            self._active = False
+        except BaseException as e:
+            tail = self._end_failed_session()  # the worker aborts the session
+            if isinstance(e, UnisleepError):
+                err = type(e)(f"{e}; {tail}")
+                err.outcome = "torn" if self.torn else "untouched"
+                raise err from e
             raise
         if self.device.type != "cpu" and hasattr(torch, "accelerator"):
             torch.accelerator.synchronize()
@@ -262,22 +282,69 @@ class ReceiverCore:
                 f"{self.device} (90 % may be used); use staging='host' (the default, pinned host "
                 "memory). Nothing was received.")
 
-    def _stage(self, named: list) -> None:
-        """Keep one verified bucket's tensors (views of transfer memory, valid during the call):
-        in pinned host memory (accelerators; plain host memory on CPU) or, when opted in, as a
-        device copy."""
-        pin = self.staging == "host" and self.device.type != "cpu"
-        for name, t in named:
-            name = self.rename.get(name, name)
-            t = t.detach()
-            if self.staging == "device":
-                self._staged[name] = t.clone()
-            else:
-                dst = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
-                dst.copy_(t, non_blocking=pin)  # into pinned memory: one wait for the bucket below
-                self._staged[name] = dst
-        if pin:  # the views of transfer memory are reused once this returns
-            torch.accelerator.synchronize()
+    def _refuse_bucket(self, pairs: list) -> Optional[BaseException]:
+        """Why a verified bucket must not go into the model (announced shape or dtype, a name
+        or shape the checkpoint does not have, a tensor twice), before any of it is applied."""
+        expected = self._expected_specs()
+        for name, t in pairs:
+            if name in self._seen:
+                return InvalidArgumentError(f"tensor {name!r} twice in one update; nothing more was applied")
+            if expected is not None:
+                if name not in expected:
+                    return TransferError(f"update names 1 tensor(s) the checkpoint does not have, e.g. "
+                                         f"[{name!r}]; nothing more was applied")
+                if tuple(t.shape) != tuple(expected[name]):
+                    return TransferError(f"1 tensor(s) have the wrong shape, e.g. {name}: {tuple(t.shape)} "
+                                         f"instead of {tuple(expected[name])}; nothing more was applied")
+        return None
+
+    def _take(self, named: list) -> None:
+        """One verified bucket (views of transfer memory, valid during the call): checked, then
+        loaded into the model at once (``staging="none"``) or kept whole (``"host"``: pageable
+        host memory, not the caching pinned allocator; ``"device"``: a device copy).  A bucket
+        refused by the checks is not applied and the refusal is raised once the transfer ended."""
+        if self._refusal is not None:
+            return
+        pairs = []
+        for tname, t in named:
+            name = self.rename.get(tname, tname)
+            want = self.announced.get(tname)  # (name, shape, dtype name, refusal or None)
+            if want is not None and want[0] != name:
+                want = None
+            if want is not None and want[3]:
+                self._refusal = InvalidArgumentError(f"update_weight({name!r}): {want[3]}; nothing more was applied")
+                return
+            if want is not None and (tuple(t.shape) != tuple(want[1]) or dtype_name(t.dtype) != want[2]):
+                self._refusal = InvalidArgumentError(
+                    f"update_weight({name!r}) announced {tuple(want[1])} {want[2]}, the trainer sent "
+                    f"{tuple(t.shape)} {dtype_name(t.dtype)}; nothing more was applied")
+                return
+            pairs.append((name, t.detach()))
+        self._refusal = self._refuse_bucket(pairs)
+        if self._refusal is not None:
+            return
+        for name, t in pairs:
+            self._seen[name] = tuple(t.shape)
+        if self.staging == "none":
+            self._load(pairs)
+        else:
+            for name, t in pairs:
+                self._staged[name] = t.clone() if self.staging == "device" else t.to("cpu", copy=True)
+            if self.device.type != "cpu":  # the views of transfer memory are reused once this returns
+                torch.accelerator.synchronize()
+
+    def _load(self, pairs: list) -> None:
+        """Load one bucket into the model inside this session's layerwise reload (begun at the
+        session's first bucket, finished in :meth:`finish_weight_update`): vLLM keeps each
+        tensor until its layer is complete, so it gets a copy, not a view of transfer memory."""
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        copies = [(name, t.clone()) for name, t in pairs]
+        with torch.no_grad(), self._apply_context():
+            if not self._reloading:
+                initialize_layerwise_reload(self.model)
+                self._reloading = True
+            self.model.load_weights(iter(copies))
 
     def receive_weights(self, update_info) -> None:
         from ..transfer import WeightReceiver
@@ -292,13 +359,15 @@ class ReceiverCore:
         # one receiver per group, kept across chunks and updates: it remembers the sender's
         # manifests (a sender reuses them when the specs repeat) and its IPC connection
         if self._rx is None or self._rx.group is not self.group:
-            self._rx = WeightReceiver(self.group, apply=self._stage, staged=False)
+            self._rx = WeightReceiver(self.group, apply=self._take, staged=False)
         rx = self._rx
         if self._session_version is None:
             rx.version, rx.allow_equal_versions = self._floor, bool(update_info.allow_equal_versions)
         else:
             rx.version, rx.allow_equal_versions = self._session_version, True
         report = rx.receive()
+        if self._refusal is not None:
+            raise self._refusal
         tag = getattr(report, "version", None)
         # the sender's transfer version is "<update number>:<label>" (VLLMWeightPusher): the
         # number increases from update to update, the label is vLLM's weight version
@@ -309,8 +378,8 @@ class ReceiverCore:
         self.last_version = None if got is None else str(got)
         if self._session_version is None:
             self._session_version = tag
-        log.info("unisleep weight transfer: staged %d tensors (version %s) over %s in %.3f s",
-                 len(self._staged), self.last_version, getattr(report, "path", "?"),
+        log.info("unisleep weight transfer: received %d tensors (version %s, staging %s) over %s in %.3f s",
+                 len(self._seen), self.last_version, self.staging, getattr(report, "path", "?"),
                  time.perf_counter() - t0)
         if update_info.final:
             self._verify_coverage(update_info.partial)
@@ -321,22 +390,12 @@ class ReceiverCore:
         if expected is None:
             log.warning("unisleep weight transfer: no local checkpoint to check coverage against")
             return
-        unknown = sorted(n for n in self._staged if n not in expected)
-        if unknown:
-            raise TransferError(f"update names {len(unknown)} tensor(s) the checkpoint does not "
-                                f"have, e.g. {unknown[:3]}; nothing was applied")
-        bad = [(n, tuple(t.shape), expected[n]) for n, t in self._staged.items()
-               if tuple(t.shape) != tuple(expected[n])]
-        if bad:
-            n, got, want = bad[0]
-            raise TransferError(f"{len(bad)} tensor(s) have the wrong shape, e.g. {n}: {got} "
-                                f"instead of {want}; nothing was applied")
-        missing = sorted(n for n in expected if n not in self._staged)
+        # names and shapes were checked bucket by bucket, before each was applied
+        missing = sorted(n for n in expected if n not in self._seen)
         if missing and not partial:
             raise TransferError(
                 f"incomplete update: {len(missing)} of {len(expected)} checkpoint tensors "
-                f"missing (e.g. {missing[:3]}); nothing was applied and the served weights are "
-                "unchanged (send every tensor, or mark the update partial=True)")
+                f"missing (e.g. {missing[:3]}) (send every tensor, or mark the update partial=True)")
 
     def finish_weight_update(self) -> None:
         if not self._verified:
@@ -355,24 +414,71 @@ class ReceiverCore:
         t0 = time.perf_counter()
         try:
             with torch.no_grad(), self._apply_context():
-                initialize_layerwise_reload(self.model)
-                self.model.load_weights(iter(staged.items()))
-                finalize_layerwise_reload(self.model, self.model_config)
+                if self.staging != "none":
+                    initialize_layerwise_reload(self.model)
+                    self.model.load_weights(iter(staged.items()))
+                    staged.clear()
+                    finalize_layerwise_reload(self.model, self.model_config)
+                elif self._reloading:
+                    self._reloading = False
+                    finalize_layerwise_reload(self.model, self.model_config)
         except Exception as e:
             log.error("unisleep weight transfer: %s (%s: %s)", RESTART_REQUIRED,
                       type(e).__name__, e)
             raise RuntimeError(f"{RESTART_REQUIRED} ({type(e).__name__}: {e})") from e
+        self.torn = None
         self.applied_versions.append(self.last_version)
         self._floor, self._session_version = self._session_version, None
-        log.info("unisleep weight transfer: applied %d tensors (version %s) in %.3f s",
-                 len(staged), self.last_version, time.perf_counter() - t0)
+        log.info("unisleep weight transfer: applied %d tensors (version %s) in %.3f s (finish)",
+                 len(self._seen), self.last_version, time.perf_counter() - t0)
 
-    def abort_session(self) -> bool:
-        """Drop what the open session staged (the served weights stay); True when one was open."""
-        was = bool(self._active or self._staged)
+    def _restore_model(self) -> bool:
+        """End this session's layerwise reload after a failure: the layers that were completed
+        keep the new weights, every other layer gets its served tensors back (a partly loaded
+        layer's buffered tensors are dropped first).  True when some layer holds new weights."""
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+        self._reloading = False
+        written = False
+        with torch.no_grad(), self._apply_context():
+            for layer in self.model.modules():
+                info = get_layerwise_info(layer)
+                own = any(True for _ in layer.parameters(recurse=False))
+                if not info.can_load():
+                    written = written or own  # completed in this session: new weights
+                elif info.load_numel > 0:
+                    info.loaded_weights = []
+                    info.load_numel = 0
+            finalize_layerwise_reload(self.model, self.model_config)
+        return written
+
+    def _end_failed_session(self) -> str:
+        """Close a failed session; what it says of the served weights."""
         self._staged = {}
         self._verified = self._active = False
         self._session_version = None
+        if not self._reloading:
+            return "nothing was applied and the served weights are unchanged"
+        try:
+            written = self._restore_model()
+        except Exception as e:  # noqa: BLE001
+            log.error("unisleep weight transfer: %s (%s: %s)", RESTART_REQUIRED, type(e).__name__, e)
+            self.torn = f"the model could not be put back after a failed update ({type(e).__name__}: {e})"
+            return f"{RESTART_REQUIRED} ({type(e).__name__}: {e})"
+        if not written:
+            return "nothing was applied and the served weights are unchanged"
+        self.torn = (f"an update failed after {len(self._seen)} tensor(s) were received; the layers "
+                     "completed before the failure hold the new weights, the others the old ones")
+        log.warning("unisleep weight transfer: the weights are torn: %s", self.torn)
+        return (f"the weights are torn: {self.torn}; send the whole update again (a complete update "
+                "repairs them)")
+
+    def abort_session(self) -> bool:
+        """Close the open session: drop what it staged, or end its layerwise reload (the layers
+        it did not complete keep their weights; see :attr:`torn`).  True when one was open."""
+        was = bool(self._active or self._staged or self._reloading)
+        self._end_failed_session()
         return was
 
     def _apply_context(self):
@@ -389,6 +495,8 @@ class ReceiverCore:
             except Exception:  # pragma: no cover
                 pass
         group, self.group = self.group, None
+        if self._reloading:
+            self._end_failed_session()
         self._staged = {}
         self._active = self._verified = False
         if group is not None:

@@ -18,20 +18,19 @@ error naming the path that works there: the worker extension
 
 Differences from vLLM's built-in engines, on purpose:
 
-* **Staging in host memory by default.**  Each verified bucket is copied at once into pinned host
-  memory (plain host memory on CPU); the transfer itself holds two bucket buffers on the device,
-  so an update never needs a second copy of the model there.  ``init_info.staging="device"``
-  (opt-in) keeps the staged copy on the device instead — faster to apply, and refused at
-  ``start_weight_update`` unless the update (sized from the checkpoint) fits in 90 % of the free
-  device memory.
-
-* **Atomic.**  ``update_weights`` receives into host-side staging (the receiver verifies every
-  tensor against the sender's manifest and checksums); the model is touched only in
-  ``finish_weight_update``, and only when the staged set covers every tensor of the checkpoint
-  the engine was loaded from (names and shapes), unless the update says ``partial``.  A failed,
-  corrupt or incomplete update therefore leaves the served weights exactly as they were and the
-  engine usable — vLLM's engines leave the model in meta-tensor state, which kills the engine at
-  the next forward.
+* **Streaming by default.**  Each verified bucket is checked against the checkpoint the engine
+  was loaded from (names, shapes) and loaded into the model at once, inside one layerwise reload
+  per update (begun at the first bucket, finished in ``finish_weight_update``): the transfer
+  holds two bucket buffers and vLLM the layer it is completing — never a second copy of the
+  model.  A failure part-way ends the reload with every uncompleted layer put back; when some
+  layer already holds new weights the engine's receiver is marked torn (``torn``) and the error
+  says so (``outcome``); the next complete update repairs it.  Do not generate during an update:
+  the model is inside vLLM's layerwise reload until ``finish_weight_update``.
+  ``init_info.staging="host"`` (pageable host memory) or ``"device"`` (refused at
+  ``start_weight_update`` unless the update, sized from the checkpoint, fits in 90 % of the free
+  device memory) holds the whole update until ``finish_weight_update`` instead: a failed,
+  corrupt or incomplete update then leaves the served weights exactly as they were — vLLM's
+  engines leave the model in meta-tensor state, which kills the engine at the next forward.
 * **No accelerator sync on host.**  The base ``update_weights`` calls
   ``torch.accelerator.synchronize()``, which raises on CPU.
 * **Refuses to write into sleeping weights** (vLLM #57853), before anything is received and
@@ -40,13 +39,13 @@ Differences from vLLM's built-in engines, on purpose:
   can tell, it refuses and says why (fail closed).
 
 init_info: ``{"rendezvous": "tcp://127.0.0.1:PORT", "rank_offset": 1, "world_size": 2,
-"timeout_s": 300, "secret_file": "/path/of/a/0600/file", "staging": "host"}`` — worker rank = ``rank_offset +
+"timeout_s": 300, "secret_file": "/path/of/a/0600/file", "staging": "none"}`` — worker rank = ``rank_offset +
 dp_index * tp_pp_size + worker rank``; the trainer is rank 0.  The group secret travels as a file
 path (or ``UNISLEEP_TRANSFER_SECRET_FILE`` in the engine's environment), never as the secret:
 every control record of the group is authenticated with it (docs/security.md).  update_info:
 ``{"version": str|None, "final": true, "partial": false, "allow_equal_versions": false}`` —
 versions must increase from one update to the next (the chunks of one update share theirs);
-``{"abort": true}`` drops what was staged and closes vLLM's update session (vLLM has no abort
+``{"abort": true}`` drops what was staged (or ends the layerwise reload) and closes vLLM's update session (vLLM has no abort
 route: the call answers with an error naming :data:`ABORTED`, and the worker closes the session
 as it does for every failed chunk).
 The apply step uses vLLM's ``initialize_layerwise_reload`` → ``model.load_weights`` →
@@ -118,7 +117,7 @@ class UnisleepInitInfo(WeightTransferInitInfo):
     group_name: str = "vllm"
     secret_file: str = ""    # path of the group secret (mode 0600), never the secret itself
     insecure: bool = False   # a non-loopback group without a secret (warns)
-    staging: str = "host"    # "host" (pinned on accelerators) or "device" (opt-in, fit-checked)
+    staging: str = "none"    # "none" (streaming), or whole-update staging: "host" or "device" (fit-checked)
 
 
 @dataclass

@@ -76,9 +76,12 @@ TABLE: tuple[Workaround, ...] = (
         "tensor) state: the next start fails ('Parameter' object has no attribute "
         "'weight_loader') and the next forward kills the engine; a partial update (missing "
         "chunks) followed by finish is accepted silently",
-        "verify the manifest (every name, shape, dtype, checksum) before finish; unisleep's "
-        "engine stages the whole update and applies it only when complete; if a built-in "
-        "engine failed mid-update, report that the vLLM engine must be restarted", VERIFY),
+        "verify every bucket (name, shape, dtype, checksum, the checkpoint's names and shapes) "
+        "before it is applied; unisleep's engine streams each verified bucket into one "
+        "layerwise reload per update and, after a failure part-way, ends the reload with the "
+        "uncompleted layers put back (torn, said so) — staging='host'/'device' applies only a "
+        "complete update; if a built-in engine failed mid-update, report that the vLLM engine "
+        "must be restarted", VERIFY),
     Workaround(
         "is-sleeping-true-when-paused", None, None, "EngineCore.is_sleeping (0.32/0.33 code)",
         "/is_sleeping is true after a mere /pause, and /is_paused is true after /sleep; "
