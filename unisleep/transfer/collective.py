@@ -30,16 +30,12 @@ import datetime
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 from ..errors import TransferError, UnsupportedError
 from .cipher import SLACK, pieces, writable_view
 from .manifest import BucketPlan, pack_tensor
 from .netinfo import foreign_connections, listening_ports
-
-if TYPE_CHECKING:
-    from .group import TransferGroup
-    from .receiver import RecvState
 
 log = logging.getLogger("unisleep.transfer")
 
@@ -272,7 +268,7 @@ def _quiet(fn) -> None:
         pass
 
 
-def wait_work(group: TransferGroup, work) -> None:
+def wait_work(group: "TransferGroup", work) -> None:
     """Wait for a collective's work object, checking the other ranks' liveness meanwhile: a dead
     peer ends the wait within a few seconds (and names the peer) instead of the group timeout."""
     if not hasattr(work, "is_completed"):

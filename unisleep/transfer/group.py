@@ -52,6 +52,7 @@ from ..errors import InvalidArgumentError, TransferError, UnsupportedError
 from ..platform import Platform, detect_platform
 from . import records as R
 from .collective import _DataChannel
+from .netinfo import _boot_id, _netns, _pidns
 from .secret import resolve_secret
 from .store import LocalStore, RecordTooLargeError, RemoteStore, StoreAuthError, StoreServer
 from .waiting import WaitNotice
@@ -96,28 +97,6 @@ def listen_socket(host: str, port: int) -> socket.socket:
             s.close()
             err = e
     raise OSError(f"cannot listen on {host}:{port}: {err}")
-
-
-def _boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
-def _netns() -> int:
-    try:
-        return os.stat("/proc/self/ns/net").st_ino
-    except OSError:
-        return 0
-
-
-def _pidns() -> int:
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return 0
 
 
 @dataclass(frozen=True)

@@ -39,17 +39,13 @@ import struct
 import threading
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from ..errors import TransferError
 from . import records as R
-from .group import TransferGroup, _pidns
 from .manifest import BucketPlan
-from .netinfo import descriptor_error, user_name
+from .netinfo import _pidns, descriptor_error, user_name
 from .records import named_error
-
-if TYPE_CHECKING:
-    from .receiver import RecvState
 
 log = logging.getLogger("unisleep.transfer")
 
@@ -91,7 +87,7 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
 class IpcConn:
     """One authenticated IPC connection: sealed messages with a counter per direction."""
 
-    def __init__(self, sock: socket.socket, group: TransferGroup, ctx: str, out_dir: str, in_dir: str, peer: str,
+    def __init__(self, sock: socket.socket, group: "TransferGroup", ctx: str, out_dir: str, in_dir: str, peer: str,
                  peer_rank: int):
         self.sock, self.group, self.peer, self.peer_rank = sock, group, peer, peer_rank
         self.key = group.subkey("ipc")
@@ -182,11 +178,11 @@ def recv_sealed(sock: socket.socket, key: bytes, ctx: str, n: Optional[int], wha
         raise
 
 
-def ipc_context(group: TransferGroup, name: str) -> str:
+def ipc_context(group: "TransferGroup", name: str) -> str:
     return f"{group.group_id}/ipc/{name.encode('unicode_escape').decode()}"
 
 
-def connect_ipc(group: TransferGroup, name: str) -> IpcConn:
+def connect_ipc(group: "TransferGroup", name: str) -> IpcConn:
     """Receiver side: connect to the sender's socket (the handshake follows with
     :func:`handshake_receiver`).  A full backlog (``EAGAIN``) is retried for up to
     :data:`CONNECT_RETRY_S` seconds: the sender's accepting thread drains it."""
@@ -245,7 +241,7 @@ class IpcSenderState:
 
     MAX_QUEUED = 16
 
-    def __init__(self, group: TransferGroup):
+    def __init__(self, group: "TransferGroup"):
         self.group = group
         self.ipc = group.ipc_module()
         self.name = f"\0unisleep-transfer-{os.getpid()}-{uuid.uuid4().hex}"

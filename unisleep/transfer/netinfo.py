@@ -2,8 +2,10 @@
 other end of a local TCP connection, from ``/proc/net/tcp{,6}`` (Linux: the uid that owns a socket
 is listed there for every socket of this network namespace, so a connection made from this machine
 can be named, "uid 65534 (nobody)", in an intrusion; connections from another machine are named by
-address only), and running out of file descriptors, said as a
-:class:`~unisleep.errors.DescriptorLimitError` that names the limit and the fix."""
+address only); the boot and the network and process namespaces this process runs in (two group
+members share a machine, and see each other's processes, when theirs match); and running out of
+file descriptors, said as a :class:`~unisleep.errors.DescriptorLimitError` that names the limit
+and the fix."""
 
 from __future__ import annotations
 
@@ -15,6 +17,28 @@ from typing import Iterable, Optional
 from ..errors import DescriptorLimitError
 
 _STATES = {"01": "ESTABLISHED", "0A": "LISTEN"}
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _netns() -> int:
+    try:
+        return os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        return 0
+
+
+def _pidns() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
 
 
 def _hex_addr(h: str) -> str:

@@ -20,7 +20,7 @@ import queue
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 from ..errors import TransferError
 from .ipc import IpcGoneError, ipc_text, update_messages
@@ -28,13 +28,8 @@ from .records import named_error
 from .manifest import BucketPlan, pack_tensor
 from .netinfo import descriptor_error
 
-if TYPE_CHECKING:
-    from .group import TransferGroup
-    from .ipc import IpcSenderState
-    from .receiver import RecvState
 
-
-def receiver_failure(group: TransferGroup, seq: int, epoch: int, r: int, e: TransferError,
+def receiver_failure(group: "TransferGroup", seq: int, epoch: int, r: int, e: TransferError,
                      conn=None, wait_s: float = 2.0) -> TransferError:
     """The error to raise when receiver ``r``'s bucket socket failed during update ``seq``: the
     reason the receiver sent on its IPC connection ``conn`` before it hung up (an ``error``, or a
