@@ -34,6 +34,18 @@ def test_plan_buckets_cuts_aligns_and_gives_big_tensors_their_own():
     assert plans[1].slots[0].nbytes == 4000  # larger than the bucket: alone, not refused
 
 
+def test_plan_buckets_cuts_many_small_tensors_into_buckets_of_at_most_bucket_tensors():
+    """Many small tensors come in several buckets (so the receiver works on one while the sender
+    packs the next), however large the bucket size; both sides cut the same way."""
+    from unisleep.transfer.manifest import BUCKET_TENSORS
+
+    specs = [TensorSpec(f"t{i}", (1024,), "uint8") for i in range(2 * BUCKET_TENSORS + 5)]
+    plans = plan_buckets(specs, 1 << 30)
+    assert [len(p.slots) for p in plans] == [BUCKET_TENSORS, BUCKET_TENSORS, 5]
+    assert [s.index for p in plans for s in p.slots] == list(range(len(specs)))
+    assert len(plan_buckets(specs, 1 << 30, max_tensors=None)) == 1
+
+
 def _sealed_bucket(seal, tensors):
     specs = [TensorSpec(f"t{i}", tuple(t.shape), str(t.dtype).replace("torch.", "")) for i, t in enumerate(tensors)]
     plan = plan_buckets(specs, 1 << 30)[0]

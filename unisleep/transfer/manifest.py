@@ -189,11 +189,23 @@ def trailer_words(n: int) -> int:
     return TRAILER_HEAD + WORDS_PER_TENSOR * n
 
 
-def plan_buckets(specs: Sequence[TensorSpec], bucket_bytes: int) -> list[BucketPlan]:
-    """Cut ``specs`` (in order) into buckets of at most ``bucket_bytes`` of tensor data; a tensor
-    larger than that gets a bucket of its own."""
+#: a bucket holds at most this many tensors, whatever their bytes: an update of many small
+#: tensors then comes in several buckets, so that the receiver verifies and applies one while the
+#: sender packs the next (in one bucket the two sides' work per tensor adds up instead of
+#: overlapping).  Part of the bucket layout both sides compute, so of the transfer protocol
+#: (:data:`~unisleep.transfer.records.PROTOCOL`).
+BUCKET_TENSORS = 256
+
+
+def plan_buckets(specs: Sequence[TensorSpec], bucket_bytes: int,
+                 max_tensors: Optional[int] = BUCKET_TENSORS) -> list[BucketPlan]:
+    """Cut ``specs`` (in order) into buckets of at most ``bucket_bytes`` of tensor data and at
+    most ``max_tensors`` tensors (None: no limit); a tensor larger than ``bucket_bytes`` gets a
+    bucket of its own."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+    if max_tensors is not None and max_tensors < 1:
+        raise ValueError(f"max_tensors must be >= 1 or None, got {max_tensors}")
     plans: list[BucketPlan] = []
     cur: list[Slot] = []
     off = 0
@@ -208,7 +220,7 @@ def plan_buckets(specs: Sequence[TensorSpec], bucket_bytes: int) -> list[BucketP
     for i, s in enumerate(specs):
         n = s.nbytes
         start = _round_up(off, ALIGN)
-        if cur and start + n > bucket_bytes:
+        if cur and (start + n > bucket_bytes or (max_tensors is not None and len(cur) >= max_tensors)):
             close()
             start = 0
         cur.append(Slot(i, start, n))
