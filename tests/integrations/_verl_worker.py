@@ -103,7 +103,10 @@ def main(role: str, is_master: bool, bucket_size: int, engine_kwargs: dict, conn
             elif cmd == "send":
                 seed, corrupt = arg
                 if corrupt:  # a sender whose first bucket goes out altered (tests/transfer/faults.py)
-                    eng._sender = eng._sender or _faulty_sender(eng)
+                    if not hasattr(eng._sender, "corrupt"):  # the engine keeps its own sender across syncs
+                        if eng._sender is not None:
+                            eng._sender.close()
+                        eng._sender = _faulty_sender(eng)
                     eng._sender.corrupt = {0}
                 try:
                     out = asyncio.run(eng.send_weights(iter(make_state(seed).items()), global_steps=seed))
