@@ -123,7 +123,7 @@ class OpenRLHFTrainer:
     def state(self) -> dict:
         t = self.trainer
         return {"use_cuda_ipc": t.use_cuda_ipc,
-                "cuda_ipc_requested": getattr(t, "_unisleep_openrlhf_cuda_ipc", None),
+                "ipc_requested": getattr(t, "_unisleep_openrlhf_ipc_requested", None),
                 "group": type(getattr(t, "_model_update_group", None)).__name__}
 
     def broadcast_to_vllm(self, model_dir: str) -> int:

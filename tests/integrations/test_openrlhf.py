@@ -151,7 +151,7 @@ def test_openrlhfs_own_trainer_syncs_through_unisleep(ray_engine, tiny_models):
         [actor], sync_backend="nccl", colocate_all=True, async_enable=False)
     try:
         state = ray.get(trainer.state.remote(), timeout=300)
-        assert state == {"use_cuda_ipc": False, "cuda_ipc_requested": True,
+        assert state == {"use_cuda_ipc": False, "ipc_requested": True,
                          "group": "UnisleepModelUpdateGroup"}, state
 
         n = ray.get(trainer.broadcast_to_vllm.remote(tiny_models[0]), timeout=600)

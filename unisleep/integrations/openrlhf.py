@@ -199,7 +199,9 @@ WORKER_WRAP_MODULE = "openrlhf.trainer.ray.vllm_worker_wrap"
 DIST_UTIL_MODULE = "openrlhf.utils.distributed_util"
 PPO_ACTOR_MODULE = "openrlhf.trainer.ray.ppo_actor"
 #: the ``WorkerWrap`` methods OpenRLHF's engine actor calls through ``collective_rpc``
-WORKER_METHODS = ("init_process_group", "update_weight", "update_weight_cuda_ipc")
+WORKER_METHODS = tuple(f.__name__ for f in (UnisleepWorkerWrap.init_process_group,
+                                             UnisleepWorkerWrap.update_weight,
+                                             UnisleepWorkerWrap.update_weight_cuda_ipc))
 
 
 def _patch_worker_wrap(module) -> None:
@@ -241,9 +243,9 @@ def _cuda_ipc_off(self) -> bool:
 
 
 def _cuda_ipc_requested(self, value) -> None:
-    self._unisleep_openrlhf_cuda_ipc = bool(value)
+    self._unisleep_openrlhf_ipc_requested = bool(value)
     if value:
-        log.info("unisleep (OpenRLHF): the colocated CUDA IPC sync goes over unisleep's group "
+        log.info("unisleep (OpenRLHF): the colocated device-IPC sync goes over unisleep's group "
                  "instead (IPC by itself where the trainer and an engine share a device)")
 
 
@@ -252,7 +254,19 @@ def _patch_ppo_actor(module) -> None:
     module.ActorPPOTrainer.use_cuda_ipc = property(
         _cuda_ipc_off, _cuda_ipc_requested,
         doc="False with unisleep: the colocated sync broadcasts over unisleep's group; what "
-            "OpenRLHF asked for is kept in _unisleep_openrlhf_cuda_ipc")
+            "OpenRLHF asked for is kept in _unisleep_openrlhf_ipc_requested")
+
+
+def _show_info_lines() -> None:
+    """This module's INFO lines go to stderr (Ray forwards a worker's to the driver), unless
+    the process configured logging itself."""
+    if logging.getLogger().handlers or log.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
 
 
 def install() -> str:
@@ -261,6 +275,7 @@ def install() -> str:
     when it is imported, or now if it is already).  Meant for Ray's
     ``runtime_env={"worker_process_setup_hook": "unisleep.integrations.openrlhf.install"}``."""
     os.environ[OPENRLHF_ENV] = "1"
+    _show_info_lines()
     patch_on_import(WORKER_WRAP_MODULE, _patch_worker_wrap)
     patch_on_import(DIST_UTIL_MODULE, _patch_dist_util)
     patch_on_import(PPO_ACTOR_MODULE, _patch_ppo_actor)

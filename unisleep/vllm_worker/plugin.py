@@ -27,6 +27,10 @@ vLLM 0.33 keeps CUDA graphs out of the sleeping pool unless the backend is ``"cu
 ``--sleep-mode-offload-cudagraph`` with the unisleep backend captures into the lifecycle's
 graph pool (tag ``"cudagraph"``), offloaded at every level like vLLM's.
 
+``UNISLEEP_OPENRLHF=1`` (set by :func:`unisleep.integrations.openrlhf.install` for the
+processes it starts) runs that install in the worker too: OpenRLHF's ``WorkerWrap`` gets
+unisleep's weight-sync methods before vLLM resolves ``worker_extension_cls``.
+
 ``VLLM_PLUGINS`` is an allow-list: when it is set, it must name ``unisleep``.  :func:`register`
 is idempotent (vLLM may call it several times per process, and it raises on duplicate names).
 """
