@@ -59,6 +59,41 @@ def test_method_signatures_are_openrlhfs():
         assert f'collective_rpc(\n            "{m}"' in src or f'collective_rpc("{m}"' in src
 
 
+def test_vllm_plugin_installs_it_where_the_environment_asks():
+    """In a vLLM worker process that Ray did not start (vLLM's own executor), the setup hook does
+    not run: unisleep's vLLM plugin (which vLLM loads there before it resolves
+    ``worker_extension_cls``) installs it when ``UNISLEEP_OPENRLHF=1``, which the hook sets for
+    the processes it starts.  A fresh interpreter, as such a worker is; there OpenRLHF's own
+    group factory at a rank other than 0 (OpenRLHF's unpatched worker) is refused by name."""
+    import subprocess
+
+    code = (
+        "from unisleep.vllm_worker.plugin import register\n"
+        "print('=', register().get('openrlhf'))\n"
+        "from openrlhf.trainer.ray.vllm_worker_wrap import WorkerWrap\n"
+        "from openrlhf.utils import distributed_util\n"
+        "from unisleep.integrations.openrlhf import UnisleepWorkerWrap, WORKER_METHODS\n"
+        "print('=', all(getattr(WorkerWrap, m) is getattr(UnisleepWorkerWrap, m) for m in WORKER_METHODS))\n"
+        "try:\n"
+        "    distributed_util.stateless_init_process_group('127.0.0.1', 1, 1, 2, None)\n"
+        "except Exception as e:\n"
+        "    print('=', type(e).__name__, 'UNISLEEP_OPENRLHF=1' in str(e))\n")
+    env = dict(os.environ, UNISLEEP_OPENRLHF="1", UNISLEEP_PLATFORM="host")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert _results(out.stdout) == ["hooked", "True", "UnsupportedError", "True"], out.stdout
+    env["UNISLEEP_OPENRLHF"] = "0"
+    out = subprocess.run([sys.executable, "-c", code.split("try:")[0]], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and _results(out.stdout) == ["None", "False"], (out.stdout, out.stderr[-2000:])
+
+
+def _results(stdout: str) -> list:
+    """The child's ``=``-marked answers (vLLM prints its own lines to stdout too)."""
+    return [w for ln in stdout.splitlines() if ln.startswith("= ") for w in ln[2:].split()]
+
+
 @pytest.fixture(scope="module")
 def ray_engine(tiny_models, tmp_path_factory):
     import secrets
