@@ -188,9 +188,8 @@ class ReceiverCore:
 
     def _weight_key(self, name: str) -> Any:
         """What vLLM's ``load_weights`` makes of a weight name: the update target's
-        ``hf_to_vllm_mapper`` (vLLM's ``WeightsMapper``: renamed, re-prefixed, stacked into a
-        fused parameter with its shard), or the name itself when the model has none.  None: vLLM
-        drops that name."""
+        ``hf_to_vllm_mapper`` (renamed, re-prefixed, stacked with its shard), or the name itself
+        when the model has none.  None: vLLM drops that name."""
         mapper = getattr(self.model, "hf_to_vllm_mapper", None)
         fn = getattr(mapper, "_map_name_with_shard", None) or getattr(mapper, "_map_name", None)
         if fn is None:
@@ -201,10 +200,8 @@ class ReceiverCore:
             return name
 
     def _expected_shape(self, name: str, expected: dict) -> Optional[tuple[int, ...]]:
-        """The checkpoint's shape for ``name``: its own, or that of the checkpoint tensor vLLM's
-        ``load_weights`` maps to the same parameter (a trainer's names need not be the
-        checkpoint's: ``decoder.x`` and ``model.decoder.x`` both load into OPT's
-        ``model.decoder.x``).  None: the checkpoint has nothing vLLM would load it into."""
+        """The checkpoint's shape for ``name``: its own, or that of the checkpoint tensor vLLM
+        loads into the same place (OPT: ``decoder.x`` as ``model.decoder.x``); None: none."""
         if name in expected:
             return tuple(expected[name])
         key = self._weight_key(name)
