@@ -43,10 +43,9 @@ rather than rebuilt: rebuilding calls a function received over the wire (``func(
 pickled handle).  ``--vllm.sync_with_ray`` is refused (unisleep does not use
 ``ray.util.collective``).
 
-The group's address is the trainer node's (OpenRLHF passes its IP): across processes of one
-machine as one user nothing else is needed; otherwise give every process the group secret with
-``UNISLEEP_TRANSFER_SECRET_FILE`` (a 0600 file; e.g. Ray's ``runtime_env.env_vars``) —
-docs/security.md.
+The group's address is the trainer node's IP (OpenRLHF passes it, not a loopback address), so
+every process needs the group secret, on one machine too: ``UNISLEEP_TRANSFER_SECRET_FILE`` (a
+0600 file) in Ray's ``runtime_env.env_vars`` — docs/security.md.
 """
 
 from __future__ import annotations
