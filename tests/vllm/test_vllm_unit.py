@@ -354,6 +354,46 @@ def test_draft_update_is_checked_against_the_drafts_checkpoint(tmp_path, tiny_mo
     assert eng._expected_specs() == main
 
 
+def test_names_are_checked_the_way_vllms_load_weights_maps_them(tmp_path, tiny_models):
+    """A trainer's name need not be the checkpoint's: vLLM's OPT loads ``decoder.*`` (the bare
+    ``OPTModel``'s names) into the same parameters as the checkpoint's ``model.decoder.*``
+    (its ``hf_to_vllm_mapper``, vLLM's own).  Such names are accepted with the checkpoint's
+    shape and count for coverage; a name vLLM would not load anywhere is still refused."""
+    import types
+
+    import torch
+    from safetensors.torch import save_file
+    from vllm.model_executor.models.opt import OPTForCausalLM
+
+    from unisleep.errors import TransferError
+
+    class Target(torch.nn.Linear):
+        hf_to_vllm_mapper = OPTForCausalLM.hf_to_vllm_mapper  # vLLM's mapper for OPT
+
+    ckpt = tmp_path / "opt"
+    ckpt.mkdir()
+    save_file({"model.decoder.layers.0.fc1.weight": torch.zeros(4, 3),
+               "model.decoder.layers.0.self_attn.q_proj.weight": torch.zeros(3, 3)},
+              str(ckpt / "model.safetensors"))
+    eng = _transfer_engine(model_path=tiny_models[0], enable_sleep_mode=False)
+    eng.set_weight_update_target(Target(3, 4), types.SimpleNamespace(model=str(ckpt),
+                                                                     enable_sleep_mode=False))
+    sent = [("decoder.layers.0.fc1.weight", torch.zeros(4, 3)),
+            ("model.decoder.layers.0.self_attn.q_proj.weight", torch.zeros(3, 3))]
+    assert eng._refuse_bucket(sent) is None
+    eng._seen = {n: tuple(t.shape) for n, t in sent}
+    eng._verify_coverage(partial=False)  # decoder.* covers model.decoder.*
+    eng._seen = {"decoder.layers.0.fc1.weight": (4, 3)}
+    with pytest.raises(TransferError, match="incomplete"):
+        eng._verify_coverage(partial=False)
+    eng._seen = {}
+    refusal = eng._refuse_bucket([("decoder.layers.0.fc1.weight", torch.zeros(4, 4))])
+    assert isinstance(refusal, TransferError) and "wrong shape" in str(refusal) and "(4, 3)" in str(refusal)
+    refusal = eng._refuse_bucket([("encoder.layers.0.fc1.weight", torch.zeros(4, 3))])
+    assert isinstance(refusal, TransferError) and "does not have" in str(refusal)
+    eng.reset_weight_update_target()
+
+
 def _sparse_checkpoint(path, nbytes):
     """A safetensors checkpoint whose header declares one uint8 tensor of ``nbytes`` (a sparse
     file: the bytes are never written)."""

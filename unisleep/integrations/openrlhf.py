@@ -1,22 +1,29 @@
-"""OpenRLHF over :mod:`unisleep.transfer`: a vLLM worker extension with OpenRLHF's weight-sync
-methods, and the trainer's model-update group that feeds it.
+"""OpenRLHF over :mod:`unisleep.transfer`: OpenRLHF's weight-sync calls, served by unisleep in its
+own vLLM worker wrapper and its own trainer, without an edit of OpenRLHF's source.
 
 OpenRLHF (0.11.0, which pins vLLM 0.27.1; 0.11.1/0.11.2 pin 0.29.0 with the same calls) syncs
-weights per parameter: the trainer (DeepSpeed rank 0) calls
-``engine.update_weight.remote(name, dtype, shape, empty_cache)`` on every vLLM engine actor —
-which runs ``collective_rpc("update_weight", args=(name, dtype, shape, empty_cache))`` on the
-workers' ``worker_extension_cls`` — and broadcasts the tensor over ``_model_update_group``
-(``self._model_update_group.broadcast(param.data, src=0, stream=...)``); ``empty_cache`` is True
-for the last parameter.  Two lines switch that to unisleep (docs/integrations/openrlhf.md):
+weights per parameter: the trainer (DeepSpeed rank 0, ``ActorPPOTrainer.broadcast_to_vllm`` in
+``openrlhf/trainer/ray/ppo_actor.py``) calls ``engine.update_weight.remote(name, dtype, shape,
+empty_cache)`` on every vLLM engine actor — which runs ``collective_rpc("update_weight", ...)``
+on the workers' ``worker_extension_cls``, OpenRLHF's ``WorkerWrap`` — and broadcasts the tensor
+over ``_model_update_group`` (made by ``stateless_init_process_group`` in
+``_init_vllm_sync_group``); ``empty_cache`` is True for the last parameter.  Its default when
+colocated (``--vllm.sync_backend nccl`` with ``--train.colocate_all``, no
+``--train.async_enable``: ``use_cuda_ipc``) sends CUDA IPC handles through
+``update_weight_cuda_ipc`` instead.
 
-* ``openrlhf/trainer/ray/vllm_engine.py`` (``create_vllm_engines``)::
+:func:`install` switches all of it to unisleep in the process it runs in, by post-import hooks
+(nothing of OpenRLHF is imported by it): ``WorkerWrap`` gets :class:`UnisleepWorkerWrap`'s three
+methods; ``stateless_init_process_group`` at rank 0 returns :func:`trainer_group`; and the
+trainer's ``use_cuda_ipc`` reads False, so OpenRLHF's colocated default also broadcasts over
+the unisleep group (which takes IPC by itself when the trainer and an engine share a device)
+instead of sending handles.  It also sets ``UNISLEEP_OPENRLHF=1`` in the environment, so the
+vLLM workers that process starts run it too (unisleep's vLLM general plugin reads it).  One
+line of Ray configuration runs it in every Ray worker (the trainer and the engine actors)::
 
-      "worker_extension_cls": "unisleep.integrations.openrlhf.UnisleepWorkerWrap",
-
-* ``openrlhf/trainer/ray/ppo_actor.py`` (``_init_vllm_sync_group``, the non-Ray branch)::
-
-      self._model_update_group = unisleep.integrations.openrlhf.trainer_group(
-          master_address, master_port, world_size)
+    ray job submit --runtime-env-json \
+        '{"worker_process_setup_hook": "unisleep.integrations.openrlhf.install"}' -- \
+        python3 -m openrlhf.cli.train_ppo_ray ...
 
 What changes for the run: every parameter is checked against the sender's manifest (shape,
 dtype, keyed digest), the announced shape and dtype and the checkpoint before it is applied, then
@@ -26,22 +33,19 @@ vLLM is completing.  A refused parameter is not applied and ends the sync: the l
 completed keep the new weights, the others are put back, and the error's ``outcome`` says which
 (``"untouched"`` / ``"torn"``).  ``UNISLEEP_OPENRLHF_STAGING=host`` (pageable host memory) or
 ``device`` in the engines' environment stages the whole sync and applies it at the last
-parameter instead (a broken sync then leaves the model untouched).  The group is authenticated
-(OpenRLHF's IPC path calls a function received over the wire, ``func(*args)`` of a pickled
-handle); sleeping weights are refused (vLLM #57853); the same code runs on CUDA, ROCm, Ascend
-and CPU (gloo), over IPC when the trainer and the engine share a device.
+parameter instead (a broken sync then leaves the model untouched).  The group is authenticated;
+sleeping weights are refused (vLLM #57853); the same code runs on CUDA, ROCm, Ascend and CPU
+(gloo), over IPC when the trainer and the engine share a device.
 
 ``update_weight_cuda_ipc(name, dtype, shape, ipc_handles=None, empty_cache=False)`` receives the
-same way (the group takes IPC by itself when colocated); it refuses OpenRLHF's own
-``ipc_handles`` rather than call the function they name.  OpenRLHF takes that path only with
-``--vllm.sync_backend nccl``, ``--train.colocate_all`` and no ``--train.async_enable``; with
-unisleep give another ``--vllm.sync_backend`` (any: unisleep picks the platform's collective)
-so the trainer uses ``_model_update_group``.
+same way; handles still sent to it (a trainer where :func:`install` did not run) are refused
+rather than rebuilt: rebuilding calls a function received over the wire (``func(*args)`` of a
+pickled handle).  ``--vllm.sync_with_ray`` is refused (unisleep does not use
+``ray.util.collective``).
 
-The group's address is the trainer node's (OpenRLHF passes its IP): across processes of one
-machine as one user nothing else is needed; otherwise give every process the group secret with
-``UNISLEEP_TRANSFER_SECRET_FILE`` (a 0600 file; e.g. Ray's ``runtime_env.env_vars``) —
-docs/security.md.  OpenRLHF itself is not imported here.
+The group's address is the trainer node's IP (OpenRLHF passes it, not a loopback address), so
+every process needs the group secret, on one machine too: ``UNISLEEP_TRANSFER_SECRET_FILE`` (a
+0600 file) in Ray's ``runtime_env.env_vars`` — docs/security.md.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ import os
 from typing import Any, Optional
 
 from ..vllm_worker.extension import UnisleepWorkerExtension, _receiver
+from ..vllm_worker.plugin import OPENRLHF_ENV, patch_on_import
 from ..errors import InvalidArgumentError, UnsupportedError
 
 log = logging.getLogger(__name__)
@@ -141,9 +146,9 @@ class UnisleepWorkerWrap(UnisleepWorkerExtension):
             raise UnsupportedError(
                 "unisleep's OpenRLHF worker extension does not rebuild device IPC handles received "
                 "over RPC (that calls a function the sender names); the weights travel over the "
-                "unisleep group, which uses IPC by itself when colocated: run OpenRLHF with a "
-                "--vllm.sync_backend other than its default so the trainer broadcasts through "
-                "trainer_group()")
+                "unisleep group, which uses IPC by itself when colocated: run "
+                "unisleep.integrations.openrlhf.install in the trainer's process too (Ray's "
+                "runtime_env worker_process_setup_hook), so it broadcasts through trainer_group()")
         self.update_weight(name, dtype, shape, empty_cache)
 
 
@@ -188,4 +193,93 @@ def trainer_group(master_address: str, master_port: int, world_size: int, *,
     return UnisleepModelUpdateGroup(g, path=path)
 
 
-__all__ = ["UnisleepWorkerWrap", "UnisleepModelUpdateGroup", "trainer_group", "GROUP_NAME"]
+#: OpenRLHF's modules :func:`install` patches when they are imported
+WORKER_WRAP_MODULE = "openrlhf.trainer.ray.vllm_worker_wrap"
+DIST_UTIL_MODULE = "openrlhf.utils.distributed_util"
+PPO_ACTOR_MODULE = "openrlhf.trainer.ray.ppo_actor"
+#: the ``WorkerWrap`` methods OpenRLHF's engine actor calls through ``collective_rpc``
+WORKER_METHODS = tuple(f.__name__ for f in (UnisleepWorkerWrap.init_process_group,
+                                             UnisleepWorkerWrap.update_weight,
+                                             UnisleepWorkerWrap.update_weight_cuda_ipc))
+
+
+def _patch_worker_wrap(module) -> None:
+    for m in WORKER_METHODS:
+        setattr(module.WorkerWrap, m, getattr(UnisleepWorkerWrap, m))
+    log.info("unisleep (OpenRLHF): WorkerWrap's %s are unisleep's", ", ".join(WORKER_METHODS))
+
+
+def _group_factory(original):
+    """OpenRLHF's ``stateless_init_process_group(master_address, master_port, rank, world_size,
+    device)``: rank 0 (the trainer) gets :func:`trainer_group`."""
+    if getattr(original, "_unisleep", False):
+        return original
+
+    def stateless_init_process_group(master_address, master_port, rank, world_size, device=None):
+        if int(rank) != 0:
+            raise UnsupportedError(
+                f"OpenRLHF's stateless_init_process_group was called for rank {rank} in a process "
+                "where unisleep serves OpenRLHF's weight sync: that is a vLLM worker running "
+                "OpenRLHF's own WorkerWrap.init_process_group; set UNISLEEP_OPENRLHF=1 in the "
+                "engines' environment (unisleep.integrations.openrlhf.install sets it for the "
+                "processes it starts)")
+        log.info("unisleep (OpenRLHF): the trainer's weight-sync group is unisleep's "
+                 "(tcp://%s:%s, %d ranks; OpenRLHF's device argument %r not used)",
+                 master_address, master_port, int(world_size), device)
+        return trainer_group(master_address, master_port, world_size)
+
+    stateless_init_process_group._unisleep = True
+    stateless_init_process_group.__wrapped__ = original
+    return stateless_init_process_group
+
+
+def _patch_dist_util(module) -> None:
+    module.stateless_init_process_group = _group_factory(module.stateless_init_process_group)
+
+
+def _cuda_ipc_off(self) -> bool:
+    return False
+
+
+def _cuda_ipc_requested(self, value) -> None:
+    self._unisleep_openrlhf_ipc_requested = bool(value)
+    if value:
+        log.info("unisleep (OpenRLHF): the colocated device-IPC sync goes over unisleep's group "
+                 "instead (IPC by itself where the trainer and an engine share a device)")
+
+
+def _patch_ppo_actor(module) -> None:
+    module.stateless_init_process_group = _group_factory(module.stateless_init_process_group)
+    module.ActorPPOTrainer.use_cuda_ipc = property(
+        _cuda_ipc_off, _cuda_ipc_requested,
+        doc="False with unisleep: the colocated sync broadcasts over unisleep's group; what "
+            "OpenRLHF asked for is kept in _unisleep_openrlhf_ipc_requested")
+
+
+def _show_info_lines() -> None:
+    """This module's INFO lines go to stderr (Ray forwards a worker's to the driver), unless
+    the process configured logging itself."""
+    if logging.getLogger().handlers or log.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+
+
+def install() -> str:
+    """Serve OpenRLHF's weight sync with unisleep in this process and the processes it starts
+    (see the module docstring).  Idempotent; imports nothing of OpenRLHF (each module is patched
+    when it is imported, or now if it is already).  Meant for Ray's
+    ``runtime_env={"worker_process_setup_hook": "unisleep.integrations.openrlhf.install"}``."""
+    os.environ[OPENRLHF_ENV] = "1"
+    _show_info_lines()
+    patch_on_import(WORKER_WRAP_MODULE, _patch_worker_wrap)
+    patch_on_import(DIST_UTIL_MODULE, _patch_dist_util)
+    patch_on_import(PPO_ACTOR_MODULE, _patch_ppo_actor)
+    return "hooked"
+
+
+__all__ = ["UnisleepWorkerWrap", "UnisleepModelUpdateGroup", "trainer_group", "install", "GROUP_NAME",
+           "WORKER_METHODS"]

@@ -27,6 +27,10 @@ vLLM 0.33 keeps CUDA graphs out of the sleeping pool unless the backend is ``"cu
 ``--sleep-mode-offload-cudagraph`` with the unisleep backend captures into the lifecycle's
 graph pool (tag ``"cudagraph"``), offloaded at every level like vLLM's.
 
+``UNISLEEP_OPENRLHF=1`` (set by :func:`unisleep.integrations.openrlhf.install` for the
+processes it starts) runs that install in the worker too: OpenRLHF's ``WorkerWrap`` gets
+unisleep's weight-sync methods before vLLM resolves ``worker_extension_cls``.
+
 ``VLLM_PLUGINS`` is an allow-list: when it is set, it must name ``unisleep``.  :func:`register`
 is idempotent (vLLM may call it several times per process, and it raises on duplicate names).
 """
@@ -49,6 +53,9 @@ NAME = "unisleep"
 WEIGHT_TRANSFER_TARGET = ("unisleep.vllm_worker.transfer_engine", "UnisleepWeightTransferEngine")
 SLEEP_BACKEND_TARGET = ("unisleep.vllm_worker.sleep_backend", "UnisleepSleepBackend")
 ALLOCATOR_ENV = "UNISLEEP_VLLM_ALLOCATOR"
+#: "1": give OpenRLHF's ``WorkerWrap`` unisleep's weight-sync methods in this process
+#: (:func:`unisleep.integrations.openrlhf.install` sets it for the processes it starts)
+OPENRLHF_ENV = "UNISLEEP_OPENRLHF"
 
 SLEEP_BACKEND_MODULES = tuple(f"{m}.sleep_mode_backend" for m in DEVICE_ALLOCATOR_MODULES)
 WEIGHT_TRANSFER_FACTORY_MODULES = ("vllm.backends.distributed.weight_transfer.factory",
@@ -325,6 +332,24 @@ def install_allocator_hooks(plugin_package: Optional[str] = None) -> str:
     return "hooked"
 
 
+def patch_on_import(name: str, patch) -> None:
+    """Run ``patch(module)`` once on module ``name``: now when it is imported already, else right
+    after its import (the same post-import hook as the allocator's; used by
+    :func:`unisleep.integrations.openrlhf.install`)."""
+
+    def once(module, patch=patch):
+        _patched.add(module.__name__)
+        patch(module)
+
+    with _lock:
+        _PATCHERS[name] = once
+        mod = sys.modules.get(name)
+        if mod is not None and name not in _patched:
+            once(mod)
+        if _finder not in sys.meta_path:
+            sys.meta_path.insert(0, _finder)
+
+
 # ---------------------------------------------------------------------- registration
 def _import_first(names):
     """The first of ``names`` that imports (vLLM main's canonical path, then the released one);
@@ -402,6 +427,12 @@ def register() -> dict[str, str]:
             from .methods import register_worker_methods
 
             _status["worker_methods"] = register_worker_methods()  # memory figures by method name
+            from ..platform import env_flag
+
+            if env_flag(OPENRLHF_ENV):  # set by unisleep.integrations.openrlhf.install
+                from ..integrations.openrlhf import install
+
+                _status["openrlhf"] = install()
             _log_summary()
             log.debug("unisleep vLLM plugin: %s", _status)
         return dict(_status)
@@ -429,4 +460,4 @@ def status() -> dict[str, str]:
 
 
 __all__ = ["register", "status", "NAME", "decide", "select_allocator", "PoolRoutingError", "extra_cleanup_wanted",
-           "install_allocator_hooks", "graph_pool_wanted", "ALLOCATOR_ENV"]
+           "install_allocator_hooks", "graph_pool_wanted", "ALLOCATOR_ENV", "OPENRLHF_ENV", "patch_on_import"]

@@ -158,6 +158,8 @@ class ReceiverCore:
         self.torn: Optional[str] = None
         # checkpoint specs per update target (the model's, the draft's): keyed by checkpoint path
         self._expected: dict[str, dict[str, tuple[int, ...]]] = {}
+        # the same, keyed by what vLLM's load_weights makes of each name (_weight_key)
+        self._expected_keys: dict[str, dict[Any, tuple[int, ...]]] = {}
         # transfer name -> model name, for a sender that does not know the names (OpenRLHF's
         # broadcast carries only the tensor; the name comes with the worker call)
         self.rename: dict[str, str] = {}
@@ -183,6 +185,37 @@ class ReceiverCore:
                 log.warning("unisleep: cannot read checkpoint names for coverage checks: %s", e)
                 self._expected[path] = {}
         return self._expected[path] or None
+
+    def _weight_key(self, name: str) -> Any:
+        """What vLLM's ``load_weights`` makes of a weight name: the update target's
+        ``hf_to_vllm_mapper`` (renamed, re-prefixed, stacked with its shard), or the name itself
+        when the model has none.  None: vLLM drops that name."""
+        mapper = getattr(self.model, "hf_to_vllm_mapper", None)
+        fn = getattr(mapper, "_map_name_with_shard", None) or getattr(mapper, "_map_name", None)
+        if fn is None:
+            return name
+        try:
+            return fn(name)
+        except Exception:  # a mapper this code does not know: the name as it is
+            return name
+
+    def _expected_shape(self, name: str, expected: dict) -> Optional[tuple[int, ...]]:
+        """The checkpoint's shape for ``name``: its own, or that of the checkpoint tensor vLLM
+        loads into the same place (OPT: ``decoder.x`` as ``model.decoder.x``); None: none."""
+        if name in expected:
+            return tuple(expected[name])
+        key = self._weight_key(name)
+        if key is None:
+            return None
+        path = str(getattr(self.model_config, "model", "") or "")
+        keys = self._expected_keys.get(path)
+        if keys is None:
+            keys = self._expected_keys[path] = {}
+            for n, shape in expected.items():
+                k = self._weight_key(n)
+                if k is not None:
+                    keys.setdefault(k, tuple(shape))
+        return keys.get(key)
 
     def _check_weights_awake(self) -> None:
         """Fail closed: with sleep mode on, refuse unless the allocator holding the weights says
@@ -290,12 +323,14 @@ class ReceiverCore:
             if name in self._seen:
                 return InvalidArgumentError(f"tensor {name!r} twice in one update; nothing more was applied")
             if expected is not None:
-                if name not in expected:
-                    return TransferError(f"update names 1 tensor(s) the checkpoint does not have, e.g. "
-                                         f"[{name!r}]; nothing more was applied")
-                if tuple(t.shape) != tuple(expected[name]):
+                want = self._expected_shape(name, expected)
+                if want is None:
+                    return TransferError(f"update names 1 tensor(s) the checkpoint does not have (nor "
+                                         f"vLLM's load_weights maps to one it has), e.g. [{name!r}]; "
+                                         "nothing more was applied")
+                if tuple(t.shape) != want:
                     return TransferError(f"1 tensor(s) have the wrong shape, e.g. {name}: {tuple(t.shape)} "
-                                         f"instead of {tuple(expected[name])}; nothing more was applied")
+                                         f"instead of {want}; nothing more was applied")
         return None
 
     def _take(self, named: list) -> None:
@@ -391,7 +426,11 @@ class ReceiverCore:
             log.warning("unisleep weight transfer: no local checkpoint to check coverage against")
             return
         # names and shapes were checked bucket by bucket, before each was applied
-        missing = sorted(n for n in expected if n not in self._seen)
+        missing = [n for n in expected if n not in self._seen]
+        if missing:  # a tensor may have come under another name that vLLM loads into the same place
+            got = {self._weight_key(n) for n in self._seen}
+            missing = [n for n in missing if self._weight_key(n) not in got]
+        missing.sort()
         if missing and not partial:
             raise TransferError(
                 f"incomplete update: {len(missing)} of {len(expected)} checkpoint tensors "
