@@ -1,4 +1,5 @@
-"""The vLLM server's API key never reaches its command line (docs/security.md, "Child processes").
+"""The vLLM server's API key never reaches its command line (docs/security.md, "Model directories
+and secrets of child processes").
 
 Every user of the host reads any process's arguments in ``/proc/PID/cmdline``; a process's
 environment is readable only by its own user.  So ``launch_vllm_server(api_key=...)`` hands vLLM
@@ -76,7 +77,7 @@ def test_api_key_on_the_command_line_is_refused(tiny_models):
 
     for extra in (["--api-key", "k"], ["--api-key=k"]):
         with pytest.raises(InvalidArgumentError) as e:
-            launch_vllm_server(tiny_models[0], extra_args=extra, progress=False)
+            launch_vllm_server(tiny_models[0], extra_args=extra, progress=False).stop()  # stopped if it started
         assert "api_key=" in str(e.value) and "/proc/PID/cmdline" in str(e.value), str(e.value)
 
 
