@@ -368,3 +368,35 @@ def test_this_users_own_link_is_followed_and_a_ram_spill_is_named(sticky_tmp, re
     said = [str(w.message) for w in recwarn if "free no memory" in str(w.message)]
     assert said and target in said[0] and "tmpfs" in said[0], [str(w.message) for w in recwarn]
     assert os.listdir(target) == []
+
+
+@pytest.mark.slow
+def test_a_link_planted_between_the_look_and_the_mkdir_is_refused(sticky_tmp, monkeypatch):
+    """The race: ``/tmp/new`` does not exist when root looks, and uid 65534 links it to /dev/shm
+    just before root's mkdir.  The mkdir (at /tmp's descriptor) fails, the name is looked at again
+    and the link refused; nothing is written where it points."""
+    python = stdlib_python_for_nobody()
+    base, target = sticky_tmp
+    if target is None:
+        pytest.skip("no /dev/shm on this host")
+    link = os.path.join(base, "new")
+    script = os.path.join(base, "plant.py")
+    with open(script, "w") as f:
+        f.write(PLANT_LINK)
+    os.chmod(script, 0o644)
+    real, planted = os.mkdir, []
+
+    def racing(path, *a, **k):  # the attacker wins between root's look and root's mkdir
+        if os.path.basename(str(path)) == "new" and not planted:
+            r = subprocess.run(as_nobody(["-I", "-S", script, link, target], python=python), capture_output=True,
+                               text=True, timeout=60, cwd="/")
+            planted.append(r.stdout + r.stderr)
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(os, "mkdir", racing)
+    with pytest.raises(SpillDirError) as e:
+        MemoryLifecycle("host", spill_dir=os.path.join(link, "spill")).close()
+    monkeypatch.setattr(os, "mkdir", real)
+    assert planted and f"RESULT {NOBODY}" in planted[0], planted
+    assert f"is a link of uid {NOBODY}" in str(e.value) and f"rm {link}" in str(e.value), str(e.value)
+    assert os.listdir(target) == []
