@@ -12,11 +12,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: what a backend may import of unisleep: the errors and units, the driver contract and its
 #: shared pieces, the descriptor types and registry, the graph-capture gate, the keyed digest the
 #: drivers compute, release behind a sleep, address helpers, the host's memory limits and NUMA
-#: placement, this user's private run directory — and the backends themselves
+#: placement, this user's private run directory, directories no other user can steer — and the
+#: backends themselves
 DRIVER_LAYER = {
     "unisleep", "unisleep.errors", "unisleep.units", "unisleep.region", "unisleep.driver", "unisleep.backup",
     "unisleep.backend", "unisleep.registry", "unisleep.graph_capture", "unisleep.keyed_hash",
     "unisleep.release_behind", "unisleep.addresses", "unisleep.hostmem", "unisleep.numa", "unisleep.private_dir",
+    "unisleep.trusted_dirs",
 }
 
 

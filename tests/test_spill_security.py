@@ -294,3 +294,109 @@ def test_an_attacker_renaming_and_planting_never_gets_the_weights(base, mode):
         assert got["renamed"] == "Operation not permitted", got
         assert not got["planted"], got
     assert res["exact"], res
+
+
+# ----------------------------------------------------------------------------- planted links
+PLANT_LINK = """
+import os, sys
+link, target = sys.argv[1], sys.argv[2]
+os.symlink(target, link)
+st = os.lstat(link)
+print("RESULT", st.st_uid)
+"""
+
+
+@pytest.fixture
+def sticky_tmp():
+    """A root-owned 1777 directory like /tmp, and a root-owned directory on /dev/shm (a RAM file
+    system whose chain root may use: both are where another user's link could send root's
+    spill files)."""
+    d = tempfile.mkdtemp(prefix="us-spill-sticky-", dir="/tmp")
+    os.chmod(d, 0o1777)
+    shm = tempfile.mkdtemp(prefix="us-spill-target-", dir="/dev/shm") if os.path.isdir("/dev/shm") else None
+    yield d, shm
+    shutil.rmtree(d, ignore_errors=True)
+    if shm:
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["spill-dir-is-the-link", "link-on-the-way"])
+def test_another_users_link_at_a_missing_spill_dir_is_refused(sticky_tmp, case):
+    """uid 65534 plants a link in a sticky directory like /tmp at the name of a spill directory
+    root has not made yet (``/tmp/spill``), or at a directory on the way to it (``/tmp/new`` for
+    ``/tmp/new/spill``), pointing at a root-owned directory on /dev/shm.  Root's lifecycle refuses
+    it with SpillDirError naming the link, its owner and the fix; nothing is made or written where
+    it points (before: the link was followed and the backups went to /dev/shm)."""
+    python = stdlib_python_for_nobody()
+    base, target = sticky_tmp
+    if target is None:
+        pytest.skip("no /dev/shm on this host")
+    link = os.path.join(base, "spill" if case == "spill-dir-is-the-link" else "new")
+    spill = link if case == "spill-dir-is-the-link" else os.path.join(link, "spill")
+    script = os.path.join(base, "plant.py")
+    with open(script, "w") as f:
+        f.write(PLANT_LINK)
+    os.chmod(script, 0o644)
+    r = subprocess.run(as_nobody(["-I", "-S", script, link, target], python=python), capture_output=True,
+                       text=True, timeout=60, cwd="/")
+    assert r.returncode == 0 and f"RESULT {NOBODY}" in r.stdout, r.stdout + r.stderr
+    os.unlink(script)
+    with pytest.raises(SpillDirError) as e:
+        MemoryLifecycle("host", spill_dir=spill).close()
+    msg = str(e.value)
+    assert "not safe" in msg and f"{link}" in msg and f"is a link of uid {NOBODY}" in msg, msg
+    assert f"rm {link}" in msg and "spill_dir=" in msg, msg
+    assert "Nothing was written there" in msg, msg
+    assert os.listdir(target) == [], os.listdir(target)
+    assert os.path.islink(link) and sorted(os.listdir(base)) == [os.path.basename(link)]
+
+
+def test_this_users_own_link_is_followed_and_a_ram_spill_is_named(sticky_tmp, recwarn):
+    """A link root itself made (in the same sticky directory) to its directory on /dev/shm is
+    followed; the spill lands on tmpfs and the warning says so, naming where it really is."""
+    base, target = sticky_tmp
+    if target is None:
+        pytest.skip("no /dev/shm on this host")
+    link = os.path.join(base, "mine")
+    os.symlink(target, link)
+    lc = MemoryLifecycle("host", spill_dir=link)
+    try:
+        assert os.path.dirname(lc.backup_store.dir) == link and os.listdir(target)
+    finally:
+        lc.close()
+    said = [str(w.message) for w in recwarn if "free no memory" in str(w.message)]
+    assert said and target in said[0] and "tmpfs" in said[0], [str(w.message) for w in recwarn]
+    assert os.listdir(target) == []
+
+
+@pytest.mark.slow
+def test_a_link_planted_between_the_look_and_the_mkdir_is_refused(sticky_tmp, monkeypatch):
+    """The race: ``/tmp/new`` does not exist when root looks, and uid 65534 links it to /dev/shm
+    just before root's mkdir.  The mkdir (at /tmp's descriptor) fails, the name is looked at again
+    and the link refused; nothing is written where it points."""
+    python = stdlib_python_for_nobody()
+    base, target = sticky_tmp
+    if target is None:
+        pytest.skip("no /dev/shm on this host")
+    link = os.path.join(base, "new")
+    script = os.path.join(base, "plant.py")
+    with open(script, "w") as f:
+        f.write(PLANT_LINK)
+    os.chmod(script, 0o644)
+    real, planted = os.mkdir, []
+
+    def racing(path, *a, **k):  # the attacker wins between root's look and root's mkdir
+        if os.path.basename(str(path)) == "new" and not planted:
+            r = subprocess.run(as_nobody(["-I", "-S", script, link, target], python=python), capture_output=True,
+                               text=True, timeout=60, cwd="/")
+            planted.append(r.stdout + r.stderr)
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(os, "mkdir", racing)
+    with pytest.raises(SpillDirError) as e:
+        MemoryLifecycle("host", spill_dir=os.path.join(link, "spill")).close()
+    monkeypatch.setattr(os, "mkdir", real)
+    assert planted and f"RESULT {NOBODY}" in planted[0], planted
+    assert f"is a link of uid {NOBODY}" in str(e.value) and f"rm {link}" in str(e.value), str(e.value)
+    assert os.listdir(target) == []

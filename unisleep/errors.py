@@ -95,6 +95,14 @@ class SpillDirError(InvalidArgumentError):
     message names the path and what to pass instead."""
 
 
+class ModelDirError(InvalidArgumentError):
+    """A model directory, or the cache it is built in, that another user could have planted or
+    could change: it, a directory on the way to it or a file in it belongs to another user or may
+    be written by one, or a link on the way is another user's.  Nothing was loaded from it or
+    built there; the message names the path, its owner and the fix (a directory only this user
+    can change — by default unisleep's private run directory)."""
+
+
 class LiveTensorsError(InvalidTransitionError):
     """``close(strict=True)`` was asked while tensors handed out by the lifecycle are still
     referenced; the message lists their tags.  Drop them first, or use ``close()``."""
@@ -178,6 +186,7 @@ __all__ = [
     "InsufficientMemoryError",
     "UpdateMemoryError",
     "SpillDirError",
+    "ModelDirError",
     "LiveTensorsError",
     "UnsupportedError",
     "PlatformError",

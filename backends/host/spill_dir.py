@@ -1,7 +1,9 @@
 """The host backend's spill directories: where they may live and what may be removed.
 
 * :func:`check_spill_parent` refuses a spill directory another user could swap (it, or an
-  ancestor, writable by someone else without the sticky bit, or a link);
+  ancestor, writable by someone else without the sticky bit, or another user's link on the way);
+  :func:`open_spill_parent` opens it, making what is missing one name at a time at its parent's
+  descriptor (``O_NOFOLLOW``), never through another user's link;
 * each spill directory carries unisleep's marker of its owner (an ``.owner`` file: pid, boot
   id, and an ``flock`` held while the process lives); :func:`clean_orphans` removes only
   directories whose marker names a dead owner — never a live one's, never one being created,
@@ -24,6 +26,7 @@ import threading
 from typing import Optional
 
 from unisleep.errors import SpillDirError
+from unisleep.trusted_dirs import UnsafeDir, open_trusted_dir
 
 from .collective import boot_id
 
@@ -255,46 +258,63 @@ def unlink_at(name: str, dfd: int) -> None:
         pass
 
 
+def _not_safe(e: UnsafeDir, shown: str) -> SpillDirError:
+    me = os.geteuid()
+    dn = e.dir if e.dir.rstrip("/") == shown.rstrip("/") else f"{e.dir} (on the way to it)"
+    why = e.why.replace(e.dir, dn, 1)
+    use = ("a directory that only this user (uid {me}) or root can change — e.g. mkdir -m 700 "
+           "/var/tmp/unisleep-spill — and pass it as spill_dir= (or UNISLEEP_SPILL_DIR; TMS_DISK_BACKUP_DIR for "
+           "the torch_memory_saver facade)").format(me=me)
+    if e.is_link:
+        return SpillDirError(
+            f"spill_dir {shown!r} is not safe: {why} — this user's spill files would go wherever that user points "
+            f"it: into a directory of their choosing, or onto a RAM file system where a level-1 sleep frees "
+            f"nothing. Remove the link (as root: {e.fix}), or use {use}. Nothing was written there."
+        )
+    return SpillDirError(
+        f"spill_dir {shown!r} is not safe: {why} — e.g. swap in links or files of theirs and get the weights "
+        f"written where they can read them. Use {use}, or fix it: {e.fix}. Nothing was written there."
+    )
+
+
 def check_spill_parent(path: str, shown: Optional[str] = None) -> None:
     """Raise :class:`~unisleep.errors.SpillDirError` unless no other user can swap ``path`` or
-    anything on the way to it: every directory from ``/`` to it (as given, and with links
-    resolved) must belong to root or to this user, and must not be writable by group or others
-    unless it is sticky (like ``/tmp``, where others cannot rename what is ours).  ``shown``:
-    the spill directory asked for, when ``path`` is the part of it that exists."""
-    me = os.geteuid()
+    anything on the way to it (:func:`~unisleep.trusted_dirs.open_trusted_dir`): every directory
+    from ``/`` to it, links followed, must belong to root or to this user and must not be writable
+    by group or others unless it is sticky (like ``/tmp``, where others cannot rename what is
+    ours), and every link on the way must be root's or this user's (another user's link is
+    refused, never followed).  ``shown``: the spill directory asked for, when ``path`` is the part
+    of it that exists."""
     shown = shown or path
-    seen = set()
-    for chain in (path, os.path.realpath(path)):
-        parts = chain.split("/")
-        for i in range(1, len(parts) + 1):
-            d = "/".join(parts[:i]) or "/"
-            if d in seen:
-                continue
-            seen.add(d)
-            try:
-                st = os.lstat(d)
-            except OSError as e:
-                raise SpillDirError(f"cannot check the spill directory {path!r}: {d}: {e.strerror}") from e
-            if _stat.S_ISLNK(st.st_mode):
-                continue  # the link's own directory is checked; its target is, through realpath
-            why = None
-            dn = d if d.rstrip("/") == shown.rstrip("/") else f"{d} (on the way to it)"
-            if st.st_uid not in (0, me):
-                why = f"{dn} belongs to uid {st.st_uid}, who can rename or replace what is in it"
-            elif st.st_mode & 0o022 and not st.st_mode & _stat.S_ISVTX:
-                who = "other users" if st.st_mode & 0o002 else "its group"
-                why = (f"{who} can write in {dn}, mode {oct(st.st_mode & 0o7777)} and not sticky, and so rename or "
-                       "replace what is in it")
-            if why:
-                raise SpillDirError(
-                    f"spill_dir {shown!r} is not safe: {why} — e.g. swap in links or files of theirs and get "
-                    f"the weights written where they can read them. Use a directory that only this user (uid {me}) "
-                    "or root can change — e.g. "
-                    f"mkdir -m 700 /var/tmp/unisleep-spill — and pass it as spill_dir= (or UNISLEEP_SPILL_DIR; "
-                    f"TMS_DISK_BACKUP_DIR for the torch_memory_saver facade), or fix it: chmod go-w {d} (or chmod "
-                    f"+t {d} to make it sticky like /tmp){'' if st.st_uid in (0, me) else f', chown {me} {d}'}. "
-                    "Nothing was written there."
-                )
+    try:
+        fd, _ = open_trusted_dir(os.path.abspath(path))
+    except UnsafeDir as e:
+        raise _not_safe(e, shown) from None
+    except OSError as e:
+        raise SpillDirError(f"cannot check the spill directory {path!r}: {e.filename}: {e.strerror}") from e
+    os.close(fd)
+
+
+def open_spill_parent(parent: str) -> tuple[int, list]:
+    """Open the spill directory ``parent``, making what is missing of it (mode 0700) one name at a
+    time at its parent's descriptor, never through another user's link
+    (:func:`~unisleep.trusted_dirs.open_trusted_dir`).  Returns its descriptor and the directories
+    made (outermost first; :func:`~unisleep.trusted_dirs.remove_made` removes them if still
+    empty).  Raises :class:`~unisleep.errors.SpillDirError` naming the fix, with nothing made."""
+    try:
+        return open_trusted_dir(parent, create=True)
+    except UnsafeDir as e:
+        raise _not_safe(e, parent) from None
+    except NotADirectoryError:
+        raise SpillDirError(
+            f"spill_dir {parent!r} exists and is not a directory. Pass spill_dir= (or set "
+            "UNISLEEP_SPILL_DIR) to a directory on a disk with room for the weights."
+        ) from None
+    except OSError as e:
+        raise SpillDirError(
+            f"cannot create spill_dir {parent!r}: {e.filename}: {e.strerror}. Pass spill_dir= (or set "
+            "UNISLEEP_SPILL_DIR) to a writable directory on a disk with room for the weights."
+        ) from e
 
 
 def tree_bytes(path: str) -> int:

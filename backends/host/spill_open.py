@@ -1,5 +1,6 @@
 """How a :class:`~.spill_store.SpillStore` opens its directory: ``spill_dir`` made where it is
-missing (and removed again at close if still empty), the private directory created and claimed
+missing, one name at a time at its parent's descriptor and never through another user's link
+(:func:`~.spill_dir.open_spill_parent`; removed again at close if still empty), the private directory created and claimed
 with its owner marker (``layout="private"``), or ``spill_dir`` itself opened once
 (``layout="flat"``) — every step under the trust rules of :mod:`.spill`."""
 
@@ -14,82 +15,40 @@ import stat as _stat
 import time
 
 from unisleep.errors import SpillDirError
+from unisleep.trusted_dirs import remove_made
 
 from .collective import boot_id
-from .spill_dir import DIR_FLAGS, DIR_PREFIX, FLAT_PREFIX, MARKER_KIND, OWNER_FILE, check_spill_parent
+
+from .spill_dir import DIR_FLAGS, DIR_PREFIX, FLAT_PREFIX, MARKER_KIND, OWNER_FILE, open_spill_parent
 
 log = logging.getLogger("unisleep.host")
 
 
-def _cannot_open(parent: str, e: OSError) -> SpillDirError:
-    return SpillDirError(f"cannot open spill_dir {parent!r}: {e.strerror}. Pass spill_dir= (or set "
-                         "UNISLEEP_SPILL_DIR) to a writable directory on a disk with room for the weights.")
-
-
-def _check_still_named(fd: int, parent: str) -> None:
-    """The directory opened as ``fd`` is still the one named ``parent`` (not swapped meanwhile)."""
-    st, now = os.fstat(fd), os.stat(parent)
-    if (st.st_dev, st.st_ino) != (now.st_dev, now.st_ino):  # pragma: no cover - replaced meanwhile
-        raise SpillDirError(f"spill_dir {parent!r} was replaced while unisleep opened it; nothing was written")
-
 class SpillDirSetup:
     """The directory set-up of :class:`~.spill_store.SpillStore` (a mixin: it sets the store's
-    ``dir``, ``_name``, ``_parent_fd``, ``_dir_fd``, ``_lock_fd``, ``_made_parent`` and, for the
+    ``dir``, ``_name``, ``_parent_fd``, ``_dir_fd``, ``_lock_fd``, ``_made_dirs`` and, for the
     flat layout, ``_flat_tag``)."""
 
-    def _ensure_parent(self, parent: str) -> None:
-        if os.path.lexists(parent) and not os.path.isdir(parent):
-            raise SpillDirError(
-                f"spill_dir {parent!r} exists and is not a directory. Pass spill_dir= (or set "
-                "UNISLEEP_SPILL_DIR) to a directory on a disk with room for the weights."
-            )
-        if os.path.exists(parent):
-            return
-        try:
-            os.makedirs(parent, mode=0o700)
-        except FileExistsError:  # another process starting at the same time made it first
-            if not os.path.isdir(parent):
-                raise SpillDirError(
-                    f"spill_dir {parent!r} exists and is not a directory. Pass spill_dir= (or set "
-                    "UNISLEEP_SPILL_DIR) to a directory on a disk with room for the weights."
-                ) from None
-        except OSError as e:
-            raise SpillDirError(
-                f"cannot create spill_dir {parent!r}: {e.strerror}. Pass spill_dir= (or set "
-                "UNISLEEP_SPILL_DIR) to a writable directory on a disk with room for the weights."
-            ) from e
-        else:
-            self._made_parent = parent
-            log.warning("created the spill directory %s (removed again at close if still empty)", parent)
-
-    def _make_private_dir(self, parent: str) -> None:
-        """Create this store's private directory in ``parent`` and claim it: the owner lock is
-        taken before the marker is written, so no cleaner ever takes a starting store's
-        directory for a dead one.  ``parent`` may be removed by another store's close while
-        this one starts (it created it and found it empty): it is made again then."""
+    def _make_private_dir(self, parent: str, pfd: int) -> None:
+        """Create this store's private directory in ``parent`` (open as ``pfd``, which the store
+        keeps) and claim it: the owner lock is taken before the marker is written, so no cleaner
+        ever takes a starting store's directory for a dead one.  ``parent`` may be removed by
+        another store's close while this one starts (it created it and found it empty): it is
+        made again then, under the same rules."""
         me = os.geteuid()
+        self._parent_fd = pfd
         for attempt in range(20):
-            try:
-                self._parent_fd = os.open(parent, DIR_FLAGS & ~os.O_NOFOLLOW)
-            except FileNotFoundError:
-                self._ensure_parent(parent)
-                check_spill_parent(parent)
-                continue
-            except OSError as e:
-                raise _cannot_open(parent, e) from e
-            _check_still_named(self._parent_fd, parent)
+            if self._parent_fd < 0:
+                self._parent_fd, made = open_spill_parent(parent)
+                self._made_dirs += [d for d in made if d not in self._made_dirs]
             name = f"{DIR_PREFIX}{os.getpid()}-{boot_id()[:8]}-{secrets.token_hex(5)}"
             try:
                 os.mkdir(name, 0o700, dir_fd=self._parent_fd)
             except FileExistsError:
-                os.close(self._parent_fd)
-                self._parent_fd = -1
                 continue
             except FileNotFoundError:  # the parent was removed under its descriptor: make it again
                 os.close(self._parent_fd)
                 self._parent_fd = -1
-                self._ensure_parent(parent)
-                check_spill_parent(parent)
                 continue
             except OSError as e:
                 raise SpillDirError(
@@ -106,15 +65,11 @@ class SpillDirSetup:
             raise SpillDirError(f"the private spill directory {self.dir} is not this user's mode-0700 directory")
         self._lock_fd = self._claim(self._dir_fd)
 
-    def _open_flat_dir(self, parent: str) -> None:
-        """The flat layout: ``parent`` itself holds the files; it is opened once (it passed
-        :func:`check_spill_parent`) and used only through that descriptor."""
-        try:
-            self._dir_fd = os.open(parent, DIR_FLAGS & ~os.O_NOFOLLOW)
-        except OSError as e:
-            raise _cannot_open(parent, e) from e
-        _check_still_named(self._dir_fd, parent)
-        if not os.access(parent, os.W_OK):
+    def _open_flat_dir(self, parent: str, pfd: int) -> None:
+        """The flat layout: ``parent`` itself (open as ``pfd``, which the store keeps) holds the
+        files, used only through that descriptor."""
+        self._dir_fd = pfd
+        if not os.access(f"/proc/self/fd/{pfd}" if os.path.exists("/proc/self/fd") else parent, os.W_OK):
             raise SpillDirError(f"cannot write in spill_dir {parent!r}. Pass spill_dir= (or set UNISLEEP_SPILL_DIR) "
                                 "to a writable directory on a disk with room for the weights.")
         self.dir, self._name = parent, None
@@ -137,8 +92,5 @@ class SpillDirSetup:
         return fd
 
     def _remove_made_parent(self) -> None:
-        if self._made_parent:
-            try:
-                os.rmdir(self._made_parent)  # only if still empty
-            except OSError:
-                pass
+        remove_made(self._made_dirs)  # each only if still empty
+        self._made_dirs = []

@@ -22,12 +22,12 @@ from unisleep.units import human_bytes
 from .spill_dir import (
     OWNER_FILE,
     RAM_FILESYSTEMS,
-    check_spill_parent,
     clean_orphans,
     default_spill_parent,
     empty_dir,
     exit_cleanly_on_sigterm,
     filesystem_type,
+    open_spill_parent,
     unlink_at,
 )
 
@@ -56,7 +56,9 @@ class SpillStore(SpillDirSetup, BackupStore):
     is named in a warning and is removed at the next level-1 sleep or at :meth:`close`.
 
     ``spill_dir`` and every directory on the way to it must be safe from other users
-    (:func:`check_spill_parent`); the private directory is created and then only used through
+    (:func:`~.spill_dir.check_spill_parent`), and no link of another user may lie on the way to
+    it: it is opened, and what is missing of it made, one name at a time at its parent's descriptor
+    (:func:`~.spill_dir.open_spill_parent`); the private directory is created and then only used through
     its descriptor, its files opened with ``O_NOFOLLOW`` (and created ``O_EXCL``).
     """
 
@@ -67,33 +69,35 @@ class SpillStore(SpillDirSetup, BackupStore):
         self._fds: dict[str, int] = {}  # flat layout: file name -> its descriptor, kept open (and locked)
         self._room_lock_path: Optional[str] = None  # room_lock()'s file
         parent = os.path.abspath(os.path.expanduser(spill_dir or default_spill_parent()))
-        self._made_parent = None
+        self._made_dirs: list = []
         self._parent_fd = self._dir_fd = self._lock_fd = -1
-        existing = parent
-        while not os.path.lexists(existing):  # nothing is created under a directory others can swap
-            existing = os.path.dirname(existing)
-        check_spill_parent(existing, shown=parent)
-        self._ensure_parent(parent)
+        # checked and made one name at a time at its parent's descriptor, never through another
+        # user's link; nothing is made under a directory others can swap
+        pfd, self._made_dirs = open_spill_parent(parent)
+        if self._made_dirs:
+            log.warning("created the spill directory %s (removed again at close if still empty)", parent)
         try:
-            check_spill_parent(parent)
-        except SpillDirError:
-            self._remove_made_parent()
-            raise
-        self.fstype = filesystem_type(parent)
-        if self.fstype in RAM_FILESYSTEMS:
-            warnings.warn(
-                f"spill_dir {parent!r} is on {self.fstype}, which lives in RAM: level-1 backups written "
-                "there free no memory. Pass spill_dir= (or set UNISLEEP_SPILL_DIR) to a disk-backed directory.",
-                RuntimeWarning,
-                stacklevel=4,
-            )
-        clean_orphans(parent)
-        try:
+            try:
+                real = os.readlink(f"/proc/self/fd/{pfd}")
+            except OSError:  # pragma: no cover - no /proc
+                real = os.path.realpath(parent)
+            self.fstype = filesystem_type(real)
+            if self.fstype in RAM_FILESYSTEMS:
+                shown = parent if real == parent else f"{parent} (which is {real})"
+                warnings.warn(
+                    f"spill_dir {shown!r} is on {self.fstype}, which lives in RAM: level-1 backups written "
+                    "there free no memory. Pass spill_dir= (or set UNISLEEP_SPILL_DIR) to a disk-backed directory.",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+            clean_orphans(parent)
             if layout == "flat":
-                self._open_flat_dir(parent)
+                self._open_flat_dir(parent, pfd)
             else:
-                self._make_private_dir(parent)
+                self._make_private_dir(parent, pfd)
         except BaseException:
+            if pfd not in (self._parent_fd, self._dir_fd):
+                os.close(pfd)
             self._close_fds()
             self._remove_made_parent()
             raise

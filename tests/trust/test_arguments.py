@@ -81,15 +81,16 @@ def test_a_spill_dir_made_by_another_process_meanwhile_is_used_and_left_to_it(tm
     import os
 
     d = tmp_path / "spill"
-    real = os.makedirs
+    real = os.mkdir
 
-    def racing(path, *a, **k):  # the other process wins between the check and this call
-        real(path, *a, **k)
+    def racing(path, *a, **k):  # the other process wins between the look and this mkdir
+        if path == "spill":
+            real(path, *a, **k)
         return real(path, *a, **k)
 
-    monkeypatch.setattr(os, "makedirs", racing)
+    monkeypatch.setattr(os, "mkdir", racing)
     lc = MemoryLifecycle("host", spill_dir=str(d))
-    monkeypatch.setattr(os, "makedirs", real)
+    monkeypatch.setattr(os, "mkdir", real)
     assert d.is_dir()
     lc.close()
     assert d.is_dir()  # not this lifecycle's to remove

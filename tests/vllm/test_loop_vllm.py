@@ -4,8 +4,9 @@
 The Handoff tests reuse the session server of ``conftest.py`` (model A, bf16, the unisleep
 transfer engine) through :class:`Spy`, the real HTTP adapter with a log of the verbs called on it.
 The demo test starts its own server (float32, its own model directory); it is the first test of
-the alphabetically first module here, so it runs before the session server exists and the two
-never run at once.
+this module, which sorts before every module that uses the session server (only
+``test_api_key.py``, which also starts and stops its own, comes before it), so it runs before the
+session server exists and the two never run at once.
 """
 
 from __future__ import annotations

@@ -6,9 +6,16 @@ same bytes, and a different seed gives "model B" (other weights, same tokenizer 
 weight-change tests.  About 1.7 M parameters, 3.4 MB on disk, a few seconds to build.
 
     from unisleep.engines.tiny_model import build_tiny_llama, tiny_state_dict
-    a = build_tiny_llama("/tmp/tiny-a", seed=0)
-    b = build_tiny_llama("/tmp/tiny-b", seed=1)        # same tokenizer, other weights
+    a = build_tiny_llama(seed=0)                       # in this user's private run directory
+    b = build_tiny_llama(seed=1)                       # same tokenizer, other weights
     sd_b = tiny_state_dict(seed=1)                     # B's weights in memory (checkpoint names)
+
+By default the models are built under ``tiny-models`` in unisleep's private run directory
+(:func:`~unisleep.private_dir.private_dir`, mode 0700).  A directory given instead must be one no
+other user can change: a cache under ``/tmp`` that another user made first (its marker, config and
+weights planted for this process to load) is refused with
+:class:`~unisleep.errors.ModelDirError`, as is one whose directories on the way, files, or links
+another user owns or may write (:mod:`unisleep.trusted_dirs`).
 
 Needs ``transformers``, ``tokenizers`` and ``safetensors`` (all come with vLLM).
 """
@@ -18,7 +25,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import tempfile
+from typing import Optional
+
+from ..errors import ModelDirError
+from ..private_dir import private_dir
+from ..trusted_dirs import DIR_FLAGS, UnsafeDir, open_trusted_dir, owner_name, untrusted
 
 #: bump when the recipe changes, so cached directories are rebuilt
 RECIPE_VERSION = 1
@@ -117,6 +130,86 @@ def tiny_state_dict(seed: int = 0) -> dict:
     return {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
 
 
+def default_models_dir() -> str:
+    """Where the tiny models are built by default: ``tiny-models`` in this user's private run
+    directory (mode 0700; :func:`~unisleep.private_dir.private_dir`)."""
+    return os.path.join(private_dir(), "tiny-models")
+
+
+def _refuse(e: UnsafeDir, out_dir: str) -> ModelDirError:
+    if e.is_link or e.uid != os.geteuid() and e.uid != 0:
+        fix = f"If you did not make it, remove it (as root: {'rm' if e.is_link else 'rm -r'} {e.dir})"
+    else:
+        fix = f"Fix it ({e.fix}), then remove {out_dir} (rm -r {out_dir}) so it is built again"
+    try:
+        where = f" ({default_models_dir()})"
+    except Exception:  # noqa: BLE001 - only for the message
+        where = ""
+    return ModelDirError(
+        f"the model directory {out_dir!r} is not safe: {e.why} — another user could have planted its config "
+        f"and weights there, or change them, and this process would load them. Nothing was loaded from it or "
+        f"built there. {fix}; or build the models where only you can change them: "
+        f"build_tiny_llama() and build_tiny_pair() with no directory use unisleep's private run directory{where}, "
+        "or pass a directory of mode 0700 that you own (mkdir -m 700 ~/tiny-models; UNISLEEP_TINY_MODELS=DIR "
+        "for the test suite's cache)."
+    )
+
+
+def _check_entries(fd: int, shown: str, depth: int = 0) -> Optional[UnsafeDir]:
+    """Why a file, directory or link in the model directory ``fd`` is another user's to change
+    (None: none is)."""
+    me = os.geteuid()
+    for name in os.listdir(fd):
+        p = os.path.join(shown, name)
+        st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+        if stat.S_ISLNK(st.st_mode):
+            if st.st_uid not in (0, me):
+                return UnsafeDir(p, f"{p} is a link of {owner_name(st.st_uid)}", st.st_uid, f"rm {p}", is_link=True)
+        elif stat.S_ISDIR(st.st_mode) and depth < 8:
+            sub = os.open(name, DIR_FLAGS, dir_fd=fd)
+            try:
+                bad = untrusted(os.fstat(sub), p, me) or _check_entries(sub, p, depth + 1)
+            finally:
+                os.close(sub)
+            if bad:
+                return bad
+        elif st.st_uid not in (0, me):
+            return UnsafeDir(p, f"{p} belongs to {owner_name(st.st_uid)}", st.st_uid, f"rm {p}")
+        elif st.st_mode & 0o022:
+            return UnsafeDir(p, f"{p} may be written by others (mode {oct(st.st_mode & 0o777)})", st.st_uid,
+                             f"chmod go-w {p}")
+    return None
+
+
+def check_model_dir(out_dir: str, *, create_parent: bool = False) -> bool:
+    """Whether the model directory ``out_dir`` exists; raises :class:`~unisleep.errors.ModelDirError`
+    unless no other user can change it, its files or anything on the way to it (links followed
+    only when root's or this user's).  ``create_parent``: make the directories on the way (mode
+    0700) that are missing, one name at a time at its parent's descriptor."""
+    out_dir = os.path.abspath(out_dir)
+    try:
+        pfd, _ = open_trusted_dir(os.path.dirname(out_dir), create=create_parent)
+        os.close(pfd)
+        try:
+            fd, _ = open_trusted_dir(out_dir)
+        except FileNotFoundError:
+            return False
+        try:
+            bad = _check_entries(fd, out_dir)
+        finally:
+            os.close(fd)
+    except UnsafeDir as e:
+        raise _refuse(e, out_dir) from None
+    except FileNotFoundError:
+        return False
+    except OSError as e:
+        raise ModelDirError(f"cannot use the model directory {out_dir!r}: {e.filename}: {e.strerror}; pass a "
+                            "directory of mode 0700 that you own, or none (unisleep's private run directory)") from e
+    if bad:
+        raise _refuse(bad, out_dir)
+    return True
+
+
 def _is_built(out_dir: str, seed: int) -> bool:
     try:
         with open(os.path.join(out_dir, MARKER)) as f:
@@ -126,20 +219,23 @@ def _is_built(out_dir: str, seed: int) -> bool:
     return info.get("seed") == seed and info.get("recipe") == RECIPE_VERSION
 
 
-def build_tiny_llama(out_dir: str, seed: int = 0, *, force: bool = False) -> str:
+def build_tiny_llama(out_dir: Optional[str] = None, seed: int = 0, *, force: bool = False) -> str:
     """Build (or reuse) the tiny Llama for ``seed`` in ``out_dir``; returns the directory.
 
-    Cached: when ``out_dir`` already holds this seed's model (same recipe), nothing is done.
-    The build writes into a temporary sibling and renames it, so a crashed build never leaves
-    a half-written directory that looks finished.
+    ``out_dir`` defaults to ``tiny-llama-s<seed>`` under :func:`default_models_dir` (this user's
+    private run directory).  It, its files and every directory on the way must be ones no other
+    user can change (:func:`check_model_dir`): otherwise :class:`~unisleep.errors.ModelDirError`,
+    before anything is read from or written there.  Cached: when ``out_dir`` already holds this
+    seed's model (same recipe), nothing is done.  The build writes into a temporary sibling and
+    renames it, so a crashed build never leaves a half-written directory that looks finished.
     """
-    out_dir = os.path.abspath(out_dir)
-    if not force and _is_built(out_dir, seed):
+    out_dir = os.path.abspath(out_dir or os.path.join(default_models_dir(), f"tiny-llama-s{seed}"))
+    exists = check_model_dir(out_dir, create_parent=True)
+    if not force and exists and _is_built(out_dir, seed):
         return out_dir
     import torch
 
-    parent = os.path.dirname(out_dir) or "."
-    os.makedirs(parent, exist_ok=True)
+    parent = os.path.dirname(out_dir)
     tmp = tempfile.mkdtemp(prefix=".tiny-", dir=parent)
     try:
         torch.manual_seed(seed)
@@ -161,8 +257,10 @@ def build_tiny_llama(out_dir: str, seed: int = 0, *, force: bool = False) -> str
     return out_dir
 
 
-def build_tiny_pair(root: str, seed_a: int = 0, seed_b: int = 1) -> tuple[str, str]:
-    """Model A and model B (same tokenizer and shapes, other weights) under ``root``."""
+def build_tiny_pair(root: Optional[str] = None, seed_a: int = 0, seed_b: int = 1) -> tuple[str, str]:
+    """Model A and model B (same tokenizer and shapes, other weights) under ``root`` (default:
+    :func:`default_models_dir`)."""
+    root = root or default_models_dir()
     return (build_tiny_llama(os.path.join(root, f"tiny-llama-s{seed_a}"), seed_a),
             build_tiny_llama(os.path.join(root, f"tiny-llama-s{seed_b}"), seed_b))
 

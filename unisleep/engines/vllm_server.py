@@ -6,7 +6,10 @@
     with launch_vllm_server(model_dir) as server:
         eng = server.engine()          # a VLLMHTTPEngine on server.base_url
 
-The dev-mode routes are unauthenticated, so the launcher always binds ``127.0.0.1``.
+The dev-mode routes are unauthenticated, so the launcher always binds ``127.0.0.1``.  An API key
+(``api_key=``) reaches the server as ``VLLM_API_KEY`` in its environment, never on its command
+line: every user of the host reads a process's arguments in ``/proc/PID/cmdline``, while its
+environment is readable only by its own user.
 """
 
 from __future__ import annotations
@@ -55,8 +58,10 @@ def process_tree_rss(pid: int) -> Optional[int]:
 class VLLMServer:
     """A vLLM API server started by :func:`launch_vllm_server`; stop it with :meth:`stop`."""
 
-    def __init__(self, proc: subprocess.Popen, port: int, log_path: Optional[str]) -> None:
+    def __init__(self, proc: subprocess.Popen, port: int, log_path: Optional[str],
+                 api_key: Optional[str] = None) -> None:
         self.proc = proc
+        self._api_key = api_key
         self.pid = proc.pid
         self.port = port
         self.host = "127.0.0.1"
@@ -76,6 +81,9 @@ class VLLMServer:
             return ""
 
     def engine(self, **kw) -> VLLMHTTPEngine:
+        """A :class:`VLLMHTTPEngine` on this server (with its API key, when it has one)."""
+        if self._api_key:
+            kw.setdefault("api_key", self._api_key)
         return VLLMHTTPEngine(self.base_url, **kw)
 
     def rss(self) -> Optional[int]:
@@ -126,15 +134,29 @@ def launch_vllm_server(model_dir: str, *, port: Optional[int] = None,
     The server runs in its own process group so :meth:`VLLMServer.stop` (also on context
     exit) ends the API server and its engine/worker children by PID.  Output goes to
     ``log_path`` (a temporary file by default); its tail is in the error when startup fails.
+
+    ``api_key`` guards vLLM's ``/v1`` routes; it is handed over as ``VLLM_API_KEY`` in the server's
+    environment (readable only by its own user), never as ``--api-key`` on its command line, which
+    every user reads in ``/proc/PID/cmdline``: ``--api-key`` in ``extra_args`` (or ``VLLM_API_KEY``
+    set through ``env`` next to ``api_key``) is refused.
     """
     extra = [str(a) for a in extra_args]
     for flag in ("--host", "--port"):
         if any(a == flag or a.startswith(flag + "=") for a in extra):
             raise InvalidArgumentError(f"{flag} is set by launch_vllm_server (127.0.0.1, port=)")
+    if any(a == "--api-key" or a.startswith("--api-key=") for a in extra):
+        raise InvalidArgumentError(
+            "--api-key in extra_args would put the key on the server's command line, which every user of "
+            "this host reads in /proc/PID/cmdline: pass launch_vllm_server(..., api_key=KEY) instead (it "
+            "reaches vLLM as VLLM_API_KEY in the server's environment, readable only by its own user)")
+    if api_key and (env or {}).get("VLLM_API_KEY") not in (None, api_key):
+        raise InvalidArgumentError("api_key= and env={'VLLM_API_KEY': ...} name two different keys: pass one")
     port = free_port() if port is None else int(port)
     full_env = dict(os.environ)
     full_env.update(env or {})
     full_env["VLLM_SERVER_DEV_MODE"] = "1"
+    if api_key:
+        full_env["VLLM_API_KEY"] = api_key  # never argv: /proc/PID/cmdline is world-readable
     if log_path is None:
         import tempfile
 
@@ -142,15 +164,13 @@ def launch_vllm_server(model_dir: str, *, port: Optional[int] = None,
         os.close(fd)
     cmd = [python or sys.executable, "-m", "vllm.entrypoints.openai.api_server",
            "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port), *extra]
-    if api_key:
-        cmd += ["--api-key", api_key]
     logf = open(log_path, "ab")
     try:
         proc = subprocess.Popen(cmd, env=full_env, stdout=logf, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
     finally:
         logf.close()
-    server = VLLMServer(proc, port, log_path)
+    server = VLLMServer(proc, port, log_path, api_key=api_key or None)
     probe = VLLMHTTPEngine(server.base_url, timeout=5.0)
     t0 = time.monotonic()
     last_print = t0
