@@ -61,15 +61,18 @@ def test_method_signatures_are_openrlhfs():
 
 def test_vllm_plugin_installs_it_where_the_environment_asks():
     """In a vLLM worker process that Ray did not start (vLLM's own executor), the setup hook does
-    not run: unisleep's vLLM plugin (which vLLM loads there before it resolves
-    ``worker_extension_cls``) installs it when ``UNISLEEP_OPENRLHF=1``, which the hook sets for
-    the processes it starts.  A fresh interpreter, as such a worker is; there OpenRLHF's own
+    not run: unisleep's vLLM plugin for OpenRLHF (the ``vllm.general_plugins`` entry point
+    ``unisleep-openrlhf``, which vLLM loads there before it resolves ``worker_extension_cls``)
+    installs it when ``UNISLEEP_OPENRLHF=1``, which the hook sets for the processes it starts.  A fresh interpreter, as such a worker is; there OpenRLHF's own
     group factory at a rank other than 0 (OpenRLHF's unpatched worker) is refused by name."""
     import subprocess
 
     code = (
-        "from unisleep.vllm_worker.plugin import register\n"
-        "print('=', register().get('openrlhf'))\n"
+        "from vllm.plugins import load_general_plugins\n"
+        "load_general_plugins()  # vLLM's own plugin loading, as in its worker processes\n"
+        "from importlib.metadata import entry_points\n"
+        "ep = [e for e in entry_points(group='vllm.general_plugins') if e.name == 'unisleep-openrlhf']\n"
+        "print('=', ep[0].load()())\n"
         "from openrlhf.trainer.ray.vllm_worker_wrap import WorkerWrap\n"
         "from openrlhf.utils import distributed_util\n"
         "from unisleep.integrations.openrlhf import UnisleepWorkerWrap, WORKER_METHODS\n"
@@ -86,7 +89,7 @@ def test_vllm_plugin_installs_it_where_the_environment_asks():
     env["UNISLEEP_OPENRLHF"] = "0"
     out = subprocess.run([sys.executable, "-c", code.split("try:")[0]], env=env,
                          capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0 and _results(out.stdout) == ["None", "False"], (out.stdout, out.stderr[-2000:])
+    assert out.returncode == 0 and _results(out.stdout) == ["off", "False"], (out.stdout, out.stderr[-2000:])
 
 
 def _results(stdout: str) -> list:

@@ -18,7 +18,7 @@ methods; ``stateless_init_process_group`` at rank 0 returns :func:`trainer_group
 trainer's ``use_cuda_ipc`` reads False, so OpenRLHF's colocated default also broadcasts over
 the unisleep group (which takes IPC by itself when the trainer and an engine share a device)
 instead of sending handles.  It also sets ``UNISLEEP_OPENRLHF=1`` in the environment, so the
-vLLM workers that process starts run it too (unisleep's vLLM general plugin reads it).  One
+vLLM workers that process starts run it too (unisleep's vLLM general plugin `unisleep-openrlhf`, :func:`vllm_plugin`, reads it).  One
 line of Ray configuration runs it in every Ray worker (the trainer and the engine actors)::
 
     ray job submit --runtime-env-json \
@@ -55,7 +55,12 @@ import os
 from typing import Any, Optional
 
 from ..vllm_worker.extension import UnisleepWorkerExtension, _receiver
-from ..vllm_worker.plugin import OPENRLHF_ENV, patch_on_import
+from ..platform import env_flag
+from ..vllm_worker.plugin import patch_on_import
+
+#: "1": give OpenRLHF's ``WorkerWrap`` unisleep's weight-sync methods in this process (:func:`install`
+#: sets it for the processes it starts; :func:`vllm_plugin` reads it in vLLM's worker processes)
+OPENRLHF_ENV = "UNISLEEP_OPENRLHF"
 from ..errors import InvalidArgumentError, UnsupportedError
 
 log = logging.getLogger(__name__)
@@ -281,5 +286,13 @@ def install() -> str:
     return "hooked"
 
 
-__all__ = ["UnisleepWorkerWrap", "UnisleepModelUpdateGroup", "trainer_group", "install", "GROUP_NAME",
+def vllm_plugin() -> str:
+    """vLLM's general plugin ``unisleep-openrlhf`` (the ``vllm.general_plugins`` entry point),
+    which vLLM runs in every process it starts before it resolves ``worker_extension_cls``: in a
+    vLLM worker that Ray did not start, :func:`install` runs when ``UNISLEEP_OPENRLHF=1`` (which
+    :func:`install` set in the process that started it).  Returns ``"hooked"`` or ``"off"``."""
+    return install() if env_flag(OPENRLHF_ENV) else "off"
+
+
+__all__ = ["UnisleepWorkerWrap", "UnisleepModelUpdateGroup", "trainer_group", "install", "vllm_plugin", "OPENRLHF_ENV", "GROUP_NAME",
            "WORKER_METHODS"]

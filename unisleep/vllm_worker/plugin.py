@@ -27,9 +27,8 @@ vLLM 0.33 keeps CUDA graphs out of the sleeping pool unless the backend is ``"cu
 ``--sleep-mode-offload-cudagraph`` with the unisleep backend captures into the lifecycle's
 graph pool (tag ``"cudagraph"``), offloaded at every level like vLLM's.
 
-``UNISLEEP_OPENRLHF=1`` (set by :func:`unisleep.integrations.openrlhf.install` for the
-processes it starts) runs that install in the worker too: OpenRLHF's ``WorkerWrap`` gets
-unisleep's weight-sync methods before vLLM resolves ``worker_extension_cls``.
+OpenRLHF's worker methods come through a vLLM general plugin of their own
+(:func:`unisleep.integrations.openrlhf.vllm_plugin`, which uses :func:`patch_on_import`).
 
 ``VLLM_PLUGINS`` is an allow-list: when it is set, it must name ``unisleep``.  :func:`register`
 is idempotent (vLLM may call it several times per process, and it raises on duplicate names).
@@ -53,9 +52,6 @@ NAME = "unisleep"
 WEIGHT_TRANSFER_TARGET = ("unisleep.vllm_worker.transfer_engine", "UnisleepWeightTransferEngine")
 SLEEP_BACKEND_TARGET = ("unisleep.vllm_worker.sleep_backend", "UnisleepSleepBackend")
 ALLOCATOR_ENV = "UNISLEEP_VLLM_ALLOCATOR"
-#: "1": give OpenRLHF's ``WorkerWrap`` unisleep's weight-sync methods in this process
-#: (:func:`unisleep.integrations.openrlhf.install` sets it for the processes it starts)
-OPENRLHF_ENV = "UNISLEEP_OPENRLHF"
 
 SLEEP_BACKEND_MODULES = tuple(f"{m}.sleep_mode_backend" for m in DEVICE_ALLOCATOR_MODULES)
 WEIGHT_TRANSFER_FACTORY_MODULES = ("vllm.backends.distributed.weight_transfer.factory",
@@ -427,12 +423,6 @@ def register() -> dict[str, str]:
             from .methods import register_worker_methods
 
             _status["worker_methods"] = register_worker_methods()  # memory figures by method name
-            from ..platform import env_flag
-
-            if env_flag(OPENRLHF_ENV):  # set by unisleep.integrations.openrlhf.install
-                from ..integrations.openrlhf import install
-
-                _status["openrlhf"] = install()
             _log_summary()
             log.debug("unisleep vLLM plugin: %s", _status)
         return dict(_status)
@@ -460,4 +450,4 @@ def status() -> dict[str, str]:
 
 
 __all__ = ["register", "status", "NAME", "decide", "select_allocator", "PoolRoutingError", "extra_cleanup_wanted",
-           "install_allocator_hooks", "graph_pool_wanted", "ALLOCATOR_ENV", "OPENRLHF_ENV", "patch_on_import"]
+           "install_allocator_hooks", "graph_pool_wanted", "ALLOCATOR_ENV", "patch_on_import"]
