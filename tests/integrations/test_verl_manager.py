@@ -96,6 +96,9 @@ def test_verls_manager_syncs_through_unisleep_and_survives_a_failed_sync(cluster
         assert st["weights"] == want
         assert st["calls"] == full + ["set_global_steps:1", "resume_kv_cache", "resume_generation"], st["calls"]
     assert R.rollout_errors(replicas[0]) == ["None"]
+    # the rendezvous is actor rank 0's Ray node, found at prepare(); the secret came through Ray
+    rdv = ray.get(actor_wg.workers[0].__ray_call__.remote(lambda w: w.checkpoint_engine.rendezvous))
+    assert rdv.startswith(f"tcp://{ray.util.get_node_ip_address()}:"), rdv
 
     # sync 2: the trainer fails part-way.  verl's manager raises the trainer's named error within
     # the liveness window; each rollout's engine keeps its own; the inference worker's receive

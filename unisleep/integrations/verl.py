@@ -38,20 +38,32 @@ tensors as soon as it has verified, while the next one arrives.  Memory per GPU,
 model size: actor rank 0 holds one bucket of the generator's tensors and the transfer's send
 buffer (two buckets); a rollout worker holds the transfer's receive buffer and one bucket of
 copies that verl's consumer is taking (two buckets; a bucket is copied only once the consumer
-took every tensor of the one before).  A failure part-way raises in verl's consumer at once:
-:class:`~unisleep.errors.TransferError` with ``outcome == "untouched"`` when nothing was yielded
-yet, else :class:`~unisleep.errors.TornWeightsError` (``outcome == "torn"``: part of the update is
-loaded; the next complete sync repairs it).  ``staging="host"`` or ``"device"`` (opt-in) holds
+took every tensor of the one before).  A failure part-way ends the rollout's stream at once and
+leaves the named error in ``last_error``: :class:`~unisleep.errors.TransferError` with ``outcome
+== "untouched"`` when nothing was yielded yet, else :class:`~unisleep.errors.TornWeightsError`
+(``outcome == "torn"``: part of the update is loaded; the next complete sync repairs it).  ``staging="host"`` or ``"device"`` (opt-in) holds
 the whole update on the rollout (pageable host memory, or the device) until every chunk has
 verified, and yields nothing from a broken update — at the cost of one model copy per rollout
 worker.
 
-``engine_kwargs.unisleep`` (all optional): ``host`` (rendezvous address, default 127.0.0.1 —
-give the trainer node's address and a ``secret_file`` for rollouts on other machines),
-``port`` (default: a free one), ``secret_file`` (group secret, mode 0600, readable by every
-worker), ``path`` (``auto`` | ``collective`` | ``ipc``), ``staging`` (``none``: streaming, the
-default | ``host`` | ``device``: whole-update staging), ``timeout_s`` (every wait of a sync: the
-rendezvous, each chunk, verl's consumer taking a bucket), ``group_name``, ``rebuild_group``.
+``engine_kwargs.unisleep`` (all optional; Hydra adds new keys with ``+``:
+``+actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.unisleep.timeout_s=120``): ``host``
+(rendezvous address; default: the address Ray knows actor rank 0's node by, taken at the first
+``prepare()``), ``port`` (default: a free one there), ``secret_file`` (a group secret file,
+mode 0600, the same on every node, instead of the fresh secret that actor rank 0 makes and
+verl's manager carries to every worker through Ray), ``path`` (``auto`` | ``collective`` |
+``ipc``), ``staging`` (``none``: streaming, the default | ``host`` | ``device``: whole-update
+staging), ``timeout_s`` (every wait of a sync: the rendezvous, each chunk, verl's consumer taking
+a bucket), ``group_name``, ``rebuild_group``.
+
+A sync that breaks off inside verl's manager flow: the trainer's ``send_weights`` raises
+:class:`~unisleep.errors.TransferError` (verl's manager re-raises it from ``ray.get``); each
+rollout worker's stream to verl's server adapter ends early and the engine keeps the named error
+in ``last_error`` (logged), so verl's adapter completes its round and the inference worker's
+receive returns — nothing is left waiting, and the next ``update_weights`` goes through.  verl's
+manager itself skips ``finalize``, ``resume_kv_cache`` and ``resume_generation`` after the error;
+its ``release_kv_cache`` (vLLM sleep level 2) had dropped the rollout's weights before the sync,
+so the rollout holds part of the new update (or nothing valid) until the next complete sync.
 """
 
 from __future__ import annotations
@@ -354,7 +366,8 @@ class UnisleepCheckpointEngine(CheckpointEngine):
         while the next bucket arrives; a bucket is copied only when verl's consumer has taken
         every tensor of the one before, so this worker holds at most two buckets (the transfer's
         receive buffer and one bucket of copies), whatever the model size.  A failure part-way
-        raises :class:`~unisleep.errors.TransferError` — with ``outcome == "untouched"`` when
+        ends the stream early (verl's adapter then completes its round with the inference worker) and
+        keeps in ``last_error`` :class:`~unisleep.errors.TransferError` — with ``outcome == "untouched"`` when
         nothing was yielded yet, else :class:`~unisleep.errors.TornWeightsError` with ``outcome
         == "torn"`` (the consumer has loaded part of it: the next complete sync repairs it).
 
