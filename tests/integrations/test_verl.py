@@ -41,13 +41,24 @@ def test_registered_through_verls_plugin_point():
     assert eng.prepare() == {}
     with pytest.raises(Exception, match="master"):
         cls.build_topology(2, 2, [{}, {}, {}, {}])
+    # actor rank 0's ticket: this node's address (loopback without Ray), a port, a fresh secret
+    # kept out of its repr; build_topology hands every worker the same one, sized to the group
+    master = CheckpointEngineRegistry.new("unisleep", bucket_size=BUCKET, is_master=True)
+    meta = master.prepare()
+    t = meta["ticket"]
+    assert t.rendezvous.startswith("tcp://127.0.0.1:") and len(t.secret) == 32
+    assert t.secret.hex() not in repr(t) and master.prepare() == meta   # kept across syncs
+    actor, rollout = cls.build_topology(2, 2, [meta, {}, {}, {}])
+    assert {x.world_size for x in actor["ticket"] + rollout["ticket"]} == {3}
+    assert {x.secret for x in actor["ticket"] + rollout["ticket"]} == {t.secret}
+    assert actor["rank"] == [0, -1] and rollout["rank"] == [1, 2]
 
 
 def test_an_actor_rank_outside_the_group_walks_the_generator():
     from verl.checkpoint_engine.base import CheckpointEngineRegistry
 
     eng = CheckpointEngineRegistry.new("unisleep", bucket_size=BUCKET, is_master=False)
-    eng.init_process_group(rank=-1, world_size=3, rendezvous="tcp://127.0.0.1:1")
+    eng.init_process_group(rank=-1, world_size=3, ticket=None)
     walked = []
 
     def gen():

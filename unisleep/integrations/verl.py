@@ -38,20 +38,32 @@ tensors as soon as it has verified, while the next one arrives.  Memory per GPU,
 model size: actor rank 0 holds one bucket of the generator's tensors and the transfer's send
 buffer (two buckets); a rollout worker holds the transfer's receive buffer and one bucket of
 copies that verl's consumer is taking (two buckets; a bucket is copied only once the consumer
-took every tensor of the one before).  A failure part-way raises in verl's consumer at once:
-:class:`~unisleep.errors.TransferError` with ``outcome == "untouched"`` when nothing was yielded
-yet, else :class:`~unisleep.errors.TornWeightsError` (``outcome == "torn"``: part of the update is
-loaded; the next complete sync repairs it).  ``staging="host"`` or ``"device"`` (opt-in) holds
+took every tensor of the one before).  A failure part-way ends the rollout's stream at once and
+leaves the named error in ``last_error``: :class:`~unisleep.errors.TransferError` with ``outcome
+== "untouched"`` when nothing was yielded yet, else :class:`~unisleep.errors.TornWeightsError`
+(``outcome == "torn"``: part of the update is loaded; the next complete sync repairs it).  ``staging="host"`` or ``"device"`` (opt-in) holds
 the whole update on the rollout (pageable host memory, or the device) until every chunk has
 verified, and yields nothing from a broken update — at the cost of one model copy per rollout
 worker.
 
-``engine_kwargs.unisleep`` (all optional): ``host`` (rendezvous address, default 127.0.0.1 —
-give the trainer node's address and a ``secret_file`` for rollouts on other machines),
-``port`` (default: a free one), ``secret_file`` (group secret, mode 0600, readable by every
-worker), ``path`` (``auto`` | ``collective`` | ``ipc``), ``staging`` (``none``: streaming, the
-default | ``host`` | ``device``: whole-update staging), ``timeout_s`` (every wait of a sync: the
-rendezvous, each chunk, verl's consumer taking a bucket), ``group_name``, ``rebuild_group``.
+``engine_kwargs.unisleep`` (all optional; Hydra adds new keys with ``+``:
+``+actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.unisleep.timeout_s=120``): ``host``
+(rendezvous address; default: the address Ray knows actor rank 0's node by, taken at the first
+``prepare()``), ``port`` (default: a free one there), ``secret_file`` (a group secret file,
+mode 0600, the same on every node, instead of the fresh secret that actor rank 0 makes and
+verl's manager carries to every worker through Ray), ``path`` (``auto`` | ``collective`` |
+``ipc``), ``staging`` (``none``: streaming, the default | ``host`` | ``device``: whole-update
+staging), ``timeout_s`` (every wait of a sync: the rendezvous, each chunk, verl's consumer taking
+a bucket), ``group_name``, ``rebuild_group``.
+
+A sync that breaks off inside verl's manager flow: the trainer's ``send_weights`` raises
+:class:`~unisleep.errors.TransferError` (verl's manager re-raises it from ``ray.get``); each
+rollout worker's stream to verl's server adapter ends early and the engine keeps the named error
+in ``last_error`` (logged), so verl's adapter completes its round and the inference worker's
+receive returns — nothing is left waiting, and the next ``update_weights`` goes through.  verl's
+manager itself skips ``finalize``, ``resume_kv_cache`` and ``resume_generation`` after the error;
+its ``release_kv_cache`` (vLLM sleep level 2) had dropped the rollout's weights before the sync,
+so the rollout holds part of the new update (or nothing valid) until the next complete sync.
 """
 
 from __future__ import annotations
@@ -71,7 +83,7 @@ except ImportError as e:  # the module is only useful inside verl
     raise ImportError(f"unisleep.integrations.verl needs verl (pip install verl; tested with verl "
                       f"0.9.1): {e}") from e
 
-from ..errors import InvalidArgumentError, TornWeightsError, TransferError
+from ..errors import InvalidArgumentError, TornWeightsError, TransferError, UnisleepError
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +101,7 @@ class UnisleepCheckpointEngine(CheckpointEngine):
 
     wire_format = "named_tensors"
 
-    def __init__(self, bucket_size: int, is_master: bool = False, *, host: str = "127.0.0.1",
+    def __init__(self, bucket_size: int, is_master: bool = False, *, host: Optional[str] = None,
                  port: Optional[int] = None, secret_file: Optional[str] = None, path: str = "auto",
                  staging: str = "none", timeout_s: float = 300.0, group_name: str = "verl",
                  rebuild_group: bool = False, insecure: bool = False) -> None:
@@ -113,6 +125,7 @@ class UnisleepCheckpointEngine(CheckpointEngine):
         self.rank: Optional[int] = None
         self.world_size: Optional[int] = None
         self.rendezvous: Optional[str] = None
+        self._ticket = None               # master: the group's ticket (address, port, secret)
         self.group = None
         self._sender = None
         self._receiver = None
@@ -120,40 +133,66 @@ class UnisleepCheckpointEngine(CheckpointEngine):
         self._applied: Any = None         # receiver: transfer version received last
         self._rx_thread: Optional[threading.Thread] = None
         self.last_report = None
+        #: rollout side: the named error of the last sync that broke off (None after a good one)
+        self.last_error: Optional[BaseException] = None
 
     # ------------------------------------------------------------------ topology
     def prepare(self) -> dict:
-        """The master (actor rank 0) names the rendezvous; every other worker reports nothing."""
+        """The master (actor rank 0) makes the group's ticket — once, kept across syncs — and
+        returns it; every other worker reports nothing.
+
+        The ticket (:class:`unisleep.ray.Ticket`) is made here, on actor rank 0's Ray node: its
+        address is ``host`` or, when none is given, the address Ray knows this node by
+        (``ray.util.get_node_ip_address()``, as verl's NCCL engine takes it), a port the
+        operating system gives out on that address, and — unless ``secret_file`` is given — a
+        fresh 256-bit group secret.  verl's manager carries it to every worker through Ray (the
+        ``prepare`` results and ``init_process_group`` arguments travel in Ray's object store),
+        so no secret file has to be copied to the rollout nodes; the secret is left out of the
+        ticket's ``repr``."""
         if not self.is_master:
             return {}
-        if self.rendezvous is None:
-            from ..engines.vllm_server import free_port
+        if self._ticket is None:
+            from dataclasses import replace
 
-            port = self.port or free_port(self.host)
-            self.rendezvous = f"tcp://{self.host}:{port}"
-        return {"rendezvous": self.rendezvous}
+            from ..ray import new_ticket
+
+            t = new_ticket(2, host=self.host, name=self.group_name, timeout_s=self.timeout_s)
+            if self.port:
+                t = replace(t, rendezvous=t.rendezvous.rsplit(":", 1)[0] + f":{int(self.port)}")
+            if self.secret_file or self.insecure:
+                t = replace(t, secret=b"")
+            self._ticket = t
+            log.info("unisleep checkpoint engine: the group's rendezvous is %s (actor rank 0's node)", t.rendezvous)
+        return {"ticket": self._ticket}
 
     @classmethod
     def build_topology(cls, actor_wg_world_size: int, rollout_world_size: int, metadata: list):
+        from dataclasses import replace
+
+        from ..ray import Ticket
+
         master = metadata[0] if metadata else None
-        if not isinstance(master, dict) or not master.get("rendezvous"):
+        ticket = master.get("ticket") if isinstance(master, dict) else None
+        if not isinstance(ticket, Ticket):
             raise InvalidArgumentError("actor rank 0 must be the unisleep checkpoint engine's master "
                                        "(verl builds the actor's engine with is_master=rank==0)")
         world_size = 1 + int(rollout_world_size)
+        ticket = replace(ticket, world_size=world_size)
         actor = {"rank": [0] + [-1] * (actor_wg_world_size - 1),
                  "world_size": [world_size] * actor_wg_world_size,
-                 "rendezvous": [master["rendezvous"]] * actor_wg_world_size}
+                 "ticket": [ticket] * actor_wg_world_size}
         rollout = {"rank": list(range(1, world_size)),
                    "world_size": [world_size] * rollout_world_size,
-                   "rendezvous": [master["rendezvous"]] * rollout_world_size}
+                   "ticket": [ticket] * rollout_world_size}
         return actor, rollout
 
-    def init_process_group(self, rank: int, world_size: int, rendezvous: str) -> None:
-        """Join the group (once; kept across syncs unless ``rebuild_group``).  A rendezvous:
-        every worker of the topology calls it at about the same time."""
+    def init_process_group(self, rank: int, world_size: int, ticket) -> None:
+        """Join the ticket's group (once; kept across syncs unless ``rebuild_group``).  A
+        rendezvous: every worker of the topology calls it at about the same time."""
         if rank < 0:
             self.rank, self.world_size = rank, world_size
             return
+        rendezvous = ticket.rendezvous
         same = (self.group is not None and self.rank == rank and self.world_size == world_size
                 and self.rendezvous == rendezvous)
         if same and not self.rebuild_group:
@@ -161,8 +200,10 @@ class UnisleepCheckpointEngine(CheckpointEngine):
         self._close_group()
         from ..transfer import TransferGroup
 
+        # the ticket's secret (made by actor rank 0, carried by Ray), unless a secret_file is given
+        secret = None if self.secret_file else (ticket.secret or None)
         self.group = TransferGroup.create(rendezvous, rank=rank, world_size=world_size,
-                                          timeout_s=self.timeout_s, name=self.group_name,
+                                          timeout_s=self.timeout_s, name=self.group_name, secret=secret,
                                           secret_file=self.secret_file, insecure=self.insecure)
         self.rank, self.world_size, self.rendezvous = rank, world_size, rendezvous
         self._updates, self._applied = 0, None
@@ -253,8 +294,8 @@ class UnisleepCheckpointEngine(CheckpointEngine):
             reports.append(await asyncio.to_thread(self._send_chunk, chunk, n, k, True, global_steps))
         except BaseException as e:
             chunk = []
+            why = f"the trainer's sync {n} broke off after {k} chunk(s): {type(e).__name__}: {e}"
             if not isinstance(e, TransferError):  # a transfer error: the receivers have heard it
-                why = f"the trainer's sync {n} broke off after {k} chunk(s): {type(e).__name__}: {e}"
                 await asyncio.to_thread(self._abort_chunk, n, k + 1, global_steps, why[:2000])
             if isinstance(e, Exception):
                 try:
@@ -262,6 +303,10 @@ class UnisleepCheckpointEngine(CheckpointEngine):
                         pass
                 except Exception:  # noqa: BLE001 - the first error is the one raised
                     pass
+            if isinstance(e, Exception) and not isinstance(e, UnisleepError):
+                # named, for verl's manager (which re-raises it from ray.get) and the trainer's log
+                raise TransferError(f"{why}; the rollouts hold part of this update or none of it — run the "
+                                    "next sync (verl's update_weights) before they serve again") from e
             raise
         seconds = time.perf_counter() - t0
         self.last_report = reports[-1]
@@ -321,7 +366,8 @@ class UnisleepCheckpointEngine(CheckpointEngine):
         while the next bucket arrives; a bucket is copied only when verl's consumer has taken
         every tensor of the one before, so this worker holds at most two buckets (the transfer's
         receive buffer and one bucket of copies), whatever the model size.  A failure part-way
-        raises :class:`~unisleep.errors.TransferError` — with ``outcome == "untouched"`` when
+        ends the stream early (verl's adapter then completes its round with the inference worker) and
+        keeps in ``last_error`` :class:`~unisleep.errors.TransferError` — with ``outcome == "untouched"`` when
         nothing was yielded yet, else :class:`~unisleep.errors.TornWeightsError` with ``outcome
         == "torn"`` (the consumer has loaded part of it: the next complete sync repairs it).
 
@@ -370,13 +416,15 @@ class UnisleepCheckpointEngine(CheckpointEngine):
         self._rx_thread = th
         th.start()
         yielded = 0
+        self.last_error = None
         try:
             while True:
                 try:
                     kind, payload = await asyncio.wait_for(queue.get(), wait_s + 30)
                 except asyncio.TimeoutError:
-                    raise TransferError(f"no bucket from the receiving thread within {wait_s + 30:.0f} s; "
-                                        f"{yielded} tensor(s) were yielded") from None
+                    kind, payload = "error", TransferError(
+                        f"no bucket from the receiving thread within {wait_s + 30:.0f} s; "
+                        f"{yielded} tensor(s) were yielded")
                 if kind == "bucket":
                     for pair in payload:
                         yielded += 1
@@ -388,7 +436,19 @@ class UnisleepCheckpointEngine(CheckpointEngine):
                     log.info("unisleep checkpoint engine: received %s (global step %s)", payload, global_steps)
                     break
                 else:
-                    raise self._failure(payload, yielded, global_steps)
+                    err = self._failure(payload, yielded, global_steps)
+                    if not isinstance(err, Exception):
+                        raise err
+                    # The stream ends here instead of raising into verl's server adapter: the
+                    # adapter then completes its round with the inference worker (verl's vLLM
+                    # adapter sends its last bucket, and the vLLM worker's update_weights_from_ipc
+                    # returns) — raised through it, the inference worker would be left waiting
+                    # on its socket and the next sync would hang behind it.  The trainer's
+                    # send_weights raises the named error, so verl's manager does.
+                    self.last_error = err
+                    log.error("unisleep checkpoint engine: %s: %s (outcome %s); the stream to verl's "
+                              "server adapter ends here", type(err).__name__, err, err.outcome)
+                    return
             if staging != "none":
                 pairs, staged[:] = list(staged), []
                 for pair in pairs:
@@ -399,21 +459,26 @@ class UnisleepCheckpointEngine(CheckpointEngine):
             staged.clear()
 
     def _failure(self, err: BaseException, yielded: int, global_steps) -> BaseException:
-        """The error verl's consumer sees when the update breaks off, carrying ``outcome``."""
+        """The named error of an update that broke off (kept in ``last_error``), carrying
+        ``outcome``: ``"torn"`` when part of it was handed to verl's server adapter, else
+        ``"untouched"`` (none of it was).  In verl's manager flow the rollout's weights were
+        already released before the sync began (``release_kv_cache``: vLLM sleep level 2), so
+        either way only the next complete sync gives the rollout valid weights."""
         if not isinstance(err, Exception):
             return err
         if yielded:
             e = TornWeightsError(
                 f"the weight sync of global step {global_steps} broke off after {yielded} tensor(s) were "
                 f"yielded to the rollout: {type(err).__name__}: {err}; the rollout's weights are mixed — "
-                "the next complete sync repairs them (send the whole update again)",
+                "run the next sync (verl's update_weights) before the rollout serves again",
                 version=self._applied)
             e.outcome = "torn"
             e.__cause__ = err
             return e
         if not isinstance(err, TransferError):
             e = TransferError(f"the weight sync of global step {global_steps} failed before any tensor was "
-                              f"yielded: {type(err).__name__}: {err}; the rollout keeps its weights")
+                              f"yielded: {type(err).__name__}: {err}; none of this update reached the rollout — run the next "
+                              "sync (verl's update_weights) before the rollout serves again")
             e.__cause__ = err
             err = e
         err.outcome = "untouched"

@@ -307,6 +307,10 @@ class WeightSender:
             "bytes": manifest.nbytes, "ipc": self._ipc.name if sock else None, "verify": u.digests,
             "keep_buffers": keep, "control": u.control,
         }
+        if not u.reuse:
+            # the receivers that read this header replace the metadata they keep with its specs: if
+            # this update then breaks off, the last good update's id is no longer theirs to reuse
+            self._last_meta_id = None
         return u
 
     # ---------------------------------------------------------------- one update, in order
