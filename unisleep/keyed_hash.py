@@ -169,52 +169,67 @@ _LAYOUTS_KEPT = 8
 class _Layout:
     """The NH trees of several byte ranges of one buffer as block tables, one per level: every
     level of every range is one launch of a segmented kernel (``SegmentLevel``).  ``out``
-    holds the roots (two lanes per range, in order) first, then each level's lanes."""
+    holds the roots (two lanes per range, in order) first, then each level's lanes.
+
+    A table is made on the buffer's device from one row per range (a few kernel launches and
+    one small copy, whatever the number of blocks): the sizes of the tables grow with the bytes
+    hashed (a 4 GiB bucket has half a million first-level blocks), and a transfer whose bucket
+    memory is made per update makes them again every update."""
 
     def __init__(self, spans, device):
-        import torch
-
+        self.device = device
         half = BLOCK // 2
         tables, cursor = [], len(spans)  # lane-pair slots of out: the roots come first
-        cur = []  # (range index, first element, elements, AND mask of the last one)
-        for i, (off, n) in enumerate(spans):
-            npairs = -(-n // 8)
-            cur.append((i, off // 8, npairs, (1 << (8 * (n % 8))) - 1 if n % 8 else -1))
+        # one row per range of a level: (range index, first element, elements, AND mask of the last one)
+        cur = [(i, off // 8, -(-n // 8), (1 << (8 * (n % 8))) - 1 if n % 8 else -1) for i, (off, n) in enumerate(spans)]
         self.first_blocks = []  # per range: its columns of the first level's table
         while cur:
-            cols, nxt, col = [], [], 0
+            rows, nxt, col = [], [], 0
             for i, first, npairs, last_mask in cur:
                 nb = max(1, -(-npairs // half))
                 if not tables:
                     self.first_blocks.append((col, col + nb))
                 col += nb
-                b = torch.arange(nb, dtype=torch.int64)
-                count = (npairs - b * half).clamp_(0, half)
-                mask = torch.full((nb,), -1, dtype=torch.int64)
-                if last_mask != -1:
-                    mask[-1] = last_mask
                 if nb == 1:
-                    dst = torch.tensor([i], dtype=torch.int64)
+                    dst = i  # a one-block tree: its lanes are the range's root
                 else:
-                    dst = cursor + b
+                    dst = cursor
                     nxt.append((i, 2 * cursor, 2 * nb, -1))  # its lanes are the next level's words
                     cursor += nb
-                cols.append(torch.stack((first + b * half, count, mask, dst)))
-            tables.append(torch.cat(cols, 1).to(device))
+                rows.append((first, npairs, last_mask, dst, nb))
+            tables.append(self._table(rows, col))
             cur = nxt
         self.tables = tables
         self.out_lanes = 2 * cursor
         self.roots = 2 * len(spans)
         self._columns: dict = {}
 
+    def _table(self, rows, nblocks: int):
+        """The level table of ``rows`` ((first element, elements, AND mask of the last one, lane
+        slot of the first block, blocks) per range): int64 ``[4, nblocks]`` of each block's first
+        element, element count, AND mask of its last element and lane slot, range after range."""
+        import torch
+
+        dev, half = self.device, BLOCK // 2
+        p = torch.tensor(rows, dtype=torch.int64).to(dev, non_blocking=True)  # [ranges, 5]
+        nb = p[:, 4]
+        start = torch.cumsum(nb, 0) - nb  # each range's first column
+        rid = torch.repeat_interleave(torch.arange(len(rows), device=dev), nb, output_size=nblocks)
+        b = torch.arange(nblocks, dtype=torch.int64, device=dev) - start[rid]  # block number in its range
+        first = p[:, 0][rid] + b * half
+        count = (p[:, 1][rid] - b * half).clamp_(0, half)
+        mask = torch.where(b == nb[rid] - 1, p[:, 2][rid], -1)
+        return torch.stack((first, count, mask, p[:, 3][rid] + b))
+
     def columns(self, ranges: frozenset):
-        """The first level's table of ``ranges`` (indices) alone, contiguous; cached."""
+        """The first level's table of ``ranges`` (indices) alone, contiguous (one copy of its
+        columns, on the table's device); cached."""
+        import torch
+
         t = self._columns.get(ranges)
         if t is None:
-            import torch
-
-            cols = torch.cat([torch.arange(*self.first_blocks[i]) for i in sorted(ranges)])
-            t = self._columns[ranges] = self.tables[0].index_select(1, cols.to(self.tables[0].device))
+            t0 = self.tables[0]
+            t = self._columns[ranges] = torch.cat([t0[:, a:b] for a, b in (self.first_blocks[i] for i in sorted(ranges))], 1)
         return t
 
     @classmethod
