@@ -380,7 +380,7 @@ def main(argv: Optional[list] = None) -> int:
     ap.add_argument("--paths", default=",".join(PATHS), help=f"subset of {','.join(PATHS)}")
     ap.add_argument("--bucket-mib", default="auto",
                     help="bucket size in MiB, or 'auto' (the default): the library's default for the path "
-                         "(sized from free memory, up to 1 GiB; 4 GiB for colocated IPC on a device); "
+                         "(sized from free memory, up to 1 GiB); "
                          "figures recorded before 2026-12-01 without this option ran with 512")
     ap.add_argument("--chunk-mib", type=int, default=256, help="tensor size in MiB in the synthetic update (default 256)")
     ap.add_argument("--repeat", type=int, default=2, help="timed updates per size after one warm-up (default 2)")

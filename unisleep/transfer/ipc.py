@@ -506,12 +506,16 @@ class IpcSendChannel:
     """Colocated: pack into shared memory, tell each receiver which bucket is where, wait until
     every receiver has copied it out before packing into that memory again."""
 
-    def __init__(self, sender: Any, seq: int):  # sender: the WeightSender that owns this channel
+    def __init__(self, sender: Any, seq: int, give_back: bool = False):
+        # sender: the WeightSender that owns this channel; give_back: the update's bucket memory
+        # goes back at its end (each buffer as soon as every receiver has handed it back)
         self.s = sender
         self.st: IpcSenderState = sender._ipc
         self.seq = seq
+        self.give_back = give_back
         self.epoch = sender.group.epoch
         self.tmp = None
+        self.last_slot = 1  # the slot of the last bucket posted
 
     def _recv(self, r: int, what: str):
         try:
@@ -545,7 +549,7 @@ class IpcSendChannel:
                 if msg["op"] == "free" and msg["slot"] in (0, 1):
                     st.busy[msg["slot"]].discard(r)
                 elif msg["op"] == "error" or (msg["op"] == "done" and not msg["ok"]):
-                    raise named_error(f"receiver rank {r}: {msg['msg']}")
+                    raise named_error(f"receiver rank {r} stopped update {self.seq}: {msg['msg']}")
                 else:
                     raise TransferError(f"receiver rank {r} sent {msg['op']!r} while the sender waited for 'free'")
 
@@ -570,6 +574,7 @@ class IpcSendChannel:
 
     def post(self, slot: int, plan: BucketPlan, buf) -> None:
         st = self.st
+        self.last_slot = slot
         bid, eb = st.slots[slot]
         st.ipc.synchronize(self.s.group.device_index)  # the packing is finished before anyone reads
         have = st.shared.setdefault(bid, set())
@@ -590,8 +595,17 @@ class IpcSendChannel:
         """The update's end (``abort``: broken off, ``why`` tells the receivers)."""
         st = self.st
         if not abort:
-            self._wait_free(0)
-            self._wait_free(1)
+            # the slot of the last bucket is handed back last: the other one's memory goes back
+            # (when the update gives it back) while the receivers still read the last bucket
+            last = self.last_slot
+            for slot in (1 - last, last):
+                self._wait_free(slot)
+                if self.give_back and st.slots[slot] is not None:
+                    t0 = time.perf_counter()
+                    st.slots[slot][1].close()
+                    self.s._released_s += time.perf_counter() - t0
+                    st.shared.pop(st.slots[slot][0], None)
+                    st.slots[slot] = None
         for conn in st.conns.values():
             conn.send("end", abort=abort, u=self.seq, msg=ipc_text(why))
         if abort:

@@ -42,17 +42,17 @@ PATHS = ("auto", "collective", "ipc")
 MAX_BUCKET_BYTES = 1 << 40
 
 
-#: the largest default bucket: colocated IPC on a device (both processes share the device's
-#: time, so fewer, larger buckets lose less to the hand-overs between them: 8 GiB verified in
-#: 14.7-15.6 ms with 4 GiB buckets, 16.5-17.5 ms with 2 GiB and 15.1-16.3 ms with one 8 GiB
-#: bucket in one run on an H200, docs/transfer.md; it needs 64 GiB free for two such buffers);
-#: every other path
-MAX_DEFAULT_BUCKET = {"ipc": 4096 * MiB, "collective": 1024 * MiB}
+#: the largest default bucket, on every path.  Colocated IPC on a device once took up to 4 GiB
+#: (fewer hand-overs when its buffers are kept); with bucket memory made per update and given
+#: back (the default on an accelerator), 1 GiB buckets verify 8 GiB sooner than 2 or 4 GiB ones:
+#: the first bucket's packing and the last one's check overlap nothing (docs/benchmarks.md)
+MAX_DEFAULT_BUCKET = 1024 * MiB
 
 
 def default_bucket_bytes(group: TransferGroup, path: str = "collective") -> int:
-    """Two send buffers take at most 1/8 of the free memory of the group's device; clamped to
-    [16 MiB, 1 GiB], or [16 MiB, 4 GiB] for colocated IPC on a device (``path="ipc"``)."""
+    """Two send buffers take at most 1/8 of the free memory of the group's device (or of the
+    host's available memory); clamped to [16 MiB, 1 GiB].  ``path`` ("collective" or "ipc") is
+    accepted for every path: the rule is the same."""
     free = None
     if group.platform.is_accelerator:
         try:
@@ -72,8 +72,7 @@ def default_bucket_bytes(group: TransferGroup, path: str = "collective") -> int:
             pass
     if not free:
         return 256 * MiB
-    cap = MAX_DEFAULT_BUCKET["ipc" if path == "ipc" and group.platform.is_accelerator else "collective"]
-    return max(16 * MiB, min(cap, free // 16 // MiB * MiB))
+    return max(16 * MiB, min(MAX_DEFAULT_BUCKET, free // 16 // MiB * MiB))
 
 
 class WeightSender:
@@ -141,6 +140,7 @@ class WeightSender:
         self.allow_equal_versions = allow_equal_versions
         self.keep_buffers = keep_buffers
         self._buffer_s = 0.0  # seconds this update spent making (and exporting) bucket memory
+        self._released_s = 0.0  # seconds this update spent giving bucket memory back before its end
         self._last_meta_id: Optional[str] = None
         self._coll_slots: list = [None, None]
         self._ipc: Optional[IpcSenderState] = None
@@ -289,6 +289,7 @@ class WeightSender:
             # still gives back its socket and the buffers it kept
             self._ipc_finalizer = weakref.finalize(self, self._ipc.close)
         self._buffer_s = 0.0
+        self._released_s = 0.0  # bucket memory given back during the update (the IPC path)
         u = _Update(seq=seq, epoch=g.epoch, version=version, manifest=manifest, items=items, plans=plans, path=path,
                     via=via, cipher=cipher, sock=sock, keep=keep, t0=t0,
                     reuse=manifest.meta_id == self._last_meta_id,
@@ -361,7 +362,7 @@ class WeightSender:
                                           verified=u.digests or u.cipher != "none",
                                           phases={"handshake": t_ack - u.t0, "stream": t_sent - t_ack,
                                                   "commit_wait": t_done - t_sent, "buffers": self._buffer_s,
-                                                  "release": release_s},
+                                                  "release": release_s + self._released_s},
                                           intrusions=list(g.intrusions[intrusions0:]))
         return self.last_report
 
@@ -371,7 +372,7 @@ class WeightSender:
         buffer or None, the error packing it raised or None: said once the receivers answered)."""
         if u.path != "ipc" or not u.plans or self._ipc.busy[0]:
             return None, None
-        u.chan = IpcSendChannel(self, u.seq)
+        u.chan = IpcSendChannel(self, u.seq, give_back=not u.keep)
         try:
             return self._pack(u, u.plans[0], u.chan), None
         except Exception as e:  # the generator, a spec mismatch: said once the receivers answered
@@ -495,7 +496,7 @@ class WeightSender:
     def _channel(self, u: "_Update"):
         """The path's send channel (the ``buffer`` / ``begin`` / ``post`` / ``end`` verbs)."""
         if u.path == "ipc":
-            return IpcSendChannel(self, u.seq)
+            return IpcSendChannel(self, u.seq, give_back=not u.keep)
         if u.via == "socket":
             return SocketSendChannel(self, u.seq)
         return CollectiveSendChannel(self, u.seq, u.crypt)
