@@ -18,11 +18,11 @@ from .presets import ACTIONS, Preset, action_logprobs, build_model, torch_dtype
 
 
 FLAT_NAME = "flat"  # the one tensor of a whole-model update
-#: above this, the flat buffer travels as chunks of CHUNK_BYTES ("flat.0", "flat.1", ...): one IPC
-#: bucket is as large as the largest tensor, so one 14 GiB tensor (7b) would need a 14 GiB bucket on
-#: the trainer's side on top of the receiver's staging copy
+#: above this, the flat buffer travels as chunks of CHUNK_BYTES ("flat.0", "flat.1", ...): a bucket
+#: is as large as the largest tensor, so one 14 GiB tensor (7b) would need a 14 GiB bucket on the
+#: trainer's side (the 1.5b model's 3 GiB travel whole: one bucket costs less there than three)
 CHUNK_ABOVE = 8 << 30
-CHUNK_BYTES = 512 << 20
+CHUNK_BYTES = 1 << 30
 
 
 def flat_pieces(flat) -> list:

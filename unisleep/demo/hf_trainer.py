@@ -199,7 +199,8 @@ def hf_trainer_main(conn, rendezvous: str, model_name: str, platform_name: str, 
         group = TransferGroup.create(rendezvous, rank=0, world_size=2, platform=plat, timeout_s=timeout_s)
         # keep_buffers=False on every platform: between updates neither side holds any of the
         # transfer's memory, which the demo's residue check reads (the host default would keep it)
-        sender = WeightSender(group, bucket_bytes=BUCKET_BYTES_MODEL, keep_buffers=False,
+        # buckets: the library's default on an accelerator (sized from free memory), 512 MiB on the host
+        sender = WeightSender(group, bucket_bytes=None if plat.is_accelerator else BUCKET_BYTES_MODEL, keep_buffers=False,
                               path="auto" if plat.is_accelerator else "collective")
     except BaseException as e:
         _report(conn, e)

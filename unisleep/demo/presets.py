@@ -120,9 +120,18 @@ def fingerprint(named) -> list[int]:
     ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
     out = []
     for _, t in named:
-        t = t.detach().contiguous()
-        out.append(int(t.view(ints[t.element_size()]).sum(dtype=torch.int64).item()))
+        w = t.detach().contiguous().view(ints[t.element_size()]).view(-1)
+        # summed in slices: the int64 sum of a whole tensor makes an int64 copy of it (4 GiB for
+        # a 7B model's embedding), which would show in the memory the demo reports
+        total = torch.zeros((), dtype=torch.int64, device=w.device)
+        for piece in w.split(FINGERPRINT_SLICE):
+            total += piece.sum(dtype=torch.int64)
+        out.append(int(total.item()))
     return out
+
+
+#: elements summed at once by :func:`fingerprint` (an int64 temporary of 128 MiB at most)
+FINGERPRINT_SLICE = 16 << 20
 
 
 def action_logprobs(logits, tokens):
