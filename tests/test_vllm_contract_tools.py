@@ -132,7 +132,7 @@ print(json.dumps(out))
 def test_tree_imports_and_drives_the_allocator(tree, tmp_path):
     copy = tmp_path / os.path.basename(tree)
     shutil.copytree(tree, copy, ignore=shutil.ignore_patterns("*.so", "__pycache__"))
-    env = dict(os.environ, PYTHONPATH=ROOT, UNISLEEP_PREPARE_BACKUP="0")
+    env = dict(os.environ, PYTHONPATH=ROOT)
     env.pop("VLLM_CONTRACT_PKG", None)
     p = subprocess.run([sys.executable, "-c", CHILD, TOOLS, str(copy)], capture_output=True, text=True,
                        env=env, cwd=ROOT, timeout=240)
