@@ -1,31 +1,37 @@
 #!/usr/bin/env python3
 """Fetch the vLLM pieces the sleep-mode contract harness drives, on a CPU machine with a registry.
 
-    python tools/vllm_contract/fetch.py            # vllm==0.33.* (else the newest on the registry)
-    python tools/vllm_contract/fetch.py --version 0.33.0 --wheel /path/to/vllm-0.33.0-*.whl
+    python tools/vllm_contract/fetch.py                          # vllm==0.33.* (else the newest) into vllm_pkg/
+    python tools/vllm_contract/fetch.py --version 0.24.0,0.27.1,0.29.0   # each into vllm_pkg-<version>/
+    python tools/vllm_contract/fetch.py --version 0.33.0 --wheel /path/to/vllm-0.33.0-*.whl --dest DIR
 
-Downloads vLLM's wheel (``pip download --no-deps``) and extracts, unmodified, into
-``tools/vllm_contract/vllm_pkg/`` (git-ignored, ~100 KB, carried to the GPU machine):
+Downloads vLLM's wheel (``pip download --no-deps``, the manylinux x86_64 CUDA wheel), extracts,
+unmodified, into ``tools/vllm_contract/vllm_pkg/`` (no ``--version``), ``vllm_pkg-<version>/``
+(``--version``; both git-ignored, ~100 KB, carried to the GPU machine) or ``--dest``, and deletes
+the wheel.  ``harness.py`` and ``capture_loop.py`` pick a tree with ``--vllm-pkg DIR|VERSION``
+(or ``VLLM_CONTRACT_PKG``).  The files, those a version has:
 
-* ``vllm/device_allocator/`` (``__init__``, ``alloc_conf``, ``cumem``, ``sleep_mode_backend``),
+* ``vllm/device_allocator/__init__.py`` and ``cumem.py`` (every version from 0.24),
+  ``sleep_mode_backend.py`` (from 0.25: ``SleepModeBackendFactory``), ``alloc_conf.py`` (0.33),
 * ``vllm/cumem_allocator.abi3.so`` (vLLM's cuMem C extension; it needs only libcuda, and
   torch's libraries, which ``import torch`` has loaded, plus ``libnvrtc`` — the harness preloads
   it from the ``nvidia`` wheels),
 * ``vllm/distributed/device_communicators/cuda_wrapper.py`` (the ctypes cudart wrapper),
-* ``vllm/compilation/cudagraph_pool.py`` (the graph-capture pool routing),
+* ``vllm/compilation/cudagraph_pool.py`` (the graph-capture pool routing, 0.33),
 
 and writes small stand-ins (written here, not vLLM's code) for the modules those import and the
 harness does not exercise: ``vllm.logger``, ``vllm.envs``, ``vllm.platforms`` (a CUDA platform
 with ``is_rocm() False``), ``vllm.utils.system_utils.find_loaded_library`` (reads
 /proc/self/maps), ``vllm.utils.torch_utils.PIN_MEMORY``, ``vllm.config.VllmConfig`` (a name only)
 and ``pynccl_allocator.set_graph_pool_id`` (records the id).  ``VERSION`` in the folder names the
-wheel used.
+wheel used; ``MANIFEST`` lists each extracted file with its sha256 (the harness's JSON repeats it).
 """
 
 from __future__ import annotations
 
 import argparse
 import glob
+import hashlib
 import os
 import shutil
 import subprocess
@@ -36,15 +42,21 @@ import zipfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEST = os.path.join(HERE, "vllm_pkg")
 
-FILES = [
+#: every version from 0.24 has these (the cuMem allocator, its C extension, the cudart wrapper)
+REQUIRED = [
     "vllm/device_allocator/__init__.py",
-    "vllm/device_allocator/alloc_conf.py",
     "vllm/device_allocator/cumem.py",
-    "vllm/device_allocator/sleep_mode_backend.py",
     "vllm/cumem_allocator.abi3.so",
     "vllm/distributed/device_communicators/cuda_wrapper.py",
+]
+#: taken where the version has them: the pluggable backends (0.25), the allocator-settings
+#: helper cumem.py imports (0.33), the graph-capture pool routing (0.33)
+OPTIONAL = [
+    "vllm/device_allocator/sleep_mode_backend.py",
+    "vllm/device_allocator/alloc_conf.py",
     "vllm/compilation/cudagraph_pool.py",
 ]
+FILES = REQUIRED + OPTIONAL
 
 STANDINS = {
     "vllm/__init__.py": '"""Stand-in package: only the extracted sleep-mode modules live here."""\n',
@@ -93,15 +105,26 @@ def download(version: str, where: str) -> str:
     raise SystemExit("could not download a vLLM wheel; pass --wheel PATH to one you have")
 
 
-def extract(wheel: str, dest: str = DEST) -> None:
-    if os.path.isdir(dest):
-        shutil.rmtree(dest)
+def dest_for(version: str) -> str:
+    """Where ``--version`` extracts by default: ``vllm_pkg/`` for none, else ``vllm_pkg-<version>/``."""
+    return DEST if not version else os.path.join(HERE, f"vllm_pkg-{version}")
+
+
+def extract(wheel: str, dest: str = DEST) -> list[str]:
+    """Extract the files this wheel has of :data:`FILES` (all of :data:`REQUIRED`) and the
+    stand-ins into ``dest`` (replaced); returns the vLLM files taken."""
     with zipfile.ZipFile(wheel) as z:
         names = set(z.namelist())
-        for f in FILES:
-            if f not in names:
-                raise SystemExit(f"{os.path.basename(wheel)} has no {f}: this harness needs vLLM >= 0.32 "
-                                 "(pluggable sleep-mode backends)")
+        missing = [f for f in REQUIRED if f not in names]
+        if not missing and b"def get_mem_allocator_instance" not in z.read("vllm/device_allocator/__init__.py"):
+            missing = ["vllm/device_allocator/__init__.py: get_mem_allocator_instance"]
+        if missing:
+            raise SystemExit(f"{os.path.basename(wheel)} has no {', '.join(missing)}: this harness needs "
+                             "vLLM >= 0.24 (get_mem_allocator_instance and the cuMem allocator)")
+        if os.path.isdir(dest):
+            shutil.rmtree(dest)
+        taken = [f for f in FILES if f in names]
+        for f in taken:
             out = os.path.join(dest, f)
             os.makedirs(os.path.dirname(out), exist_ok=True)
             with z.open(f) as src, open(out, "wb") as dst:
@@ -113,20 +136,36 @@ def extract(wheel: str, dest: str = DEST) -> None:
             fh.write(text)
     with open(os.path.join(dest, "VERSION"), "w") as fh:
         fh.write(os.path.basename(wheel).split("-")[1] + "\n")
+    with open(os.path.join(dest, "MANIFEST"), "w") as fh:
+        fh.write(f"# extracted unmodified from {os.path.basename(wheel)}\n")
+        for f in taken:
+            with open(os.path.join(dest, f), "rb") as src:
+                fh.write(f"{hashlib.sha256(src.read()).hexdigest()}  {f}\n")
     total = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(dest) for f in fs)
-    print(f"extracted {len(FILES)} vLLM files + {len(STANDINS)} stand-ins into {dest} ({total / 1024:.0f} KiB)")
+    absent = [os.path.basename(f) for f in OPTIONAL if f not in taken]
+    print(f"extracted {len(taken)} vLLM files + {len(STANDINS)} stand-ins into {dest} ({total / 1024:.0f} KiB)"
+          + (f"; not in this version: {', '.join(absent)}" if absent else ""))
+    return taken
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--version", default="", help="exact vLLM version (default: 0.33.*, else the newest)")
-    ap.add_argument("--wheel", help="use this wheel instead of downloading")
+    ap.add_argument("--version", default="",
+                    help="exact vLLM version(s), comma-separated, each into vllm_pkg-<version>/ "
+                         "(default: 0.33.*, else the newest, into vllm_pkg/)")
+    ap.add_argument("--wheel", help="use this wheel instead of downloading (one version)")
+    ap.add_argument("--dest", help="extract here instead (one version)")
     args = ap.parse_args()
-    if args.wheel:
-        extract(args.wheel)
-        return
-    with tempfile.TemporaryDirectory() as tmp:
-        extract(download(args.version, tmp))
+    versions = [v.strip() for v in args.version.split(",") if v.strip()] or [""]
+    if len(versions) > 1 and (args.wheel or args.dest):
+        ap.error("--wheel and --dest take one version")
+    for v in versions:
+        dest = os.path.abspath(args.dest) if args.dest else dest_for(v)
+        if args.wheel:
+            extract(args.wheel, dest)
+            continue
+        with tempfile.TemporaryDirectory() as tmp:  # the wheel (~300 MB) goes with it
+            extract(download(v, tmp), dest)
 
 
 if __name__ == "__main__":

@@ -4,9 +4,29 @@ driven through vLLM's real code (extracted by ``fetch.py``) in the GPU worker's 
 
     python tools/vllm_contract/fetch.py                                  # once, on a CPU machine
     PYTHONPATH=. python3 tools/vllm_contract/harness.py --weights-gib 8 --kv-gib 16 --json out.json
+    PYTHONPATH=. python3 tools/vllm_contract/harness.py --vllm-pkg 0.24.0 ...   # vllm_pkg-0.24.0/
 
-Per backend (``SleepModeBackendFactory.create_backend`` with ``sleep_mode_backend`` = the name;
-vLLM's ``get_mem_allocator_instance()`` answers — the unisleep plugin makes it our allocator):
+``--vllm-pkg DIR`` (or ``VLLM_CONTRACT_PKG``; a bare version names ``vllm_pkg-<version>/`` beside
+this file; default ``vllm_pkg/``) picks the extracted vLLM.  Each config takes the route a user
+has on that version (:class:`Contract`, read from the extracted modules):
+
+* ``cumem``: vLLM's ``CuMemBackend`` from ``SleepModeBackendFactory`` (0.25+); on 0.24, which has
+  no backends, :class:`WorkerCalls` (a stand-in written here) makes the GPU worker's own calls on
+  ``get_mem_allocator_instance()``;
+* ``unisleep``: unisleep's allocator under the same driver: the ``unisleep`` backend where
+  ``--sleep-mode-backend`` exists (0.33+), else vLLM's ``cumem`` backend (0.25-0.32) or the
+  worker's calls (0.24) driving it, as ``UNISLEEP_VLLM_ALLOCATOR=1`` makes it;
+* ``unisleep-backend`` (not in the default list): the ``unisleep`` backend from the factory on
+  0.25-0.32 too, where no flag selects it.
+
+What a version lacks is said in the output (``contract.notes`` in the JSON) and left out of the
+run: the ``runtime`` tag (without vLLM's deferrable-tag wake, 0.33, a runtime tag would never
+wake; the runtime buffer stays outside sleep mode, as in that vLLM), graph-capture pool routing
+(``compilation/cudagraph_pool``, 0.33: the graph is captured in torch's own pool, outside sleep
+mode), ``discard`` (the allocator's from 0.28, the backend's from 0.33).
+
+Per backend (vLLM's ``get_mem_allocator_instance()`` answers — the unisleep plugin makes it our
+allocator):
 
 1. weights under ``use_memory_pool("weights")`` (``get_current_usage() == 0`` first, like the
    worker), KV cache under ``"kv_cache"``, a runtime buffer under ``"runtime"``, and a CUDA graph
@@ -44,14 +64,144 @@ import time
 from types import SimpleNamespace
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-PKG = os.path.join(HERE, "vllm_pkg")
+DEFAULT_PKG = os.path.join(HERE, "vllm_pkg")
+PKG_ENV = "VLLM_CONTRACT_PKG"
+PKG = DEFAULT_PKG  # the tree in use, set by _setup
 GiB = 1 << 30
 
 
-def _setup():
-    if not os.path.isdir(os.path.join(PKG, "vllm")):
-        raise SystemExit(f"{PKG} is missing: run `python tools/vllm_contract/fetch.py` first")
-    sys.path.insert(0, PKG)
+def resolve_pkg(value: str | None = None) -> str:
+    """The extracted tree: ``value`` (a folder, or a version naming ``vllm_pkg-<version>/`` beside
+    this file), else ``$VLLM_CONTRACT_PKG``, else ``vllm_pkg/``."""
+    value = value or os.environ.get(PKG_ENV) or DEFAULT_PKG
+    if not os.path.isdir(value) and os.path.isdir(os.path.join(HERE, f"vllm_pkg-{value}")):
+        value = os.path.join(HERE, f"vllm_pkg-{value}")
+    return os.path.abspath(value)
+
+
+def put_on_path(pkg: str | None = None) -> str:
+    """Put the extracted tree first on ``sys.path`` (no GPU needed); returns it."""
+    global PKG
+    PKG = resolve_pkg(pkg)
+    if not os.path.isdir(os.path.join(PKG, "vllm", "device_allocator")):
+        ver = os.path.basename(PKG).partition("-")[2]
+        raise SystemExit(f"{PKG} is missing: run `python tools/vllm_contract/fetch.py"
+                         f"{' --version ' + ver if ver else ''}` first (on a machine with a package registry)")
+    os.environ[PKG_ENV] = PKG  # children (capture_loop) take the same tree
+    if PKG not in sys.path:
+        sys.path.insert(0, PKG)
+    return PKG
+
+
+def version() -> str:
+    with open(os.path.join(PKG, "VERSION")) as f:
+        return f.read().strip()
+
+
+def manifest() -> list[str]:
+    path = os.path.join(PKG, "MANIFEST")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [line.strip() for line in f if line.strip() and not line.startswith("#")]
+
+
+class WorkerCalls:
+    """Stand-in, written here, for vLLM 0.24's GPU worker, which has no sleep-mode backend: its
+    ``Worker.sleep(level)`` calls ``get_mem_allocator_instance().sleep(offload_tags=("weights",)
+    if level == 1 else tuple())`` and ``Worker.wake_up(tags)`` calls ``.wake_up(tags)``
+    (``vllm/v1/worker/gpu_worker.py``, which cannot be imported without the whole engine).  It
+    makes exactly those calls on vLLM's real ``get_mem_allocator_instance``; no discard (0.24's
+    allocator has none)."""
+
+    def suspend(self, level: int = 1) -> None:
+        from vllm.device_allocator import get_mem_allocator_instance
+
+        get_mem_allocator_instance().sleep(offload_tags=("weights",) if level == 1 else tuple())
+
+    def resume(self, tags=None) -> None:
+        from vllm.device_allocator import get_mem_allocator_instance
+
+        get_mem_allocator_instance().wake_up(tags)
+
+
+def _importable(name: str) -> bool:
+    import importlib
+
+    try:
+        importlib.import_module(name)
+        return True
+    except ImportError:
+        return False
+
+
+class Contract:
+    """What the extracted vLLM offers, read from its own modules (import them first: ``_setup``)."""
+
+    def __init__(self):
+        import vllm.device_allocator as da
+        from vllm.device_allocator.cumem import CuMemAllocator
+
+        from unisleep.vllm_worker.versions import has_feature
+
+        self.version = version()
+        self.factory = _importable("vllm.device_allocator.sleep_mode_backend")
+        self.flag = has_feature(self.version, "sleep_backend_flag")  # --sleep-mode-backend (CLI, not in these files)
+        self.graph_pool = _importable("vllm.compilation.cudagraph_pool") and hasattr(CuMemAllocator, "cudagraph_pool")
+        self.runtime_pool = hasattr(da, "DEFERRABLE_TAGS")
+        self.allocator_discard = hasattr(CuMemAllocator, "discard")
+        self.backend_discard = False
+        if self.factory:
+            from vllm.device_allocator.sleep_mode_backend import CuMemBackend
+
+            self.backend_discard = hasattr(CuMemBackend, "discard")
+        self.release_pools = hasattr(CuMemAllocator, "release_pools")
+        self.notes: list[str] = []
+        v = f"vLLM {self.version}"
+        if not self.factory:
+            self.notes.append(f"{v} has no SleepModeBackendFactory (0.25+): both configs drive the allocator "
+                              "with the GPU worker's own calls (WorkerCalls, a stand-in)")
+        elif not self.flag:
+            self.notes.append(f"{v} has no --sleep-mode-backend flag (0.33+): 'unisleep' is vLLM's cumem backend "
+                              "over unisleep's allocator (UNISLEEP_VLLM_ALLOCATOR=1); 'unisleep-backend' "
+                              "selects unisleep's backend from the factory all the same")
+        if not self.runtime_pool:
+            self.notes.append(f"{v}: no 'runtime' tag (wake_up(tags) wakes only the tags named; deferrable "
+                              "tags are not in this version): the runtime buffer stays outside sleep mode, as in this vLLM")
+        if not self.graph_pool:
+            self.notes.append(f"{v}: no graph-capture pool routing (compilation/cudagraph_pool, "
+                              "CuMemAllocator.cudagraph_pool): the graph is captured in torch's own pool, outside sleep mode")
+        if not self.allocator_discard:
+            self.notes.append(f"{v}: no CuMemAllocator.discard (0.28+): the discard step is not run")
+        elif not self.backend_discard:
+            self.notes.append(f"{v}: no CuMemBackend.discard: the discard step calls the allocator's")
+        if not self.release_pools:
+            self.notes.append(f"{v}: no CuMemAllocator.release_pools: cumem's cleanup only drops the tensors")
+
+    def route(self, name: str):
+        """(the backend object, what drives which allocator) for config ``name``."""
+        if name not in ("cumem", "unisleep", "unisleep-backend"):
+            raise SystemExit(f"unknown config {name!r}: cumem, unisleep or unisleep-backend")
+        if name == "unisleep-backend" and not self.factory:
+            raise RuntimeError(f"vLLM {self.version} has no SleepModeBackendFactory: no unisleep backend to select")
+        if not self.factory:
+            return WorkerCalls(), "the GPU worker's calls (WorkerCalls stand-in)"
+        from vllm.device_allocator.sleep_mode_backend import SleepModeBackendFactory
+
+        which = "unisleep" if name == "unisleep-backend" or (name == "unisleep" and self.flag) else "cumem"
+        backend = SleepModeBackendFactory.create_backend(SimpleNamespace(sleep_mode_backend=which))
+        return backend, f"SleepModeBackendFactory {which!r}"
+
+    def as_dict(self) -> dict:
+        return {"version": self.version, "tree": os.path.basename(PKG), "sleep_mode_backend_factory": self.factory,
+                "sleep_mode_backend_flag": self.flag, "graph_pool_routing": self.graph_pool,
+                "runtime_tag": self.runtime_pool, "allocator_discard": self.allocator_discard,
+                "backend_discard": self.backend_discard, "release_pools": self.release_pools,
+                "notes": self.notes, "manifest": manifest()}
+
+
+def _setup(pkg: str | None = None):
+    put_on_path(pkg)
     import torch
 
     torch.cuda.init()
@@ -102,25 +252,24 @@ class Run:
         return dt
 
 
-def run_backend(name: str, args) -> Run:
+def run_backend(name: str, args, contract: "Contract") -> Run:
     import torch
-    from vllm.compilation.cudagraph_pool import capture_pool
     from vllm.device_allocator import get_mem_allocator_instance
-    from vllm.device_allocator.sleep_mode_backend import SleepModeBackendFactory
 
     from unisleep.vllm_worker import plugin as vllm_plugin
 
     r = Run(name, args)
-    behind = name == "unisleep" and args.release_behind
+    uni = name.startswith("unisleep")
+    behind = uni and args.release_behind
     if behind:  # MemoryLifecycle(release_behind=True) in the allocator's lifecycle
         os.environ["UNISLEEP_RELEASE_BEHIND"] = "1"
-    vllm_plugin.select_allocator(name == "unisleep")
-    backend = SleepModeBackendFactory.create_backend(SimpleNamespace(sleep_mode_backend=name))
+    vllm_plugin.select_allocator(uni)
+    backend, r.route = contract.route(name)
     alloc = get_mem_allocator_instance()
-    r.check("allocator", (type(alloc).__name__ == "UnisleepAllocator") == (name == "unisleep"),
-            type(alloc).__name__)
+    r.check("allocator", (type(alloc).__name__ == "UnisleepAllocator") == uni, type(alloc).__name__)
     r.allocator = type(alloc).__name__
     r.backend = type(backend).__name__
+    print(f"  {name}: {r.route} -> {r.backend} over {r.allocator}", flush=True)
     dev = torch.device("cuda", torch.cuda.current_device())
     gen = torch.Generator(device=dev).manual_seed(1234)
     W, K = int(args.weights_gib * GiB), int(args.kv_gib * GiB)
@@ -139,7 +288,9 @@ def run_backend(name: str, args) -> Run:
         for k in kv:
             k.fill_(7)
     n = 1 << 20
-    with alloc.use_memory_pool(tag="runtime"):
+    import contextlib
+
+    with (alloc.use_memory_pool(tag="runtime") if contract.runtime_pool else contextlib.nullcontext()):
         rt = torch.randint(0, 256, (args.runtime_mib << 20,), dtype=torch.uint8, device=dev, generator=gen)
         x = torch.zeros((n,), dtype=torch.int32, device=dev)
     rt_ref = rt.clone()
@@ -150,6 +301,10 @@ def run_backend(name: str, args) -> Run:
     with torch.cuda.stream(side):  # warm-up before capture, as torch asks
         _ = x * 3 + weights[0][:n].to(torch.int32) + rt[:n].to(torch.int32)
     torch.cuda.current_stream().wait_stream(side)
+    if contract.graph_pool:
+        from vllm.compilation.cudagraph_pool import capture_pool
+    else:  # this vLLM captures in torch's own pool
+        capture_pool = lambda pool, cfg: contextlib.nullcontext(pool)  # noqa: E731
     with capture_pool(None, vcfg) as pool:
         with torch.cuda.graph(graph, pool=pool):
             y = x * 3 + weights[0][:n].to(torch.int32) + rt[:n].to(torch.int32)
@@ -173,7 +328,7 @@ def run_backend(name: str, args) -> Run:
 
     def sleep(level, key):
         before = _free()
-        if name == "unisleep" and key in ("first_sleep", "steady_sleep") and key not in r.breakdown:
+        if uni and key in ("first_sleep", "steady_sleep") and key not in r.breakdown:
             traced(key, lambda: r.time(key, lambda: backend.suspend(level)))
         else:
             r.time(key, lambda: backend.suspend(level))
@@ -245,29 +400,31 @@ def run_backend(name: str, args) -> Run:
     weights_ok("after level 2 + reload")
     replay_ok("after level 2")
 
-    # discard -----------------------------------------------------------------------------
-    before = _free()
-    r.time("discard_kv", lambda: backend.discard(("kv_cache",)))
-    freed = _free() - before
-    if behind:
-        t0 = time.perf_counter()
-        while freed < 0.98 * K and time.perf_counter() - t0 < 1.0:
-            freed = _free() - before
-        r.t.setdefault("discard_kv_back", []).append(time.perf_counter() - t0)
-    r.mem["discard_freed_bytes"] = freed
-    r.check(f"discard kv_cache freed ({freed / GiB:.2f} GiB)", freed >= 0.98 * K, f"{freed} < {K}")
-    backend.resume(["kv_cache"])
-    weights_ok("after discard")
-    replay_ok("after discard")
+    # discard (vLLM 0.28+: the allocator's; 0.33+: the backend's) ------------------------
+    discard = getattr(backend, "discard", None) or (getattr(alloc, "discard", None) if contract.allocator_discard else None)
+    if discard is not None:
+        before = _free()
+        r.time("discard_kv", lambda: discard(("kv_cache",)))
+        freed = _free() - before
+        if behind:
+            t0 = time.perf_counter()
+            while freed < 0.98 * K and time.perf_counter() - t0 < 1.0:
+                freed = _free() - before
+            r.t.setdefault("discard_kv_back", []).append(time.perf_counter() - t0)
+        r.mem["discard_freed_bytes"] = freed
+        r.check(f"discard kv_cache freed ({freed / GiB:.2f} GiB)", freed >= 0.98 * K, f"{freed} < {K}")
+        backend.resume(["kv_cache"])
+        weights_ok("after discard")
+        replay_ok("after discard")
 
     # cleanup -----------------------------------------------------------------------------
     del graph, y, weights, kv, rt, x, ref, rt_ref
     gc.collect()
-    if name == "unisleep":
+    if uni:
         from unisleep.vllm_worker.allocator import UnisleepAllocator
 
         UnisleepAllocator.reset_instance()
-    else:
+    elif contract.release_pools:
         alloc.release_pools()
     gc.collect()
     torch.cuda.empty_cache()
@@ -276,13 +433,14 @@ def run_backend(name: str, args) -> Run:
     return r
 
 
-def summarize(runs, args) -> dict:
+def summarize(runs, args, contract: "Contract | None" = None) -> dict:
     import torch
 
     out = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "machine": f"{torch.cuda.get_device_name()} ({platform.node()}), torch {torch.__version__}",
-        "vllm": open(os.path.join(PKG, "VERSION")).read().strip(),
+        "vllm": version(),
+        "contract": contract.as_dict() if contract is not None else None,
         "command": " ".join(sys.argv),
         "weights_gib": args.weights_gib, "kv_gib": args.kv_gib, "cycles": args.cycles,
         "backends": {},
@@ -292,6 +450,7 @@ def summarize(runs, args) -> dict:
              for k, v in r.t.items()}
         out["backends"][r.name] = {
             "allocator": getattr(r, "allocator", None), "backend": getattr(r, "backend", None),
+            "route": getattr(r, "route", None),
             "times_s": t, "memory": r.mem, "breakdown": r.breakdown,
             "checks": [{"what": w, "ok": ok, "detail": d} for w, ok, d in r.checks],
             "passed": all(ok for _, ok, _ in r.checks),
@@ -383,21 +542,28 @@ def main() -> int:
     ap.add_argument("--cycles", type=int, default=3)
     ap.add_argument("--settle-s", type=float, default=2.0,
                     help="idle seconds between load and the first sleep (vLLM profiles there)")
-    ap.add_argument("--backends", default="cumem,unisleep")
+    ap.add_argument("--backends", default="cumem,unisleep",
+                    help="configs, comma-separated: cumem, unisleep, unisleep-backend (see the module docstring)")
+    ap.add_argument("--vllm-pkg", help=f"the extracted vLLM: a folder, or a version for vllm_pkg-VERSION/ "
+                                       f"(default: ${PKG_ENV}, else vllm_pkg/)")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--release-behind", action="store_true",
                     help="unisleep releases a sleep's memory behind its return (UNISLEEP_RELEASE_BEHIND=1); "
                          "the freed-memory checks wait for it (at most 1 s) and the table shows how long it took")
     args = ap.parse_args()
-    _setup()
+    _setup(args.vllm_pkg)
     from unisleep.vllm_worker import plugin as vllm_plugin
 
     print("plugin:", vllm_plugin.register())
+    contract = Contract()
+    print(f"vLLM {contract.version} ({PKG})")
+    for note in contract.notes:
+        print("note:", note)
     runs = []
     for name in args.backends.split(","):
         print(f"== {name}", flush=True)
         try:
-            runs.append(run_backend(name, args))
+            runs.append(run_backend(name, args, contract))
         except Exception as e:  # report the backend that could not run, keep the other
             import traceback
 
@@ -405,7 +571,7 @@ def main() -> int:
             r = Run(name, args)
             r.check("ran", False, f"{type(e).__name__}: {e}")
             runs.append(r)
-    out = summarize(runs, args)
+    out = summarize(runs, args, contract)
     print(table(out))
     if "unisleep" in out["backends"]:
         bt = breakdown_table(out["backends"]["unisleep"].get("breakdown") or {})
