@@ -85,7 +85,7 @@ def test_everything_the_core_uses_is_declared(kind, abc_cls):
 def test_load_range_is_abstract_and_every_store_implements_it():
     from unisleep.backup import HostBufferStore
     from unisleep.backends.ascend.store import AclHostStore
-    from unisleep.backends.host.spill import SpillStore
+    from unisleep.backends.host.spill_store import SpillStore
     from unisleep.backends.rocm.store import HipHostStore
 
     assert "load_range" in BackupStore.__abstractmethods__

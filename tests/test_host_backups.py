@@ -279,7 +279,7 @@ def staged(tmp_path):
     """The accelerators' file store on host tensors: its staging route forced (``_on_host``
     answers False, so host tensors stand for device memory; the staging buffer is not
     page-locked: there is no accelerator to pin for)."""
-    from unisleep.backends.host.spill import StagedSpillStore
+    from unisleep.backends.host.staged_spill import StagedSpillStore
 
     class Staged(StagedSpillStore):
         STAGE = 1 * MiB

@@ -231,9 +231,9 @@ class Driver(abc.ABC):
                        layout: str = "private") -> BackupStore:
         """A store of level-1 backups in spill files under ``spill_dir``
         (``MemoryLifecycle(backup_to="disk")``; ``layout``: ``"private"`` or ``"flat"``, see
-        :class:`~unisleep.backends.host.spill.SpillStore`).  unisleep's accelerator drivers
+        :class:`~unisleep.backends.host.spill_store.SpillStore`).  unisleep's accelerator drivers
         return the host backend's spill files written and read through a host staging buffer
-        (:class:`~unisleep.backends.host.spill.StagedSpillStore`); default: refused."""
+        (:class:`~unisleep.backends.host.staged_spill.StagedSpillStore`); default: refused."""
         raise UnsupportedError(
             f"the {self.name} backend keeps no backups in files; leave backup_to unset (its own store)")
 

@@ -277,7 +277,7 @@ class CudaDriver(Driver):
 
     def new_file_store(self, budget_bytes, spill_dir, layout: str = "private") -> BackupStore:
         """Spill files under ``spill_dir``, written and read through a host staging buffer."""
-        from unisleep.backends.host.spill import StagedSpillStore
+        from unisleep.backends.host.staged_spill import StagedSpillStore
 
         return StagedSpillStore(budget_bytes, spill_dir, layout=layout)
 

@@ -29,7 +29,7 @@ from unisleep.driver import BackupStore, Capabilities, Driver, DriverConfig, _Tr
 from unisleep.errors import InvalidArgumentError
 
 from . import libc
-from .spill import SpillStore
+from .spill_store import SpillStore
 
 
 _DEFAULT = object()  # an argument left out

@@ -2,7 +2,7 @@
 missing, one name at a time at its parent's descriptor and never through another user's link
 (:func:`~.spill_dir.open_spill_parent`; removed again at close if still empty), the private directory created and claimed
 with its owner marker (``layout="private"``), or ``spill_dir`` itself opened once
-(``layout="flat"``) — every step under the trust rules of :mod:`.spill`."""
+(``layout="flat"``) — every step under the trust rules of :mod:`.spill_store`."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Checksummed reads and writes of spill files (:mod:`.spill`): raw memory as a buffer, the
+"""Checksummed reads and writes of spill files (:mod:`.spill_store`): raw memory as a buffer, the
 XXH3-64 hasher, and reads that hash each step right after it lands and name a truncated or
 unreadable file (:class:`~unisleep.errors.BackupCorruptError`)."""
 

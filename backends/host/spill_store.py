@@ -1,5 +1,21 @@
-"""The spill store of host memory (:class:`SpillStore`): one file per backed-up range, under
-the trust rules of :mod:`.spill`."""
+"""Level-1 backups of host memory (:class:`SpillStore`): spill files that really leave the process's RAM,
+one file per backed-up range.  Device memory spills through :class:`~.staged_spill.StagedSpillStore`;
+the checksummed reads are in :mod:`.spill_reads`, how the store opens its directory in :mod:`.spill_open`.
+
+Trust rules:
+
+* the whole file is allocated (``posix_fallocate``) before any memory is released, so a disk
+  that fills up fails the sleep *before* anything changes;
+* every piece is written with its XXH3-64 checksum (``xxhash``) and checked when read back: a
+  corrupted, truncated or deleted file raises :class:`~unisleep.errors.BackupCorruptError`;
+* each spill directory carries unisleep's marker of its owner (an ``.owner`` file: pid, boot
+  id, and an ``flock`` taken *before* the marker is written and held while the process lives),
+  so a later lifecycle or ``unisleep doctor --clean`` removes only directories whose marker
+  names a dead owner — never a live one's, never one being created, never anything unmarked;
+* a spill directory another user could swap is refused (:func:`check_spill_parent`), and every
+  spill file is opened relative to the private directory's descriptor (``O_NOFOLLOW``, created
+  ``O_EXCL``), so no renamed directory or planted link redirects the weights.
+"""
 
 from __future__ import annotations
 
