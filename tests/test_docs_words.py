@@ -5,8 +5,8 @@ command.
 * README.md, every page under docs/ and pyproject.toml hold no commit hash given as provenance
   ("main at 1a2b3c4", "(1a2b3c4)", "tree at ..."), no branch, none of the project's process words
   ("the issue", "this evening", "after rebasing", "design card", "no device time was left", ...)
-  and no path of a working machine (``/work/...``, ``/root/...``, an interpreter's path, a scratch
-  file); the raw results under docs/results/ hold no commit hash, branch or machine path either.
+  and no path of the machine the project was built on (its work or home folders, an
+  interpreter's path, a scratch file); the raw results under docs/results/ hold no commit hash, branch or machine path either.
 * docs/benchmarks.md (the figures page) is checkable: its "Machines" table names each machine; under
   "Results, newest first" every ``### `` section starts with its date (``YYYY-MM-DD``, optionally
   ``HH:MM UTC``), sections come newest first, and each has ``**Machine:**`` (starting with a machine

@@ -1,5 +1,13 @@
 """unisleep: sleep, wake and weight transfer for trainers and rollout engines that share
-accelerators — the same API on NVIDIA CUDA, AMD ROCm, Huawei Ascend and plain host memory."""
+accelerators — the same API on NVIDIA CUDA, AMD ROCm, Huawei Ascend and plain host memory.
+
+Public aliases — modules that only re-export, kept because configurations and installed metadata
+name them (code imports the real module):
+
+* ``unisleep.vllm_plugin`` → :mod:`unisleep.vllm_worker.plugin` (vLLM's general-plugin entry point);
+* ``unisleep.engines.vllm_worker_ext`` → :mod:`unisleep.vllm_worker.extension`
+  (``--worker-extension-cls``).
+"""
 
 from . import errors
 from .errors import (

@@ -1,5 +1,5 @@
-"""A thin alias, kept for the vLLM general-plugin entry point ``unisleep.vllm_plugin:register``
-that users and older installs may name (and for code importing it): the plugin is
-:mod:`unisleep.vllm_worker.plugin`, which pyproject.toml's entry point names now."""
+"""Public alias (the list: :mod:`unisleep`'s docstring): the target of unisleep's vLLM
+general-plugin entry point ``unisleep = "unisleep.vllm_plugin:register"`` in pyproject.toml, the
+name installed environments record.  The plugin is :mod:`unisleep.vllm_worker.plugin`."""
 
 from .vllm_worker.plugin import *  # noqa: F401,F403
