@@ -468,13 +468,20 @@ class IpcSenderState:
         sock.settimeout(g.timeout_s)
         return r, IpcConn(sock, g, f"{base}/{nonce}{mine}/{r}", "s", "r", f"receiver rank {r}", r)
 
+    def drop_slot(self, slot: int) -> None:
+        """Give slot ``slot``'s exported buffer back (a receiver's mapping keeps its memory until
+        it unmaps it)."""
+        cur = self.slots[slot]
+        if cur is not None:
+            cur[1].close()
+            self.shared.pop(cur[0], None)
+            self.slots[slot] = None
+
     def release_buffers(self) -> None:
-        """Give the exported bucket buffers back (a receiver's mapping keeps its memory until it
-        unmaps it); the socket and the connections stay for the next update."""
-        for s in self.slots:
-            if s is not None:
-                s[1].close()
-        self.slots = [None, None]
+        """Give the exported bucket buffers back; the socket and the connections stay for the
+        next update."""
+        self.drop_slot(0)
+        self.drop_slot(1)
         self.shared.clear()
         self.busy = [set(), set()]
 
@@ -489,10 +496,8 @@ class IpcSenderState:
         for st in self.streams.values():
             st.close()
         self.streams.clear()
-        for s in self.slots:
-            if s is not None:
-                s[1].close()
-        self.slots = [None, None]
+        self.drop_slot(0)
+        self.drop_slot(1)
         self.listener.close()
         if threading.current_thread() is not self._thread:
             self._thread.join(2)
@@ -558,9 +563,7 @@ class IpcSendChannel:
         self._wait_free(slot)
         cur = st.slots[slot]
         if cur is None or cur[1].nbytes < nbytes:
-            if cur is not None:
-                cur[1].close()
-                st.shared.pop(cur[0], None)
+            st.drop_slot(slot)
             cap = max(nbytes, self.s.bucket_bytes + 4096)
             t0 = time.perf_counter()
             try:
@@ -600,12 +603,10 @@ class IpcSendChannel:
             last = self.last_slot
             for slot in (1 - last, last):
                 self._wait_free(slot)
-                if self.give_back and st.slots[slot] is not None:
+                if self.give_back:
                     t0 = time.perf_counter()
-                    st.slots[slot][1].close()
+                    st.drop_slot(slot)
                     self.s._released_s += time.perf_counter() - t0
-                    st.shared.pop(st.slots[slot][0], None)
-                    st.slots[slot] = None
         for conn in st.conns.values():
             conn.send("end", abort=abort, u=self.seq, msg=ipc_text(why))
         if abort:
