@@ -164,6 +164,43 @@ def test_rocm_sim_any_chunk_size_maps_like_vllm():
     lib.close()
 
 
+@pytest.mark.parametrize("version", [60200000, 70200000], ids=["hip-6.2", "hip-7.2"])
+def test_rocm_sim_progressive_wake_grants_access_as_the_runtime_allows(version):
+    """A progressive wake maps chunk by chunk.  ROCm 7.2 rejects hipMemSetAccess at a non-zero
+    offset of a reservation (rocm-systems PR #9360; SIMULATED by the HIP 7.2 profile), ROCr 6.x
+    wants the range to start at a mapped handle (the 6.2 profile).  In module order (a later
+    chunk first) and in adoption order, every byte comes back, and on 7.2 every grant starts at
+    the region's start."""
+    lib = FakeHip(granularity=GRAN, total_bytes=64 * MiB, runtime_version=version)
+    _, drv = make(lib, chunk_bytes=GRAN)  # one 64 KiB weight per chunk
+    lc = MemoryLifecycle(drv)
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(*[torch.nn.Linear(128, 128, bias=False) for _ in range(6)])
+    lc.adopt(m)
+    ref = [p.detach().clone() for p in m.parameters()]
+    base = min(p.data_ptr() for p in m.parameters())
+    for order in ([m[4], m[1]], None):
+        lc.sleep(level=1)
+        lib.dev.log.clear()
+        lc.wake_up(["weights"], progressive=True, order=order)
+        lc.wait()
+        assert all(torch.equal(p, r) for p, r in zip(m.parameters(), ref))
+        grants = [e for e in lib.dev.log if e[0] == "hipMemSetAccess"]
+        assert grants and not [e for e in lib.dev.log if e[0] == "error"], lib.dev.log
+        if version >= 70200000:
+            assert {e[1] for e in grants} == {base}
+    if version >= 70200000:  # several workers cannot each grant from the start: refused, nothing changed
+        with pytest.raises(UnisleepError, match="progressive_workers=2 .*rocm-systems PR #9360"):
+            drv.configure(progressive_workers=2)
+        assert drv.config.progressive_workers == 1
+    else:
+        drv.configure(progressive_workers=2)
+    del m
+    lc.close()
+    assert not lib.dev.internal_errors and not lib.dev.reservations
+    lib.close()
+
+
 @pytest.mark.parametrize("workaround", [False, True], ids=["simulated-bug-without-workaround", "simulated-with-workaround"])
 def test_rocm_sim_memory_kept_while_reserved(workaround):
     """ROCm/ROCm#6021: unmap+release frees nothing while the address stays reserved."""

@@ -6,7 +6,11 @@ reserve                ``hipMemAddressReserve(&p, size, granularity, 0, 0)``; on
 create                 ``hipMemCreate(&h, chunk, &prop, 0)`` — one handle per chunk of
                        ``VLLM_ROCM_SLEEP_MEM_CHUNK_SIZE`` MB (the shared Region/chunk policy)
 map                    ``hipMemMap(va + off, chunk, 0, h, 0)`` — HIP maps whole handles, offset 0
-set_access             ``hipMemSetAccess`` once over the whole range, after every (re)map
+set_access             ``hipMemSetAccess`` once over the whole range, after every (re)map; a chunk
+                       mapped by itself (progressive wake) is granted at its own start before HIP
+                       7.2, and from the reservation's start over every chunk up to it from 7.2 on
+                       (ROCm 7.2 rejects a non-zero offset: rocm-systems PR #9360), the chunks
+                       before it mapped first; several progressive workers are refused there
 unmap / release        ``hipMemUnmap`` per chunk, ``hipMemRelease``
 sleep                  after releasing, ``hipMemAddressFree`` + re-reserve the *same* address under a
                        process-wide lock, verified: ROCr keeps VRAM while the VA stays reserved
@@ -266,7 +270,41 @@ class RocmDriver(Driver):
             self._mapped[va] = size
 
     def set_access(self, va: int, size: int) -> None:
+        self._set_device()
         self.api.call("hipMemSetAccess", ptr=va, size=size, desc=byref(self._access), count=1)
+
+    @property
+    def access_from_base(self) -> bool:
+        """Whether this HIP grants access only from the start of a reservation: ROCm 7.2 rejects
+        ``hipMemSetAccess`` at a non-zero offset (rocm-systems PR #9360 / SWDEV-568260, fixed
+        on develop only), as vLLM's and torch_memory_saver's single whole-range call avoid."""
+        return self.api.runtime_version >= hip.ACCESS_FROM_BASE_SINCE
+
+    def grant_chunk(self, region: Region, chunk) -> None:
+        """A chunk mapped by itself: before HIP 7.2 its own range (ROCr 6.x wants the range to
+        start at a mapped handle); from 7.2, the chunks before it are mapped (no access yet) and
+        one ``hipMemSetAccess`` covers the region from its start through this chunk."""
+        if chunk.offset == 0 or not self.access_from_base:
+            self.set_access(region.va + chunk.offset, chunk.size)
+            return
+        for c in region.chunks:
+            if c.offset >= chunk.offset:
+                break
+            region.map_chunk(self, c, access=False)
+        self.set_access(region.va, chunk.offset + chunk.size)
+
+    def configure(self, **knobs: Any):
+        workers = knobs.get("progressive_workers")
+        if (workers is not None and isinstance(workers, int) and workers > 1 and getattr(self, "api", None) is not None
+                and self.access_from_base):
+            from unisleep.errors import InvalidArgumentError
+
+            raise InvalidArgumentError(
+                f"progressive_workers={workers} on HIP {hip.version_text(self.api.runtime_version)}: this ROCm grants "
+                "memory access only from the start of a reservation (ROCm 7.2 rejects hipMemSetAccess at a non-zero "
+                "offset, rocm-systems PR #9360), so a chunk is granted together with every chunk before it, which "
+                "one worker at a time can do; use progressive_workers=1 (the default). Nothing was changed")
+        return super().configure(**knobs)
 
     def unmap(self, va: int, size: int) -> None:
         self.api.call("hipMemUnmap", ptr=va, size=size)

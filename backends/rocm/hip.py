@@ -127,6 +127,12 @@ class hipMemAccessDesc(ctypes.Structure):
 PROP_LAYOUT_CHANGED = 50300000
 
 
+#: HIP_VERSION from which ``hipMemSetAccess`` must start at the start of a reservation: ROCm 7.2
+#: rejects valid sub-buffer mappings at a non-zero offset (rocm-systems PR #9360, SWDEV-568260;
+#: the fix is on develop only, so every later runtime is treated alike until one is shown fixed)
+ACCESS_FROM_BASE_SINCE = 70200000
+
+
 def alloc_prop_type(runtime_version: int):
     """The ``hipMemAllocationProp`` declaration for a runtime of this HIP_VERSION."""
     return hipMemAllocationProp_v5_2 if 0 < runtime_version < PROP_LAYOUT_CHANGED else hipMemAllocationProp

@@ -19,7 +19,15 @@ Contracts enforced, with HIP's integer error codes:
 * ``fault_on_cross_mapping_memset`` (default on): a ``hipMemset`` whose range spans more than
   one mapping fails with ``hipErrorIllegalAddress`` — the signature of the intermittent MI300
   fault at an allocation-wide ``hipMemset`` right after wake (vLLM PR #52478), made certain.
+* ``hipMemSetAccess`` by runtime version (``runtime_version``, HIP_VERSION):
+  - before 7.2 (ROCr 6.x ``VMemorySetAccess``, ``runtime.cpp``): the range must start exactly
+    at a mapped handle;
+  - 7.2 and later: the range must start at the start of its reservation — ROCm 7.2.x rejects
+    valid sub-buffer mappings at a non-zero offset (rocm-systems PR #9360, SWDEV-568260; PR
+    #6977: 21 of 30 runs failed on gfx942; llama.cpp PR #23900: only a SetAccess from the base
+    over the whole mapped range works); ``hipErrorInvalidValue`` otherwise.
 """
+
 
 from __future__ import annotations
 
@@ -40,6 +48,10 @@ hipErrorIllegalAddress = hip.hipErrorIllegalAddress
 #: ONE declaration: the simulated functions take the bindings' own prototypes (pointers arrive as
 #: raw addresses), so a prototype error in hip.py is not repeated here but caught against the real
 #: library and header by tests/test_hip_real.py
+#: HIP_VERSION from which hipMemSetAccess must start at the start of a reservation (the
+#: simulator's own copy: a driver that read the version wrong would not be hidden)
+ACCESS_FROM_BASE_SINCE = 70200000
+
 SIGNATURES = {name: (restype, callback_argtypes(args)) for name, (restype, args) in hip.PROTOTYPES.items()}
 
 
@@ -172,6 +184,15 @@ class FakeHip:
         d = hip.hipMemAccessDesc.from_address(desc)
         if d.flags != 3 or d.location.type != 1:
             raise SimError(hipErrorInvalidValue, f"access flags {d.flags}")
+        va = ptr or 0
+        if self.runtime_version >= ACCESS_FROM_BASE_SINCE:
+            r = self.dev.reservation_of(va, max(size, 1))
+            if r is not None and va != r.va:
+                raise SimError(hipErrorInvalidValue, f"hipMemSetAccess at offset {va - r.va:#x} of a reservation: "
+                               "ROCm 7.2 rejects a non-zero offset (simulated, rocm-systems PR #9360)")
+        elif va not in self.dev.mappings:
+            raise SimError(hipErrorInvalidValue, f"hipMemSetAccess at {va:#x}, not the start of a mapped handle "
+                           "(simulated ROCr 6.x VMemorySetAccess)")
         self.dev.set_access(ptr or 0, size)
 
     def _hipMemUnmap(self, ptr, size):
