@@ -259,6 +259,41 @@ def test_rocm_sim_rereserve_refuses_a_moved_address(monkeypatch):
     lib.close()
 
 
+@pytest.mark.slow
+def test_rocm_sim_close_after_a_moved_address_never_frees_it():
+    """After AddressMovedError the region's range is someone else's: closing the lifecycle must
+    not hipMemAddressFree it — the 6.2-era HIP runtime dereferences a null pointer there (the
+    SIMULATED library ends the process with SIGABRT).  Run in a child process for that reason."""
+    code = textwrap.dedent(f"""
+        import sys, torch
+        sys.path.insert(0, {TESTS!r})
+        from sim.fake_hip import FakeHip
+        from unisleep import MemoryLifecycle
+        from unisleep.backends.host import libc
+        from unisleep.backends.rocm import RocmDriver
+        from unisleep.errors import UnisleepError
+        lib = FakeHip(granularity={GRAN}, total_bytes=64 << 20)
+        lc = MemoryLifecycle(RocmDriver(lib=lib, tensor_device="cpu", chunk_bytes=1 << 20, env={{}}))
+        w = lc.empty(1 << 20, torch.uint8, tag="weights")
+        taken = []
+        def intruder(va, size):
+            if size == 1 << 20:
+                taken.append(libc.mmap(va, size, libc.PROT_NONE, libc.MAP_PRIVATE | libc.MAP_ANONYMOUS | 0x100000))
+        lib.dev.intruder = intruder
+        try:
+            lc.sleep(level=1)
+        except UnisleepError as e:
+            print("moved:", "AddressMovedError" in str(e))
+        lib.dev.intruder = None
+        del w
+        lc.close()
+        print("closed; range still the intruder's:", bool(taken) and libc.munmap(taken[0], 1 << 20) is None)
+        """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, (out.returncode, out.stdout, out.stderr[-2000:])
+    assert out.stdout.split("\n")[:2] == ["moved: True", "closed; range still the intruder's: True"], out.stdout
+
+
 def test_rocm_sim_runtime_that_moves_reservations_keeps_them_visibly(monkeypatch):
     """A runtime that does not re-reserve a freed address in place (simulated): the probe sees it
     before any region is freed; sleep keeps the reservations, and says so everywhere."""

@@ -203,7 +203,14 @@ class RocmDriver(Driver):
             return va
 
     def free_address(self, va: int, size: int) -> None:
+        """Give an address range back; a range given up after it moved (``AddressMovedError``)
+        is not this driver's any more and is never freed: HIP (6.2-era ROCr) dereferences a null
+        pointer when asked to free a range it does not hold."""
+        self._set_device()
         with VA_LOCK:
+            if any(lo == va for lo, _ in self._lost):
+                log.debug("not freeing %#x+%d: given up after it moved", va, size)
+                return
             self.api.call("hipMemAddressFree", devPtr=va, size=size)
             self.reservations.remove(va)
 

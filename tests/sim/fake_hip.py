@@ -19,6 +19,10 @@ Contracts enforced, with HIP's integer error codes:
 * ``fault_on_cross_mapping_memset`` (default on): a ``hipMemset`` whose range spans more than
   one mapping fails with ``hipErrorIllegalAddress`` — the signature of the intermittent MI300
   fault at an allocation-wide ``hipMemset`` right after wake (vLLM PR #52478), made certain.
+* ``hipMemAddressFree`` of a range the runtime does not hold (e.g. one given up after it moved)
+  ends the process (``os.abort``): the 6.2-era ROCr looks the range up and dereferences the null
+  it finds (``runtime.cpp``; ROCr's reserve tries ``FixedAddress`` and falls back).  No later
+  runtime is known to answer with an error code instead, so every version crashes here;
 * ``hipMemSetAccess`` by runtime version (``runtime_version``, HIP_VERSION):
   - before 7.2 (ROCr 6.x ``VMemorySetAccess``, ``runtime.cpp``): the range must start exactly
     at a mapped handle;
@@ -32,6 +36,8 @@ Contracts enforced, with HIP's integer error codes:
 from __future__ import annotations
 
 import ctypes
+import os
+import sys
 import threading
 from ctypes import CFUNCTYPE
 
@@ -159,6 +165,12 @@ class FakeHip:
         out_ptr(ptr, va)
 
     def _hipMemAddressFree(self, devPtr, size):
+        if (devPtr or 0) not in self.dev.reservations:
+            # the 6.2-era runtime looks the range up and dereferences the null it gets back
+            sys.stderr.write(f"SIMULATED HIP {self.runtime_version}: hipMemAddressFree({devPtr or 0:#x}) of a range "
+                             "the runtime does not hold: null dereference, the process ends\n")
+            sys.stderr.flush()
+            os.abort()
         self.dev.free_address(devPtr or 0, size)
 
     # ---- physical memory -----------------------------------------------------------------
