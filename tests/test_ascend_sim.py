@@ -75,6 +75,41 @@ def test_ascend_sim_argument_orders(simulated):
     assert "aclrtSynchronizeDevice" in [e[0] for e in log[log.index(sets[-1]) :]]
 
 
+def test_ascend_sim_every_call_holds_the_devices_context_whatever_the_thread():
+    """ACL contexts are per thread (SIMULATED by FakeAcl: a call from a thread with no context
+    fails with ACL_ERROR_RT_CONTEXT_NULL, one on another device's memory is refused).  A
+    background sleep, a progressive wake, the release thread and two drivers of two devices
+    taking turns on one thread: every call runs in the right device's context."""
+    import threading
+
+    lib = FakeAcl(granularity=GRAN, total_bytes=64 * MiB, device_count=2)
+    drv = AscendDriver(lib=lib, tensor_device="cpu", device=1)
+    drv0 = AscendDriver(lib=lib, tensor_device="cpu", device=0)
+    lc, lc0 = MemoryLifecycle(drv), MemoryLifecycle(drv0)
+    drv.configure(release_behind=True)
+    w, w0 = fill(lc, "weights", 4 * MiB, 31)
+    v, v0 = fill(lc0, "weights", 2 * MiB, 32)
+    lc.sleep(level=1, background=True)
+    lc.wait()
+    lc.wake_up(progressive=True)
+    lc.wait()
+    for _ in range(2):  # the two drivers in turn on this thread
+        lc0.sleep(level=1)
+        lc.sleep(level=1)
+        lc0.wake_up()
+        lc.wake_up()
+    t = threading.Thread(target=lambda: (lc.sleep(level=1), lc.wake_up()))
+    t.start()
+    t.join(60)
+    assert torch.equal(w, w0) and torch.equal(v, v0)
+    assert not [e for e in lib.dev.log if e[0] == "error"], [e for e in lib.dev.log if e[0] == "error"][:3]
+    del w, w0, v, v0
+    lc.close()
+    lc0.close()
+    assert not lib.dev.internal_errors and lib.dev.used_bytes == 0
+    lib.close()
+
+
 def test_ascend_sim_simulator_is_strict():
     lib, drv = make()
     api = drv.api

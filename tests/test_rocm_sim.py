@@ -201,6 +201,41 @@ def test_rocm_sim_progressive_wake_grants_access_as_the_runtime_allows(version):
     lib.close()
 
 
+def test_rocm_sim_every_call_runs_on_the_drivers_device_whatever_the_thread():
+    """HIP's current device is per thread (device 0 until set) and CLR allocates and checks
+    copies against it (SIMULATED by FakeHip: hipMemCreate lands on the current device, hipMemcpy
+    and hipMemset refuse memory the current device holds no access to).  A driver of device 1
+    driven from other threads — a background sleep, a progressive wake, the release thread —
+    and from a thread whose current device another driver changed: every byte comes back, all
+    memory is device 1's."""
+    import threading
+
+    lib = FakeHip(granularity=GRAN, total_bytes=64 * MiB, device_count=2)
+    _, drv = make(lib, device=1)
+    _, drv0 = make(lib, device=0)
+    lc = MemoryLifecycle(drv)
+    lc.driver.configure(release_behind=True)
+    w, w0 = fill(lc, "weights", 3 * MiB, 21)
+    kv, _ = fill(lc, "kv_cache", 1 * MiB, 22)
+    lc.sleep(level=1, background=True)
+    lc.wait()
+    lc.wake_up(progressive=True)
+    lc.wait()
+    assert torch.equal(w, w0) and int(kv.count_nonzero()) == 0
+    drv0.reserve(GRAN)  # this thread's current device is now 0
+    lc.sleep(level=1)
+    t = threading.Thread(target=lc.wake_up)
+    t.start()
+    t.join(60)
+    assert torch.equal(w, w0)
+    assert {p.device for p in lib.dev.phys.values() if not p.freed} == {1}
+    assert not [e for e in lib.dev.log if e[0] == "error"], [e for e in lib.dev.log if e[0] == "error"][:3]
+    del w, w0, kv
+    lc.close()
+    assert not lib.dev.internal_errors
+    lib.close()
+
+
 @pytest.mark.parametrize("workaround", [False, True], ids=["simulated-bug-without-workaround", "simulated-with-workaround"])
 def test_rocm_sim_memory_kept_while_reserved(workaround):
     """ROCm/ROCm#6021: unmap+release frees nothing while the address stays reserved."""

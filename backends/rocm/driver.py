@@ -112,7 +112,6 @@ class RocmDriver(Driver):
         self.raise_file_limit = raise_file_limit
         self.simulated = bool(getattr(lib, "SIMULATED", False))
         self.api = hip.HipApi(lib if lib is not None else hip.load_library())
-        self._tls = threading.local()
         self.reservations = Reservations()  # this driver's address ranges (device memory)
         self._mapped: dict[int, int] = {}  # va -> size of every mapped chunk
         self._maps_lock = threading.Lock()
@@ -169,10 +168,17 @@ class RocmDriver(Driver):
             )
 
     def _set_device(self) -> None:
-        """HIP's current device is per thread: set it once in every thread that calls in."""
-        if getattr(self._tls, "device", None) != self.device:
+        """Make this driver's device the calling thread's current one, at every entry point:
+        HIP's current device is per thread (device 0 on a thread that never set one), CLR
+        allocates ``hipMemCreate`` memory on it and checks copies against it
+        (``hip_memory.cpp``), and another driver or torch may have changed it since this
+        driver last looked.  Leaves it set, as vLLM's allocator does."""
+        cur = c_int(-1)
+        if self.api.rc("hipGetDevice", deviceId=byref(cur)) != hip.hipSuccess or cur.value != self.device:
             self.api.call("hipSetDevice", deviceId=self.device)
-            self._tls.device = self.device
+
+    def prepare_thread(self) -> None:
+        self._set_device()
 
     # ---- primitives ------------------------------------------------------------------
     def granularity(self) -> int:
@@ -264,6 +270,7 @@ class RocmDriver(Driver):
         return HipHandle(int(h.value), size)
 
     def map(self, va: int, size: int, handle: HipHandle) -> None:
+        self._set_device()
         for lo, n in self._lost:
             if lo <= va < lo + n:
                 raise AddressMovedError(
@@ -314,11 +321,13 @@ class RocmDriver(Driver):
         return super().configure(**knobs)
 
     def unmap(self, va: int, size: int) -> None:
+        self._set_device()
         self.api.call("hipMemUnmap", ptr=va, size=size)
         with self._maps_lock:
             self._mapped.pop(va, None)
 
     def release(self, handle: HipHandle) -> None:
+        self._set_device()
         if not handle.released:
             self.api.call("hipMemRelease", handle=handle.ptr)
             handle.released = True
@@ -388,7 +397,7 @@ class RocmDriver(Driver):
         return StagedSpillStore(budget_bytes, spill_dir, layout=layout)
 
     def new_backup_store(self, budget_bytes, spill_dir) -> BackupStore:
-        return HipHostStore(self.api, budget_bytes, is_device=self.reservations.covers)
+        return HipHostStore(self.api, budget_bytes, is_device=self.reservations.covers, bind=self._set_device)
 
     # ---- framework allocations ---------------------------------------------------------
     def pool_problem(self) -> Optional[str]:
@@ -486,6 +495,7 @@ class RocmDriver(Driver):
         return self._last_kept
 
     def suspend(self, saves: list[SaveJob], discards: list[Region], store: BackupStore) -> tuple[int, int]:
+        self._set_device()
         if self.rereserve_on_sleep and self.kept_reason is None and not self._probed:
             self._probe_rereserve()
         released, copied = super().suspend(saves, discards, store)

@@ -156,6 +156,7 @@ def signatures(prop: type = hipMemAllocationProp) -> dict[str, tuple[Any, list[t
     return {
         "hipRuntimeGetVersion": (c_int, [("runtimeVersion", POINTER(c_int))]),
         "hipSetDevice": (c_int, [("deviceId", c_int)]),
+        "hipGetDevice": (c_int, [("deviceId", POINTER(c_int))]),
         "hipGetDeviceCount": (c_int, [("count", POINTER(c_int))]),
         "hipDeviceSynchronize": (c_int, []),
         "hipMemGetInfo": (c_int, [("free", POINTER(c_size_t)), ("total", POINTER(c_size_t))]),

@@ -23,6 +23,13 @@ Contracts enforced, with HIP's integer error codes:
   ends the process (``os.abort``): the 6.2-era ROCr looks the range up and dereferences the null
   it finds (``runtime.cpp``; ROCr's reserve tries ``FixedAddress`` and falls back).  No later
   runtime is known to answer with an error code instead, so every version crashes here;
+* the current device is per thread, device 0 on a thread that never called ``hipSetDevice``
+  (HIP's default), and CLR works on it whatever the arguments say: ``hipMemCreate`` allocates on
+  the current device (``hip::getCurrentDevice()``, not ``prop.location.id``), ``hipMemcpy`` /
+  ``hipMemset`` need the current device to have been granted access to the device memory they
+  touch (``ihipMemcpy_validate``, ``hipamd/src/hip_memory.cpp``: ``hipErrorInvalidValue``),
+  ``hipDeviceSynchronize`` waits for the current device's work only and ``hipMemGetInfo``
+  reports the current device;
 * ``hipMemSetAccess`` by runtime version (``runtime_version``, HIP_VERSION):
   - before 7.2 (ROCr 6.x ``VMemorySetAccess``, ``runtime.cpp``): the range must start exactly
     at a mapped handle;
@@ -110,16 +117,33 @@ class FakeHip:
             raise SimError(hipErrorInvalidDevice, f"no device {deviceId}")
         self.dev.current_device[threading.get_ident()] = deviceId
 
+    def _hipGetDevice(self, deviceId):
+        ctypes.c_int.from_address(deviceId).value = self._current()
+
+    def _current(self) -> int:
+        cur = self.dev.thread_device()
+        return 0 if cur is None else cur  # HIP: device 0 until the thread sets one
+
+    def _check_access(self, va: int, n: int) -> None:
+        """The current device must hold access to every mapping of ``[va, va + n)`` it touches."""
+        cur = self._current()
+        for m in self.dev.mappings.values():
+            if m.va < va + max(n, 1) and va < m.va + m.size and cur not in getattr(m, "access_devices", ()):
+                raise SimError(hipErrorInvalidValue, f"device memory at {m.va:#x} (device {m.phys.device}) is not "
+                               f"accessible from the current device {cur} (simulated ihipMemcpy_validate)")
+
     def _hipGetDeviceCount(self, count):
         ctypes.c_int.from_address(count).value = self.dev.device_count
         if not self.dev.device_count:  # what libamdhip64 5.2.3 returns on a machine without a GPU
             raise SimError(hipErrorNoDevice, "no device")
 
     def _hipDeviceSynchronize(self):
-        self.dev.drain()
+        self.dev.drain(device=self._current())
 
     def _hipMemGetInfo(self, free, total):
-        out_size_t(free, self.dev.total_bytes - self.dev.used_bytes)
+        cur = self._current()
+        used = sum(p.size for p in self.dev.phys.values() if not p.freed and p.device == cur)
+        out_size_t(free, self.dev.total_bytes - used)
         out_size_t(total, self.dev.total_bytes)
 
     def _check_prop(self, prop_addr):
@@ -178,7 +202,7 @@ class FakeHip:
         if flags:
             raise SimError(hipErrorInvalidValue, "flags must be 0")
         self._check_prop(prop)
-        out_ptr(handle, self.dev.create(size).id)
+        out_ptr(handle, self.dev.create(size, device=self._current()).id)
 
     def _hipMemMap(self, ptr, size, offset, handle, flags):
         if offset != 0:
@@ -206,6 +230,8 @@ class FakeHip:
             raise SimError(hipErrorInvalidValue, f"hipMemSetAccess at {va:#x}, not the start of a mapped handle "
                            "(simulated ROCr 6.x VMemorySetAccess)")
         self.dev.set_access(ptr or 0, size)
+        for m in self.dev._covering(ptr or 0, size) or ():
+            m.access_devices = getattr(m, "access_devices", set()) | {d.location.id}
 
     def _hipMemUnmap(self, ptr, size):
         self.dev.unmap(ptr or 0, size)
@@ -218,9 +244,13 @@ class FakeHip:
         sides = {0: (False, False), 1: (True, False), 2: (False, True), 3: (True, True), 4: (None, None)}
         if kind not in sides:
             raise SimError(hipErrorInvalidValue, f"memcpy kind {kind}")
+        for ptr in (dst or 0, src or 0):
+            if self.dev.is_device(ptr, sizeBytes):
+                self._check_access(ptr, sizeBytes)
         self.dev.memcpy(dst or 0, src or 0, sizeBytes, *sides[kind])
 
     def _hipMemset(self, dst, value, sizeBytes):
+        self._check_access(dst or 0, sizeBytes)
         if self.fault_on_cross_mapping_memset:
             spans = self.dev._covering(dst or 0, sizeBytes)
             if spans is not None and len(spans) > 1:
