@@ -19,9 +19,15 @@ sleep                  after releasing, ``hipMemAddressFree`` + re-reserve the *
                        a region's address: it keeps the reservation (memory not returned, shown in
                        ``last_sleep_kept``, the sleep's ``bytes_released`` and ``unisleep doctor``)
 wake                   discarded memory is zeroed explicitly (``hipMemset`` + ``hipDeviceSynchronize``):
-                       remapped VRAM may hold stale data (vLLM PR #44972) — fresh_memory_is_zero=False;
-                       one ``hipMemset`` per mapped chunk, never one across the allocation (an
-                       allocation-wide memset at wake faults MI300 intermittently, vLLM PR #52478)
+                       remapped VRAM may hold stale data (vLLM PR #44972) — fresh_memory_is_zero=False.
+                       Zeros go only where the wake restores nothing: a region restored in part
+                       from its backup is zeroed in the gaps only, after every chunk is mapped and
+                       granted.  vLLM PR #52478 removed its allocator-wide wake memset after
+                       intermittent MI300 faults at it and zeroes only the state views read before
+                       written; unisleep cannot see which bytes an engine reads first and its
+                       contract promises zeros in a discarded tag, so a wholly discarded region is
+                       still zeroed (one ``hipMemset`` per mapped chunk; that this avoids the MI300
+                       fault is not shown)
 handles                each handle holds one file descriptor (dmabuf): the soft ``RLIMIT_NOFILE`` is
                        raised when needed, or the allocation is refused with the fix (rocm-systems#10604)
 devices                HIP/CUDA/ROCR visible-device variables that disagree are refused at start; no
@@ -367,9 +373,10 @@ class RocmDriver(Driver):
         return out
 
     def zero(self, va: int, nbytes: int) -> None:
-        """Zero ``[va, va + nbytes)`` with one ``hipMemset`` per mapped chunk it covers, never one
-        across chunks: an allocation-wide ``hipMemset`` right after a wake intermittently faults
-        MI300 (vLLM PR #52478, which removed it).  Synchronised: zeroing is an explicit step."""
+        """Zero ``[va, va + nbytes)`` with one ``hipMemset`` per mapped chunk it covers (vLLM PR
+        #52478 saw intermittent MI300 faults at one allocation-wide ``hipMemset`` right after a
+        wake; whether per-chunk calls avoid them is not known).  Synchronised: zeroing is an
+        explicit step."""
         self._set_device()
         for lo, n in self._mapping_pieces(va, nbytes):
             self.api.call("hipMemset", dst=lo, value=0, sizeBytes=n)
@@ -378,6 +385,21 @@ class RocmDriver(Driver):
     def synchronize(self) -> None:
         self._set_device()
         self.api.call("hipDeviceSynchronize")
+
+    def queue_restore(self, job, store: BackupStore) -> int:
+        """Map ``job``'s region again, zero only the bytes its backup does not cover (the copies
+        overwrite the rest: zeroing them too would write the region twice), and queue the
+        copies of its saved ranges; returns the bytes queued."""
+        job.region.map(self)
+        if self.fills_zeros(job):
+            pos = 0
+            for off, n in sorted(job.ranges) + [(job.region.size, 0)]:
+                if off > pos:
+                    self.zero(job.region.va + pos, off - pos)
+                pos = max(pos, off + n)
+        for off, n in job.ranges:
+            store.load((job.key, off), self.view(job.region.va + off, n))
+        return sum(n for _, n in job.ranges)
 
     def memory_info(self) -> tuple[int, int]:
         self._set_device()
