@@ -147,12 +147,20 @@ def test_rocm_chunk_size_env_is_read_like_vllm(value, caplog):
     with caplog.at_level("WARNING", logger="unisleep.rocm"):
         assert rocm_config.chunk_bytes_from_env(env) == mib * MiB
     warned = [r.getMessage() for r in caplog.records if rocm_config.CHUNK_ENV in r.getMessage()]
-    assert bool(warned) == falls_back, warned  # a warning exactly where vLLM silently falls back
+    fallback = [m for m in warned if "default" in m]
+    assert bool(fallback) == falls_back, warned  # a warning exactly where vLLM silently falls back
+    odd = not falls_back and value is not None and mib & (mib - 1) != 0
+    # a size vLLM takes but its guide advises against (not a power of 2): taken, and said
+    assert bool([m for m in warned if "power of 2" in m]) == odd, warned
     problem = rocm_config.chunk_env_problem(env)
     if falls_back:
         assert "ignored by vLLM" in problem
     elif value is not None and value.strip() != str(mib):
         assert f"reads as {mib} MiB" in problem  # octal, trailing characters...: said by the doctor
+    elif odd:
+        assert "recommends a power of 2" in problem
+    else:
+        assert problem is None
 
 
 @pytest.mark.parametrize("size_mib,chunk_mib,gran", [(10, 3, 2 << 20), (1000, 96, 2 << 20), (7, 1000, 2 << 20),
