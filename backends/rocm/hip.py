@@ -51,6 +51,7 @@ ERROR_NAMES = {
 
 hipMemAllocationTypePinned = 1
 hipMemHandleTypeNone = 0
+hipMemHandleTypePosixFileDescriptor = 1
 hipMemLocationTypeDevice = 1
 hipMemAllocationGranularityMinimum = 0
 hipMemAllocationGranularityRecommended = 1
@@ -69,7 +70,8 @@ ENUMS: dict[str, int] = {name: code for code, name in ERROR_NAMES.items()}
 ENUMS.update({
     name: globals()[name]
     for name in (
-        "hipMemAllocationTypePinned", "hipMemHandleTypeNone", "hipMemLocationTypeDevice",
+        "hipMemAllocationTypePinned", "hipMemHandleTypeNone", "hipMemHandleTypePosixFileDescriptor",
+        "hipMemLocationTypeDevice",
         "hipMemAllocationGranularityMinimum", "hipMemAllocationGranularityRecommended",
         "hipMemAccessFlagsProtReadWrite", "hipMemcpyHostToHost", "hipMemcpyHostToDevice",
         "hipMemcpyDeviceToHost", "hipMemcpyDeviceToDevice", "hipMemcpyDefault", "hipHostMallocDefault",
@@ -173,6 +175,13 @@ def signatures(prop: type = hipMemAllocationProp) -> dict[str, tuple[Any, list[t
                                     ("count", c_size_t)]),
         "hipMemUnmap": (c_int, [("ptr", c_void_p), ("size", c_size_t)]),
         "hipMemRelease": (c_int, [("handle", c_void_p)]),
+        # colocated IPC (backends/rocm/ipc.py): the fd is written to *shareableHandle on export and
+        # passed by value, cast to a pointer, on import (HIP's own hip-tests,
+        # unit/virtualMemoryManagement/hipMemImportFromShareableHandle.cc)
+        "hipMemExportToShareableHandle": (c_int, [("shareableHandle", c_void_p), ("handle", c_void_p),
+                                                  ("handleType", c_int), ("flags", c_ulonglong)]),
+        "hipMemImportFromShareableHandle": (c_int, [("handle", POINTER(c_void_p)), ("osHandle", c_void_p),
+                                                    ("shHandleType", c_int)]),
         "hipMemcpy": (c_int, [("dst", c_void_p), ("src", c_void_p), ("sizeBytes", c_size_t), ("kind", c_int)]),
         "hipMemset": (c_int, [("dst", c_void_p), ("value", c_int), ("sizeBytes", c_size_t)]),
         "hipHostMalloc": (c_int, [("ptr", POINTER(c_void_p)), ("size", c_size_t), ("flags", c_uint)]),

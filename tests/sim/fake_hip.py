@@ -30,6 +30,10 @@ Contracts enforced, with HIP's integer error codes:
   touch (``ihipMemcpy_validate``, ``hipamd/src/hip_memory.cpp``: ``hipErrorInvalidValue``),
   ``hipDeviceSynchronize`` waits for the current device's work only and ``hipMemGetInfo``
   reports the current device;
+* colocated IPC: ``hipMemExportToShareableHandle`` writes a duplicate of the allocation's memfd
+  to ``*shareableHandle`` only for the POSIX-fd type requested at ``hipMemCreate``
+  (``hipErrorInvalidValue`` otherwise); ``hipMemImportFromShareableHandle`` takes the fd by
+  value and maps the same pages in the importing process (real cross-process sharing);
 * ``hipMemSetAccess`` by runtime version (``runtime_version``, HIP_VERSION):
   - before 7.2 (ROCr 6.x ``VMemorySetAccess``, ``runtime.cpp``): the range must start exactly
     at a mapped handle;
@@ -201,7 +205,28 @@ class FakeHip:
         if flags:
             raise SimError(hipErrorInvalidValue, "flags must be 0")
         self._check_prop(prop)
-        out_ptr(handle, self.dev.create(size, device=self._current()).id)
+        p = self.dev.create(size, device=self._current())
+        p.handle_types = self.Prop.from_address(prop).requestedHandleType
+        out_ptr(handle, p.id)
+
+    def _hipMemExportToShareableHandle(self, shareableHandle, handle, handleType, flags):
+        p = self.dev.handle(handle or 0)
+        if handleType != hip.hipMemHandleTypePosixFileDescriptor or not p.handle_types & handleType or flags:
+            raise SimError(hipErrorInvalidValue, f"export as handle type {handleType}: the allocation was created "
+                           f"with requestedHandleType {p.handle_types} (simulated: only the type requested at "
+                           "hipMemCreate exports)")
+        if not shareableHandle:
+            raise SimError(hipErrorInvalidValue, "shareableHandle is NULL")
+        ctypes.c_int.from_address(shareableHandle).value = os.dup(p.fd)
+
+    def _hipMemImportFromShareableHandle(self, handle, osHandle, shHandleType):
+        if not handle or not osHandle or shHandleType != hip.hipMemHandleTypePosixFileDescriptor:
+            raise SimError(hipErrorInvalidValue, f"import of handle type {shHandleType} from {osHandle}")
+        try:
+            p = self.dev.import_fd(int(osHandle), self._current())
+        except OSError as e:
+            raise SimError(hipErrorInvalidValue, f"fd {osHandle}: {e}") from e
+        out_ptr(handle, p.id)
 
     def _hipMemMap(self, ptr, size, offset, handle, flags):
         if offset != 0:

@@ -47,6 +47,8 @@ class Phys:
     pinned_by: set = field(default_factory=set)  # reservations holding it (ROCm bug)
     freed: bool = False
     device: int = 0  # the device whose memory it is
+    handle_types: int = 0  # shareable handle types requested at create (ROCm: POSIX fd = 1)
+    imported: bool = False  # made from another process's exported fd: never handed out again
 
 
 @dataclass(eq=False)
@@ -191,6 +193,16 @@ class SimDevice:
         self.phys[p.id] = p
         return p
 
+    def import_fd(self, fd: int, device: int) -> Phys:
+        """A physical allocation over another process's exported memfd (a duplicate of ``fd``):
+        both processes map the same pages."""
+        size = os.fstat(fd).st_size
+        if size <= 0 or size % self.granularity:
+            raise SimError(1, f"imported fd {fd} holds {size} bytes, not an allocation of this device")
+        p = Phys(next(self._ids) * 0x1000 + 0x7F0000000000, size, os.dup(fd), device=device, imported=True)
+        self.phys[p.id] = p
+        return p
+
     def handle(self, hid: int) -> Phys:
         p = self.phys.get(hid)
         if p is None or p.released:
@@ -205,7 +217,7 @@ class SimDevice:
         if p.freed or not p.released or p.mapped_at or p.pinned_by:
             return
         p.freed = True
-        if self.stale_fresh_memory:
+        if self.stale_fresh_memory and not p.imported:
             self.recycled.append(Phys(0, p.size, p.fd, True, freed=True))
             while len(self.recycled) > 2:
                 os.close(self.recycled.pop(0).fd)
