@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from sim.fake_acl import ACL_ERROR_INVALID_PARAM, ACL_ERROR_RT_MEMORY_FREE, ACL_ERROR_RT_PARAM_INVALID, FakeAcl
+from sim.fake_torch_npu import SimTorchNpu
 from unisleep import MemoryLifecycle
 from unisleep.backends.ascend import AscendDriver
 from unisleep.errors import UnsupportedError
@@ -74,6 +75,41 @@ def test_ascend_sim_argument_orders(simulated):
     assert "aclrtSynchronizeDevice" in [e[0] for e in log[log.index(sets[-1]) :]]
 
 
+def test_ascend_sim_every_call_holds_the_devices_context_whatever_the_thread():
+    """ACL contexts are per thread (SIMULATED by FakeAcl: a call from a thread with no context
+    fails with ACL_ERROR_RT_CONTEXT_NULL, one on another device's memory is refused).  A
+    background sleep, a progressive wake, the release thread and two drivers of two devices
+    taking turns on one thread: every call runs in the right device's context."""
+    import threading
+
+    lib = FakeAcl(granularity=GRAN, total_bytes=64 * MiB, device_count=2)
+    drv = AscendDriver(lib=lib, tensor_device="cpu", device=1)
+    drv0 = AscendDriver(lib=lib, tensor_device="cpu", device=0)
+    lc, lc0 = MemoryLifecycle(drv), MemoryLifecycle(drv0)
+    drv.configure(release_behind=True)
+    w, w0 = fill(lc, "weights", 4 * MiB, 31)
+    v, v0 = fill(lc0, "weights", 2 * MiB, 32)
+    lc.sleep(level=1, background=True)
+    lc.wait()
+    lc.wake_up(progressive=True)
+    lc.wait()
+    for _ in range(2):  # the two drivers in turn on this thread
+        lc0.sleep(level=1)
+        lc.sleep(level=1)
+        lc0.wake_up()
+        lc.wake_up()
+    t = threading.Thread(target=lambda: (lc.sleep(level=1), lc.wake_up()))
+    t.start()
+    t.join(60)
+    assert torch.equal(w, w0) and torch.equal(v, v0)
+    assert not [e for e in lib.dev.log if e[0] == "error"], [e for e in lib.dev.log if e[0] == "error"][:3]
+    del w, w0, v, v0
+    lc.close()
+    lc0.close()
+    assert not lib.dev.internal_errors and lib.dev.used_bytes == 0
+    lib.close()
+
+
 def test_ascend_sim_simulator_is_strict():
     lib, drv = make()
     api = drv.api
@@ -111,44 +147,6 @@ def test_ascend_sim_oom_is_reported_with_acl_code():
     lib.close()
 
 
-class SimTorchNpu:
-    """A SIMULATED torch_npu module (no NPU, no torch_npu here): just the calls ``pool(tag)``
-    makes — ``_C._npu_customAllocator``, ``npu.memory.MemPool`` / ``use_mem_pool`` /
-    ``_set_allocator_settings`` — recorded, with the allocator callbacks' addresses kept so the
-    test can call them as torch_npu's caching allocator would (through C)."""
-
-    __version__ = "simulated"
-
-    def __init__(self, settings=True):
-        import types
-
-        self.events = []
-        sim = self
-
-        class C:
-            @staticmethod
-            def _npu_customAllocator(alloc_ptr, free_ptr):
-                sim.alloc = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)(alloc_ptr)
-                sim.free = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)(free_ptr)
-                return "allocator"
-
-        class MemPool:
-            def __init__(self, allocator):
-                sim.events.append(("MemPool", allocator))
-
-        @contextlib.contextmanager
-        def use_mem_pool(pool):
-            sim.events.append(("enter pool",))
-            yield
-            sim.events.append(("exit pool",))
-
-        memory = types.SimpleNamespace(MemPool=MemPool, use_mem_pool=use_mem_pool)
-        if settings:
-            memory._set_allocator_settings = lambda conf: sim.events.append(("settings", conf))
-        self._C = C
-        self.npu = types.SimpleNamespace(memory=memory)
-
-
 def test_ascend_sim_pool_routes_allocations_into_the_tag_on_the_right_device(monkeypatch):
     """The pool's callbacks, called through C as torch_npu would: a segment becomes a region of
     the tag (it sleeps and wakes with it), the callback's device argument is honoured (another
@@ -178,8 +176,10 @@ def test_ascend_sim_pool_routes_allocations_into_the_tag_on_the_right_device(mon
 
 def test_ascend_sim_pool_turns_expandable_segments_off_inside_only(monkeypatch):
     """vllm-ascend sets PYTORCH_NPU_ALLOC_CONF=expandable_segments:True unless vLLM runs with sleep
-    mode (and its FAQ recommends it): the pool switches them off through torch_npu's allocator
-    settings while it is active and puts the user's whole setting back afterwards."""
+    mode (and builds strings like page_size:1g,expandable_segments:True): the pool switches them
+    off while it is active and back on afterwards, sending torch_npu 2.10.0.post4's
+    _set_allocator_settings only the one key it accepts (SIMULATED torch_npu: any other key is
+    "unsupported setting"; the user's whole string, as sent before, raised there)."""
     from unisleep.backends.ascend.pool import npu_mem_pool
 
     monkeypatch.setenv("PYTORCH_NPU_ALLOC_CONF", "page_size:1g,expandable_segments:True")
@@ -187,14 +187,61 @@ def test_ascend_sim_pool_turns_expandable_segments_off_inside_only(monkeypatch):
     npu = SimTorchNpu()
     with MemoryLifecycle(drv) as lc:
         with npu_mem_pool(drv, lc, "weights", npu=npu):
+            assert npu.settings["expandable_segments"] == "False"
             assert npu.alloc(2 * MiB, 0, None)
-        assert npu.events[1:] == [("settings", "page_size:1g,expandable_segments:False"), ("enter pool",),
-                                  ("exit pool",), ("settings", "page_size:1g,expandable_segments:True")]
+        assert npu.events[1:] == [("settings", "expandable_segments:False"), ("enter pool",),
+                                  ("exit pool",), ("settings", "expandable_segments:True")]
+        assert npu.settings == {"page_size": "1g", "expandable_segments": "True"}  # the user's, intact
         # a torch_npu that cannot switch them off at run time: refused before anything is placed
         with pytest.raises(UnsupportedError, match="expandable.*remove expandable_segments:True"):
             with npu_mem_pool(drv, lc, "kv_cache", npu=SimTorchNpu(settings=False)):
                 pass
         assert lc.tags == ["weights"]
+    lib.close()
+
+
+def test_ascend_sim_pool_refuses_settings_a_toggle_would_reset(monkeypatch):
+    """Every _set_allocator_settings call resets roundup_power2_divisions (and max_split_size_mb,
+    garbage_collection_threshold) in torch_npu 2.10.0.post4 (SIMULATED): switching expandable
+    segments off would silently drop the user's setting, so the pool is refused first, naming
+    the setting, and nothing is sent or placed."""
+    from unisleep.backends.ascend.pool import npu_mem_pool
+
+    monkeypatch.setenv("PYTORCH_NPU_ALLOC_CONF", "roundup_power2_divisions:4,expandable_segments:True")
+    lib, drv = make()
+    npu = SimTorchNpu()
+    with MemoryLifecycle(drv) as lc:
+        with pytest.raises(UnsupportedError, match="resets roundup_power2_divisions.*Nothing was changed"):
+            with npu_mem_pool(drv, lc, "kv_cache", npu=npu):
+                pass
+        assert npu.events == [] and npu.settings["roundup_power2_divisions"] == "4" and lc.tags == []
+    lib.close()
+
+
+def test_ascend_sim_nested_pools_keep_their_tags(monkeypatch):
+    """vllm-ascend enters use_allocation_tag("sleep_persistent") inside the KV cache's pool.  In
+    torch_npu (SIMULATED: cached blocks come from the pool begun first, new segments from the
+    innermost pool's allocator) two active pools mix tags; unisleep keeps one active per thread,
+    so a block the KV-cache pool caches is never handed to sleep_persistent, and after the inner
+    pool the KV cache's pool is active again."""
+    from unisleep.backends.ascend.pool import npu_mem_pool
+
+    monkeypatch.delenv("PYTORCH_NPU_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    lib, drv = make()
+    npu = SimTorchNpu()
+    with MemoryLifecycle(drv) as lc:
+        def tag_of(ptr):
+            return lc._state.at(ptr).tag
+        with npu_mem_pool(drv, lc, "kv_cache", npu=npu):
+            kv = npu.allocate(2 * MiB)
+            npu.free_block(kv, 2 * MiB)  # cached by the KV cache's pool
+            with npu_mem_pool(drv, lc, "sleep_persistent", npu=npu):
+                p = npu.allocate(1 * MiB)
+            kv2 = npu.allocate(1 * MiB)
+        assert p and tag_of(p) == "sleep_persistent", "a KV-cache block was handed to sleep_persistent"
+        assert kv2 == kv and tag_of(kv2) == "kv_cache"
+        assert lc.allocated_bytes("sleep_persistent") == 2 * MiB and lc.allocated_bytes("kv_cache") == 2 * MiB
     lib.close()
 
 

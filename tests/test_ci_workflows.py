@@ -131,3 +131,42 @@ def test_actionlint_finds_nothing_but_the_declared_self_hosted_labels(tmp_path):
     bad.write_text("on: push\njobs:\n  t:\n    steps:\n      - run: echo ${{ nope.x }}\n")  # no runs-on, no such context
     found = {r["kind"] for r in _actionlint([str(bad)])[str(bad)]}
     assert {"syntax-check", "expression"} <= found, found
+
+
+def _vendor_images():
+    for vendor in ("rocm", "ascend"):
+        wf = _load(os.path.join(ROOT, ".github", "workflows", vendor + ".yml"))
+        for name, job in wf["jobs"].items():
+            image = (job.get("container") or {}).get("image")
+            if image:
+                yield vendor, name, image
+
+
+def test_vendor_images_are_pinned():
+    """A moving tag (``latest``, ``nightly``, none) changes vLLM, torch and the runtime under an
+    unchanged workflow: every ROCm and Ascend job names a release tag."""
+    seen = list(_vendor_images())
+    assert len(seen) >= 4
+    for vendor, job, image in seen:
+        tag = image.rsplit("/", 1)[-1].partition(":")[2]
+        assert tag and tag not in ("latest", "nightly", "main") and re.search(r"\d", tag), (vendor, job, image)
+
+
+def test_vendor_ci_installs_keep_the_images_ray_and_hip_python_is_there_for_the_abi_checks():
+    """The vendor images pin their own ray (vllm-ascend's 2.47-2.48): their installs use the
+    test-core extra, never test (whose ray==2.60.0 would replace it); the ROCm suite installs the
+    hip-python releases tests/sim/abi_check.py compares with, where it looks for them, so the HIP
+    ABI and mutation tests run there instead of skipping."""
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from sim import abi_check
+
+    for vendor in ("rocm", "ascend", "vllm"):
+        text = open(os.path.join(ROOT, "ci", vendor, "action.yml")).read()
+        installs = [ln for ln in text.splitlines() if "pip install -e" in ln]
+        assert installs and all("test-core]" in ln and ",test]" not in ln for ln in installs), (vendor, installs)
+    rocm = open(os.path.join(ROOT, "ci", "rocm", "action.yml")).read()
+    for release, version in abi_check.HIP_PYTHON_RELEASES.items():
+        assert f"{release}={version}" in rocm, (release, version)
+    assert '"$(python3 -c \'import sys; print(sys.prefix)\')/hip-python"' in rocm or "sys.prefix" in rocm
+    steps = rocm.index("hip-python of each release"), rocm.index("tests/test_hip_real.py tests/test_abi_mutations.py")
+    assert steps[0] < steps[1]  # installed before the tests that need it

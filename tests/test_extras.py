@@ -113,3 +113,11 @@ def test_install_extra_follows_torchs_cuda_build(monkeypatch):
     assert plat.install_extra("cuda") == "cuda12"  # no CUDA build of torch: the descriptor's default
     assert plat.install_extra("rocm") == "rocm" and plat.install_extra("ascend") == "ascend"
     assert all(plat.install_extra(n) in extras() for n in plat.platform_names() if n != "host")
+
+
+def test_test_extra_is_test_core_plus_ray_and_test_core_has_no_ray():
+    """The vendor CI images keep their own ray: test-core is everything the tests need but ray;
+    test (the CPU CI's) is test-core plus the ray its Ray tests run against."""
+    ex = extras()
+    assert not [r for r in ex["test-core"] if r.name == "ray"]
+    assert {str(r) for r in ex["test"]} == {"unisleep[test-core]", "ray==2.60.0"}

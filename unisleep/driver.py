@@ -200,6 +200,12 @@ class Driver(abc.ABC):
     def set_access(self, va: int, size: int) -> None:
         """Grant read/write on a fully mapped range (default: mapping already did)."""
 
+    def grant_chunk(self, region: Region, chunk) -> None:
+        """Grant read/write on one chunk of ``region`` that was just mapped by itself (a
+        progressive wake maps chunk by chunk); default: :meth:`set_access` over the chunk.  A
+        backend whose runtime grants access only from the start of a reservation overrides it."""
+        self.set_access(region.va + chunk.offset, chunk.size)
+
     @abc.abstractmethod
     def unmap(self, va: int, size: int) -> None: ...
 

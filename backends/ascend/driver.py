@@ -38,6 +38,10 @@ from .store import AclHostStore
 
 log = logging.getLogger("unisleep.ascend")
 
+#: per thread: (library, device) whose context unisleep last bound there (shared by every driver;
+#: the library is part of it because a test may load more than one)
+_BOUND = threading.local()
+
 
 @dataclass(eq=False)
 class AclHandle:
@@ -67,7 +71,6 @@ class AscendDriver(Driver):
             self.configure(chunk_bytes=chunk_bytes)
         self.simulated = bool(getattr(lib, "SIMULATED", False))
         self.api = acl.AclApi(lib if lib is not None else acl.load_library())
-        self._tls = threading.local()
         self.reservations = Reservations()  # this driver's address ranges (device memory)
         self._set_device()
         self._prop = acl.aclrtPhysicalMemProp()
@@ -93,10 +96,21 @@ class AscendDriver(Driver):
 
     # ---- context ---------------------------------------------------------------------
     def _set_device(self) -> None:
-        """aclrtSetDevice creates/binds the device's default context for the calling thread."""
-        if getattr(self._tls, "device", None) != self.device:
+        """Bind the device's default context to the calling thread (``aclrtSetDevice``), at
+        every entry point, as vllm-ascend's allocator calls ``ensure_context`` at each of its
+        (``csrc/camem_allocator.cpp``): ACL contexts are per thread, and unisleep is called from
+        the sleeping thread, progressive-wake workers, the release thread and torch_npu's
+        allocator.  The device unisleep last bound on this thread is remembered for every
+        driver of the process (``_BOUND``), so two drivers of two devices switch correctly
+        without counting up ``aclrtSetDevice``'s reference count at every call; a device set on
+        the thread by someone else (torch_npu's ``set_device``) is not seen."""
+        bound = getattr(_BOUND, "device", None)
+        if bound is None or bound[0] is not self.api._lib or bound[1] != self.device:
             self.api.call("aclrtSetDevice", deviceId=self.device)
-            self._tls.device = self.device
+            _BOUND.device = (self.api._lib, self.device)
+
+    def prepare_thread(self) -> None:
+        self._set_device()
 
     # ---- primitives ------------------------------------------------------------------
     def granularity(self) -> int:
@@ -112,6 +126,7 @@ class AscendDriver(Driver):
         return int(p.value)
 
     def free_address(self, va: int, size: int) -> None:
+        self._set_device()
         self.api.call("aclrtReleaseMemAddress", virPtr=va)
         self.reservations.remove(va)
 
@@ -123,14 +138,17 @@ class AscendDriver(Driver):
         return AclHandle(int(h.value), size)
 
     def map(self, va: int, size: int, handle: AclHandle) -> None:
+        self._set_device()
         if size != handle.size:
             raise UnisleepError(f"aclrtMapMem maps whole physical allocations: {size} != {handle.size}")
         self.api.call("aclrtMapMem", virPtr=va, size=size, offset=0, handle=handle.ptr, flags=0)
 
     def unmap(self, va: int, size: int) -> None:
+        self._set_device()
         self.api.call("aclrtUnmapMem", virPtr=va)  # no size argument
 
     def release(self, handle: AclHandle) -> None:
+        self._set_device()
         if not handle.freed:
             self.api.call("aclrtFreePhysical", handle=handle.ptr)
             handle.freed = True
@@ -196,7 +214,7 @@ class AscendDriver(Driver):
         return StagedSpillStore(budget_bytes, spill_dir, layout=layout)
 
     def new_backup_store(self, budget_bytes, spill_dir) -> BackupStore:
-        return AclHostStore(self.api, budget_bytes, is_device=self.reservations.covers)
+        return AclHostStore(self.api, budget_bytes, is_device=self.reservations.covers, bind=self._set_device)
 
     @contextlib.contextmanager
     def pool(self, lifecycle, tag: str) -> Iterator[None]:

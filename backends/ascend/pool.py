@@ -10,11 +10,25 @@ does after loading a .so; the callbacks are ``void* alloc(size_t, int device, ac
 
 The callbacks are the shared :class:`~unisleep.backends._pool.TagAllocator`: they bind their
 thread to the device with ``aclrtSetDevice`` and refuse a segment for another device than the
-driver's.  **Expandable segments** — vllm-ascend turns ``expandable_segments:True`` on in
+driver's.
+
+**Expandable segments** — vllm-ascend turns ``expandable_segments:True`` on in
 ``PYTORCH_NPU_ALLOC_CONF`` unless vLLM runs with sleep mode, and its FAQ recommends it against
-OOM — do not work in a pluggable pool: inside ``pool(tag)`` they are switched off through
-torch_npu's allocator settings and the user's setting is restored afterwards, as vLLM does on
-CUDA.  A torch_npu without ``_set_allocator_settings`` is refused with the fix.
+OOM — do not work in a pluggable pool, so inside ``pool(tag)`` they are switched off.  torch_npu's
+``_set_allocator_settings`` accepts ONLY the ``expandable_segments`` key (any other raises
+"unsupported setting", ``NPUCachingAllocator.cpp`` / ``NPUAllocatorConfig.cpp``) and every call
+resets ``max_split_size_mb``, ``garbage_collection_threshold`` and ``roundup_power2_divisions``
+to their defaults: unisleep sends exactly ``expandable_segments:False`` and, afterwards,
+``expandable_segments:True`` — never the user's whole string — and refuses (before anything
+changes) a setting string holding one of the three that a call would reset.  A torch_npu without
+``_set_allocator_settings`` is refused with the fix.
+
+**Nested pools** — vllm-ascend enters ``use_allocation_tag("sleep_persistent")`` inside the KV
+cache's pool (DSA models).  torch_npu serves cached blocks from the pool begun first and asks
+the innermost pool's allocator for new segments (``NPUCachingAllocator.cpp``), so two active
+pools mix their tags.  Only one of unisleep's pools is active per thread: entering a pool
+inside another suspends the outer one (its torch_npu context is left) and leaving the inner one
+enters the outer one again.
 
 NOT RUN ON AN NPU: the route is tested against a SIMULATED torch_npu module (tests/
 test_ascend_sim.py) that hands the callbacks' addresses back so the test can call them as
@@ -28,7 +42,7 @@ import ctypes
 import threading
 from typing import Iterator
 
-from unisleep.backends._pool import FREE, MALLOC, TagAllocator, alloc_conf, expandable_on, no_expandable_segments
+from unisleep.backends._pool import FREE, MALLOC, TagAllocator, alloc_conf, expandable_on
 from unisleep.errors import UnsupportedError
 
 from .descriptor import BACKEND
@@ -38,6 +52,12 @@ CONF_VARS = BACKEND.alloc_conf_vars
 
 _KEEP: list = []  # callbacks and pools live as long as the process: torch_npu may free late
 _LOCK = threading.Lock()
+_ACTIVE = threading.local()  # this thread's entered pools, innermost last: [(pool, torch_npu context)]
+
+#: the one key torch_npu 2.10's ``_set_allocator_settings`` accepts at run time
+RUNTIME_KEY = "expandable_segments"
+#: settings every ``_set_allocator_settings`` call resets to their defaults (``parseArgs``)
+RESET_BY_SETTINGS_CALL = ("max_split_size_mb", "garbage_collection_threshold", "roundup_power2_divisions")
 
 
 def _torch_npu():
@@ -51,6 +71,54 @@ def _torch_npu():
         ) from e
 
 
+def _reset_keys(conf: str) -> list[str]:
+    keys = [p.split(":", 1)[0].strip() for p in conf.split(",") if p.strip()]
+    return [k for k in keys if k in RESET_BY_SETTINGS_CALL]
+
+
+@contextlib.contextmanager
+def _expandable_off(set_settings):
+    """``expandable_segments:False`` while the block runs, ``expandable_segments:True`` after it
+    (the user's settings turn them on; the caller checked nothing else would be reset)."""
+    set_settings(f"{RUNTIME_KEY}:False")
+    try:
+        yield
+    finally:
+        set_settings(f"{RUNTIME_KEY}:True")
+
+
+@contextlib.contextmanager
+def _only_active(memory, pool) -> Iterator[None]:
+    """``memory.use_mem_pool(pool)`` as this thread's only active torch_npu pool: an outer pool
+    of unisleep's is left while this one is entered, and entered again afterwards."""
+    stack = _ACTIVE.__dict__.setdefault("stack", [])
+    if stack:
+        stack[-1][1].__exit__(None, None, None)
+    ctx = memory.use_mem_pool(pool)
+    try:
+        ctx.__enter__()
+    except BaseException:
+        if stack:
+            stack[-1] = (stack[-1][0], _enter(memory, stack[-1][0]))
+        raise
+    stack.append((pool, ctx))
+    try:
+        yield
+    finally:
+        stack.pop()
+        try:
+            ctx.__exit__(None, None, None)
+        finally:
+            if stack:
+                stack[-1] = (stack[-1][0], _enter(memory, stack[-1][0]))
+
+
+def _enter(memory, pool):
+    ctx = memory.use_mem_pool(pool)
+    ctx.__enter__()
+    return ctx
+
+
 @contextlib.contextmanager
 def npu_mem_pool(driver, lifecycle, tag: str, npu=None) -> Iterator[None]:
     """Route torch_npu's allocations made inside the block into ``tag`` (``npu``: the torch_npu
@@ -59,11 +127,20 @@ def npu_mem_pool(driver, lifecycle, tag: str, npu=None) -> Iterator[None]:
     memory = npu.npu.memory
     set_settings = getattr(memory, "_set_allocator_settings", None)
     conf = alloc_conf(CONF_VARS)
-    if expandable_on(conf) and set_settings is None:
+    expandable = expandable_on(conf)
+    var = next((v for v in CONF_VARS if alloc_conf([v])), CONF_VARS[0])
+    if expandable and set_settings is None:
         raise UnsupportedError(
-            f"{next(v for v in CONF_VARS if alloc_conf([v]))}={conf}: expandable segments do not work in a pluggable "
+            f"{var}={conf}: expandable segments do not work in a pluggable "
             f"pool, and this torch_npu ({getattr(npu, '__version__', '?')}) cannot switch them off at run time; "
             "remove expandable_segments:True from PYTORCH_NPU_ALLOC_CONF, or use torch_npu 2.10 or later")
+    reset = _reset_keys(conf) if expandable else []
+    if reset:
+        raise UnsupportedError(
+            f"{var}={conf}: expandable segments must be switched off inside pool({tag!r}), and torch_npu's "
+            f"_set_allocator_settings resets {', '.join(reset)} at every call (it accepts only "
+            f"{RUNTIME_KEY}), so your setting would be lost; remove {', '.join(reset)} or "
+            f"expandable_segments:True from {var}. Nothing was changed")
     with _LOCK:
         hooks = TagAllocator(driver, lifecycle, tag, driver._set_device)
         alloc = MALLOC(lambda size, device, stream: hooks.malloc(size, device))
@@ -72,5 +149,7 @@ def npu_mem_pool(driver, lifecycle, tag: str, npu=None) -> Iterator[None]:
                                                 ctypes.cast(free, ctypes.c_void_p).value)
         pool = memory.MemPool(allocator)
         _KEEP.append((hooks, alloc, free, allocator, pool))
-    with no_expandable_segments(CONF_VARS, set_settings), memory.use_mem_pool(pool):
+    outermost = not getattr(_ACTIVE, "stack", None)
+    with (_expandable_off(set_settings) if expandable and outermost else contextlib.nullcontext()), \
+            _only_active(memory, pool):
         yield

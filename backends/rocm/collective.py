@@ -1,9 +1,9 @@
 """AMD collective for weight transfer: torch's "nccl" backend, which on a ROCm build of torch is
 RCCL, built directly on a prefix store.  Colocation is keyed by the GPU UUID.
 
-Colocated IPC is not implemented for ROCm yet (``hipIpcGetMemHandle`` does not reject VMM memory
-and has crashed kernels with it, ROCm/clr #265; the safe route is hipMemExportToShareableHandle
-with a POSIX fd, like backends/cuda/ipc.py)."""
+Two ranks on one GPU use colocated IPC instead (``ipc.py``: exported POSIX fds, never
+``hipIpcGetMemHandle``, which does not reject VMM memory and has crashed kernels with it,
+ROCm/clr #265)."""
 
 from __future__ import annotations
 
@@ -25,6 +25,6 @@ def device_key(device_index: int = 0) -> str:
 def same_device_message(ranks) -> str:
     return (
         f"ranks {sorted(ranks)} of this transfer group are on the same GPU, and RCCL cannot connect two "
-        "processes on one GPU. Colocated IPC for ROCm is not implemented yet: put the engine on another GPU "
-        "or send through host memory (a gloo group: TransferGroup.create(..., platform='host'))."
+        "processes on one GPU: send over colocated IPC (the group's IPC path, taken for ranks on one GPU), "
+        "put the engine on another GPU, or send through host memory (TransferGroup.create(..., platform='host'))."
     )

@@ -73,7 +73,19 @@ def chunk_bytes_from_env(env: Optional[Mapping[str, str]] = None) -> int:
         log.warning("%s=%r: %s, so vLLM and unisleep use the default %d MiB chunks. Set a size in MiB "
                     "(e.g. 64, 128, 256); measure with `unisleep bench --chunk-sweep`.", CHUNK_ENV, raw, why,
                     DEFAULT_CHUNK_MB)
+    elif not is_power_of_two(mib):
+        log.warning("%s=%r: %s", CHUNK_ENV, raw, not_power_of_two_note(mib))
     return mib * MIB
+
+
+def is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def not_power_of_two_note(mib: int) -> str:
+    lo = 1 << (mib.bit_length() - 1)
+    return (f"{mib} MiB chunks are used as vLLM uses them, but vLLM's sleep-mode guide recommends a power of 2 "
+            f"(e.g. {lo} or {lo * 2}); measure with `unisleep bench --chunk-sweep`.")
 
 
 def chunk_env_problem(env: Optional[Mapping[str, str]] = None) -> Optional[str]:
@@ -91,6 +103,8 @@ def chunk_env_problem(env: Optional[Mapping[str, str]] = None) -> Optional[str]:
     if consumed < len(raw) or shown != str(mib):
         return (f"{CHUNK_ENV}={raw!r} reads as {mib} MiB (strtoull, base 0: a leading 0 is octal, 0x hex, "
                 f"reading stops at the first other character); write {mib} if that is meant.")
+    if not is_power_of_two(mib):
+        return f"{CHUNK_ENV}={raw!r}: {not_power_of_two_note(mib)}"
     return None
 
 

@@ -12,6 +12,7 @@ BACKEND = Backend(
     priority=20,  # before CUDA: a ROCm machine may have CUDA-looking device nodes, never the reverse
     store=".store:HipHostStore",
     collective=".collective",
+    ipc=".ipc",  # colocated buffers by POSIX fd; tested over the simulated HIP library only
     pool=".pool",
     graph_class="torch.cuda:CUDAGraph",  # HIP graphs in a ROCm build of torch
     environment_warnings=".config:environment_warnings",

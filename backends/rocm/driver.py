@@ -6,7 +6,11 @@ reserve                ``hipMemAddressReserve(&p, size, granularity, 0, 0)``; on
 create                 ``hipMemCreate(&h, chunk, &prop, 0)`` — one handle per chunk of
                        ``VLLM_ROCM_SLEEP_MEM_CHUNK_SIZE`` MB (the shared Region/chunk policy)
 map                    ``hipMemMap(va + off, chunk, 0, h, 0)`` — HIP maps whole handles, offset 0
-set_access             ``hipMemSetAccess`` once over the whole range, after every (re)map
+set_access             ``hipMemSetAccess`` once over the whole range, after every (re)map; a chunk
+                       mapped by itself (progressive wake) is granted at its own start before HIP
+                       7.2, and from the reservation's start over every chunk up to it from 7.2 on
+                       (ROCm 7.2 rejects a non-zero offset: rocm-systems PR #9360), the chunks
+                       before it mapped first; several progressive workers are refused there
 unmap / release        ``hipMemUnmap`` per chunk, ``hipMemRelease``
 sleep                  after releasing, ``hipMemAddressFree`` + re-reserve the *same* address under a
                        process-wide lock, verified: ROCr keeps VRAM while the VA stays reserved
@@ -15,9 +19,15 @@ sleep                  after releasing, ``hipMemAddressFree`` + re-reserve the *
                        a region's address: it keeps the reservation (memory not returned, shown in
                        ``last_sleep_kept``, the sleep's ``bytes_released`` and ``unisleep doctor``)
 wake                   discarded memory is zeroed explicitly (``hipMemset`` + ``hipDeviceSynchronize``):
-                       remapped VRAM may hold stale data (vLLM PR #44972) — fresh_memory_is_zero=False;
-                       one ``hipMemset`` per mapped chunk, never one across the allocation (an
-                       allocation-wide memset at wake faults MI300 intermittently, vLLM PR #52478)
+                       remapped VRAM may hold stale data (vLLM PR #44972) — fresh_memory_is_zero=False.
+                       Zeros go only where the wake restores nothing: a region restored in part
+                       from its backup is zeroed in the gaps only, after every chunk is mapped and
+                       granted.  vLLM PR #52478 removed its allocator-wide wake memset after
+                       intermittent MI300 faults at it and zeroes only the state views read before
+                       written; unisleep cannot see which bytes an engine reads first and its
+                       contract promises zeros in a discarded tag, so a wholly discarded region is
+                       still zeroed (one ``hipMemset`` per mapped chunk; that this avoids the MI300
+                       fault is not shown)
 handles                each handle holds one file descriptor (dmabuf): the soft ``RLIMIT_NOFILE`` is
                        raised when needed, or the allocation is refused with the fix (rocm-systems#10604)
 devices                HIP/CUDA/ROCR visible-device variables that disagree are refused at start; no
@@ -108,7 +118,6 @@ class RocmDriver(Driver):
         self.raise_file_limit = raise_file_limit
         self.simulated = bool(getattr(lib, "SIMULATED", False))
         self.api = hip.HipApi(lib if lib is not None else hip.load_library())
-        self._tls = threading.local()
         self.reservations = Reservations()  # this driver's address ranges (device memory)
         self._mapped: dict[int, int] = {}  # va -> size of every mapped chunk
         self._maps_lock = threading.Lock()
@@ -165,10 +174,17 @@ class RocmDriver(Driver):
             )
 
     def _set_device(self) -> None:
-        """HIP's current device is per thread: set it once in every thread that calls in."""
-        if getattr(self._tls, "device", None) != self.device:
+        """Make this driver's device the calling thread's current one, at every entry point:
+        HIP's current device is per thread (device 0 on a thread that never set one), CLR
+        allocates ``hipMemCreate`` memory on it and checks copies against it
+        (``hip_memory.cpp``), and another driver or torch may have changed it since this
+        driver last looked.  Leaves it set, as vLLM's allocator does."""
+        cur = c_int(-1)
+        if self.api.rc("hipGetDevice", deviceId=byref(cur)) != hip.hipSuccess or cur.value != self.device:
             self.api.call("hipSetDevice", deviceId=self.device)
-            self._tls.device = self.device
+
+    def prepare_thread(self) -> None:
+        self._set_device()
 
     # ---- primitives ------------------------------------------------------------------
     def granularity(self) -> int:
@@ -199,7 +215,14 @@ class RocmDriver(Driver):
             return va
 
     def free_address(self, va: int, size: int) -> None:
+        """Give an address range back; a range given up after it moved (``AddressMovedError``)
+        is not this driver's any more and is never freed: HIP (6.2-era ROCr) dereferences a null
+        pointer when asked to free a range it does not hold."""
+        self._set_device()
         with VA_LOCK:
+            if any(lo == va for lo, _ in self._lost):
+                log.debug("not freeing %#x+%d: given up after it moved", va, size)
+                return
             self.api.call("hipMemAddressFree", devPtr=va, size=size)
             self.reservations.remove(va)
 
@@ -253,6 +276,7 @@ class RocmDriver(Driver):
         return HipHandle(int(h.value), size)
 
     def map(self, va: int, size: int, handle: HipHandle) -> None:
+        self._set_device()
         for lo, n in self._lost:
             if lo <= va < lo + n:
                 raise AddressMovedError(
@@ -266,14 +290,50 @@ class RocmDriver(Driver):
             self._mapped[va] = size
 
     def set_access(self, va: int, size: int) -> None:
+        self._set_device()
         self.api.call("hipMemSetAccess", ptr=va, size=size, desc=byref(self._access), count=1)
 
+    @property
+    def access_from_base(self) -> bool:
+        """Whether this HIP grants access only from the start of a reservation: ROCm 7.2 rejects
+        ``hipMemSetAccess`` at a non-zero offset (rocm-systems PR #9360 / SWDEV-568260, fixed
+        on develop only), as vLLM's and torch_memory_saver's single whole-range call avoid."""
+        return self.api.runtime_version >= hip.ACCESS_FROM_BASE_SINCE
+
+    def grant_chunk(self, region: Region, chunk) -> None:
+        """A chunk mapped by itself: before HIP 7.2 its own range (ROCr 6.x wants the range to
+        start at a mapped handle); from 7.2, the chunks before it are mapped (no access yet) and
+        one ``hipMemSetAccess`` covers the region from its start through this chunk."""
+        if chunk.offset == 0 or not self.access_from_base:
+            self.set_access(region.va + chunk.offset, chunk.size)
+            return
+        for c in region.chunks:
+            if c.offset >= chunk.offset:
+                break
+            region.map_chunk(self, c, access=False)
+        self.set_access(region.va, chunk.offset + chunk.size)
+
+    def configure(self, **knobs: Any):
+        workers = knobs.get("progressive_workers")
+        if (workers is not None and isinstance(workers, int) and workers > 1 and getattr(self, "api", None) is not None
+                and self.access_from_base):
+            from unisleep.errors import InvalidArgumentError
+
+            raise InvalidArgumentError(
+                f"progressive_workers={workers} on HIP {hip.version_text(self.api.runtime_version)}: this ROCm grants "
+                "memory access only from the start of a reservation (ROCm 7.2 rejects hipMemSetAccess at a non-zero "
+                "offset, rocm-systems PR #9360), so a chunk is granted together with every chunk before it, which "
+                "one worker at a time can do; use progressive_workers=1 (the default). Nothing was changed")
+        return super().configure(**knobs)
+
     def unmap(self, va: int, size: int) -> None:
+        self._set_device()
         self.api.call("hipMemUnmap", ptr=va, size=size)
         with self._maps_lock:
             self._mapped.pop(va, None)
 
     def release(self, handle: HipHandle) -> None:
+        self._set_device()
         if not handle.released:
             self.api.call("hipMemRelease", handle=handle.ptr)
             handle.released = True
@@ -313,9 +373,10 @@ class RocmDriver(Driver):
         return out
 
     def zero(self, va: int, nbytes: int) -> None:
-        """Zero ``[va, va + nbytes)`` with one ``hipMemset`` per mapped chunk it covers, never one
-        across chunks: an allocation-wide ``hipMemset`` right after a wake intermittently faults
-        MI300 (vLLM PR #52478, which removed it).  Synchronised: zeroing is an explicit step."""
+        """Zero ``[va, va + nbytes)`` with one ``hipMemset`` per mapped chunk it covers (vLLM PR
+        #52478 saw intermittent MI300 faults at one allocation-wide ``hipMemset`` right after a
+        wake; whether per-chunk calls avoid them is not known).  Synchronised: zeroing is an
+        explicit step."""
         self._set_device()
         for lo, n in self._mapping_pieces(va, nbytes):
             self.api.call("hipMemset", dst=lo, value=0, sizeBytes=n)
@@ -324,6 +385,21 @@ class RocmDriver(Driver):
     def synchronize(self) -> None:
         self._set_device()
         self.api.call("hipDeviceSynchronize")
+
+    def queue_restore(self, job, store: BackupStore) -> int:
+        """Map ``job``'s region again, zero only the bytes its backup does not cover (the copies
+        overwrite the rest: zeroing them too would write the region twice), and queue the
+        copies of its saved ranges; returns the bytes queued."""
+        job.region.map(self)
+        if self.fills_zeros(job):
+            pos = 0
+            for off, n in sorted(job.ranges) + [(job.region.size, 0)]:
+                if off > pos:
+                    self.zero(job.region.va + pos, off - pos)
+                pos = max(pos, off + n)
+        for off, n in job.ranges:
+            store.load((job.key, off), self.view(job.region.va + off, n))
+        return sum(n for _, n in job.ranges)
 
     def memory_info(self) -> tuple[int, int]:
         self._set_device()
@@ -343,7 +419,7 @@ class RocmDriver(Driver):
         return StagedSpillStore(budget_bytes, spill_dir, layout=layout)
 
     def new_backup_store(self, budget_bytes, spill_dir) -> BackupStore:
-        return HipHostStore(self.api, budget_bytes, is_device=self.reservations.covers)
+        return HipHostStore(self.api, budget_bytes, is_device=self.reservations.covers, bind=self._set_device)
 
     # ---- framework allocations ---------------------------------------------------------
     def pool_problem(self) -> Optional[str]:
@@ -441,6 +517,7 @@ class RocmDriver(Driver):
         return self._last_kept
 
     def suspend(self, saves: list[SaveJob], discards: list[Region], store: BackupStore) -> tuple[int, int]:
+        self._set_device()
         if self.rereserve_on_sleep and self.kept_reason is None and not self._probed:
             self._probe_rereserve()
         released, copied = super().suspend(saves, discards, store)

@@ -51,6 +51,7 @@ ERROR_NAMES = {
 
 hipMemAllocationTypePinned = 1
 hipMemHandleTypeNone = 0
+hipMemHandleTypePosixFileDescriptor = 1
 hipMemLocationTypeDevice = 1
 hipMemAllocationGranularityMinimum = 0
 hipMemAllocationGranularityRecommended = 1
@@ -69,7 +70,8 @@ ENUMS: dict[str, int] = {name: code for code, name in ERROR_NAMES.items()}
 ENUMS.update({
     name: globals()[name]
     for name in (
-        "hipMemAllocationTypePinned", "hipMemHandleTypeNone", "hipMemLocationTypeDevice",
+        "hipMemAllocationTypePinned", "hipMemHandleTypeNone", "hipMemHandleTypePosixFileDescriptor",
+        "hipMemLocationTypeDevice",
         "hipMemAllocationGranularityMinimum", "hipMemAllocationGranularityRecommended",
         "hipMemAccessFlagsProtReadWrite", "hipMemcpyHostToHost", "hipMemcpyHostToDevice",
         "hipMemcpyDeviceToHost", "hipMemcpyDeviceToDevice", "hipMemcpyDefault", "hipHostMallocDefault",
@@ -127,6 +129,12 @@ class hipMemAccessDesc(ctypes.Structure):
 PROP_LAYOUT_CHANGED = 50300000
 
 
+#: HIP_VERSION from which ``hipMemSetAccess`` must start at the start of a reservation: ROCm 7.2
+#: rejects valid sub-buffer mappings at a non-zero offset (rocm-systems PR #9360, SWDEV-568260;
+#: the fix is on develop only, so every later runtime is treated alike until one is shown fixed)
+ACCESS_FROM_BASE_SINCE = 70200000
+
+
 def alloc_prop_type(runtime_version: int):
     """The ``hipMemAllocationProp`` declaration for a runtime of this HIP_VERSION."""
     return hipMemAllocationProp_v5_2 if 0 < runtime_version < PROP_LAYOUT_CHANGED else hipMemAllocationProp
@@ -150,6 +158,7 @@ def signatures(prop: type = hipMemAllocationProp) -> dict[str, tuple[Any, list[t
     return {
         "hipRuntimeGetVersion": (c_int, [("runtimeVersion", POINTER(c_int))]),
         "hipSetDevice": (c_int, [("deviceId", c_int)]),
+        "hipGetDevice": (c_int, [("deviceId", POINTER(c_int))]),
         "hipGetDeviceCount": (c_int, [("count", POINTER(c_int))]),
         "hipDeviceSynchronize": (c_int, []),
         "hipMemGetInfo": (c_int, [("free", POINTER(c_size_t)), ("total", POINTER(c_size_t))]),
@@ -166,6 +175,13 @@ def signatures(prop: type = hipMemAllocationProp) -> dict[str, tuple[Any, list[t
                                     ("count", c_size_t)]),
         "hipMemUnmap": (c_int, [("ptr", c_void_p), ("size", c_size_t)]),
         "hipMemRelease": (c_int, [("handle", c_void_p)]),
+        # colocated IPC (backends/rocm/ipc.py): the fd is written to *shareableHandle on export and
+        # passed by value, cast to a pointer, on import (HIP's own hip-tests,
+        # unit/virtualMemoryManagement/hipMemImportFromShareableHandle.cc)
+        "hipMemExportToShareableHandle": (c_int, [("shareableHandle", c_void_p), ("handle", c_void_p),
+                                                  ("handleType", c_int), ("flags", c_ulonglong)]),
+        "hipMemImportFromShareableHandle": (c_int, [("handle", POINTER(c_void_p)), ("osHandle", c_void_p),
+                                                    ("shHandleType", c_int)]),
         "hipMemcpy": (c_int, [("dst", c_void_p), ("src", c_void_p), ("sizeBytes", c_size_t), ("kind", c_int)]),
         "hipMemset": (c_int, [("dst", c_void_p), ("value", c_int), ("sizeBytes", c_size_t)]),
         "hipHostMalloc": (c_int, [("ptr", POINTER(c_void_p)), ("size", c_size_t), ("flags", c_uint)]),

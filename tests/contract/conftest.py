@@ -1,7 +1,9 @@
 """One driver contract, every backend: the fixture ``backend`` gives a fresh lifecycle on
 
 * ``host`` — the host driver on real memfd memory (spill files on disk);
-* ``sim-hip`` — the ROCm driver over the SIMULATED HIP library (tests/sim/fake_hip.py);
+* ``sim-hip`` — the ROCm driver over the SIMULATED HIP library (tests/sim/fake_hip.py), HIP 6.2;
+* ``sim-hip-7.2-4k`` — the same with the HIP 7.2 profile (SetAccess only from a reservation's
+  start) and the 4 KiB minimum granularity ROCm reports on gfx950;
 * ``sim-acl`` — the Ascend driver over the SIMULATED ACL library (tests/sim/fake_acl.py);
 * ``cuda`` — the CUDA driver on a real NVIDIA GPU (marker ``cuda``; skipped without one).
 
@@ -91,6 +93,16 @@ def _sim_hip(tmp_path):
     return Backend("sim-hip", lc, lambda: lib.dev.used_bytes, 1 * MiB, True, lib)
 
 
+def _sim_hip_72_4k(tmp_path):
+    from sim.fake_hip import FakeHip
+    from unisleep import MemoryLifecycle
+    from unisleep.backends.rocm import RocmDriver
+
+    lib = FakeHip(granularity=4 << 10, total_bytes=96 * MiB, runtime_version=70200000)
+    lc = MemoryLifecycle(RocmDriver(lib=lib, tensor_device="cpu", chunk_bytes=256 << 10, env={}))
+    return Backend("sim-hip-7.2-4k", lc, lambda: lib.dev.used_bytes, 1 * MiB, True, lib)
+
+
 def _sim_acl(tmp_path):
     from sim.fake_acl import FakeAcl
     from unisleep import MemoryLifecycle
@@ -113,10 +125,10 @@ def _cuda(tmp_path):
     return Backend("cuda", lc, held, 2 * MiB, False)
 
 
-MAKERS = {"host": _host, "sim-hip": _sim_hip, "sim-acl": _sim_acl, "cuda": _cuda}
+MAKERS = {"host": _host, "sim-hip": _sim_hip, "sim-hip-7.2-4k": _sim_hip_72_4k, "sim-acl": _sim_acl, "cuda": _cuda}
 
 
-@pytest.fixture(params=["host", "sim-hip", "sim-acl", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.fixture(params=["host", "sim-hip", "sim-hip-7.2-4k", "sim-acl", pytest.param("cuda", marks=pytest.mark.cuda)])
 def backend(request, tmp_path):
     if request.param == "cuda" and _gpu_count() == 0:
         pytest.skip("needs an NVIDIA GPU with a CUDA build of torch (pytest -m cuda tests/contract on one)")

@@ -12,12 +12,19 @@ ACL's integer error codes:
 * ``aclrtMemcpy(dst, destMax, src, count, kind)``: count > destMax is an error; kind is
   checked against where the pointers live; ``aclrtMemset(ptr, maxCount, value, count)`` idem;
 * mapped memory is accessible at once (no SetAccess); fresh memory holds stale bytes and
-  memset completes at ``aclrtSynchronizeDevice`` or a synchronous copy.
+  memset completes at ``aclrtSynchronizeDevice`` or a synchronous copy;
+* the context is per thread: ``aclrtSetDevice`` binds the device's default context to the
+  calling thread, and every other call needs the thread to hold one (``ACL_ERROR_RT_CONTEXT_NULL``)
+  — of the device whose memory or ``prop.location`` it touches (``ACL_ERROR_RT_PARAM_INVALID``).
+  vllm-ascend's allocator calls ``ensure_context(device)`` at every C entry point for this
+  (``csrc/camem_allocator.cpp``: ``my_malloc``, ``my_free``, ``python_create_and_map``,
+  ``python_unmap_and_release``).
 """
 
 from __future__ import annotations
 
 import ctypes
+import threading
 from ctypes import CFUNCTYPE
 
 from unisleep.backends._native import callback_argtypes
@@ -30,6 +37,7 @@ ACL_SUCCESS = acl.ACL_SUCCESS
 ACL_ERROR_INVALID_PARAM = acl.ACL_ERROR_INVALID_PARAM
 ACL_ERROR_RT_PARAM_INVALID = acl.ACL_ERROR_RT_PARAM_INVALID
 ACL_ERROR_RT_INVALID_DEVICEID = 107001
+ACL_ERROR_RT_CONTEXT_NULL = 107002
 ACL_ERROR_RT_MEMORY_ALLOCATION = acl.ACL_ERROR_RT_MEMORY_ALLOCATION
 ACL_ERROR_RT_MEMORY_FREE = acl.ACL_ERROR_RT_MEMORY_FREE
 ACL_ERROR_INTERNAL = 500000
@@ -52,7 +60,6 @@ class FakeAcl:
         device_kw.setdefault("access_on_map", True)  # ACL grants access at map time
         device_kw.setdefault("keeps_memory_while_reserved", False)
         self.dev = SimDevice(**device_kw)
-        self.set_device_called = False
         self._cbs = {}
         for name, (restype, args) in SIGNATURES.items():
             check_parameter_names(name, getattr(self, "_" + name), acl.PARAM_NAMES[name])
@@ -77,19 +84,28 @@ class FakeAcl:
 
         return call
 
-    def _need_device(self):
-        if not self.set_device_called:
-            raise SimError(ACL_ERROR_RT_INVALID_DEVICEID, "no device set in this process (aclrtSetDevice)")
+    def _need_device(self, device=None, va=None, n=0):
+        """The calling thread must hold a context, of ``device`` / of the device owning the
+        mapped memory at ``[va, va + n)`` when given."""
+        cur = self.dev.thread_device()
+        if cur is None:
+            raise SimError(ACL_ERROR_RT_CONTEXT_NULL, "no context on this thread (aclrtSetDevice)")
+        want = {device} if device is not None else (self.dev.devices_of(va, n) if va else set())
+        if want - {cur}:
+            raise SimError(ACL_ERROR_RT_PARAM_INVALID, f"this thread's context is device {cur}'s, the call is on "
+                           f"device {sorted(want)}'s memory")
 
     def _aclrtSetDevice(self, deviceId):
         if not 0 <= deviceId < self.dev.device_count:
             raise SimError(ACL_ERROR_RT_INVALID_DEVICEID, f"no device {deviceId}")
-        self.set_device_called = True
+        self.dev.current_device[threading.get_ident()] = deviceId
 
     def _aclrtSynchronizeDevice(self):
-        self.dev.drain()
+        self._need_device()
+        self.dev.drain(device=self.dev.thread_device())
 
     def _aclrtGetMemInfo(self, attr, free, total):
+        self._need_device()
         out_size_t(free, self.dev.total_bytes - self.dev.used_bytes)
         out_size_t(total, self.dev.total_bytes)
 
@@ -103,6 +119,7 @@ class FakeAcl:
             raise SimError(ACL_ERROR_INVALID_PARAM, f"memAttr {prop.memAttr}")
 
     def _aclrtMemGetAllocationGranularity(self, prop, option, granularity):
+        self._need_device()
         self._check_prop(prop)
         if option not in (0, 1):
             raise SimError(ACL_ERROR_INVALID_PARAM, "option")
@@ -117,6 +134,7 @@ class FakeAcl:
         out_ptr(virPtr, self.dev.reserve(size, 0, 0))
 
     def _aclrtReleaseMemAddress(self, virPtr):
+        self._need_device()
         r = self.dev.reservations.get(virPtr or 0)
         if r is None:
             raise SimError(ACL_ERROR_RT_PARAM_INVALID, "not a reservation")
@@ -127,10 +145,13 @@ class FakeAcl:
         if flags:
             raise SimError(ACL_ERROR_INVALID_PARAM, "flags must be 0")
         self._check_prop(prop)
-        out_ptr(handle, self.dev.create(size).id)
+        loc = acl.aclrtPhysicalMemProp.from_address(prop).location.id
+        self._need_device(device=loc)
+        out_ptr(handle, self.dev.create(size, device=loc).id)
 
     def _aclrtFreePhysical(self, handle):
         p = self.dev.handle(handle or 0)
+        self._need_device(device=p.device)
         if p.mapped_at:
             raise SimError(ACL_ERROR_RT_MEMORY_FREE, "aclrtFreePhysical on a mapped handle: unmap first")
         self.dev.release(p)
@@ -139,14 +160,19 @@ class FakeAcl:
         if offset or flags:
             raise SimError(ACL_ERROR_INVALID_PARAM, "offset and flags must be 0")
         p = self.dev.handle(handle or 0)
+        self._need_device(device=p.device)
         if size != p.size:
             raise SimError(ACL_ERROR_INVALID_PARAM, f"map size {size} != physical size {p.size}")
         self.dev.map(virPtr or 0, size, p)
 
     def _aclrtUnmapMem(self, virPtr):
+        self._need_device(va=virPtr or 0, n=1)
         self.dev.unmap(virPtr or 0, None)
 
     def _aclrtMemcpy(self, dst, destMax, src, count, kind):
+        self._need_device()
+        for ptr in (dst or 0, src or 0):
+            self._need_device(va=ptr, n=count)
         if count > destMax:
             raise SimError(ACL_ERROR_INVALID_PARAM, f"count {count} > destMax {destMax}")
         sides = {0: (False, False), 1: (True, False), 2: (False, True), 3: (True, True), 4: (None, None)}
@@ -155,14 +181,18 @@ class FakeAcl:
         self.dev.memcpy(dst or 0, src or 0, count, *sides[kind])
 
     def _aclrtMemset(self, devPtr, maxCount, value, count):
+        self._need_device(va=devPtr or 0, n=count)
+        self._need_device()
         if count > maxCount:
             raise SimError(ACL_ERROR_INVALID_PARAM, f"count {count} > maxCount {maxCount}")
         self.dev.memset(devPtr or 0, value & 0xFF, count)
 
     def _aclrtMallocHost(self, hostPtr, size):
+        self._need_device()
         out_ptr(hostPtr, self.dev.host_malloc(size))
 
     def _aclrtFreeHost(self, hostPtr):
+        self._need_device()
         self.dev.host_free(hostPtr or 0)
 
     def close(self):

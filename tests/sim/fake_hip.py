@@ -16,14 +16,39 @@ Contracts enforced, with HIP's integer error codes:
 * one file descriptor per handle (EMFILE is reported as ``hipErrorOutOfMemory``);
 * ``fail_aligned_reserve``: a reserve with non-zero alignment fails with
   ``hipErrorOutOfMemory`` (vLLM PR #43022);
-* ``fault_on_cross_mapping_memset`` (default on): a ``hipMemset`` whose range spans more than
-  one mapping fails with ``hipErrorIllegalAddress`` — the signature of the intermittent MI300
-  fault at an allocation-wide ``hipMemset`` right after wake (vLLM PR #52478), made certain.
+* no fault at a ``hipMemset`` over several mappings: the intermittent MI300 fault at vLLM's
+  allocator-wide wake memset (vLLM PR #52478) has no shown cause, so the simulator does not
+  invent one (it used to fail such a memset, which made the per-chunk tests circular).
+* ``hipMemAddressFree`` of a range the runtime does not hold (e.g. one given up after it moved)
+  ends the process (``os.abort``): the 6.2-era ROCr looks the range up and dereferences the null
+  it finds (``runtime.cpp``; ROCr's reserve tries ``FixedAddress`` and falls back).  No later
+  runtime is known to answer with an error code instead, so every version crashes here;
+* the current device is per thread, device 0 on a thread that never called ``hipSetDevice``
+  (HIP's default), and CLR works on it whatever the arguments say: ``hipMemCreate`` allocates on
+  the current device (``hip::getCurrentDevice()``, not ``prop.location.id``), ``hipMemcpy`` /
+  ``hipMemset`` need the current device to have been granted access to the device memory they
+  touch (``ihipMemcpy_validate``, ``hipamd/src/hip_memory.cpp``: ``hipErrorInvalidValue``),
+  ``hipDeviceSynchronize`` waits for the current device's work only and ``hipMemGetInfo``
+  reports the current device;
+* colocated IPC: ``hipMemExportToShareableHandle`` writes a duplicate of the allocation's memfd
+  to ``*shareableHandle`` only for the POSIX-fd type requested at ``hipMemCreate``
+  (``hipErrorInvalidValue`` otherwise); ``hipMemImportFromShareableHandle`` takes the fd by
+  value and maps the same pages in the importing process (real cross-process sharing);
+* ``hipMemSetAccess`` by runtime version (``runtime_version``, HIP_VERSION):
+  - before 7.2 (ROCr 6.x ``VMemorySetAccess``, ``runtime.cpp``): the range must start exactly
+    at a mapped handle;
+  - 7.2 and later: the range must start at the start of its reservation — ROCm 7.2.x rejects
+    valid sub-buffer mappings at a non-zero offset (rocm-systems PR #9360, SWDEV-568260; PR
+    #6977: 21 of 30 runs failed on gfx942; llama.cpp PR #23900: only a SetAccess from the base
+    over the whole mapped range works); ``hipErrorInvalidValue`` otherwise.
 """
+
 
 from __future__ import annotations
 
 import ctypes
+import os
+import sys
 import threading
 from ctypes import CFUNCTYPE
 
@@ -40,6 +65,10 @@ hipErrorIllegalAddress = hip.hipErrorIllegalAddress
 #: ONE declaration: the simulated functions take the bindings' own prototypes (pointers arrive as
 #: raw addresses), so a prototype error in hip.py is not repeated here but caught against the real
 #: library and header by tests/test_hip_real.py
+#: HIP_VERSION from which hipMemSetAccess must start at the start of a reservation (the
+#: simulator's own copy: a driver that read the version wrong would not be hidden)
+ACCESS_FROM_BASE_SINCE = 70200000
+
 SIGNATURES = {name: (restype, callback_argtypes(args)) for name, (restype, args) in hip.PROTOTYPES.items()}
 
 
@@ -50,7 +79,7 @@ class FakeHip:
 
     def __init__(self, *, fail_aligned_reserve: bool = False, unaligned_fallback: bool = False,
                  ignore_address_hint: bool = False, runtime_version: int = 60200000,
-                 fault_on_cross_mapping_memset: bool = True, **device_kw):
+                 **device_kw):
         device_kw.setdefault("keeps_memory_while_reserved", True)
         self.dev = SimDevice(**device_kw)
         self.fail_aligned_reserve = fail_aligned_reserve
@@ -58,7 +87,6 @@ class FakeHip:
         self.ignore_address_hint = ignore_address_hint  # a runtime that never re-reserves in place
         self.runtime_version = runtime_version  # HIP_VERSION; < 5.3 selects the 5.2 struct layout
         self.Prop = hip.alloc_prop_type(runtime_version)
-        self.fault_on_cross_mapping_memset = fault_on_cross_mapping_memset
         self._cbs = {}
         for name, (restype, args) in SIGNATURES.items():
             impl = getattr(self, "_" + name)
@@ -92,16 +120,33 @@ class FakeHip:
             raise SimError(hipErrorInvalidDevice, f"no device {deviceId}")
         self.dev.current_device[threading.get_ident()] = deviceId
 
+    def _hipGetDevice(self, deviceId):
+        ctypes.c_int.from_address(deviceId).value = self._current()
+
+    def _current(self) -> int:
+        cur = self.dev.thread_device()
+        return 0 if cur is None else cur  # HIP: device 0 until the thread sets one
+
+    def _check_access(self, va: int, n: int) -> None:
+        """The current device must hold access to every mapping of ``[va, va + n)`` it touches."""
+        cur = self._current()
+        for m in self.dev.mappings.values():
+            if m.va < va + max(n, 1) and va < m.va + m.size and cur not in getattr(m, "access_devices", ()):
+                raise SimError(hipErrorInvalidValue, f"device memory at {m.va:#x} (device {m.phys.device}) is not "
+                               f"accessible from the current device {cur} (simulated ihipMemcpy_validate)")
+
     def _hipGetDeviceCount(self, count):
         ctypes.c_int.from_address(count).value = self.dev.device_count
         if not self.dev.device_count:  # what libamdhip64 5.2.3 returns on a machine without a GPU
             raise SimError(hipErrorNoDevice, "no device")
 
     def _hipDeviceSynchronize(self):
-        self.dev.drain()
+        self.dev.drain(device=self._current())
 
     def _hipMemGetInfo(self, free, total):
-        out_size_t(free, self.dev.total_bytes - self.dev.used_bytes)
+        cur = self._current()
+        used = sum(p.size for p in self.dev.phys.values() if not p.freed and p.device == cur)
+        out_size_t(free, self.dev.total_bytes - used)
         out_size_t(total, self.dev.total_bytes)
 
     def _check_prop(self, prop_addr):
@@ -147,6 +192,12 @@ class FakeHip:
         out_ptr(ptr, va)
 
     def _hipMemAddressFree(self, devPtr, size):
+        if (devPtr or 0) not in self.dev.reservations:
+            # the 6.2-era runtime looks the range up and dereferences the null it gets back
+            sys.stderr.write(f"SIMULATED HIP {self.runtime_version}: hipMemAddressFree({devPtr or 0:#x}) of a range "
+                             "the runtime does not hold: null dereference, the process ends\n")
+            sys.stderr.flush()
+            os.abort()
         self.dev.free_address(devPtr or 0, size)
 
     # ---- physical memory -----------------------------------------------------------------
@@ -154,7 +205,28 @@ class FakeHip:
         if flags:
             raise SimError(hipErrorInvalidValue, "flags must be 0")
         self._check_prop(prop)
-        out_ptr(handle, self.dev.create(size).id)
+        p = self.dev.create(size, device=self._current())
+        p.handle_types = self.Prop.from_address(prop).requestedHandleType
+        out_ptr(handle, p.id)
+
+    def _hipMemExportToShareableHandle(self, shareableHandle, handle, handleType, flags):
+        p = self.dev.handle(handle or 0)
+        if handleType != hip.hipMemHandleTypePosixFileDescriptor or not p.handle_types & handleType or flags:
+            raise SimError(hipErrorInvalidValue, f"export as handle type {handleType}: the allocation was created "
+                           f"with requestedHandleType {p.handle_types} (simulated: only the type requested at "
+                           "hipMemCreate exports)")
+        if not shareableHandle:
+            raise SimError(hipErrorInvalidValue, "shareableHandle is NULL")
+        ctypes.c_int.from_address(shareableHandle).value = os.dup(p.fd)
+
+    def _hipMemImportFromShareableHandle(self, handle, osHandle, shHandleType):
+        if not handle or not osHandle or shHandleType != hip.hipMemHandleTypePosixFileDescriptor:
+            raise SimError(hipErrorInvalidValue, f"import of handle type {shHandleType} from {osHandle}")
+        try:
+            p = self.dev.import_fd(int(osHandle), self._current())
+        except OSError as e:
+            raise SimError(hipErrorInvalidValue, f"fd {osHandle}: {e}") from e
+        out_ptr(handle, p.id)
 
     def _hipMemMap(self, ptr, size, offset, handle, flags):
         if offset != 0:
@@ -172,7 +244,18 @@ class FakeHip:
         d = hip.hipMemAccessDesc.from_address(desc)
         if d.flags != 3 or d.location.type != 1:
             raise SimError(hipErrorInvalidValue, f"access flags {d.flags}")
+        va = ptr or 0
+        if self.runtime_version >= ACCESS_FROM_BASE_SINCE:
+            r = self.dev.reservation_of(va, max(size, 1))
+            if r is not None and va != r.va:
+                raise SimError(hipErrorInvalidValue, f"hipMemSetAccess at offset {va - r.va:#x} of a reservation: "
+                               "ROCm 7.2 rejects a non-zero offset (simulated, rocm-systems PR #9360)")
+        elif va not in self.dev.mappings:
+            raise SimError(hipErrorInvalidValue, f"hipMemSetAccess at {va:#x}, not the start of a mapped handle "
+                           "(simulated ROCr 6.x VMemorySetAccess)")
         self.dev.set_access(ptr or 0, size)
+        for m in self.dev._covering(ptr or 0, size) or ():
+            m.access_devices = getattr(m, "access_devices", set()) | {d.location.id}
 
     def _hipMemUnmap(self, ptr, size):
         self.dev.unmap(ptr or 0, size)
@@ -185,14 +268,13 @@ class FakeHip:
         sides = {0: (False, False), 1: (True, False), 2: (False, True), 3: (True, True), 4: (None, None)}
         if kind not in sides:
             raise SimError(hipErrorInvalidValue, f"memcpy kind {kind}")
+        for ptr in (dst or 0, src or 0):
+            if self.dev.is_device(ptr, sizeBytes):
+                self._check_access(ptr, sizeBytes)
         self.dev.memcpy(dst or 0, src or 0, sizeBytes, *sides[kind])
 
     def _hipMemset(self, dst, value, sizeBytes):
-        if self.fault_on_cross_mapping_memset:
-            spans = self.dev._covering(dst or 0, sizeBytes)
-            if spans is not None and len(spans) > 1:
-                raise SimError(hipErrorIllegalAddress, f"hipMemset over {len(spans)} mappings at {dst:#x}+{sizeBytes}: "
-                               "simulated MI300 memory fault (vLLM PR #52478)")
+        self._check_access(dst or 0, sizeBytes)
         self.dev.memset(dst or 0, value & 0xFF, sizeBytes)
 
     def _hipHostMalloc(self, ptr, size, flags):

@@ -46,6 +46,9 @@ class Phys:
     mapped_at: set = field(default_factory=set)
     pinned_by: set = field(default_factory=set)  # reservations holding it (ROCm bug)
     freed: bool = False
+    device: int = 0  # the device whose memory it is
+    handle_types: int = 0  # shareable handle types requested at create (ROCm: POSIX fd = 1)
+    imported: bool = False  # made from another process's exported fd: never handed out again
 
 
 @dataclass(eq=False)
@@ -158,7 +161,15 @@ class SimDevice:
             self.intruder(va, r.size)
 
     # ------------------------------------------------------------------ physical memory
-    def create(self, size: int) -> Phys:
+    def thread_device(self) -> Optional[int]:
+        """The calling thread's current device (None: none set on this thread)."""
+        return self.current_device.get(threading.get_ident())
+
+    def devices_of(self, va: int, n: int) -> set:
+        """The devices whose memory the mapped part of ``[va, va + n)`` is."""
+        return {m.phys.device for m in self.mappings.values() if m.va < va + max(n, 1) and va < m.va + m.size}
+
+    def create(self, size: int, device: int = 0) -> Phys:
         if size <= 0 or size % self.granularity:
             raise SimError(1, f"physical size {size} is not a multiple of the granularity {self.granularity}")
         if self.used_bytes + size > self.total_bytes:
@@ -178,7 +189,17 @@ class SimDevice:
             os.posix_fallocate(fd, 0, size)
             if self.stale_fresh_memory:
                 os.pwrite(fd, bytes([STALE_BYTE]) * size, 0)
-        p = Phys(next(self._ids) * 0x1000 + 0x7F0000000000, size, fd)
+        p = Phys(next(self._ids) * 0x1000 + 0x7F0000000000, size, fd, device=device)
+        self.phys[p.id] = p
+        return p
+
+    def import_fd(self, fd: int, device: int) -> Phys:
+        """A physical allocation over another process's exported memfd (a duplicate of ``fd``):
+        both processes map the same pages."""
+        size = os.fstat(fd).st_size
+        if size <= 0 or size % self.granularity:
+            raise SimError(1, f"imported fd {fd} holds {size} bytes, not an allocation of this device")
+        p = Phys(next(self._ids) * 0x1000 + 0x7F0000000000, size, os.dup(fd), device=device, imported=True)
         self.phys[p.id] = p
         return p
 
@@ -196,7 +217,7 @@ class SimDevice:
         if p.freed or not p.released or p.mapped_at or p.pinned_by:
             return
         p.freed = True
-        if self.stale_fresh_memory:
+        if self.stale_fresh_memory and not p.imported:
             self.recycled.append(Phys(0, p.size, p.fd, True, freed=True))
             while len(self.recycled) > 2:
                 os.close(self.recycled.pop(0).fd)
@@ -270,10 +291,15 @@ class SimDevice:
         else:
             ctypes.memset(va, value, n)
 
-    def drain(self) -> None:
+    def drain(self, device: Optional[int] = None) -> None:
+        """Complete the queued memsets (only ``device``'s, when given)."""
+        keep = []
         for va, value, n in self.pending:
+            if device is not None and self.devices_of(va, n) - {device}:
+                keep.append((va, value, n))
+                continue
             ctypes.memset(va, value, n)
-        self.pending.clear()
+        self.pending[:] = keep
 
     def drain_for(self, va: int, n: int) -> None:
         # work queued on memory that is about to be unmapped completes first
