@@ -156,10 +156,10 @@ class Processes:
         except subprocess.TimeoutExpired:
             return None
 
-    def _failed(self, k: int, step: str, what: str) -> None:
+    def _failed(self, k: int, step: str, what: str, fix: str = "") -> None:
         self.stop()
         raise DeviceProcessError(f"{self.name(k)} {what} during {step}; every other process was stopped "
-                                 f"(SIGTERM, then SIGKILL after {STOP_GRACE_S:g} s).")
+                                 f"(SIGTERM, then SIGKILL after {STOP_GRACE_S:g} s).{fix}")
 
     def collect(self, ks: Sequence[int], step: str, timeout_s: Optional[float] = None) -> dict[int, dict]:
         """Each of ``ks``'s answer to ``step``, waited for at most ``timeout_s`` (--timeout)."""
@@ -172,8 +172,8 @@ class Processes:
                 k = min(pending)
                 others = sorted(pending - {k})
                 self._failed(k, step, f"did not answer within {timeout_s:g} s"
-                             + (f" (nor did {', '.join(self.labels[o] for o in others)})" if others else "")
-                             + "; pass --timeout to wait longer if the step is only slow")
+                             + (f" (nor did {', '.join(self.labels[o] for o in others)})" if others else ""),
+                             " If the step is only slow, pass a larger --timeout.")
             fds = {self.procs[k].stdout.fileno(): k for k in pending}
             ready, _, _ = select.select(list(fds), [], [], min(left, 0.5))
             for fd in ready:
