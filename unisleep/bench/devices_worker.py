@@ -42,10 +42,23 @@ class DeviceWorker:
         self.lc = self.w = self.ref = None
         self.sync = None
 
+    def _use_device(self) -> None:
+        """Make this process's device torch's current one, so that nothing (a device-wide
+        synchronize, a cache) touches another device: one process, one device, as engines run."""
+        import torch
+
+        from unisleep.platform import detect_platform
+
+        kind = detect_platform(self.platform).torch_device_type
+        mod = torch.get_device_module(kind)
+        if kind != "cpu" and hasattr(mod, "set_device"):
+            mod.set_device(self.device)
+
     # ---- steps --------------------------------------------------------------------------
     def limits(self, msg: dict) -> dict:
         from . import peers
 
+        self._use_device()
         return peers.measure_limits(self.platform, self.device, self.nbytes, self.spill_dir)
 
     def setup(self, msg: dict) -> dict:
@@ -53,6 +66,7 @@ class DeviceWorker:
 
         from unisleep import MemoryLifecycle
 
+        self._use_device()
         kw = {"spill_dir": self.spill_dir} if self.spill_dir else {}
         self.lc = MemoryLifecycle(self.platform, device=self.device, **kw)
         self.sync = self.lc.driver.synchronize
