@@ -369,8 +369,9 @@ def _where_text(where: Optional[dict]) -> str:
         return where.get("store", "-")
     pages = where.get("page_nodes") or {}
     shown = ", ".join(f"node {n}: {c}" for n, c in sorted(pages.items())) or "pages not read"
+    dn = where.get("device_node")
     return (f"{where.get('store')}, pages {shown} of {where.get('pages_sampled')} sampled; device's node "
-            f"{where.get('device_node')}" + ("" if where.get("local") is None else
+            f"{'unknown' if dn is None else dn}" + ("" if where.get("local") is None else
                                              " (local)" if where["local"] else " (NOT local)"))
 
 
@@ -408,7 +409,7 @@ def print_tables(res: dict, fig: dict, backend: str) -> None:
     print_table(f"devices sleeping and waking at the same instant: aggregate GB/s against min(sum of their copies "
                 f"alone, the host's DRAM traffic); goal >= {GOAL_FRACTION:.0%}",
                 ["devices", "sleep", "limit", "fraction", "wake", "limit", "fraction", "start spread ms",
-                 "limited by", "goal met", "bytes exact"],
+                 "wake limited by", "goal met", "bytes exact"],
                 [[r["n"], r["sleep_gbps"], r["sleep_limit_gbps"], r["sleep_fraction"], r["wake_gbps"],
                   r["wake_limit_gbps"], r["wake_fraction"], max(r["sleep_spread_ms"] or 0, r["wake_spread_ms"] or 0),
                   r["wake_limit_is"], "-" if r["met"] is None else "yes" if r["met"] else "NO",
@@ -417,7 +418,7 @@ def print_tables(res: dict, fig: dict, backend: str) -> None:
 
 # ---------------------------------------------------------------------------------- the command
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="unisleep bench --devices", description=plain(__doc__),
+    ap = argparse.ArgumentParser(prog="unisleep bench", description=plain(__doc__),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--devices", required=True, help="all, a count N (the first N devices) or a list of indices "
                     "(0,2,3); on the host backend N processes sharing host memory")
