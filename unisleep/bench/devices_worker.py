@@ -129,10 +129,8 @@ class DeviceWorker:
         out: dict = {"store": store.where, "supports_numa": bool(store.supports_numa)}
         if store.supports_numa:
             out["device_node"] = store.device_numa_node()
-            placement = getattr(store, "placement", None)  # the stores that place their memory say how
-            if callable(placement):
-                p = placement()
-                out["bind"], out["why"] = p.get("bind"), p.get("why")
+            p = store.placement()
+            out["bind"], out["why"] = p.get("bind"), p.get("why")
             pages = store.page_nodes()
             counts: dict[str, int] = {}
             for n in pages:
