@@ -250,6 +250,7 @@ def run(args, plan: list[tuple[str, int]], counts: list[int], res: dict) -> dict
     from . import host_bandwidth
 
     W = int(args.weights * GiB)
+    res["weights_bytes"] = W
     n = len(plan)
     progress(f"host memory bandwidth: memcpy of {args.host_gib:g} GiB on each NUMA node")
     res["host_bandwidth"] = host_bandwidth.measure(int(args.host_gib * GiB), timeout_s=args.timeout)
@@ -301,7 +302,6 @@ def run(args, plan: list[tuple[str, int]], counts: list[int], res: dict) -> dict
     except BaseException:
         procs.stop()
         raise
-    res["weights_bytes"] = W
     return res
 
 
