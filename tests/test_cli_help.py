@@ -40,7 +40,7 @@ def _options_without_help(text: str) -> list[str]:
 
 @pytest.mark.parametrize("args", [["doctor"], ["demo"], ["bench"], ["bench", "--backend", "cuda"],
                                   ["bench", "--progressive"], ["bench", "--transfer"], ["bench", "--chunk-sweep"],
-                                  ["bench", "--compat-tms"]], ids=" ".join)
+                                  ["bench", "--compat-tms"], ["bench", "--devices", "all"]], ids=" ".join)
 def test_every_option_has_help(args):
     r, _ = unisleep(*args, "--help")
     assert r.returncode == 0, r.stderr

@@ -98,6 +98,11 @@ class BackupStore(abc.ABC):
         read from the kernel ([] where the store does not place its memory)."""
         return []
 
+    def placement(self) -> dict:
+        """Where the store puts new host memory: at least ``{"bind": node or None, "why": ...}``
+        (:func:`unisleep.numa.placement`'s keys where the store places its memory)."""
+        return {"bind": None, "why": "this store does not place its host memory on a NUMA node"}
+
     def close(self) -> None:
         pass
 

@@ -175,6 +175,13 @@ class EngineError(UnisleepError):
     """An inference engine answered with an error (route, status and body are in the message)."""
 
 
+class DeviceProcessError(UnisleepError):
+    """One of the per-device processes of ``unisleep bench --devices`` exited, reported an error,
+    or did not answer within the stated time.  The message names the process (its device and
+    pid), the step it was in and the time waited; the other processes were stopped before it
+    was raised."""
+
+
 __all__ = [
     "UnisleepError",
     "InvalidTransitionError",
@@ -199,4 +206,5 @@ __all__ = [
     "IntrusionError",
     "DescriptorLimitError",
     "EngineError",
+    "DeviceProcessError",
 ]

@@ -9,6 +9,8 @@
 ``--chunk-sweep``      map/unmap cost by chunk size (``unisleep.bench.chunk_sweep``)
 ``--compat-tms``       tms facade beside tms 0.0.10 (``unisleep.bench.compat_tms``)
 ``--progressive``      progressive wake / background sleep beside the plain ones (``unisleep.bench.progressive``)
+``--devices SPEC``     every device of a node sleeping and waking at once, one process each
+                       (``unisleep.bench.devices``)
 =====================  ===================================================================
 
 Every mode prints a table and writes JSON (``--json PATH``).
@@ -31,16 +33,20 @@ MODES = (
     ("--chunk-sweep", "map/unmap cost by chunk size"),
     ("--compat-tms", "the torch_memory_saver facade beside torch_memory_saver 0.0.10, same run"),
     ("--progressive", "progressive wake and background sleep beside the plain ones (with --backend NAME)"),
+    ("--devices all|N|LIST", "every device sleeping and waking at the same instant, one process per device, beside "
+                             "each device's copy alone and the host's memory bandwidth"),
 )
 
 
 def mode_help() -> str:
     width = max(len(m) for m, _ in MODES)
-    lines = ["usage: unisleep bench [--backend NAME [--progressive] | --transfer | --chunk-sweep | --compat-tms] [options]", "",
+    lines = ["usage: unisleep bench [--backend NAME [--progressive | --devices SPEC] | --transfer | --chunk-sweep | "
+             "--compat-tms] [options]", "",
              "Benchmarks; every mode prints a table and writes JSON. Modes:"]
     lines += [f"  {m:<{width}}  {d}" for m, d in MODES]
     lines += ["", "Each mode's options: unisleep bench --transfer --help, unisleep bench --chunk-sweep --help,",
-              "unisleep bench --backend NAME --help. Without a mode flag (the host benchmark):", ""]
+              "unisleep bench --backend NAME --help, unisleep bench --devices all --help. Without a mode flag (the host "
+              "benchmark):", ""]
     return "\n".join(lines)
 
 
@@ -111,6 +117,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         mod = "unisleep.bench.compat_tms"
     elif "--progressive" in argv:
         mod = "unisleep.bench.progressive"
+    elif any(a == "--devices" or a.startswith("--devices=") for a in argv):
+        mod = "unisleep.bench.devices"  # checks its own values (the platform, the devices) before it starts
     else:
         backend = None
         for i, a in enumerate(argv):

@@ -110,10 +110,11 @@ def run_peer(name: str, platform: str, device: int, weights_gib: float, kv_gib: 
     return out
 
 
-def measure_limits(platform: str, device: int, nbytes: int) -> dict:
+def measure_limits(platform: str, device: int, nbytes: int, spill_dir=None) -> dict:
     """Device<->host copy speed through the backup store of ``platform``'s driver (page-locked
-    host memory where the backend has it), in the same process, and (for scale) how long torch's
-    own pinned allocation takes."""
+    host memory where the backend has it; the spill files in ``spill_dir`` on the host backend),
+    in the same process, and (for scale, on an accelerator) how long torch's own pinned
+    allocation takes.  The device memory and the store are given back before it returns."""
     import torch
 
     from unisleep.platform import load_driver
@@ -122,7 +123,7 @@ def measure_limits(platform: str, device: int, nbytes: int) -> dict:
     _t = _timer(torch.get_device_module(driver.torch_device.type))
     dev = torch.empty(nbytes, dtype=torch.uint8, device=driver.torch_device)
     dev.fill_(7)
-    store = driver.new_backup_store(None, None)
+    store = driver.new_backup_store(None, spill_dir)
     t0 = time.perf_counter()
     store.prepare(nbytes, background=False)
     register_s = time.perf_counter() - t0
@@ -130,18 +131,24 @@ def measure_limits(platform: str, device: int, nbytes: int) -> dict:
     for _ in range(3):
         d2h.append(_t(lambda: (store.save((0, 0), dev), store.flush())))
         h2d.append(_t(lambda: (store.load((0, 0), dev), store.flush())))
+    where = store.where
     store.close()
+    kind = driver.torch_device.type
+    del dev
     driver.close()
-    t0 = time.perf_counter()
-    pinned = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
-    host_alloc_s_per_gib = time.perf_counter() - t0
-    del pinned
-    return {
+    out = {
         "bytes": nbytes,
         "d2h_gbps": nbytes / min(d2h) / 1e9,
         "h2d_gbps": nbytes / min(h2d) / 1e9,
         "register_s": register_s,
-        "pin_memory_alloc_s_per_gib": host_alloc_s_per_gib,
-        "notes": f"{store.where}: {nbytes / 2**30:.0f} GiB prepared in {register_s:.2f} s; "
-                 f"torch.empty(pin_memory=True) took {host_alloc_s_per_gib:.2f} s per GiB",
+        "where": where,
+        "notes": f"{where}: {nbytes / 2**30:.2g} GiB prepared in {register_s:.2f} s",
     }
+    if kind != "cpu":  # torch's pinned allocator needs an accelerator
+        torch.get_device_module(kind).empty_cache()
+        t0 = time.perf_counter()
+        pinned = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
+        out["pin_memory_alloc_s_per_gib"] = time.perf_counter() - t0
+        del pinned
+        out["notes"] += f"; torch.empty(pin_memory=True) took {out['pin_memory_alloc_s_per_gib']:.2f} s per GiB"
+    return out
