@@ -198,6 +198,21 @@ class UnisleepAllocator:
         if tag in BACKED_UP_AT_LEVEL1 and self.prepare_backup:
             self._prepare_backup_room()
 
+    def adopt_into(self, tag: str, obj) -> None:
+        """Move the storage of ``obj``'s tensors (a module, a mapping, a list of tensors) into
+        ``tag``, in place (:meth:`~unisleep.MemoryLifecycle.adopt`): for a backend that cannot
+        route the framework's allocations (host memory), what a pool's exit would have placed in
+        the tag, once, when the framework has made it (:mod:`unisleep.vllm_worker.host_worker`).
+        Then, as at a pool's exit, the first level-1 sleep's backup room is prepared for a tag
+        that such a sleep backs up.  Refused (nothing moved) as ``adopt`` refuses."""
+        if not isinstance(tag, str) or not tag:
+            raise InvalidArgumentError(f"tag must be a non-empty string, got {tag!r}")
+        if tag != "weights":
+            self._finish_backup_room()
+        self.lifecycle.adopt(obj, tag=tag)
+        if tag in BACKED_UP_AT_LEVEL1 and self.prepare_backup:
+            self._prepare_backup_room()
+
     def use_allocation_tag(self, tag: Optional[str] = None):
         """vllm-ascend's name for the same context (newer ``CaMemAllocator``)."""
         return self.use_memory_pool(tag)
