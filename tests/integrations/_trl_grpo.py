@@ -16,7 +16,8 @@ recorded (printed as one JSON line after ``RESULT ``):
   the trainer's on the same tokens, which only stay small if the trainer's weights reached vLLM);
 * the largest difference between the trainer's parameters and vLLM's after the last sync.
 
-Usage: ``python _trl_grpo.py MODEL_DIR OUT_DIR``.
+Usage: ``python _trl_grpo.py MODEL_DIR OUT_DIR`` (colocate), ``python _trl_grpo.py MODEL_DIR OUT_DIR
+BASE_URL GROUP_PORT`` (server mode: :func:`main_server`).
 """
 
 from __future__ import annotations
@@ -158,5 +159,43 @@ def main(model_dir: str, out_dir: str) -> None:
     print("RESULT " + json.dumps(out), flush=True)
 
 
+def main_server(model_dir: str, out_dir: str, base_url: str, group_port: str) -> None:
+    """The same trainer in ``vllm_mode="server"`` against the server at ``base_url`` (started
+    with unisleep's weight-transfer engine), with :func:`unisleep.integrations.trl.install`."""
+    from unisleep.integrations.trl import UnisleepVLLMClient, install
+
+    install()  # before TRL's trainer builds its client
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    data = Dataset.from_dict({"prompt": ["hello world", "the cat sat", "one two three", "a b c d"]})
+
+    def reward_len(completions, **kwargs):
+        return [float(len(c)) for c in completions]
+
+    args = GRPOConfig(
+        output_dir=out_dir, max_steps=2, per_device_train_batch_size=2, num_generations=2,
+        max_completion_length=8, learning_rate=1e-2, seed=0, use_cpu=True, bf16=False,
+        report_to="none", logging_steps=1, save_strategy="no", dataloader_num_workers=0,
+        use_vllm=True, vllm_mode="server", vllm_server_base_url=base_url, vllm_group_port=int(group_port),
+        vllm_server_timeout=60)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    trainer = GRPOTrainer(model=model, reward_funcs=reward_len, args=args, train_dataset=data,
+                          processing_class=tok)
+    client = trainer.vllm_generation.vllm_client
+    trainer.train()
+    out = {"client": type(client).__name__, "ours": isinstance(client, UnisleepVLLMClient),
+           "weight_version": client.weight_version, "params": len(list(trainer.model.parameters())),
+           "logs": [h for h in trainer.state.log_history if "loss" in h]}
+    client.close_communicator()
+    print("RESULT " + json.dumps(out), flush=True)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    if len(sys.argv) > 3:
+        main_server(*sys.argv[1:5])
+    else:
+        main(sys.argv[1], sys.argv[2])

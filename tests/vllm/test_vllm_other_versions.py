@@ -27,7 +27,8 @@ SMOKE = {
     "0.24.0": (".venv-vllm024", ["tests/vllm/test_vllm_versions.py", "tests/vllm/test_vllm_allocator.py",
                                  "tests/integrations/test_verl.py", "tests/integrations/test_verl_manager.py"]),
     "0.27.1": (".venv-vllm0271", ["tests/vllm/test_vllm_versions.py", "tests/vllm/test_vllm_allocator.py",
-                                  "tests/integrations/test_openrlhf.py", "tests/integrations/test_trl.py"]),
+                                  "tests/integrations/test_openrlhf.py", "tests/integrations/test_trl.py",
+                                  "tests/integrations/test_trl_server.py"]),
 }
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
