@@ -49,8 +49,8 @@ BACKEND = "unisleep"
 #: the module whose ``VLLMClient`` TRL's trainers build (``VLLMGeneration._init_vllm``)
 GENERATION_MODULE = "trl.generation.vllm_generation"
 SERVE_HINT = ("start it with `trl vllm-serve --model MODEL --host 127.0.0.1 --weight-transfer-config "
-              "'{\"backend\": \"unisleep\"}'` (the extra argument is forwarded to vLLM and replaces TRL's "
-              "'{\"backend\": \"nccl\"}')")
+              "'{\"backend\": \"unisleep\"}'` (the extra argument is forwarded to vLLM and replaces the "
+              "backend TRL puts there)")
 
 
 class UnisleepVLLMClient(VLLMClient):

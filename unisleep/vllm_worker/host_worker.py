@@ -49,10 +49,16 @@ _STAGE_TENSORS = {
 }
 
 
-def _chosen(vllm_config=None) -> bool:
-    from .plugin import decide
+class _Plugin:
+    """What the hooks ask of unisleep's vLLM plugin, given by it (:func:`patchers`): the process's
+    allocator choice (``decide(vllm_config=None)``) and its allocator (``allocator()``)."""
 
-    return bool(decide(vllm_config))
+    decide = staticmethod(lambda vllm_config=None: None)
+    allocator = staticmethod(lambda: None)
+
+
+def _chosen(vllm_config=None) -> bool:
+    return bool(_Plugin.decide(vllm_config))
 
 
 def _sleep_mode_on(worker) -> bool:
@@ -75,12 +81,11 @@ def patch_platform(module) -> None:
 
 
 def _backend(worker):
-    from .plugin import _allocator
     from .sleep_backend import UnisleepSleepBackend
 
     backend = getattr(worker, "_unisleep_sleep_backend", None)
     if backend is None:
-        backend = worker._unisleep_sleep_backend = UnisleepSleepBackend(_allocator())
+        backend = worker._unisleep_sleep_backend = UnisleepSleepBackend(_Plugin.allocator())
     return backend
 
 
@@ -92,9 +97,7 @@ def patch_worker(module) -> None:
 
     @contextlib.contextmanager
     def _adopting(worker, tag: str) -> Iterator[None]:
-        from .plugin import _allocator
-
-        alloc = _allocator()
+        alloc = _Plugin.allocator()
         if tag == "weights" and alloc.get_current_usage():
             from ..errors import UnsupportedError
 
@@ -155,6 +158,12 @@ def patch_gemm(module) -> None:
     module.dispatch_cpu_unquantized_gemm = dispatch_cpu_unquantized_gemm
 
 
-PATCHERS = {PLATFORM_MODULE: patch_platform, WORKER_MODULE: patch_worker, GEMM_MODULE: patch_gemm}
+def patchers(decide, allocator) -> dict:
+    """module -> patcher, for the plugin's post-import hook; ``decide`` and ``allocator`` are the
+    plugin's (this module does not import it: the plugin imports this one)."""
+    _Plugin.decide = staticmethod(decide)
+    _Plugin.allocator = staticmethod(allocator)
+    return {PLATFORM_MODULE: patch_platform, WORKER_MODULE: patch_worker, GEMM_MODULE: patch_gemm}
 
-__all__ = ["PATCHERS", "patch_platform", "patch_worker", "patch_gemm"]
+
+__all__ = ["patchers", "patch_platform", "patch_worker", "patch_gemm"]

@@ -229,7 +229,8 @@ _PATCHERS = {
     **{m: _patch_config for m in CONFIG_MODULES},
     **{m: _patch_allocator_class for m in ALLOCATOR_CLASSES},
     **{m: _patch_worker for m in _WORKER_MODULES},
-    **host_worker.PATCHERS,  # vLLM's CPU worker: sleep mode on host memory (host_worker's docstring)
+    # vLLM's CPU worker: sleep mode on host memory (host_worker's docstring)
+    **host_worker.patchers(decide, lambda: _allocator()),
 }
 
 
