@@ -51,7 +51,8 @@ Limits.  ``use_memory_pool`` routes the framework's allocations only where the p
 can (``driver.capabilities.supports_pool``: CUDA, Ascend).  On host memory (CPU) nothing routes torch's CPU
 allocator: the context only sets :attr:`current_tag`, and memory enters a tag through the
 lifecycle's own means (``allocator.lifecycle.empty(..., tag=...)`` / ``adopt``) — the unit tests
-do that; vLLM never calls the allocator on CPU.
+do that, and so does vLLM's CPU worker with ``UNISLEEP_VLLM_ALLOCATOR=1`` (:meth:`adopt_into`,
+:mod:`unisleep.vllm_worker.host_worker`).
 """
 
 from __future__ import annotations
