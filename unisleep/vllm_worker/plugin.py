@@ -44,6 +44,7 @@ import threading
 from typing import Optional
 
 from ..errors import UnsupportedError
+from . import host_worker
 from .allocator import ALLOCATOR_CLASSES, CUMEM_MODULES, DEVICE_ALLOCATOR_MODULES, PLUGIN_ALLOCATOR
 
 log = logging.getLogger(__name__)
@@ -228,6 +229,8 @@ _PATCHERS = {
     **{m: _patch_config for m in CONFIG_MODULES},
     **{m: _patch_allocator_class for m in ALLOCATOR_CLASSES},
     **{m: _patch_worker for m in _WORKER_MODULES},
+    # vLLM's CPU worker: sleep mode on host memory (host_worker's docstring)
+    **host_worker.patchers(decide, lambda: _allocator()),
 }
 
 

