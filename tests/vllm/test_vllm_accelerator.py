@@ -18,6 +18,8 @@ import textwrap
 
 import pytest
 
+from _vllm_common import require_vllm
+
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -38,7 +40,7 @@ PLATFORM = _accelerator()
 
 @pytest.mark.skipif(PLATFORM is None, reason="needs a GPU or NPU that vLLM runs on (vLLM refuses sleep mode on CPU)")
 def test_vllm_sleeps_into_unisleep_on_the_accelerator(tiny_models, tmp_path):
-    pytest.importorskip("vllm", reason="needs vLLM built for this accelerator")
+    require_vllm("needs vLLM built for this accelerator")
     code = textwrap.dedent(f"""
         import json, torch
         from vllm import LLM

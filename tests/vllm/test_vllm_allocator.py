@@ -22,7 +22,7 @@ from unisleep.vllm_worker.allocator import DEFERRABLE_TAGS, UnisleepAllocator
 from unisleep.vllm_worker.sleep_backend import UnisleepSleepBackend, offload_tags_for
 from unisleep.errors import InvalidArgumentError, UnsupportedError
 
-from _vllm_common import needs_feature
+from _vllm_common import needs_feature, require_vllm
 
 MiB = 1 << 20
 
@@ -192,7 +192,7 @@ def test_get_instance_is_one_per_process(tmp_path, monkeypatch):
 def test_plugin_makes_vllms_allocator_lookup_return_ours(monkeypatch):
     """With the unisleep backend chosen, vLLM's get_mem_allocator_instance() and
     CuMemAllocator.get_instance() return the UnisleepAllocator (on CPU vLLM has none)."""
-    pytest.importorskip("vllm")
+    require_vllm()
     import vllm.device_allocator as da
     from vllm.device_allocator.cumem import CuMemAllocator
 
@@ -236,7 +236,7 @@ def test_plugin_env_switch(monkeypatch):
 def test_graph_pool_property_extended_for_the_unisleep_backend():
     """vLLM keeps graphs out of the sleeping pool unless the backend is cumem; the plugin's
     property says yes for unisleep with the same conditions (here: CPU -> no)."""
-    pytest.importorskip("vllm")
+    require_vllm()
     from vllm.config import CUDAGraphMode
     from vllm.config.vllm import VllmConfig
 
@@ -264,7 +264,7 @@ def test_post_import_hook_reads_the_workers_config(tmp_path):
     """In a fresh process: the plugin hooks modules imported after it; the worker's
     _maybe_get_memory_pool_context (called for the weights before vLLM sets its current config)
     makes the choice from the worker's own VllmConfig, and vLLM's lookups then return ours."""
-    pytest.importorskip("vllm")
+    require_vllm()
     import subprocess
     import sys
 

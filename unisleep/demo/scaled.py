@@ -1,4 +1,4 @@
-"""``unisleep demo --model NAME``: the main job at model size, both sides sleeping.
+"""``unisleep demo --model NAME``: the colocated RL loop at model size, both sides sleeping.
 
 The engine (:class:`~.hf_engine.HFGenerator`, this process) and the trainer
 (:func:`~.hf_trainer.hf_trainer_main`, another process) share one device and take turns, as verl
@@ -49,7 +49,7 @@ from . import residue as R
 from .scaled_report import GiB, format_memory, gib, memory_peak, memory_rows, plot_scaled, table_unit  # noqa: F401
 from .trainer_process import TrainerProcess, free_port
 
-#: goals on an accelerator (issue: the main job at real size)
+#: goals on an accelerator (the colocated loop at real size)
 GOAL_COPY_SHARE = 0.9  # trainer offload and restore, each, >= this share of the copy limit
 GOAL_ENGINE_MS = 30.0  # engine level-2 sleep + weights wake + verified update, per step
 

