@@ -3,8 +3,9 @@
 Policy, in one place, for every platform:
 
 * level 1 — tag ``"weights"`` and any ``offload_tags`` are backed up, every other tag is discarded;
-* level 2 — everything is discarded, except adopted parameters matched by :meth:`preserve`
-  (and ``offload_tags``, which are backed up at any level, e.g. a CUDA-graph pool);
+* level 2 — everything is discarded, except adopted parameters matched by :meth:`preserve`,
+  the buffers of adopted modules (a rotary embedding's ``inv_freq``, as vLLM's level 2 keeps
+  them) and ``offload_tags``, which are backed up at any level, e.g. a CUDA-graph pool;
 * wake restores backed-up bytes exactly; discarded bytes come back as zeros; no address moves;
 * an illegal move raises before anything changes.
 
@@ -212,7 +213,8 @@ class MemoryLifecycle(LifecycleAllocation, LifecycleIntrospection):
         background: bool = False,
     ) -> Report:
         """Release memory.  Level 1 backs up ``"weights"`` (and ``offload_tags``) and discards the
-        rest; level 2 discards everything but preserved parameters (and ``offload_tags``).
+        rest; level 2 discards everything but preserved parameters, adopted modules' buffers
+        and ``offload_tags``.
         ``tags`` limits the sleep to those tags (the others stay as they are); ``offload_tags``
         must then be among them.
 

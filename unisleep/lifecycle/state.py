@@ -77,6 +77,7 @@ class Allocation:
     region: Region
     nbytes: int  # bytes in use (<= region.size)
     names: dict[str, tuple[int, int]] = field(default_factory=dict)  # adopted name -> (offset, nbytes)
+    kept: set[str] = field(default_factory=set)  # adopted names kept across level 2 (a module's buffers)
     saved: list[tuple[int, int]] = field(default_factory=list)  # ranges in the backup now
     digest: Any = None  # (HashKey, Digest) of the retained full backup (skip-unchanged)
     external: bool = False  # created by the framework's allocator through pool()
