@@ -12,7 +12,7 @@ physical_bytes     the size of every handle the driver holds (a handle is physic
 Every call first makes the device's primary context current on the calling thread.  Level-1
 backups go to a persistent pinned host arena (:mod:`.arena`); a backup retained after wake lets
 an unchanged tag skip its copy, proven by the keyed NH digest (:mod:`unisleep.keyed_hash`; its
-first level is the fused kernel of :mod:`.checksum`, found by ``Driver.keyed_digest``).
+first level is the fused kernel of :mod:`.checksum`, found through the registry's finder).
 """
 
 from __future__ import annotations
