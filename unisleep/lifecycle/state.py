@@ -15,7 +15,8 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
-from ..driver import BackupStore, Driver
+from ..backup import BackupStore
+from ..driver import Driver
 from ..errors import (
     CopyInFlightError,
     HostBudgetError,
@@ -137,7 +138,7 @@ class LifecycleState:
         self._by_va: dict[int, Allocation] = {}
         self._by_tag: dict[str, list[Allocation]] = {}
         #: called as ``fn(va, size)`` when an allocation's records and backup are dropped
-        #: (see ``LifecycleAllocation.on_free``)
+        #: (see ``MemoryLifecycle.on_free``)
         self.free_listeners: list = []
 
     # ---- allocations ----------------------------------------------------------------------
