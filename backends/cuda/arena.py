@@ -76,6 +76,7 @@ class PinnedArena(BackupStore):
     host has more than one, else none), an int, or None (no binding)."""
 
     supports_numa = True
+    queued_copies = True  # BackupStore.queued_copies: the CUDA driver pipelines through it
 
     def __init__(self, device: int, budget_bytes: Optional[int], numa_node="auto"):
         self.device = device

@@ -325,7 +325,7 @@ class CudaDriver(Driver):
         if self._warm_pending:
             self._warm_kernels()
         self.synchronize()  # nothing in flight may touch memory we are about to unmap
-        if not isinstance(store, PinnedArena):  # the plain path: digests first, as the lifecycle
+        if not store.queued_copies:  # the plain path: digests first, as the lifecycle
             self.take_digests(saves)  # takes them for backends without digests_during_copies
             return super().suspend(saves, discards, store)
         tr = _Trace("suspend")
@@ -433,7 +433,7 @@ class CudaDriver(Driver):
         self.last_restore_by_sms, self.last_zeroed_by_sms = False, 0
         if self._warm_pending:
             self._warm_kernels()
-        if not isinstance(store, PinnedArena):
+        if not store.queued_copies:
             return super().restore_regions(jobs, store)
         from . import host_reads
 
@@ -469,12 +469,12 @@ class CudaDriver(Driver):
     def queue_restore(self, job: RestoreJob, store: BackupStore) -> int:
         """Chunk by chunk from the arena: a chunk's copies are queued as soon as it is mapped,
         not once the whole region is."""
-        if not isinstance(store, PinnedArena):
+        if not store.queued_copies:
             return super().queue_restore(job, store)
         job.region.map(self, each=lambda c: self._restore_chunk(job, c, store, by_sms=False))
         return sum(n for _, n in job.ranges)
 
-    def _restore_by_sms(self, nbytes: int, pending_ms: float, store: PinnedArena, restores) -> bool:
+    def _restore_by_sms(self, nbytes: int, pending_ms: float, store: BackupStore, restores) -> bool:
         from . import host_reads
 
         mode = self.config.restore_reads
@@ -484,7 +484,7 @@ class CudaDriver(Driver):
             return False
         return all(store.readable_by_sms((j.key, off)) for j in restores for off, _ in j.ranges)
 
-    def _restore_chunk(self, job: RestoreJob, c, store: PinnedArena, *, by_sms: bool, feed=None) -> None:
+    def _restore_chunk(self, job: RestoreJob, c, store: BackupStore, *, by_sms: bool, feed=None) -> None:
         """Queue chunk ``c``'s share of ``job``: zeroed first where the backup covers it only
         in part, then each saved range's bytes inside it (``feed``: what the SM reads zero
         besides, :class:`~.host_reads.ZeroFeed`)."""
@@ -505,7 +505,7 @@ class CudaDriver(Driver):
         import torch
 
         cu.ensure_context(self.device)
-        s = store.stream() if isinstance(store, PinnedArena) else torch.cuda.Stream(device=self.device)
+        s = store.stream() if store.queued_copies else torch.cuda.Stream(device=self.device)
         with torch.cuda.device(self.device), torch.cuda.stream(s):
             yield
 
