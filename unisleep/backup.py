@@ -212,5 +212,5 @@ class HostBufferStore(BackupStore):
         for key in list(self._bufs):
             try:
                 self.drop(key)
-            except Exception:
-                pass
+            except Exception:  # closing: every buffer is tried; one that cannot be freed is
+                pass  # given back with the process

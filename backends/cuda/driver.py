@@ -573,5 +573,5 @@ def _capturing() -> bool:
         import torch
 
         return bool(torch.cuda.is_current_stream_capturing())
-    except Exception:
+    except Exception:  # no usable CUDA in torch here: nothing can be capturing
         return False
