@@ -17,7 +17,7 @@ A backend (``backends/<platform>``) subclasses :class:`Driver` and implements th
 =================  ==========================================================================
 
 and a :class:`~unisleep.backup.BackupStore` for level-1 backups (pinned host arena, spill file...;
-its contract lives in :mod:`unisleep.backup`, importable from here too).
+its contract lives in :mod:`unisleep.backup`).
 :meth:`Driver.suspend` and :meth:`Driver.resume` run a sleep/wake *plan* with these
 primitives; a backend may override them to pipeline copies with unmapping.
 """

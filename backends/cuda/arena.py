@@ -30,8 +30,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from unisleep import graph_capture, numa
-from unisleep.backup import host_available_bytes
-from unisleep.driver import BackupStore
+from unisleep.backup import BackupStore, host_available_bytes
 from unisleep.errors import HostBudgetError
 from unisleep.hostmem import check_host_room
 from unisleep.units import human_bytes

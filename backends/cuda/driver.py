@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from typing import Iterator, Optional
 
 from unisleep.backends._capture import CaptureSpec
-from unisleep.driver import BackupStore, Capabilities, Driver, DriverConfig, RestoreJob, _Trace
+from unisleep.backup import BackupStore
+from unisleep.driver import Capabilities, Driver, DriverConfig, RestoreJob, _Trace
 from unisleep.errors import InvalidArgumentError
 
 from . import cu
