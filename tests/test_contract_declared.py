@@ -13,7 +13,8 @@ import os
 
 import pytest
 
-from unisleep.driver import BackupStore, Capabilities, Driver, DriverConfig, DriverHooks
+from unisleep.backup import BackupStore
+from unisleep.driver import Capabilities, Driver, DriverConfig, DriverHooks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORE = os.path.join(ROOT, "unisleep")

@@ -1,6 +1,11 @@
 """The layering holds, read from the code's own imports (every ``import`` statement, also those
-inside functions): no import circle among the modules of unisleep/ and backends/, and backends/
-imports nothing above the driver layer (docs/lifecycle.md, "Writing a backend")."""
+inside functions: a lazy import for start-up cost is fine, a lazy import that hides a circle is a
+circle): no import circle among the modules of unisleep/ and backends/, backends/ imports nothing
+above the driver layer (docs/lifecycle.md, "Writing a backend"), and nothing a backend imports
+reaches the registry (which loads the backends by name: a circle no ``import`` statement shows).
+
+This is the rule for how code is cut into modules — one concern per module, whatever its length
+(docs/architecture.md) — not a line count."""
 
 from __future__ import annotations
 
@@ -157,3 +162,51 @@ def test_backends_import_nothing_above_the_driver_layer():
             if not d.startswith("unisleep.backends") and d not in DRIVER_LAYER:
                 above.append(f"{name} -> {d}")
     assert not above, "backends/ imports above the driver layer:\n" + "\n".join(above)
+
+
+def below(graph: dict[str, set[str]], roots) -> set[str]:
+    """Every module reachable from ``roots`` through ``graph`` (the roots included)."""
+    seen, todo = set(), list(roots)
+    while todo:
+        m = todo.pop()
+        if m not in seen:
+            seen.add(m)
+            todo.extend(graph.get(m, ()))
+    return seen
+
+
+#: the modules that look backends up by name (so load a backend's modules without an ``import``)
+LOOKS_UP_BACKENDS = {"unisleep.registry", "unisleep.platform"}
+
+
+def test_the_closure_check_can_fail(tmp_path):
+    (tmp_path / "unisleep").mkdir()
+    (tmp_path / "backends" / "x").mkdir(parents=True)
+    files = {
+        "unisleep/__init__.py": "",
+        "unisleep/registry.py": "",
+        "unisleep/digest.py": "def kernel():\n    from .registry import backends\n",
+        "backends/__init__.py": "",
+        "backends/x/__init__.py": "",
+        "backends/x/kernel.py": "from unisleep.digest import kernel\n",
+    }
+    for rel, text in files.items():
+        (tmp_path / rel).write_text(text)
+    graph = imports(modules(str(tmp_path)))
+    reached = below(graph, [m for m in graph if m.startswith("unisleep.backends")])
+    assert reached & LOOKS_UP_BACKENDS == {"unisleep.registry"}
+
+
+def test_nothing_a_backend_imports_looks_backends_up():
+    """A module that backends import and that finds a backend's module through the registry
+    is a circle hidden from the import walk (e.g. a digest asking the registry for the backend's
+    kernel, which imports the digest): what a module below the backends needs from them is handed
+    down to it (an argument, or installed by the layer above), not looked up."""
+    graph = imports(modules())
+    backends = [m for m in graph if m.startswith("unisleep.backends")]
+    wrong = []
+    for m in sorted(below(graph, backends) - set(backends)):
+        hit = graph[m] & LOOKS_UP_BACKENDS
+        if hit and m not in LOOKS_UP_BACKENDS:
+            wrong.append(f"{m} -> {', '.join(sorted(hit))}")
+    assert not wrong, "modules below the backends that look backends up:\n" + "\n".join(wrong)

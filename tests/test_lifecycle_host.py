@@ -454,6 +454,55 @@ def test_level2_preserve(lifecycle, spill_dir):
     assert spill_files(spill_dir) == {}
 
 
+class _Rotary(torch.nn.Module):
+    """A rotary embedding's shape: a parameter-free module whose ``inv_freq`` is a
+    non-persistent buffer computed at construction (not in the checkpoint)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim)), persistent=False)
+
+
+def test_level2_keeps_adopted_module_buffers(lifecycle, spill_dir):
+    """Level 2 keeps an adopted module's buffers (a rotary embedding's ``inv_freq``, a norm's
+    running statistics) like preserved parameters, as vLLM's level 2 does ("the model's buffers
+    are kept in CPU, like rope scaling tensors"); parameters not preserved come back as zeros."""
+    lc = lifecycle
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.BatchNorm1d(64), _Rotary(64))
+    model[:2].train()(torch.randn(8, 64))  # running statistics that differ from their initial values
+    bufs = {n: b.detach().clone() for n, b in model.named_buffers()}
+    assert set(bufs) == {"1.running_mean", "1.running_var", "1.num_batches_tracked", "2.inv_freq"}
+    lc.adopt(model)
+    ptrs = {n: b.data_ptr() for n, b in model.named_buffers()}
+    lc.sleep(2)
+    assert lc.state() == {"weights": "discarded"}
+    assert lc.resident_bytes() == 0
+    held = sum(v[0] for v in spill_files(spill_dir).values())
+    kept = sum(b.numel() * b.element_size() for b in bufs.values())
+    assert kept <= held < kept + 4 * PAGE  # the buffers only, not the parameters
+    lc.wake_up()
+    for n, b in model.named_buffers():
+        assert b.data_ptr() == ptrs[n], n
+        assert torch.equal(b, bufs[n]), n
+    for n, p in model.named_parameters():
+        assert p.count_nonzero().item() == 0, n  # not preserved: zeroed
+    assert spill_files(spill_dir) == {}
+
+
+def test_level2_background_sleep_keeps_adopted_buffers(lifecycle):
+    """The background level 2 (``background=True``) keeps them too: a tag with buffers is copied
+    out behind the call, not released before it returns."""
+    lc = lifecycle
+    model = _Rotary(32)
+    want = model.inv_freq.clone()
+    lc.adopt(model)
+    lc.sleep(2, background=True)
+    lc.wait()
+    lc.wake_up()
+    assert torch.equal(model.inv_freq, want)
+
+
 def test_partial_wake_weights_then_kv(lifecycle, spill_dir):
     lc = lifecycle
     tensors = make_tagged(lc)

@@ -213,3 +213,14 @@ def test_library_caches_are_named_where_a_platform_has_them():
     cuda.release_library_caches()  # a CPU build of torch has no cuBLAS: nothing to give back, no error
     assert backend("host").library_caches is None
     backend("host").release_library_caches()
+
+
+def test_the_keyed_digest_finds_kernels_through_the_registry():
+    """The keyed digest, which the backends import, looks no backend up itself: the registry
+    installs its finder when imported (before any digest can run, as ``import unisleep`` imports
+    it), and the finder asks the backends' descriptors."""
+    import unisleep  # noqa: F401
+    from unisleep import keyed_hash, registry
+
+    assert keyed_hash._finder is registry.checksum_kernel
+    assert registry.checksum_kernel("cpu", "nh_level1") is None  # the host backend ships no kernel

@@ -183,8 +183,8 @@ class Backend:
         if self.extra_for is not None:
             try:
                 return self.load(self.extra_for)() or self.extra
-            except Exception:
-                return self.extra
+            except Exception:  # advice only (doctor, error hints): a backend's probe that fails
+                return self.extra  # falls back to its declared extra
         return self.extra
 
     def watch_graphs(self) -> bool:
@@ -229,8 +229,8 @@ def torch_version(attr: str) -> Optional[str]:
         import torch
 
         return getattr(torch.version, attr, None)
-    except Exception:
-        return None
+    except Exception:  # a torch that fails to import (broken install, missing library) has no
+        return None  # version to report; the caller says torch is unusable
 
 
 _UNKNOWN = object()

@@ -19,6 +19,14 @@ class BackupStore(abc.ABC):
 
     #: human-readable location, shown in reports and errors
     where: str = "host"
+    #: whether the store runs its own queued device copies, on a stream of its own, so a driver
+    #: may pipeline a sleep and a wake through it — the seam a driver branches on, not the
+    #: store's class.  Such a store also has ``save(key, src, track=True)`` (returns the
+    #: completion marks ``[(bytes done, event)]``), ``abandon(keys)`` (undo queued saves),
+    #: ``readable_by_sms(key)``, ``load_range(..., by_sms=, zero=)`` and ``stream()`` (its copy
+    #: stream); CUDA's pinned arena is one (``backends/cuda/arena.py``).  Default: False — the
+    #: driver's plain path: digests first, then one save per range through this contract.
+    queued_copies: bool = False
 
     @abc.abstractmethod
     def ensure_fits(self, nbytes: int) -> None:
@@ -209,5 +217,5 @@ class HostBufferStore(BackupStore):
         for key in list(self._bufs):
             try:
                 self.drop(key)
-            except Exception:
-                pass
+            except Exception:  # closing: every buffer is tried; one that cannot be freed is
+                pass  # given back with the process

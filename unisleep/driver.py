@@ -17,7 +17,7 @@ A backend (``backends/<platform>``) subclasses :class:`Driver` and implements th
 =================  ==========================================================================
 
 and a :class:`~unisleep.backup.BackupStore` for level-1 backups (pinned host arena, spill file...;
-its contract lives in :mod:`unisleep.backup`, importable from here too).
+its contract lives in :mod:`unisleep.backup`).
 :meth:`Driver.suspend` and :meth:`Driver.resume` run a sleep/wake *plan* with these
 primitives; a backend may override them to pipeline copies with unmapping.
 """
@@ -35,6 +35,7 @@ from typing import Any, Callable, ClassVar, Iterator, Optional
 
 from .backup import BackupStore
 from .errors import InvalidArgumentError, UnsupportedError
+from .keyed_hash import HashKey, start_digests
 from .region import Region
 
 
@@ -309,17 +310,10 @@ class Driver(abc.ABC):
         if self._behind is not None:
             self._behind.wait()
 
-    def keyed_digest(self, src, key) -> Any:
-        """The keyed digest (:mod:`unisleep.keyed_hash`) of a uint8 tensor's bytes, computed
-        where the bytes are; proves a retained backup still equal to the memory."""
-        from .keyed_hash import digest
-
-        return digest(src, key)
-
     def keyed_digests(self, srcs: list, keys: list) -> list:
-        """:meth:`keyed_digest` of several tensors at once (one wait for the device)."""
-        from .keyed_hash import start_digests
-
+        """The keyed digests (:mod:`unisleep.keyed_hash`) of uint8 tensors' bytes, computed where
+        the bytes are, in one wait for the device; they prove a retained backup still equal to
+        the memory."""
         return start_digests(srcs, keys, scratch=self.digest_scratch()).result()
 
     def digest_scratch(self):
@@ -341,8 +335,6 @@ class Driver(abc.ABC):
         kernels launched on the current stream) and return the function that waits for it and
         fills the jobs.  The regions may be released only once the device has run the queued
         work (the caller waits for an event recorded after this call, or calls the function)."""
-        from .keyed_hash import HashKey, start_digests
-
         jobs = [j for j in saves if j.want_digest and j.digest is None]
         if not jobs:
             return lambda: None

@@ -94,8 +94,8 @@ class Region:
         except BaseException:
             try:
                 driver.unmap(self.va + c.offset, c.size)
-            except BaseException:
-                pass
+            except BaseException:  # it may not have been mapped yet; the error that matters is
+                pass  # re-raised below, after the handle is released
             driver.release(h)
             raise
         c.handle = h

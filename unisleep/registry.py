@@ -23,12 +23,18 @@ import functools
 import importlib
 import logging
 import os
-import re
+import sys
 from importlib import metadata
 from typing import Optional, Union
 
+from . import keyed_hash
 from .backend import Backend
 from .errors import PlatformError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the same parser, packaged (a dependency there)
+    import tomli as tomllib
 
 log = logging.getLogger("unisleep")
 
@@ -64,17 +70,7 @@ def _source_tree_entry_points() -> Optional[dict[str, str]]:
     with open(project, encoding="utf-8") as f:
         text = f.read()
     try:
-        import tomllib
-
         return dict(tomllib.loads(text)["project"]["entry-points"][ENTRY_POINT_GROUP])
-    except ImportError:  # Python 3.10: the one table, read line by line
-        table, inside = {}, False
-        for line in text.splitlines():
-            if line.startswith("["):
-                inside = line.strip() == f'[project.entry-points."{ENTRY_POINT_GROUP}"]'
-            elif inside and (m := re.match(r'\s*([\w.-]+)\s*=\s*"([^"]+)"', line)):
-                table[m.group(1)] = m.group(2)
-        return table
     except (KeyError, ValueError):
         return {}
 
@@ -162,5 +158,22 @@ def driver_class(name: str):
     return backend(name).driver_class()
 
 
+def checksum_kernel(device_type: str, name: str):
+    """``name`` from the ``checksum`` module of the first accelerator backend with torch device
+    ``device_type`` that ships one (:attr:`Backend.checksum`), or None — how the keyed digest
+    finds a backend's fused kernels (installed below, as :mod:`unisleep.keyed_hash` is imported
+    by the backends and must not look them up itself)."""
+    for b in backends():
+        if b.torch_device == device_type and b.is_accelerator and b.checksum:
+            try:
+                return getattr(b.load(b.checksum), name, None)
+            except ImportError:  # its kernel's packages are missing: the digest runs in torch ops
+                return None
+    return None
+
+
+keyed_hash.find_kernels_with(checksum_kernel)
+
+
 __all__ = ["ENTRY_POINT_GROUP", "register_backend", "available_backends", "backend", "backends", "backend_of",
-           "driver_class"]
+           "driver_class", "checksum_kernel"]

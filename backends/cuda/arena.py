@@ -30,8 +30,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from unisleep import graph_capture, numa
-from unisleep.backup import host_available_bytes
-from unisleep.driver import BackupStore
+from unisleep.backup import BackupStore, host_available_bytes
 from unisleep.errors import HostBudgetError
 from unisleep.hostmem import check_host_room
 from unisleep.units import human_bytes
@@ -76,6 +75,7 @@ class PinnedArena(BackupStore):
     host has more than one, else none), an int, or None (no binding)."""
 
     supports_numa = True
+    queued_copies = True  # BackupStore.queued_copies: the CUDA driver pipelines through it
 
     def __init__(self, device: int, budget_bytes: Optional[int], numa_node="auto"):
         self.device = device

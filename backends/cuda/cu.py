@@ -26,7 +26,7 @@ class CudaError(UnisleepError):
         try:
             _, s = driver().cuGetErrorString(code)
             detail = s.decode() if isinstance(s, bytes) else str(s)
-        except Exception:
+        except Exception:  # describing an error must not replace it: the code alone is shown
             detail = ""
         super().__init__(f"{call} failed: {name} {detail}".strip())
 
@@ -59,7 +59,7 @@ def driver():
                     raise CudaError("cuInit", err)
                 try:
                     err, drv = cu.cuDriverGetVersion()
-                except Exception:
+                except Exception:  # an unreadable version: the check below says "unknown"
                     err, drv = 1, 0
                 problem = bindings_vs_driver(_bindings_version(), int(drv) if int(err) == 0 else None)
                 if problem:
@@ -73,7 +73,7 @@ def _bindings_version():
         from importlib import metadata
 
         return metadata.version("cuda-bindings")
-    except Exception:
+    except Exception:  # not installed, or unreadable metadata: the version checks say "unknown"
         return None
 
 
@@ -82,7 +82,7 @@ def _torch_cuda():
         import torch
 
         return torch.version.cuda
-    except Exception:
+    except Exception:  # a torch that fails to import has no CUDA build to compare with
         return None
 
 

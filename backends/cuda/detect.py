@@ -13,7 +13,7 @@ def nvml_devices() -> Optional[tuple[DeviceInfo, ...]]:
     """NVIDIA devices through NVML (no CUDA context is created); None when NVML is absent."""
     try:
         import pynvml  # nvidia-ml-py
-    except Exception:
+    except Exception:  # absent or broken: detection must raise nothing (Backend.detect's contract)
         return None
     try:
         pynvml.nvmlInit()
@@ -31,16 +31,16 @@ def nvml_devices() -> Optional[tuple[DeviceInfo, ...]]:
             try:
                 bus = pynvml.nvmlDeviceGetPciInfo(h).busId
                 bus = bus.decode() if isinstance(bus, bytes) else str(bus)
-            except Exception:
+            except Exception:  # an older driver without PCI info: only doctor's NUMA line needs it
                 bus = None
             out.append(DeviceInfo(i, name, int(mem.total), int(mem.free), uuid, bus))
         return tuple(out)
-    except Exception:
+    except Exception:  # any NVML failure means "not here": detection raises nothing
         return None
     finally:
         try:
             pynvml.nvmlShutdown()
-        except Exception:
+        except Exception:  # the answer is already made; a failed shutdown changes nothing
             pass
 
 

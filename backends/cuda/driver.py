@@ -12,7 +12,7 @@ physical_bytes     the size of every handle the driver holds (a handle is physic
 Every call first makes the device's primary context current on the calling thread.  Level-1
 backups go to a persistent pinned host arena (:mod:`.arena`); a backup retained after wake lets
 an unchanged tag skip its copy, proven by the keyed NH digest (:mod:`unisleep.keyed_hash`; its
-first level is the fused kernel of :mod:`.checksum`, found by ``Driver.keyed_digest``).
+first level is the fused kernel of :mod:`.checksum`, found through the registry's finder).
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from typing import Iterator, Optional
 
 from unisleep.backends._capture import CaptureSpec
-from unisleep.driver import BackupStore, Capabilities, Driver, DriverConfig, RestoreJob, _Trace
+from unisleep.backup import BackupStore
+from unisleep.driver import Capabilities, Driver, DriverConfig, RestoreJob, _Trace
 from unisleep.errors import InvalidArgumentError
 
 from . import cu
@@ -325,7 +326,7 @@ class CudaDriver(Driver):
         if self._warm_pending:
             self._warm_kernels()
         self.synchronize()  # nothing in flight may touch memory we are about to unmap
-        if not isinstance(store, PinnedArena):  # the plain path: digests first, as the lifecycle
+        if not store.queued_copies:  # the plain path: digests first, as the lifecycle
             self.take_digests(saves)  # takes them for backends without digests_during_copies
             return super().suspend(saves, discards, store)
         tr = _Trace("suspend")
@@ -433,7 +434,7 @@ class CudaDriver(Driver):
         self.last_restore_by_sms, self.last_zeroed_by_sms = False, 0
         if self._warm_pending:
             self._warm_kernels()
-        if not isinstance(store, PinnedArena):
+        if not store.queued_copies:
             return super().restore_regions(jobs, store)
         from . import host_reads
 
@@ -469,12 +470,12 @@ class CudaDriver(Driver):
     def queue_restore(self, job: RestoreJob, store: BackupStore) -> int:
         """Chunk by chunk from the arena: a chunk's copies are queued as soon as it is mapped,
         not once the whole region is."""
-        if not isinstance(store, PinnedArena):
+        if not store.queued_copies:
             return super().queue_restore(job, store)
         job.region.map(self, each=lambda c: self._restore_chunk(job, c, store, by_sms=False))
         return sum(n for _, n in job.ranges)
 
-    def _restore_by_sms(self, nbytes: int, pending_ms: float, store: PinnedArena, restores) -> bool:
+    def _restore_by_sms(self, nbytes: int, pending_ms: float, store: BackupStore, restores) -> bool:
         from . import host_reads
 
         mode = self.config.restore_reads
@@ -484,7 +485,7 @@ class CudaDriver(Driver):
             return False
         return all(store.readable_by_sms((j.key, off)) for j in restores for off, _ in j.ranges)
 
-    def _restore_chunk(self, job: RestoreJob, c, store: PinnedArena, *, by_sms: bool, feed=None) -> None:
+    def _restore_chunk(self, job: RestoreJob, c, store: BackupStore, *, by_sms: bool, feed=None) -> None:
         """Queue chunk ``c``'s share of ``job``: zeroed first where the backup covers it only
         in part, then each saved range's bytes inside it (``feed``: what the SM reads zero
         besides, :class:`~.host_reads.ZeroFeed`)."""
@@ -505,7 +506,7 @@ class CudaDriver(Driver):
         import torch
 
         cu.ensure_context(self.device)
-        s = store.stream() if isinstance(store, PinnedArena) else torch.cuda.Stream(device=self.device)
+        s = store.stream() if store.queued_copies else torch.cuda.Stream(device=self.device)
         with torch.cuda.device(self.device), torch.cuda.stream(s):
             yield
 
@@ -573,5 +574,5 @@ def _capturing() -> bool:
         import torch
 
         return bool(torch.cuda.is_current_stream_capturing())
-    except Exception:
+    except Exception:  # no usable CUDA in torch here: nothing can be capturing
         return False

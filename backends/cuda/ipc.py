@@ -39,7 +39,7 @@ def _check(result, what: str):
         try:
             _, name = cu.cuGetErrorName(err)
             name = name.decode() if isinstance(name, bytes) else name
-        except Exception:
+        except Exception:  # naming the error must not replace it: its number is shown
             name = str(err)
         raise RuntimeError(f"{what} failed: {name} ({int(err)})")
     rest = result[1:]
@@ -150,7 +150,7 @@ class _MappedBuffer:
     def __del__(self):  # pragma: no cover - best effort
         try:
             self.close()
-        except Exception:
+        except Exception:  # a finalizer must not raise (the interpreter may be shutting down)
             pass
 
 

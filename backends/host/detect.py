@@ -3,18 +3,14 @@
 from __future__ import annotations
 
 from unisleep.backend import Detection, DeviceInfo
+from unisleep.hostmem import meminfo
 
 
 def host_devices() -> tuple[DeviceInfo, ...]:
-    """The host's memory as one device, its size and what is available (``/proc/meminfo``)."""
-    total = free = None
-    try:
-        with open("/proc/meminfo") as f:
-            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.strip()}
-        total, free = info.get("MemTotal"), info.get("MemAvailable")
-    except OSError:
-        pass
-    return (DeviceInfo(0, "host memory", total, free),)
+    """The host's memory as one device, its size and what is available (``/proc/meminfo``;
+    None for what cannot be read)."""
+    info = meminfo()
+    return (DeviceInfo(0, "host memory", info.get("MemTotal"), info.get("MemAvailable")),)
 
 
 def detect() -> Detection:

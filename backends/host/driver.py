@@ -25,7 +25,8 @@ from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 from unisleep.backends._capture import CaptureSpec
-from unisleep.driver import BackupStore, Capabilities, Driver, DriverConfig, _Trace
+from unisleep.backup import BackupStore
+from unisleep.driver import Capabilities, Driver, DriverConfig, _Trace
 from unisleep.errors import InvalidArgumentError
 
 from . import libc

@@ -1,6 +1,7 @@
 """Level-1 backups of host memory (:class:`SpillStore`): spill files that really leave the process's RAM,
-one file per backed-up range.  Device memory spills through :class:`~.staged_spill.StagedSpillStore`;
-the checksummed reads are in :mod:`.spill_reads`, how the store opens its directory in :mod:`.spill_open`.
+one file per backed-up range: the store, its checksummed reads and how it makes and opens its
+directory.  Device memory spills through :class:`~.staged_spill.StagedSpillStore`; where spill
+directories may live and which may be removed is :mod:`.spill_dir`.
 
 Trust rules:
 
@@ -20,22 +21,32 @@ Trust rules:
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
 import itertools
+import json
 import logging
 import os
+import secrets
+import stat as _stat
 import time
 import warnings
 from typing import Optional
 
-from unisleep.driver import BackupStore
+from unisleep.backup import BackupStore
 from unisleep.errors import BackupCorruptError, BackupError, HostBudgetError, SpillDirError, UnisleepError
 from unisleep.hostmem import check_host_room
 from unisleep.private_dir import private_dir
+from unisleep.trusted_dirs import remove_made
 from unisleep.units import human_bytes
 
+from .collective import boot_id
 from .spill_dir import (
+    DIR_FLAGS,
+    DIR_PREFIX,
+    FLAT_PREFIX,
+    MARKER_KIND,
     OWNER_FILE,
     RAM_FILESYSTEMS,
     clean_orphans,
@@ -53,11 +64,56 @@ log = logging.getLogger("unisleep.host")
 #: check and the backup files' allocation: milliseconds) before it goes on without
 ROOM_LOCK_WAIT_S = 30.0
 
-from .spill_open import SpillDirSetup
-from .spill_reads import _STEP, PIECE, _buffer, _hasher, _read_hashed
+
+# ---- checksummed reads of spill files: raw memory as a buffer, the XXH3-64 hasher, reads that
+# hash each step right after it lands and name a truncated or unreadable file
+def _buffer(ptr: int, n: int):
+    return memoryview((ctypes.c_char * n).from_address(ptr)).cast("B") if n else memoryview(b"")
 
 
-class SpillStore(SpillDirSetup, BackupStore):
+def _hasher():
+    import xxhash
+
+    return xxhash.xxh3_64()
+
+
+#: bytes read or written between checksum updates: small enough to still be in cache
+_STEP = 4 << 20
+
+
+#: verification piece of a backup written in one go
+PIECE = 256 << 20
+
+def _read_hashed(fd: int, target, offset: int, path: str, total: int) -> int:
+    """Read ``target`` from ``offset``, hashing each step right after it lands; the XXH3-64."""
+    h, done, n = _hasher(), 0, len(target)
+    while done < n:
+        end = min(n, done + _STEP)
+        _read_exact(fd, target[done:end], offset + done, path, total)
+        h.update(target[done:end])
+        done = end
+    return h.intdigest()
+
+
+def _read_exact(fd: int, target, offset: int, path: str, total: int) -> None:
+    done, n = 0, len(target)
+    while done < n:
+        try:
+            got = os.preadv(fd, [target[done:]], offset + done)
+        except OSError as e:
+            raise BackupCorruptError(
+                f"reading the backup file {path} failed at byte {offset + done}: {e.strerror}",
+                path=path, nbytes=total, cause=e,
+            ) from e
+        if got <= 0:
+            raise BackupCorruptError(
+                f"the backup file {path} ended after {offset + done} of {total} bytes: it was truncated while asleep",
+                path=path, nbytes=total,
+            )
+        done += got
+
+
+class SpillStore(BackupStore):
     """One file per backed-up range under a private directory (mode 0700) in ``spill_dir``
     (``layout="private"``), or directly in ``spill_dir`` (``layout="flat"``, torch_memory_saver's
     layout: files named ``unisleep-backup-<pid>-…``, created ``O_EXCL`` mode 0600 at the
@@ -491,3 +547,70 @@ class SpillStore(SpillDirSetup, BackupStore):
                 except OSError:
                     pass
                 setattr(self, attr, -1)
+
+    # ---- the directory: made, claimed, opened (under the trust rules above) ----------------
+    def _make_private_dir(self, parent: str, pfd: int) -> None:
+        """Create this store's private directory in ``parent`` (open as ``pfd``, which the store
+        keeps) and claim it: the owner lock is taken before the marker is written, so no cleaner
+        ever takes a starting store's directory for a dead one.  ``parent`` may be removed by
+        another store's close while this one starts (it created it and found it empty): it is
+        made again then, under the same rules."""
+        me = os.geteuid()
+        self._parent_fd = pfd
+        for attempt in range(20):
+            if self._parent_fd < 0:
+                self._parent_fd, made = open_spill_parent(parent)
+                self._made_dirs += [d for d in made if d not in self._made_dirs]
+            name = f"{DIR_PREFIX}{os.getpid()}-{boot_id()[:8]}-{secrets.token_hex(5)}"
+            try:
+                os.mkdir(name, 0o700, dir_fd=self._parent_fd)
+            except FileExistsError:
+                continue
+            except FileNotFoundError:  # the parent was removed under its descriptor: make it again
+                os.close(self._parent_fd)
+                self._parent_fd = -1
+                continue
+            except OSError as e:
+                raise SpillDirError(
+                    f"cannot write in spill_dir {parent!r}: {e.strerror}. Pass spill_dir= (or set "
+                    "UNISLEEP_SPILL_DIR) to a writable directory on a disk with room for the weights."
+                ) from e
+            break
+        else:  # pragma: no cover
+            raise SpillDirError(f"cannot create a private directory in spill_dir {parent!r}: 20 attempts failed")
+        self.dir, self._name = os.path.join(parent, name), name
+        self._dir_fd = os.open(name, DIR_FLAGS, dir_fd=self._parent_fd)
+        st = os.fstat(self._dir_fd)
+        if st.st_uid != me or _stat.S_IMODE(st.st_mode) & 0o077:  # pragma: no cover - not what mkdir made
+            raise SpillDirError(f"the private spill directory {self.dir} is not this user's mode-0700 directory")
+        self._lock_fd = self._claim(self._dir_fd)
+
+    def _open_flat_dir(self, parent: str, pfd: int) -> None:
+        """The flat layout: ``parent`` itself (open as ``pfd``, which the store keeps) holds the
+        files, used only through that descriptor."""
+        self._dir_fd = pfd
+        if not os.access(f"/proc/self/fd/{pfd}" if os.path.exists("/proc/self/fd") else parent, os.W_OK):
+            raise SpillDirError(f"cannot write in spill_dir {parent!r}. Pass spill_dir= (or set UNISLEEP_SPILL_DIR) "
+                                "to a writable directory on a disk with room for the weights.")
+        self.dir, self._name = parent, None
+        self._flat_tag = f"{FLAT_PREFIX}{os.getpid()}-{boot_id()[:8]}-{secrets.token_hex(5)}"
+
+    @staticmethod
+    def _claim(dfd: int) -> int:
+        """Create the owner marker in the directory ``dfd``: lock first, then write.  Returns
+        the descriptor holding the lock (read-only: a file open for writing would keep the
+        file system from being remounted)."""
+        wfd = os.open(OWNER_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                      dir_fd=dfd)
+        try:
+            fd = os.open(OWNER_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # nobody locks an unwritten marker
+            info = {"kind": MARKER_KIND, "pid": os.getpid(), "boot_id": boot_id(), "created": time.time()}
+            os.write(wfd, json.dumps(info).encode())
+        finally:
+            os.close(wfd)
+        return fd
+
+    def _remove_made_parent(self) -> None:
+        remove_made(self._made_dirs)  # each only if still empty
+        self._made_dirs = []

@@ -9,8 +9,7 @@ from typing import Optional
 from unisleep.errors import BackupCorruptError
 from unisleep.units import human_bytes
 
-from .spill_reads import _buffer, _read_hashed
-from .spill_store import SpillStore
+from .spill_store import SpillStore, _buffer, _read_hashed
 
 
 class StagedSpillStore(SpillStore):

@@ -3,7 +3,9 @@
 :func:`tensors_of` finds and checks every tensor of an object (module, optimizer, mapping...),
 :func:`pack` groups them by storage (tied weights and views stay tied) and lays the storages out
 in one region, refusing a storage some of whose tensors were not passed; :func:`move` copies the
-bytes and points every tensor at its new home, all or nothing.  Nothing here takes a lock: the
+bytes and points every tensor at its new home, all or nothing, and records which names are a
+module's buffers (kept across a level-2 sleep like preserved parameters: a rotary embedding's
+``inv_freq`` is computed at construction and is in no checkpoint to reload).  Nothing here takes a lock: the
 lifecycle calls :func:`pack` and :func:`move` under its own.
 """
 
@@ -30,6 +32,7 @@ class Packing:
     storages: dict
     offsets: dict
     total: int  # bytes of the region
+    buffers: set  # the names that are a module's buffers
 
 
 def shape_bytes(shape, dtype) -> tuple[tuple, Any, int]:
@@ -51,23 +54,24 @@ def shape_bytes(shape, dtype) -> tuple[tuple, Any, int]:
     return shape, dtype, numel * torch.empty((), dtype=dtype).element_size()
 
 
-def tensors_of(obj) -> list[tuple[str, Any]]:
-    """``(name, tensor)`` of every tensor of ``obj``, each checked for adoption; raises
-    :class:`~unisleep.errors.InvalidArgumentError` (nothing moved) otherwise."""
+def tensors_of(obj) -> list[tuple[str, Any, bool]]:
+    """``(name, tensor, is_buffer)`` of every tensor of ``obj`` (``is_buffer``: a module's
+    buffer), each checked for adoption; raises :class:`~unisleep.errors.InvalidArgumentError`
+    (nothing moved) otherwise."""
     named = list(_named_tensors(obj))
     if not named:
         raise InvalidArgumentError(f"adopt() found no tensors in {type(obj).__name__}")
-    for name, t in named:  # everything is checked before anything moves
+    for name, t, _ in named:  # everything is checked before anything moves
         why = _cannot_adopt(t)
         if why:
             raise InvalidArgumentError(f"adopt() cannot move {name!r}: {why}. Nothing was moved.")
     return named
 
 
-def pack(named: list[tuple[str, Any]]) -> Packing:
+def pack(named: list[tuple[str, Any, bool]]) -> Packing:
     """One slot per distinct storage, so tied weights and views stay tied."""
     aliases: dict[int, tuple[Any, list[str]]] = {}  # every name of each tensor object (a tied weight has several)
-    for name, t in named:
+    for name, t, _ in named:
         aliases.setdefault(id(t), (t, []))[1].append(name)
     storages: dict[tuple, list[tuple[list[str], Any]]] = {}
     for t, names in aliases.values():
@@ -78,14 +82,14 @@ def pack(named: list[tuple[str, Any]]) -> Packing:
     for key in storages:
         offsets[key] = total
         total = round_up(total + max(key[2], 1), ALIGN)
-    return Packing(storages, offsets, total)
+    return Packing(storages, offsets, total, {name for name, _, is_buffer in named if is_buffer})
 
 
 def move(packing: Packing, alloc, base, device, keep: Callable[[Any], Any]) -> None:
     """Copy every storage of ``packing`` into ``base`` (the uint8 view of ``alloc``'s region)
     and point each tensor at its new bytes (``keep(t)`` makes it hold the allocation's keeper);
     records each name's byte range in ``alloc.names``.  On failure every tensor is put back on
-    its old storage and the error re-raised."""
+    its old storage and the error re-raised.  The names of module buffers go to ``alloc.kept``."""
     import torch
 
     moved_back: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -112,6 +116,7 @@ def move(packing: Packing, alloc, base, device, keep: Callable[[Any], Any]) -> N
                 extent = 1 + sum((s - 1) * st for s, st in zip(t.size(), t.stride()))
                 for name in names:
                     alloc.names[name] = (byte_off, extent * elem)
+        alloc.kept.update(packing.buffers)
     except BaseException:
         with torch.no_grad():
             for t, old in reversed(moved_back):
@@ -191,15 +196,15 @@ def _base_refs(view) -> tuple[int, int]:
     return sys.getrefcount(b), (uc() if uc is not None else -1)
 
 
-def _named_tensors(obj, prefix: str = "") -> Iterator[tuple[str, Any]]:
+def _named_tensors(obj, prefix: str = "") -> Iterator[tuple[str, Any, bool]]:
     import torch
 
     seen: set[tuple[int, str]] = set()
 
-    def emit(name, t):  # the same tensor may come under several names (tied weights)
+    def emit(name, t, is_buffer=False):  # the same tensor may come under several names (tied weights)
         if isinstance(t, torch.Tensor) and (id(t), name) not in seen and t.numel() > 0:
             seen.add((id(t), name))
-            yield name, t
+            yield name, t, is_buffer
 
     def walk(o, pre):
         if isinstance(o, torch.Tensor):
@@ -208,7 +213,7 @@ def _named_tensors(obj, prefix: str = "") -> Iterator[tuple[str, Any]]:
             for n, p in o.named_parameters(remove_duplicate=False):
                 yield from emit(_join(pre, n), p)
             for n, b in o.named_buffers(remove_duplicate=False):
-                yield from emit(_join(pre, n), b)
+                yield from emit(_join(pre, n), b, True)
         elif isinstance(o, torch.optim.Optimizer):
             for i, (p, st) in enumerate(o.state.items()):
                 for k, v in st.items():

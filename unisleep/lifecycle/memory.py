@@ -3,15 +3,17 @@
 Policy, in one place, for every platform:
 
 * level 1 — tag ``"weights"`` and any ``offload_tags`` are backed up, every other tag is discarded;
-* level 2 — everything is discarded, except adopted parameters matched by :meth:`preserve`
-  (and ``offload_tags``, which are backed up at any level, e.g. a CUDA-graph pool);
+* level 2 — everything is discarded, except adopted parameters matched by :meth:`preserve`,
+  the buffers of adopted modules (a rotary embedding's ``inv_freq``, as vLLM's level 2 keeps
+  them) and ``offload_tags``, which are backed up at any level, e.g. a CUDA-graph pool;
 * wake restores backed-up bytes exactly; discarded bytes come back as zeros; no address moves;
 * an illegal move raises before anything changes.
 
-This module holds the verbs and the lock (the verbs that put memory under the lifecycle are its
-base class :mod:`.allocation`; what a lifecycle reports about itself is its base class
-:mod:`.introspection`); the parts they use are :mod:`.state` (tags,
-allocations, backups), :mod:`.adoption`, :mod:`.planning`, :mod:`.transaction` (sleep and wake all or nothing) and
+This module is the lifecycle's face, whole: the lock, the verbs that put memory under it
+(``empty``, ``adopt``, ``pool``), what it reports about itself (``state``, the byte counts,
+``owns``, ``read_backup``), sleep, wake, rollback and close.  The parts they use are
+:mod:`.state` (tags, allocations, backups), :mod:`.adoption`, :mod:`.planning`,
+:mod:`.transaction` (sleep and wake all or nothing), :mod:`.rollback`, :mod:`.flight` and
 :mod:`.progressive` (copies in flight).
 """
 
@@ -22,25 +24,27 @@ import threading
 import time
 import weakref
 from collections.abc import Iterable
-from typing import Any, Optional, Sequence
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional, Sequence
 
 from .. import graph_capture, hostmem
-from ..hostmem import host_backups_setting
+from ..backup import BackupStore
 from ..driver import Driver
 from ..errors import (
     InvalidArgumentError,
     LifecycleClosedError,
     LiveTensorsError,
+    UnisleepError,
 )
+from ..hostmem import HOST_BACKUPS, host_backups_setting
 from ..registry import backend_of
 from ..release_behind import release_behind_setting
-from . import planning, rollback, transaction
-from .allocation import LifecycleAllocation
-from .flight import Flight
-from .introspection import LifecycleIntrospection
+from . import adoption, planning, rollback, transaction
+from .flight import BackgroundSleep, Flight
 from .progressive import ProgressiveWake, install_ready_hooks
 from .state import (
-    DISCARDED, LEVELS, LifecycleState, Report, as_tag_list, finalize, is_int,
+    AWAKE, CLOSED, DISCARDED, LEVELS, LOST, Keeper, LifecycleState, Report, as_tag_list, check_tag_name, finalize,
+    is_int,
 )
 
 log = logging.getLogger("unisleep")
@@ -55,7 +59,7 @@ def _resolve_driver(platform, device: int, options: dict) -> Driver:
     return load_driver(platform, device=device, **options)
 
 
-class MemoryLifecycle(LifecycleAllocation, LifecycleIntrospection):
+class MemoryLifecycle:
     """Tagged memory that can sleep and wake.  See the module docstring for the policy.
 
     Parameters
@@ -156,6 +160,261 @@ class MemoryLifecycle(LifecycleAllocation, LifecycleIntrospection):
         self._finalizer = weakref.finalize(self, finalize, self._state, self._lock, self._shut, self._flight)
         hostmem.track(self)
 
+    # ------------------------------------------------------------------ allocation
+    def empty(self, shape, dtype=None, *, tag: str):
+        """A new tensor of ``shape``/``dtype`` in lifecycle memory under ``tag`` (contents zero)."""
+        shape, dtype, nbytes = adoption.shape_bytes(shape, dtype)
+        with self._lock:
+            self._settle()  # a progressive wake / background sleep that has ended
+            self._check_can_allocate(tag)
+            self._state.check_room(nbytes, tag)
+            alloc = self._state.new(tag, nbytes)
+            keeper = Keeper.of(alloc, self)
+            t = self._driver.view(alloc.region.va, max(nbytes, 1), owner=keeper)[:nbytes]
+            return keeper.attach(t.view(dtype).view(shape), self._driver)
+
+    def adopt(self, obj, *, tag: str = "weights"):
+        """Move the storage of ``obj``'s tensors into lifecycle memory, in place.
+
+        ``obj`` may be an ``nn.Module`` (parameters and buffers), an optimizer (its state), a
+        tensor, a mapping or an iterable of those.  Python objects stay the same; each tensor's
+        ``data_ptr()`` changes once and then stays fixed across every sleep/wake.  Tensors that
+        share a storage (tied weights, views) keep sharing it.  Returns ``obj``.
+
+        Every tensor sharing a storage must be passed (in ``obj``) together: a view whose base is
+        not passed, or a tensor whose views or aliases (a held ``state_dict()``, ``.data``,
+        ``.detach()``) are not, would leave the others on the old memory, silently no longer
+        sharing bytes — refused with :class:`~unisleep.errors.InvalidArgumentError`, nothing moved.
+        """
+        self._check_open()
+        named = adoption.tensors_of(obj)
+        with self._lock:
+            self._settle()
+            self._check_can_allocate(tag)
+            packing = adoption.pack(named)
+            self._state.check_room(packing.total, tag)
+            new_tag = tag not in self._state.tags
+            alloc = self._state.new(tag, packing.total)
+            try:
+                keeper = Keeper.of(alloc, self)
+                base = self._driver.view(alloc.region.va, alloc.region.size, owner=keeper)
+                adoption.move(packing, alloc, base, self._driver.torch_device,
+                              lambda t: keeper.attach(t, self._driver))
+                self._driver.synchronize()
+            except BaseException as e:  # all or nothing: every tensor is back, the region is freed
+                self._state.free(alloc, drop_tag=new_tag)
+                if isinstance(e, UnisleepError) or not isinstance(e, Exception):
+                    raise
+                raise InvalidArgumentError(f"adopt() failed and was undone, nothing was moved: {e}") from e
+            return obj
+
+    @contextmanager
+    def pool(self, tag: str) -> Iterator[None]:
+        """Route the framework's own allocations (e.g. ``torch.empty`` on the device) into ``tag``."""
+        check_tag_name(tag)
+        with self._lock:
+            self._check_can_allocate(tag)
+        with self._driver.pool(self, tag):
+            yield
+
+    # the two calls a driver's pool makes for the framework's allocator ----------------------
+    def register_region(self, tag: str, region, nbytes: int):
+        """Record ``region`` (made by the driver for the framework's allocator inside
+        :meth:`pool`) as an allocation of ``tag``; it then sleeps and wakes with the tag."""
+        with self._lock:
+            self._check_can_allocate(tag)
+            return self._state.add(tag, region, nbytes, external=True)
+
+    def forget_region(self, va: int):
+        """The framework freed the region at ``va``: its records and backups are dropped and the
+        region returned for the caller to free (None when unknown, or when the lifecycle is
+        closed and freed it already)."""
+        with self._lock:
+            if self._shut.is_set():
+                return None
+            a = self._state.at(va)
+            if a is None:
+                return None
+            self._state.forget(a)
+            return a.region
+
+    def on_free(self, fn) -> None:
+        """Call ``fn(va, size)`` whenever an allocation's memory is given up — the framework
+        freed a region of :meth:`pool` (e.g. torch emptied its cache), or :meth:`free`-like
+        paths dropped it — after its records and backup are dropped.  ``fn`` runs under the
+        lifecycle's lock, maybe on the allocator's thread: it must not call the lifecycle, and
+        it must not raise (an error is logged)."""
+        if not callable(fn):
+            raise InvalidArgumentError(f"on_free() takes a function of (va, size), got {type(fn).__name__}")
+        with self._lock:
+            self._check_open()
+            self._state.free_listeners.append(fn)
+
+    def _check_can_allocate(self, tag: str) -> None:
+        check_tag_name(tag)
+        self._check_open()
+        self._state.check_can_allocate(tag)
+
+    # ------------------------------------------------------------------ what it reports about itself
+    @property
+    def driver(self) -> Driver:
+        return self._driver
+
+    @property
+    def torch_device(self):
+        return self._driver.torch_device
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran (or the lifecycle was finalized at garbage collection or
+        interpreter exit): every tag then reads ``"closed"`` and every verb raises
+        :class:`~unisleep.errors.LifecycleClosedError`."""
+        return self._closed or self._shut.is_set()
+
+    def state(self) -> dict[str, str]:
+        """Each tag's state: ``"awake"``, ``"offloaded"``, ``"discarded"`` or ``"lost"`` (and
+        ``"waking"`` / ``"sleeping"`` while a progressive wake / background sleep copies it;
+        ``"closed"`` for every tag once the lifecycle is closed).  An awake tag is checked
+        against what the driver holds: one whose memory is not all mapped is reported (and
+        recorded) as ``"lost"``, never as awake."""
+        tags = self._state.tags
+        if self.closed:
+            return {t: CLOSED for t in list(tags)}
+        with self._lock:
+            if self.closed:
+                return {t: CLOSED for t in tags}
+            self._settle()
+            for tag in [t for t, s in tags.items() if s == AWAKE]:
+                if not all(a.region.mapped for a in self._state.of(tag)):
+                    log.error("tag %r was recorded awake but its memory is not mapped: marked lost", tag)
+                    tags[tag] = LOST
+            return dict(tags)
+
+    @property
+    def is_sleeping(self) -> bool:
+        """Some tag is not awake; a closed lifecycle raises
+        :class:`~unisleep.errors.LifecycleClosedError` (it is neither awake nor asleep)."""
+        with self._lock:
+            self._check_open()
+            return any(s != AWAKE for s in self._state.tags.values())
+
+    @property
+    def tags(self) -> list[str]:
+        with self._lock:
+            return list(self._state.tags)
+
+    def resident_bytes(self, tag: Optional[str] = None) -> int:
+        """Physical bytes the backend holds now, read from the backend (not from bookkeeping);
+        memory still being released behind a sleep's return (``release_behind``) is waited for."""
+        self._check_open()
+        self._driver.wait_releases()
+        op = self._flight.op
+        if isinstance(op, BackgroundSleep) and not op.done:  # its copies hold the lock: read without it
+            return self._state.resident_bytes(tag, racing=True)
+        with self._lock:
+            self._check_open()
+            return self._state.resident_bytes(tag)
+
+    def allocated_bytes(self, tag: Optional[str] = None) -> int:
+        """Bytes reserved for allocations (awake or not), rounded up to the granularity."""
+        with self._lock:
+            self._check_open()
+            return sum(a.region.size for a in self._state.all() if tag in (None, a.tag))
+
+    def backup_bytes(self) -> int:
+        """Bytes of backups the store holds now (their sizes; :meth:`backup_resident_bytes`
+        says where they lie and what the store holds beyond them)."""
+        return self._state.store.held_bytes
+
+    def backup_resident_bytes(self) -> dict[str, int]:
+        """What the backup store holds now, read from the store's memory and files:
+        ``{"pinned", "pageable", "disk", "held"}`` — page-locked host memory (CUDA's arena:
+        every registered segment, used by a backup or kept for the next sleep), ordinary host
+        memory (spill files on a RAM file system), disk (spill files), and the bytes of the
+        backups themselves.  With ``host_backups="release"`` the first three fall to what
+        asleep tags still need once a wake returns."""
+        self._check_open()
+        op = self._flight.op
+        if isinstance(op, BackgroundSleep) and not op.done:  # its copies hold the lock: read without it
+            for _ in range(10):
+                try:
+                    return self._residency()
+                except RuntimeError:  # the store's records changed under the read: read again
+                    continue
+        with self._lock:
+            self._check_open()
+            return self._residency()
+
+    def _residency(self) -> dict[str, int]:
+        store = self._state.store
+        out = {k: int(v) for k, v in store.residency().items()}
+        out["held"] = int(store.held_bytes)
+        return out
+
+    @property
+    def host_backups(self) -> str:
+        """``"keep"`` or ``"release"``: what happens to host backups after a wake (see the
+        class docstring).  Set it to change the policy from the next wake on; setting
+        ``"release"`` does not give anything back by itself (:meth:`release_host_backups`
+        does)."""
+        return "keep" if self._state.keep_backups else "release"
+
+    @host_backups.setter
+    def host_backups(self, value: str) -> None:
+        if value not in HOST_BACKUPS:
+            raise InvalidArgumentError(f"host_backups must be 'keep' or 'release', got {value!r}")
+        with self._lock:
+            self._check_open()
+            self._state.keep_backups = value == "keep"
+
+    def release_host_backups(self) -> int:
+        """Give host memory back now, whatever :attr:`host_backups` says: drop the backups
+        retained for awake tags (their next sleep copies again) and let the store give back
+        what no backup uses (CUDA: unregister and unmap the arena's free segments).  Backups
+        of tags that sleep stay.  Returns the bytes the store gave back (0 where it keeps
+        nothing beyond its backups, as the host backend's spill files)."""
+        with self._lock:
+            self._check_open()
+            self._settle()
+            self._state.drop_retained()
+            return self._state.give_back_host()
+
+    def _after_host(self) -> None:
+        """Under the lock, at the end of a wake, discard or sleep: with ``host_backups="release"``
+        the store gives back what no backup uses any more."""
+        if not self._state.keep_backups:
+            self._state.give_back_host()
+
+    @property
+    def backup_store(self) -> BackupStore:
+        """The driver's backup store of this lifecycle (e.g. the host's spill files under
+        ``backup_store.dir``); read it, do not change it."""
+        return self._state.store
+
+    def owns(self, ptr: int, nbytes: int, tag: Optional[str] = None) -> bool:
+        """``[ptr, ptr + nbytes)`` lies inside one allocation of this lifecycle (of ``tag``)."""
+        with self._lock:
+            return self._state.containing(ptr, nbytes, tag) is not None
+
+    def read_backup(self, ptr: int, out) -> bool:
+        """Copy the backed-up bytes at ``[ptr, ptr + out.numel())`` into the host uint8 tensor
+        ``out`` (e.g. to read weights while they sleep); False when that memory has no full
+        backup held (never backed up, discarded, or not retained after a wake)."""
+        with self._lock:
+            self._check_open()
+            a = self._state.containing(ptr, out.numel())
+            store = self._state.store
+            if a is None or not a.fully_saved or not store.has((a.id, 0)):
+                return False
+            store.flush()
+            store.load_range((a.id, 0), ptr - a.region.va, out)
+            store.flush()
+            return True
+
+    def names(self, tag: Optional[str] = None) -> list[str]:
+        with self._lock:
+            return [n for a in self._state.all() if tag in (None, a.tag) for n in a.names]
+
     # ------------------------------------------------------------------ set-up
     def preserve(self, patterns: Sequence[str] | str) -> list[str]:
         """Globs over adopted names kept across a level-2 sleep (like vLLM's
@@ -212,7 +471,8 @@ class MemoryLifecycle(LifecycleAllocation, LifecycleIntrospection):
         background: bool = False,
     ) -> Report:
         """Release memory.  Level 1 backs up ``"weights"`` (and ``offload_tags``) and discards the
-        rest; level 2 discards everything but preserved parameters (and ``offload_tags``).
+        rest; level 2 discards everything but preserved parameters, adopted modules' buffers
+        and ``offload_tags``.
         ``tags`` limits the sleep to those tags (the others stay as they are); ``offload_tags``
         must then be among them.
 

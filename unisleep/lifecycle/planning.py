@@ -98,12 +98,13 @@ def match_preserve(names: list[str], patterns: list[str]) -> list[str]:
 
 
 def preserved_ranges(a: Allocation, patterns: list[str]) -> list[tuple[int, int]]:
-    """The byte ranges of ``a`` holding parameters that ``patterns`` keep across a level-2 sleep
-    (overlaps merged)."""
-    if not patterns or not a.names:
+    """The byte ranges of ``a`` kept across a level-2 sleep (overlaps merged): the adopted
+    module buffers (``a.kept``) and the parameters that ``patterns`` match."""
+    if not a.names or not (patterns or a.kept):
         return []
     spans = sorted(
-        (off, n) for name, (off, n) in a.names.items() if any(fnmatch.fnmatchcase(name, p) for p in patterns)
+        (off, n) for name, (off, n) in a.names.items()
+        if name in a.kept or any(fnmatch.fnmatchcase(name, p) for p in patterns)
     )
     merged: list[list[int]] = []
     for off, n in spans:  # merge overlaps (tied names)

@@ -15,7 +15,8 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
-from ..driver import BackupStore, Driver
+from ..backup import BackupStore
+from ..driver import Driver
 from ..errors import (
     CopyInFlightError,
     HostBudgetError,
@@ -77,6 +78,7 @@ class Allocation:
     region: Region
     nbytes: int  # bytes in use (<= region.size)
     names: dict[str, tuple[int, int]] = field(default_factory=dict)  # adopted name -> (offset, nbytes)
+    kept: set[str] = field(default_factory=set)  # adopted names kept across level 2 (a module's buffers)
     saved: list[tuple[int, int]] = field(default_factory=list)  # ranges in the backup now
     digest: Any = None  # (HashKey, Digest) of the retained full backup (skip-unchanged)
     external: bool = False  # created by the framework's allocator through pool()
@@ -136,7 +138,7 @@ class LifecycleState:
         self._by_va: dict[int, Allocation] = {}
         self._by_tag: dict[str, list[Allocation]] = {}
         #: called as ``fn(va, size)`` when an allocation's records and backup are dropped
-        #: (see ``LifecycleAllocation.on_free``)
+        #: (see ``MemoryLifecycle.on_free``)
         self.free_listeners: list = []
 
     # ---- allocations ----------------------------------------------------------------------
@@ -407,7 +409,7 @@ def finalize(state: LifecycleState, lock, shut, flight) -> None:
         driver = state.driver
         try:
             driver.synchronize()
-        except Exception:
+        except Exception:  # shutting down: a device already gone must not stop the frees below
             pass
         try:
             driver.wait_releases()

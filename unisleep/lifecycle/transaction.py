@@ -137,8 +137,8 @@ def undo_sleep(state: LifecycleState, saves, discards, reserved: list) -> None:
     lost: set[str] = set()
     try:
         store.flush()
-    except BaseException:
-        pass
+    except BaseException:  # undoing: the error being undone is raised by the caller; a copy that
+        pass  # did not complete shows below as a region not brought back (its tag marked lost)
     for job in saves:
         a = state.get(job.key)
         region = job.region

@@ -65,6 +65,7 @@ from typing import Iterator, Optional
 
 from .. import graph_capture
 from ..errors import InvalidArgumentError, UnsupportedError
+from ..lifecycle.state import AWAKE, DISCARDED, OFFLOADED
 
 log = logging.getLogger("unisleep.vllm")
 
@@ -91,8 +92,6 @@ GRAPH_TAG = "cudagraph"  # vLLM's tag name for graph-capture memory
 #: runtime and graph memory at every level; vllm-ascend's sleep_persistent always): the room the
 #: first sleep needs
 BACKED_UP_AT_LEVEL1 = ("weights", "runtime", GRAPH_TAG, "sleep_persistent")
-
-_OFFLOADED, _DISCARDED, _AWAKE = "offloaded", "discarded", "awake"
 
 
 class UnisleepAllocator:
@@ -252,25 +251,25 @@ class UnisleepAllocator:
         conflict = False
         keep_offloaded = []
         for tag, st in state.items():
-            if st == _AWAKE:
+            if st == AWAKE:
                 continue
             requested = tag in offload
-            if requested != (st == _OFFLOADED):
+            if requested != (st == OFFLOADED):
                 conflict = True
-            if st == _OFFLOADED:
+            if st == OFFLOADED:
                 keep_offloaded.append(tag)
         # the lifecycle offloads "weights" at level 1 and discards them at level 2; an asleep
         # weights tag keeps its policy (vLLM: the existing policy is kept)
         w = state.get("weights")
-        if w == _OFFLOADED:
+        if w == OFFLOADED:
             level = 1
-        elif w == _DISCARDED:
+        elif w == DISCARDED:
             level = 2
         else:
             level = 1 if "weights" in offload else 2
-        awake_offload = [t for t in offload if state.get(t) == _AWAKE and t != "weights"]
+        awake_offload = [t for t in offload if state.get(t) == AWAKE and t != "weights"]
         tags = sorted(set(awake_offload) | {t for t in keep_offloaded if t != "weights"})
-        if any(st == _AWAKE for st in state.values()):
+        if any(st == AWAKE for st in state.values()):
             self.last_report = lc.sleep(level, offload_tags=tags)
         if conflict:
             log.warning("UnisleepAllocator: sleep cannot change the policy of already-asleep "
@@ -280,10 +279,10 @@ class UnisleepAllocator:
         """vLLM's ``allocator.discard``: release the awake allocations of ``tags`` with no backup."""
         tags = _tag_tuple(tags, None)
         state = self.lifecycle.state()
-        if any(state.get(t) == _OFFLOADED for t in tags):
+        if any(state.get(t) == OFFLOADED for t in tags):
             log.warning("UnisleepAllocator: discard cannot change the policy of already-asleep "
                         "allocations; the existing policy was kept.")
-        todo = [t for t in tags if state.get(t) == _AWAKE]
+        todo = [t for t in tags if state.get(t) == AWAKE]
         if todo:
             self.last_report = self.lifecycle.discard(todo)
 
@@ -292,17 +291,17 @@ class UnisleepAllocator:
         tags and every tag that is not deferrable (runtime, cudagraph, workspace, default)."""
         state = self.lifecycle.state()
         if tags is None:
-            todo = [t for t, s in state.items() if s != _AWAKE]
+            todo = [t for t, s in state.items() if s != AWAKE]
         else:
             if isinstance(tags, str):
                 raise InvalidArgumentError(f"tags must be a list of tags, not the string {tags!r}")
             want = set(tags)
             if self.deferrable_tags is None:  # vllm-ascend: exactly the tags named
                 want.add(self.sleep_persistent_tag)
-                todo = [t for t, s in state.items() if s != _AWAKE and t in want]
+                todo = [t for t, s in state.items() if s != AWAKE and t in want]
             else:
                 todo = [t for t, s in state.items()
-                        if s != _AWAKE and (t in want or t not in self.deferrable_tags)]
+                        if s != AWAKE and (t in want or t not in self.deferrable_tags)]
         if todo:
             self.last_report = self.lifecycle.wake_up(todo)
 
@@ -417,7 +416,7 @@ def vllm_weights_asleep() -> tuple[Optional[bool], str]:
         st = inst.lifecycle.state().get("weights")
         if st is None:
             return None, "the unisleep allocator holds no 'weights' tag"
-        return st != _AWAKE, f"unisleep allocator: weights {st}"
+        return st != AWAKE, f"unisleep allocator: weights {st}"
     problems = []
     allocs = []
     try:
