@@ -137,3 +137,22 @@ def test_age_is_the_time_since_the_key_last_changed_by_the_stores_clock(server):
     with pytest.raises(S.RecordTooLargeError) as e:  # its size, not its bytes
         a.aged("big", limit=10)
     assert e.value.size == 100
+
+
+def test_the_previous_loopback_secret_is_refused_quietly_a_wrong_one_is_not():
+    """A member holding the secret of the group this one replaced is refused without an intrusion
+    report (it re-reads the loopback file); any other wrong proof is still reported."""
+    got: list = []
+    srv = S.StoreServer(listen_socket("127.0.0.1", 0), KEY, world_size=3, on_intrusion=got.append,
+                        stale_key=b"s" * 32)
+    try:
+        with pytest.raises(S.StoreAuthError, match="authentication"):
+            _connect(srv, key=b"s" * 32)
+        time.sleep(0.5)
+        assert not got, got
+        with pytest.raises(S.StoreAuthError, match="authentication"):
+            _connect(srv, key=b"other" * 8)
+        _until(lambda: any("proof of the group secret is wrong" in m for m in got))
+        _connect(srv).close()
+    finally:
+        srv.close()

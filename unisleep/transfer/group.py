@@ -196,6 +196,7 @@ class TransferGroup(_DataChannel):
         plat = platform if isinstance(platform, Platform) else detect_platform(platform)
         host, port = parse_rendezvous(rendezvous)
         loopback = is_loopback(host)
+        stale = _stale_loopback_secret(port, name) if rank == 0 and loopback else None
         key, source = resolve_secret(secret=secret, secret_file=secret_file, rank=rank, loopback=loopback,
                                      insecure=insecure, port=port, name=name, timeout_s=timeout_s)
         if source == "insecure":
@@ -209,7 +210,9 @@ class TransferGroup(_DataChannel):
                 except OSError as e:
                     raise TransferError(f"cannot open the group's store at {host}:{port} (rank 0/{world_size}): {e}") \
                         from e
-                server = StoreServer(listener, R.derive_key(key, "store"), world_size)
+                server = StoreServer(listener, R.derive_key(key, "store"), world_size,
+                                     stale_key=R.derive_key(stale, "store") if source == "loopback file" and stale
+                                     and stale != key else None)
                 store, hb_store = LocalStore(server, timeout_s), LocalStore(server, timeout_s)
             else:
                 key, store = _connect_store(host, port, key, rank, timeout_s, source, name)
@@ -606,6 +609,21 @@ def _connect_store(host: str, port: int, key: bytes, rank: int, timeout_s: float
 
             time.sleep(0.05)
             key = read_secret_file(loopback_secret_path(port, name))
+
+
+def _stale_loopback_secret(port: int, name: str) -> Optional[bytes]:
+    """The secret in an earlier group's loopback secret file for this port and name (a group that was
+    never closed leaves it behind), or None; rank 0 replaces it, and a member that read it first is
+    then refused without an intrusion alarm."""
+    from .secret import loopback_secret_path, read_secret_file
+
+    path = loopback_secret_path(port, name)
+    if not os.path.exists(path):
+        return None
+    try:
+        return read_secret_file(path)
+    except InvalidArgumentError:
+        return None
 
 
 def _check_create_args(rank, world_size, timeout_s, name, device, insecure) -> None:

@@ -326,12 +326,16 @@ class StoreServer:
     """Rank 0's store, served by a thread from ``listener`` (bound already) until :meth:`close`.
 
     ``key``: the store key (derived from the group secret); ``world_size`` bounds the proven
-    connections; ``on_intrusion(msg)`` hears every refused connection (aggregated under a flood)."""
+    connections; ``on_intrusion(msg)`` hears every refused connection (aggregated under a flood).
+    ``stale_key``: the store key of an earlier group whose loopback secret file this one replaced; a
+    member that read that file before rank 0 rewrote it is refused quietly (it reads the file again),
+    not reported as an intrusion."""
 
     def __init__(self, listener: socket.socket, key: bytes, world_size: int,
-                 on_intrusion: Optional[Callable[[str], None]] = None):
+                 on_intrusion: Optional[Callable[[str], None]] = None, stale_key: Optional[bytes] = None):
         self.table = _Table()
         self._key = key
+        self._stale_key = stale_key
         self._world = world_size
         self.on_intrusion = on_intrusion
         self._listener = listener
@@ -593,6 +597,11 @@ class StoreServer:
         if not hmac.compare_digest(proof, want) or not 0 < rank < self._world:
             c.outbuf += b"\0"
             self._flush(c)
+            if self._stale_key is not None and 0 < rank < self._world and \
+                    hmac.compare_digest(proof, _keys(self._stale_key, c.nonce, cn, rank)[0]):
+                log.debug("transfer group store: rank %d proved the previous loopback secret; it re-reads the file", rank)
+                self._drop(c)
+                return
             self._refuse(c, "its proof of the group secret is wrong")
             return
         if sum(1 for m in self._members.values() if m.rank == rank) >= MAX_MEMBER_CONNS:
