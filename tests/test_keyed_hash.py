@@ -238,6 +238,22 @@ def test_derived_keys_are_deterministic_and_context_bound():
     assert kh.digest_bytes(data, a) == kh.digest_bytes(data, HashKey.derive(b"group secret", b"update 7"))
 
 
+def test_a_key_derived_for_a_size_has_only_its_levels_the_first_ones_of_the_full_key():
+    """An update derives only the levels its largest tensor needs (SHAKE-256 is an extendable
+    output: they are the full key's first levels), at least one — never an empty key."""
+    full = HashKey.derive(b"group secret", b"update 7")
+    for nbytes, levels in ((0, 1), (4096, 1), (8 << 20, kh.tree_levels_of_bytes(8 << 20))):
+        k = HashKey.derive(b"group secret", b"update 7", nbytes)
+        assert k.levels == levels == kh.key_levels(nbytes) >= 1
+        assert k.material == full.material[: len(k.material)]
+        assert k.level_bytes(levels - 1) == full.level_bytes(levels - 1)
+        with pytest.raises(ValueError):
+            k.level_bytes(levels)  # an input larger than the key was made for is refused, not hashed
+    t = torch.arange(3000, dtype=torch.int32)
+    small, big = HashKey.derive(b"s", b"c", t.numel() * 4), HashKey.derive(b"s", b"c", 64 << 20)
+    assert kh.digest(t, small, algorithm=kh.NH2) == kh.digest(t, big, algorithm=kh.NH2)  # NH: the same levels
+
+
 def test_digest_round_trips_through_bytes(key):
     d = kh.digest_bytes(os.urandom(77), key)
     raw = d.to_bytes()

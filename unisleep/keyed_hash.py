@@ -77,14 +77,19 @@ class HashKey:
 
 
     @classmethod
-    def derive(cls, secret: bytes, context: bytes) -> "HashKey":
+    def derive(cls, secret: bytes, context: bytes, nbytes: Optional[int] = None) -> "HashKey":
         """A key derived from a shared ``secret`` and a ``context`` (e.g. group, epoch and update
         number), the same on every peer: SHAKE-256 over a domain tag, the length-prefixed secret
-        and the context (a fraction of a millisecond, so it can be done per update)."""
+        and the context.  ``nbytes``: only the levels the tree of an input of that many bytes
+        has (at least one: the key of an update whose largest tensor is ``nbytes``, made per
+        update; SHAKE-256 is an extendable output, so these levels are the first levels of the
+        full key) — None: every level (``MAX_LEVELS``).  Both peers must pass the same
+        ``nbytes``: the GMAC key is made from the whole material."""
         if not secret:
             raise ValueError("derive() needs a non-empty secret")
+        levels = key_levels(nbytes)
         material = b"unisleep keyed hash v1\0" + struct.pack("<I", len(secret)) + secret + context
-        return cls(hashlib.shake_256(material).digest(MAX_LEVELS * KEY_WORDS * 4))
+        return cls(hashlib.shake_256(material).digest(levels * KEY_WORDS * 4))
 
     def level_bytes(self, level: int) -> bytes:
         """The key material of one level: ``KEY_WORDS`` little-endian uint32 words."""
@@ -149,6 +154,11 @@ def tree_levels(nwords: int) -> int:
         nwords = 4 * -(-nwords // BLOCK)  # two int64 lanes per block
         levels += 1
     return levels
+
+
+def key_levels(nbytes: Optional[int]) -> int:
+    """The levels :meth:`HashKey.derive` makes for inputs of up to ``nbytes`` bytes (None: all)."""
+    return MAX_LEVELS if nbytes is None else max(1, min(MAX_LEVELS, tree_levels_of_bytes(int(nbytes))))
 
 
 def tree_levels_of_bytes(nbytes: int) -> int:

@@ -27,16 +27,17 @@ from unisleep.transfer import store as S
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from faults import FaultySender  # noqa: E402
 
-#: store requests per update from a receiver, by path — one WATCH, answered with the header
-#: (acknowledgement, go and done travel on the IPC connection; there were 5: the header fetched
-#: twice, the acknowledgement, go, done)
-STORE_REQUESTS = {"ipc": 1, "collective": 1}
+#: store requests per update from a receiver connected to the IPC socket, by path — none: the
+#: header comes on the IPC connection too, with the acknowledgement, go and done (there were 5:
+#: the header fetched twice, the acknowledgement, go, done; then 1: a WATCH answered with the header)
+STORE_REQUESTS = {"ipc": 0, "collective": 0}
 #: and from the sender — writing the header (there were 5: the header, and dropping the last
 #: update's go, abort, acknowledgement and done, which such an update never writes)
 SENDER_STORE_REQUESTS = {"ipc": 1, "collective": 1}
 #: sealed control messages per update on a receiver's IPC connection (besides the buckets' own:
-#: bucket, free, buf, stream, end): acknowledgement, go, done
+#: bucket, free, buf, stream, end): acknowledgement, go, done — and the header the sender sends
 CONTROL_MESSAGES = {"ipc": 3, "collective": 3}
+HEADER_MESSAGES = 1
 UPDATES = 4
 
 
@@ -141,7 +142,9 @@ def test_a_colocated_update_costs_one_store_request_and_no_registry_lookup(path,
             t = threading.Thread(target=lambda: errs.append(rx.receive()))
             t.start()
             deadline = time.monotonic() + 5
-            while not g0._server._waiters and time.monotonic() < deadline:  # the receiver waits for the header
+            # the receiver waits for the header: in the store, or (connected) on its IPC connection,
+            # where the header waits for it if it comes late
+            while not (g0._server._waiters or rx._ready) and time.monotonic() < deadline:
                 time.sleep(0.001)
             tx.send(weights, v)
             t.join(30)
@@ -165,6 +168,7 @@ def test_a_colocated_update_costs_one_store_request_and_no_registry_lookup(path,
             f"{SENDER_STORE_REQUESTS[path]} each): {spy0.requests}")
         control = sum(n for op, n in msgs.ops.items() if op in ("ack", "go", "done", "error"))
         assert control == CONTROL_MESSAGES[path] * UPDATES, f"{control} control messages in {UPDATES} updates: {msgs.ops}"
+        assert msgs.ops["hdr"] == HEADER_MESSAGES * UPDATES, f"headers on the IPC connection: {msgs.ops}"
         assert wakes.n == 0, f"rank 0's own writes woke its store thread {wakes.n} times in {UPDATES} updates"
         assert all(torch.equal(got[k], t) for k, t in weights.items()) and rx.version == 2 + UPDATES
     finally:
@@ -252,7 +256,9 @@ def test_a_new_receiver_object_or_an_out_of_step_connection_costs_one_update_at_
             t = threading.Thread(target=lambda: out.__setitem__("r", _catch(rx_.receive)))
             t.start()
             deadline = time.monotonic() + 5
-            while not g0._server._waiters and time.monotonic() < deadline:  # the receiver waits for the header
+            # the receiver waits for the header: in the store, or (connected) on its IPC connection,
+            # where the header waits for it if it comes late
+            while not (g0._server._waiters or rx._ready) and time.monotonic() < deadline:
                 time.sleep(0.001)
             t0 = time.monotonic()
             out["s"] = _catch(lambda: tx.send(weights, v))

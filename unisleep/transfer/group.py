@@ -368,12 +368,14 @@ class TransferGroup(_DataChannel):
         """A key derived from the group secret for ``purpose`` (never the secret itself)."""
         return R.derive_key(self._secret, purpose)
 
-    def hash_key(self, seq: int, epoch: int):
+    def hash_key(self, seq: int, epoch: int, nbytes: Optional[int] = None):
         """The keyed-digest key of update ``seq`` (the same on every member), derived from a
-        sub-key of the group secret and the update's context (group, epoch, update number)."""
+        sub-key of the group secret and the update's context (group, epoch, update number);
+        ``nbytes``: the update's largest tensor (only the key levels it needs are derived;
+        every member passes the same), None: every level."""
         from ..keyed_hash import HashKey
 
-        return HashKey.derive(self.subkey("digest"), f"{self.group_id}/{epoch}/{seq}".encode())
+        return HashKey.derive(self.subkey("digest"), f"{self.group_id}/{epoch}/{seq}".encode(), nbytes)
     # ------------------------------------------------------------------ control plane
     def _intrusion(self, msg: str) -> None:
         """Record (and log) something refused; at most :data:`MAX_INTRUSIONS` entries are kept, the
@@ -467,6 +469,8 @@ class TransferGroup(_DataChannel):
                     if resume:
                         self._seen[key] = seen
                     return body if accept is None else (rs, re_, body)
+                if resume:  # stale for good (a header this side took on its IPC connection): not fetched again
+                    self._seen[key] = seen
             except R.ForgedRecordError as e:
                 self._intrusion(str(e))
             except R.MalformedRecordError as e:  # authentic: the caller answers it, unless it is stale

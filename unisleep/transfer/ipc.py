@@ -58,7 +58,9 @@ CONNECT_RETRY_S = 5.0
 #: ``ack``, ``go`` and ``done`` are the IPC path's control records (the header says ``"control":
 #: "ipc"``): the same fields as the store's records of the other paths (``ok``, ``kind``, ``msg``),
 #: for update ``u``; ``end`` carries an abort's reason in ``msg``
-OPS = ("hello", "proof", "welcome", "buf", "bucket", "free", "error", "end", "stream", "ack", "go", "done")
+#: ``hdr`` carries the next update's header to a receiver connected already (``u``: its number,
+#: ``k``: its epoch, ``msg``: the header's JSON, or empty: it is in the store only)
+OPS = ("hello", "proof", "welcome", "buf", "bucket", "free", "error", "end", "stream", "ack", "go", "done", "hdr")
 IPC_MSG = {"op": OPS, "id": R.OPT_STR, "slot": R.INT, "k": R.INT, "nbytes": R.INT, "u": R.INT, "abort": R.BOOL,
            "msg": R.STR, "nonce": R.OPT_STR, "rank": R.INT, "pid": R.INT, "ok": R.BOOL, "kind": R.STR}
 _BLANK = {"id": None, "slot": 0, "k": 0, "nbytes": 0, "u": 0, "abort": False, "msg": "", "nonce": None, "rank": 0,
@@ -225,6 +227,31 @@ def handshake_receiver(conn: IpcConn, timeout_s: float) -> None:
     if welcome["op"] != "welcome" or welcome["nonce"] != mine or welcome["rank"] != g.rank:
         raise TransferError("the IPC peer's answer to this receiver's challenge is wrong; not the sender of this group")
     conn.ctx = f"{base}/{hello['nonce']}{mine}/{g.rank}"
+
+
+# ------------------------------------------------------------ the header on the IPC connection
+def header_text(hdr: dict) -> str:
+    """The header as the ``msg`` of an ``hdr`` message, or "" when it does not fit one (a long
+    list of specs: the receiver reads it in the store)."""
+    text = json.dumps(hdr, separators=(",", ":"), allow_nan=False, ensure_ascii=True)
+    return text if len(text) <= min(R.MAX_STR, MAX_TEXT) else ""
+
+
+def header_of(msg: dict) -> Optional[dict]:
+    """The header an authentic ``hdr`` message carries (None: read it in the store); raises
+    :class:`~.records.MalformedRecordError` when it does not fit the header's schema (the
+    receiver refuses that update, as it does a malformed header in the store)."""
+    if not msg["msg"]:
+        return None
+    try:
+        hdr = json.loads(msg["msg"])
+    except ValueError as e:
+        raise R.MalformedRecordError(f"the header on the IPC socket is not JSON: {e}", msg["u"], msg["k"]) from None
+    problem = R.check_schema(hdr, R.HEADER) if isinstance(hdr, dict) else "not an object"
+    if problem:
+        raise R.MalformedRecordError(f"the header on the IPC socket does not fit its schema: {problem}", msg["u"],
+                                     msg["k"])
+    return hdr
 
 
 # ---------------------------------------------------------------------------- the sender's end
@@ -435,6 +462,17 @@ class IpcSenderState:
                                 f"the sender waited for {what} (update {seq}); that connection was closed (the "
                                 "receiver connects again on its next update)")
 
+    def announce(self, seq: int, epoch: int, hdr: Optional[dict]) -> None:
+        """Send update ``seq``'s header to every receiver connected already (the header is in the
+        store as well, for the others): such a receiver waits for it on its connection, not on
+        the store.  A connection that fails is closed: that receiver reads the store."""
+        text = header_text(hdr) if hdr is not None else ""
+        for r, conn in list(self.conns.items()):
+            try:
+                conn.send("hdr", u=seq, k=epoch, msg=text)
+            except TransferError:
+                self._forget(r, conn)
+
     def _forget(self, r: int, conn: IpcConn) -> None:
         """Close receiver ``r``'s connection ``conn`` and stop using it."""
         conn.close()
@@ -521,6 +559,7 @@ class IpcSendChannel:
         self.epoch = sender.group.epoch
         self.tmp = None
         self.last_slot = 1  # the slot of the last bucket posted
+        self.ended = False  # an 'end' went out to the receivers
 
     def _recv(self, r: int, what: str):
         try:
@@ -595,22 +634,45 @@ class IpcSendChannel:
             st.busy[slot].add(r)
 
     def end(self, abort: bool, why: str = "") -> None:
-        """The update's end (``abort``: broken off, ``why`` tells the receivers)."""
+        """The update's end (``abort``: broken off, ``why`` tells the receivers).  With one
+        receiver, ``end`` follows the last bucket at once (:meth:`_end_early`)."""
         st = self.st
-        if not abort:
-            # the slot of the last bucket is handed back last: the other one's memory goes back
-            # (when the update gives it back) while the receivers still read the last bucket
-            last = self.last_slot
-            for slot in (1 - last, last):
-                self._wait_free(slot)
-                if self.give_back:
-                    t0 = time.perf_counter()
-                    st.drop_slot(slot)
-                    self.s._released_s += time.perf_counter() - t0
-        for conn in st.conns.values():
-            conn.send("end", abort=abort, u=self.seq, msg=ipc_text(why))
         if abort:
+            if not self.ended:  # a receiver that read an 'end' already hears no second one
+                self._send_end(True, why)
             st.busy = [set(), set()]
+            return
+        if len(st.conns) == 1:
+            self._end_early()
+            return
+        # the slot of the last bucket is handed back last: the other one's memory goes back
+        # (when the update gives it back) while the receivers still read the last bucket
+        for slot in (1 - self.last_slot, self.last_slot):
+            self._wait_free(slot)
+            self._give_back(slot)
+        self._send_end(False, "")
+
+    def _end_early(self) -> None:
+        """One receiver: ``end`` goes out behind the last bucket without waiting for its
+        ``free`` (the receiver reads them in order: nothing it does changes), then the frees
+        are collected — one round trip less per update.  Several receivers: every one hands its
+        buckets back before any hears ``end``, so that one failing while it applies still
+        aborts the update for all of them."""
+        self._send_end(False, "")
+        for slot in (1 - self.last_slot, self.last_slot):
+            self._wait_free(slot)
+            self._give_back(slot)
+
+    def _send_end(self, abort: bool, why: str) -> None:
+        self.ended = True
+        for conn in self.st.conns.values():
+            conn.send("end", abort=abort, u=self.seq, msg=ipc_text(why))
+
+    def _give_back(self, slot: int) -> None:
+        if self.give_back:
+            t0 = time.perf_counter()
+            self.st.drop_slot(slot)
+            self.s._released_s += time.perf_counter() - t0
 
 
 # ---------------------------------------------------------------------------- the receiver's end
@@ -624,6 +686,8 @@ def update_messages(rx, st: "RecvState"):
         msg, fds = conn.recv(f"bucket data of update {st.seq} (still serving version {rx.version!r})")
         if msg["op"] == "go" and msg["u"] < st.seq and not fds:
             continue
+        if msg["op"] == "hdr" and msg["u"] <= st.seq and not fds:
+            continue  # this update's header, which this side took from the store meanwhile
         yield msg["op"], msg, fds
 
 

@@ -285,12 +285,21 @@ class UpdateSeal:
         are hashed with GMAC, which needs no level keys)."""
         from ..keyed_hash import tree_levels_of_bytes
 
-        seal = cls(group.hash_key(seq, epoch), group.subkey("pad"), group.group_id, epoch, seq)
+        largest = largest_tensor(plans)
+        seal = cls(group.hash_key(seq, epoch, largest), group.subkey("pad"), group.group_id, epoch, seq)
         dev = group.device
         if dev.type != "cpu":
-            for level in range(tree_levels_of_bytes(max((s.nbytes for p in plans for s in p.slots), default=0))):
+            for level in range(tree_levels_of_bytes(largest)):
                 seal.hash_key.level_tensor(level, dev)
         return seal
+
+    def fits(self, plans: Sequence["BucketPlan"]) -> bool:
+        """Whether this seal's key has exactly the levels :meth:`prepared` derives for ``plans``
+        (a seal made ahead for the next update is used only then: the receivers derive theirs
+        from that update's plans)."""
+        from ..keyed_hash import key_levels
+
+        return self.hash_key.levels == key_levels(largest_tensor(plans))
 
     def pads(self, bucket: int, n: int) -> list[int]:
         """The pads of slots ``0..n-1`` of a bucket as signed int64 words ``[a0, b0, a1, b1, ...]``."""
@@ -323,6 +332,11 @@ class UpdateSeal:
             return gmac_spans(buf_u8, [(s.offset, s.nbytes) for s in slots], self.hash_key)
         return digest_many([buf_u8[s.offset: s.offset + s.nbytes] for s in slots], [self.hash_key] * len(slots),
                            algorithm=algorithm)
+
+
+def largest_tensor(plans: Sequence["BucketPlan"]) -> int:
+    """Bytes of the largest tensor of an update's bucket plans (what its hash key must cover)."""
+    return max((s.nbytes for p in plans for s in p.slots), default=0)
 
 
 def _signed(v: int) -> int:

@@ -345,13 +345,17 @@ class WeightReceiver:
 
     # ---------------------------------------------------------------- the steps of one update
     def _take_header(self, timeout_s: Optional[float]) -> "_Incoming":
-        """The next update's header from the store (the update numbers increase)."""
+        """The next update's header (the update numbers increase): on the IPC connection when
+        this side holds one (:meth:`_ipc_header`), else from the store."""
         g = self.group
         try:
-            seq, epoch, hdr = g.take("hdr", R.HEADER, seq=None, epoch=None, timeout_s=timeout_s,
-                                     peer="the sender (rank 0)", watch=[0], accept=lambda rs, _e, _b: rs > g.last_seq,
-                                     what=f"the next update from the sender (still serving version {self.version!r})",
-                                     resume=True)
+            got = self._ipc_header(timeout_s) if self._conn is not None and self._ready else None
+            if got is None:
+                got = g.take("hdr", R.HEADER, seq=None, epoch=None, timeout_s=timeout_s, peer="the sender (rank 0)",
+                             watch=[0], accept=lambda rs, _e, _b: rs > g.last_seq,
+                             what=f"the next update from the sender (still serving version {self.version!r})",
+                             resume=True)
+            seq, epoch, hdr = got
         except R.MalformedRecordError as e:  # authentic, but this side cannot take it: the sender hears why
             # (the header's path cannot be read: answered where the sender may listen — on the IPC
             # connection when there is one, else in the store)
@@ -371,6 +375,58 @@ class WeightReceiver:
         if epoch != g.epoch:
             g.epoch = epoch  # the sender moved the data channel on after a broken update
         return _Incoming(seq, epoch, hdr)
+
+    def _ipc_header(self, timeout_s: Optional[float]) -> Optional[tuple]:
+        """The next update's ``(seq, epoch, header)`` on the IPC connection, where the sender
+        sends it to a receiver connected already (a store round trip less per update).  None:
+        read it in the store — the sender said so (a header too long for a message, or a path
+        that does not answer on the connection), or the connection closed or is out of step
+        (dropped: this side connects again).  While nothing comes, the sender's liveness is
+        checked and the store looked at every quarter second: a header there that this
+        connection never announces (another sender's) is taken from there.  Ends within
+        ``timeout_s`` (None: the group's) with a :class:`TransferError`, the connection kept."""
+        import select
+
+        g = self.group
+        limit = g.timeout_s if timeout_s is None else timeout_s
+        what = f"the next update from the sender (still serving version {self.version!r})"
+        t0 = time.monotonic()
+        while True:
+            left = limit - (time.monotonic() - t0)
+            try:
+                ready = select.select([self._conn.sock], [], [], min(0.25, max(0.0, left)))[0]
+            except (OSError, ValueError):
+                self._drop_ipc()
+                return None
+            if ready:
+                try:
+                    msg, fds = self._conn.recv(what)
+                except TransferError:  # it hung up, or a message that does not open: connect again
+                    self._drop_ipc()
+                    return None
+                for fd in fds:
+                    os.close(fd)
+                if msg["op"] == "hdr" and msg["u"] > g.last_seq and not fds:
+                    if self._hung_up():  # sent before the sender closed this connection (that update
+                        self._drop_ipc()  # was called off): the store says what comes next
+                        return None
+                    hdr = ipc.header_of(msg)
+                    return None if hdr is None else (msg["u"], msg["k"], hdr)
+                if msg["op"] in ("go", "end", "hdr") and msg["u"] <= g.last_seq and not fds:
+                    continue  # a late word of an earlier update
+                self._drop_ipc()  # out of step: the header is in the store too
+                return None
+            if time.monotonic() - t0 >= limit:
+                raise TransferError(f"waiting for {what}: timed out after {time.monotonic() - t0:.1f} s")
+            g.check_alive([0])
+            try:
+                return g.take("hdr", R.HEADER, seq=None, epoch=None, timeout_s=0.01, peer="the sender (rank 0)",
+                              watch=[], accept=lambda rs, _e, _b: rs > g.last_seq, what=what, resume=True)
+            except R.MalformedRecordError:
+                raise
+            except TransferError:  # nothing newer there
+                if g.broken:
+                    raise
 
     def _check_header(self, u: "_Incoming") -> tuple:
         """Everything that can refuse the update before a byte moves — the way the header names,
@@ -529,6 +585,8 @@ class WeightReceiver:
                     os.close(fd)
                 if msg["op"] == "go" and msg["u"] < seq and not fds:
                     continue  # the call-off of an earlier update, meant for another receiver
+                if msg["op"] == "hdr" and msg["u"] <= seq and not fds:
+                    continue  # this update's header, taken from the store meanwhile (or an earlier one)
                 if msg["op"] == "go" and msg["u"] == seq and not fds:
                     return {"go": msg["ok"], "why": msg["msg"]}
                 raise TransferError(f"the sender sent {msg['op']!r} (update {msg['u']}) on the IPC socket while this "

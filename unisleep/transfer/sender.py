@@ -319,12 +319,14 @@ class WeightSender:
         """Header, acknowledgements, ``go``, the buckets, every commit, the report."""
         g = self.group
         intrusions0 = len(g.intrusions)
-        g.put("hdr", u.header, u.seq, u.epoch)
+        g.put("hdr", u.header, u.seq, u.epoch)  # for the receivers not connected to the IPC socket
+        if self._ipc is not None:  # the connected ones wait for it there (or hear it is in the store)
+            self._ipc.announce(u.seq, u.epoch, u.header if u.control == "ipc" else None)
         # the update's keys: made while the last update committed, else now, while the receivers
         # read the header (not after "go")
         ahead, self._seal_ahead = self._seal_ahead, None
         if u.digests:
-            u.seal = (ahead[2] if ahead is not None and ahead[:2] == (u.seq, u.epoch)
+            u.seal = (ahead[2] if ahead is not None and ahead[:2] == (u.seq, u.epoch) and ahead[2].fits(u.plans)
                       else UpdateSeal.prepared(g, u.seq, u.epoch, u.plans))
         u.crypt = BucketCipher.of(g, u.seq, u.epoch) if u.cipher != "none" else None
         first, packing = self._pack_first(u)
