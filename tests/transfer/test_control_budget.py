@@ -294,3 +294,39 @@ def test_a_new_receiver_object_or_an_out_of_step_connection_costs_one_update_at_
         assert rx2.version == 7 and all(torch.equal(got[k], t) for k, t in weights.items())
     finally:
         g0.close(), g1.close()
+
+
+def test_a_header_too_long_for_an_ipc_message_is_read_from_the_store(monkeypatch):
+    """A connected receiver takes the header from its IPC connection; one whose specs do not fit a
+    message (a long list of names) is announced there as "read the store", and the receiver reads
+    it there: every update lands, the long one with one store request."""
+    g0, g1 = _pair()
+    try:
+        got = {}
+        rx = WeightReceiver(g1, apply=lambda pairs: got.update((n, t.clone()) for n, t in pairs))
+        tx = WeightSender(g0, bucket_bytes=1 << 16, path="ipc")
+        short = {f"layer.{i}": torch.full((300,), float(i)) for i in range(3)}
+        long = {f"model.layers.{i}.self_attn.q_proj.weight.{'x' * 40}": torch.full((4,), float(i)) for i in range(80)}
+
+        def update(weights, v):
+            errs = []
+            t = threading.Thread(target=lambda: errs.append(rx.receive()))
+            t.start()
+            deadline = time.monotonic() + 5
+            while not (g0._server._waiters or rx._ready) and time.monotonic() < deadline:
+                time.sleep(0.001)
+            tx.send(weights, v)
+            t.join(30)
+            assert errs and not isinstance(errs[0], Exception), errs
+
+        update(short, 1)  # connects
+        spy, msgs = _Spy(g1.store), _Messages(monkeypatch)
+        update(short, 2)
+        assert not spy.requests and msgs.ops["hdr"] == 1, (spy.requests, msgs.ops)
+        update(long, 3)
+        assert [k for _, k in spy.requests] == ["hdr"] and msgs.ops["hdr"] == 2, (spy.requests, msgs.ops)
+        update(short, 4)
+        assert [k for _, k in spy.requests] == ["hdr"], spy.requests
+        assert rx.version == 4 and all(torch.equal(got[k], t) for k, t in {**short, **long}.items())
+    finally:
+        g0.close(), g1.close()

@@ -1,7 +1,8 @@
 """``WeightReceiver``: the engine's side of an update (ranks >= 1 of the group), and
 :class:`RecvState`, the buckets of one update as they arrive.
 
-One update (:meth:`WeightReceiver.receive`), in order: the header taken from the store; the checks
+One update (:meth:`WeightReceiver.receive`), in order: the header — on the IPC connection when
+this side holds one to the sender's socket, else taken from the store; the checks
 before a byte moves (the way the header names, the data channel, the guard, the version, the
 target and the coverage) — a refusal is the acknowledgement; the IPC socket connected when the
 path needs it; the acknowledgement; ``go``; the buckets through the path's receiving loop

@@ -2,7 +2,8 @@
 :func:`default_bucket_bytes`, the bucket size the free memory allows.
 
 One update (:meth:`WeightSender.send`), in order: the arguments checked and the manifest made
-(nothing sent yet); the path resolved; the header posted in the store; every receiver's
+(nothing sent yet); the path resolved; the header posted in the store and sent on every IPC connection the sender
+holds (a receiver connected there waits for it on that connection); every receiver's
 acknowledgement (on the path's control plane: its IPC connection on the IPC and Unix-socket paths,
 where a receiver without one connects first, else the store) — a refusal calls the update off before any byte
 moved; ``go``; the buckets packed (hashed or encrypted in the same pass) and streamed
