@@ -26,7 +26,7 @@ from typing import Any, Optional
 from ..errors import TransferError
 from ..units import human_bytes
 
-PROTOCOL = 4  # 3: the group's own store, peers' network namespace, the header's transport and cipher; 4: the header names its control plane (one per path), a bucket holds at most BUCKET_TENSORS tensors
+PROTOCOL = 5  # 3: the group's own store, peers' network namespace, the header's transport and cipher; 4: the header names its control plane (one per path), a bucket holds at most BUCKET_TENSORS tensors; 5: the header also on the IPC connection, an update's hash key only the levels its largest tensor needs
 # (2: host bytes digested with GMAC, was keyed BLAKE3)
 MAGIC = b"USXR"
 HEAD = struct.Struct("<4sHHI")
