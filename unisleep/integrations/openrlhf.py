@@ -258,7 +258,7 @@ def _cuda_ipc_requested(self, value) -> None:
 SYNC_WITH_RAY_REFUSAL = (
     "unisleep serves OpenRLHF's weight sync over its own authenticated group, not over "
     "ray.util.collective: drop --vllm.sync_with_ray (OpenRLHF's default, a process group made by "
-    "stateless_init_process_group, is what unisleep replaces; its colocated CUDA IPC default too). "
+    "stateless_init_process_group, is what unisleep replaces; its colocated device-IPC default too). "
     "Nothing was started")
 
 
