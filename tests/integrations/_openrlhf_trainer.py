@@ -84,11 +84,12 @@ def _stand_ins() -> None:
     torch.cuda.synchronize = lambda device=None: None
 
 
-def _args(*, sync_backend: str, colocate_all: bool, async_enable: bool, num_engines: int):
+def _args(*, sync_backend: str, colocate_all: bool, async_enable: bool, num_engines: int,
+          sync_with_ray: bool = False):
     """The fields of OpenRLHF's parsed arguments that ActorPPOTrainer reads, at its defaults."""
     return NS(
         vllm=NS(sync_backend=sync_backend, num_engines=num_engines, tensor_parallel_size=1,
-                sync_with_ray=False, enable_prefix_caching=False),
+                sync_with_ray=sync_with_ray, enable_prefix_caching=False),
         train=NS(colocate_all=colocate_all, async_enable=async_enable, max_epochs=1,
                  dynamic_batch_enable=False),
         ds=NS(zero_stage=2, tensor_parallel_size=1, packing_samples=False),
@@ -104,7 +105,7 @@ class OpenRLHFTrainer:
     ``RolloutRayActor`` handles)."""
 
     def __init__(self, engines, *, sync_backend: str = "nccl", colocate_all: bool = True,
-                 async_enable: bool = False) -> None:
+                 async_enable: bool = False, sync_with_ray: bool = False) -> None:
         _stand_ins()
         import torch.distributed as dist
 
@@ -115,7 +116,8 @@ class OpenRLHFTrainer:
         from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
 
         strategy = NS(args=_args(sync_backend=sync_backend, colocate_all=colocate_all,
-                                 async_enable=async_enable, num_engines=len(engines)))
+                                 async_enable=async_enable, num_engines=len(engines),
+                                 sync_with_ray=sync_with_ray))
         self.actor = NS(model=NS(module=None))  # DeepSpeed's engine: .module is the HF model
         self.trainer = ActorPPOTrainer(strategy, self.actor, None, None, None,
                                        micro_train_batch_size=1, vllm_engines=list(engines))

@@ -203,6 +203,49 @@ def test_openrlhfs_own_trainer_syncs_through_unisleep(ray_engine, tiny_models):
         ray.kill(trainer)
 
 
+def test_sync_with_ray_is_refused_by_name_before_any_engine_is_called(ray_engine):
+    """``--vllm.sync_with_ray``: OpenRLHF's own trainer would ask every engine to join a
+    ``ray.util.collective`` group and wait in ``init_collective_group``; with unisleep its
+    ``_init_vllm_sync_group`` raises UnsupportedError naming the flag at once, and the engine,
+    never called, keeps serving."""
+    import time
+
+    import ray
+
+    actor, out_b = ray_engine
+    assert _greedy(actor) == out_b
+    t0 = time.monotonic()
+    trainer = ray.remote(_openrlhf_trainer.OpenRLHFTrainer).options(num_cpus=0).remote(
+        [actor], sync_backend="nccl", colocate_all=True, async_enable=False, sync_with_ray=True)
+    try:
+        with pytest.raises(ray.exceptions.RayActorError, match="drop --vllm.sync_with_ray"):
+            ray.get(trainer.state.remote(), timeout=300)
+        assert time.monotonic() - t0 < 240  # at once, not after a collective's timeout
+    finally:
+        ray.kill(trainer)
+    assert _greedy(actor) == out_b
+
+
+def _fused(state: dict) -> dict:
+    """The same weights under vLLM's fused names (a trainer with a fused layout, or one that
+    sends vLLM's own names): q/k/v as ``qkv_proj``, gate/up as ``gate_up_proj``."""
+    import torch
+
+    out = {}
+    for name, t in state.items():
+        if ".k_proj." in name or ".v_proj." in name or ".up_proj." in name:
+            continue
+        if ".q_proj." in name:
+            parts = [state[name.replace(".q_proj.", f".{p}.")] for p in ("q_proj", "k_proj", "v_proj")]
+            out[name.replace(".q_proj.", ".qkv_proj.")] = torch.cat(parts, 0)
+        elif ".gate_proj." in name:
+            parts = [state[name.replace(".gate_proj.", f".{p}.")] for p in ("gate_proj", "up_proj")]
+            out[name.replace(".gate_proj.", ".gate_up_proj.")] = torch.cat(parts, 0)
+        else:
+            out[name] = t
+    return out
+
+
 def test_weight_sync_through_openrlhfs_engine_actor(ray_engine, tiny_models):
     import ray
     import torch
@@ -257,5 +300,17 @@ def test_weight_sync_through_openrlhfs_engine_actor(ray_engine, tiny_models):
         # update_weight_cuda_ipc without foreign handles: the bytes come over the group
         _sync(actor, group, state_a, method="update_weight_cuda_ipc", ipc_handles=None)
         assert _greedy(actor) == out_a
+
+        # fused names, which vLLM's load_weights hands whole to the fused parameter: accepted
+        # (the checkpoint's q/k/v, gate/up shapes stacked), B's output again
+        fused_b = _fused(state_b)
+        assert any(".qkv_proj." in n for n in fused_b) and any(".gate_up_proj." in n for n in fused_b)
+        _sync(actor, group, fused_b)
+        assert _greedy(actor) == out_b
+        # a fused tensor with one row too few: refused, B keeps serving
+        qkv = next(n for n in fused_b if ".qkv_proj." in n)
+        with pytest.raises(ray.exceptions.RayTaskError, match="wrong shape"):
+            _sync(actor, group, {qkv: fused_b[qkv][:-1].clone()})
+        assert _greedy(actor) == out_b
     finally:
         group.close()

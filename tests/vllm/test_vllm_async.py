@@ -302,3 +302,28 @@ def test_close_leaves_nothing_behind(async_engine):
     assert _loop_threads() == []
     with pytest.raises(EngineError, match="closed"):
         eng.is_sleeping()
+
+
+def test_level2_rule_is_the_other_adapters(eng):
+    """The AsyncLLM adapter applies the vLLM adapters' level-2 rule (it applied none): on the
+    real engine, described as running a draft, a level-2 sleep is refused by name before the
+    engine is called — on a version without sleep_preserve_parameter_names, and on >= 0.32 while
+    the engine's globs (here none: it was built without a draft) do not keep the draft; a sleep
+    at level 1 is not touched.  The real draft run is tests/vllm/test_vllm_spec_level2.py."""
+    assert eng.has_draft_model() is False and eng.draft_kept()[0] is False
+    old = (eng._speculative, eng._vllm_version)
+    try:
+        eng._speculative = True
+        eng._vllm_version = "0.29.0"
+        with pytest.raises(InvalidTransitionError, match="has no sleep_preserve_parameter_names"):
+            eng.sleep(2)
+        eng._vllm_version = "0.32.0"
+        with pytest.raises(InvalidTransitionError, match="sleep_preserve_parameter_names=\\['draft.\\*'\\]"):
+            eng.sleep(2)
+        assert eng.is_sleeping() is False and eng.sleeping_tags() == set()  # nothing was sent
+        eng.allow_level2_with_draft = True  # the caller re-sends the draft: allowed
+        eng.sleep(2)
+        assert eng.is_sleeping() is True
+    finally:
+        eng._speculative, eng._vllm_version = old
+        eng.allow_level2_with_draft = False

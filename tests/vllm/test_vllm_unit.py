@@ -525,3 +525,64 @@ def test_http_adapter_refuses_generation_while_a_guard_is_torn(tmp_path):
             assert ei.value.version == 4 and ei.value.previous == 3
     finally:
         lc.close()
+
+
+# ---------------------------------------------------------------- level 2 with a draft that vLLM keeps
+def test_draft_preservation_follows_vllms_option_and_names():
+    """vLLM >= 0.32 keeps the parameters matched by sleep_preserve_parameter_names across a
+    level-2 sleep, draft ones named ``draft.<name>`` (Worker._get_sleep_parameters), matched with
+    fnmatch.filter as vLLM matches them."""
+    from unisleep.vllm_worker.versions import (
+        DRAFT_PRESERVE,
+        draft_preservation,
+        level2_refusal,
+        preserve_draft_kwargs,
+        uncovered_draft_parameters,
+    )
+
+    names = ["model.embed_tokens.weight", "draft.model.layers.0.mlp.up_proj.weight", "draft.lm_head.weight"]
+    assert uncovered_draft_parameters([DRAFT_PRESERVE], names) == []
+    assert uncovered_draft_parameters(["draft.model.*"], names) == ["draft.lm_head.weight"]
+    assert draft_preservation("0.32.0", [DRAFT_PRESERVE], names) == (True, "")
+    assert draft_preservation("0.33.0", [DRAFT_PRESERVE], None) == (True, "")  # matches every draft name
+    kept, why = draft_preservation("0.32.0", ["draft.model.*"], names)
+    assert not kept and "draft.lm_head.weight" in why
+    kept, why = draft_preservation("0.32.0", ["draft.model.*"], None)
+    assert not kept and "cannot be read" in why
+    assert draft_preservation("0.32.0", [], ["model.embed_tokens.weight"]) == (True, "")  # no draft parameters
+    kept, why = draft_preservation("0.31.0", [DRAFT_PRESERVE], names)
+    assert not kept and "has no sleep_preserve_parameter_names" in why and "0.32.0" in why
+
+    assert level2_refusal("0.32.0", has_draft=True, draft_kept=(True, "")) is None
+    why = level2_refusal("0.32.0", has_draft=True, draft_kept=draft_preservation("0.32.0", [], None))
+    assert "#52479" in why and "sleep_preserve_parameter_names=['draft.*']" in why and "Nothing was changed" in why
+    why = level2_refusal("0.27.1", has_draft=True, draft_kept=draft_preservation("0.27.1", [DRAFT_PRESERVE], None))
+    assert "#52479" in why and "has no sleep_preserve_parameter_names" in why
+    assert "--sleep-preserve-parameter-names" not in why  # the option does not exist there: not offered
+    assert "(version unknown)" in level2_refusal(None, has_draft=True)
+
+    spec = {"speculative_config": {"method": "draft_model", "model": "d"}}
+    assert preserve_draft_kwargs("0.32.0", spec)["sleep_preserve_parameter_names"] == [DRAFT_PRESERVE]
+    assert "sleep_preserve_parameter_names" not in preserve_draft_kwargs("0.29.0", spec)
+    assert preserve_draft_kwargs("0.32.0", {**spec, "sleep_preserve_parameter_names": []})[
+        "sleep_preserve_parameter_names"] == []  # the caller's choice stands
+    assert preserve_draft_kwargs("0.32.0", {"seed": 0}) == {"seed": 0}
+
+
+def test_http_adapter_reads_the_servers_patterns_for_level2():
+    """The HTTP adapter reads sleep_preserve_parameter_names from the server's config; without a
+    server to ask for names only "draft.*" counts."""
+    from unisleep.errors import EngineError, InvalidTransitionError
+
+    eng = _unreachable_engine(vllm_version="0.32.0", speculative=True)
+    eng._engine_config = {"model_config": {"sleep_preserve_parameter_names": ["draft.*"]}}
+    with pytest.raises(EngineError):  # the draft is kept: the sleep is sent
+        eng.sleep(2)
+    eng = _unreachable_engine(vllm_version="0.32.0", speculative=True)
+    eng._engine_config = {"model_config": {"sleep_preserve_parameter_names": []}}
+    with pytest.raises(InvalidTransitionError, match="--sleep-preserve-parameter-names 'draft.\\*'"):
+        eng.sleep(2)
+    old = _unreachable_engine(vllm_version="0.29.0", speculative=True)
+    old._engine_config = {"model_config": {"sleep_preserve_parameter_names": ["draft.*"]}}
+    with pytest.raises(InvalidTransitionError, match="has no sleep_preserve_parameter_names"):
+        old.sleep(2)

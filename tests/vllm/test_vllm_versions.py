@@ -62,6 +62,8 @@ def _observed() -> dict:
         "selective_discard": hasattr(da.MemAllocator, "discard"),
         "graph_pool": isinstance(getattr(VllmConfig, "use_cumem_cudagraph_pool", None), property),
         "sleep_backend_flag": "sleep_mode_backend" in {f.name for f in dataclasses.fields(EngineArgs)},
+        "sleep_preserve_parameters": "sleep_preserve_parameter_names" in {f.name for f in dataclasses.fields(EngineArgs)}
+        and hasattr(Worker, "_get_sleep_parameters"),
         "trainer_send_abstract": "trainer_send_weights" in WeightTransferEngine.__abstractmethods__,
     }
 

@@ -64,7 +64,13 @@ from .vllm_common import (
     vllm_version,
 )
 
-from ..vllm_worker.methods import WORKER_RESIDENT_BYTES
+from ..vllm_worker.methods import WORKER_RESIDENT_BYTES, WORKER_SLEEP_PARAMETER_NAMES
+from ..vllm_worker.versions import (
+    draft_preservation,
+    installed_vllm_version,
+    level2_refusal,
+    preserve_draft_kwargs,
+)
 
 log = logging.getLogger(__name__)
 
@@ -116,8 +122,19 @@ class VLLMAsyncEngine(_AsyncWeightVerbs, Engine):
 
     def __init__(self, model: Optional[str] = None, *, llm: Any = None, engine_args: Any = None,
                  loop: Optional[asyncio.AbstractEventLoop] = None, timeout_s: float = 300.0,
-                 start_timeout_s: float = 600.0, **engine_kwargs) -> None:
+                 start_timeout_s: float = 600.0, vllm_version: Optional[str] = None,
+                 speculative: Optional[bool] = None, allow_level2_with_draft: bool = False,
+                 **engine_kwargs) -> None:
+        """``vllm_version`` / ``speculative`` default to the installed vLLM and the engine's
+        ``speculative_config``; with ``allow_level2_with_draft`` they decide the level-2 rule
+        the other vLLM adapters apply (:func:`~unisleep.vllm_worker.versions.level2_refusal`).
+        Built from keyword arguments with a ``speculative_config`` on vLLM >= 0.32, the engine
+        gets ``sleep_preserve_parameter_names=["draft.*"]`` unless given, so level 2 keeps the
+        draft; an ``engine_args=`` or ``llm=`` is used as it is."""
         self.timeout_s = float(timeout_s)
+        self._vllm_version = vllm_version
+        self._speculative = speculative
+        self.allow_level2_with_draft = bool(allow_level2_with_draft)
         self.llm: Any = None
         self._thread: Optional[_LoopThread] = None
         self._asleep: Optional[set[str]] = set()   # own record; None = unknown
@@ -159,6 +176,7 @@ class VLLMAsyncEngine(_AsyncWeightVerbs, Engine):
                 raise InvalidArgumentError("pass engine_args= or model + keyword arguments")
             return engine_args
         kwargs.setdefault("seed", 0)
+        kwargs = preserve_draft_kwargs(installed_vllm_version(), kwargs)
         try:
             return AsyncEngineArgs(model=model, **kwargs)
         except TypeError as e:
@@ -312,8 +330,60 @@ class VLLMAsyncEngine(_AsyncWeightVerbs, Engine):
     async def ais_paused(self) -> bool:
         return bool(await self._await("is_paused", self._engine().is_paused()))
 
+    # ---- what the engine runs (decides the workarounds) ------------------------------
+    def engine_version(self) -> Optional[str]:
+        if self._vllm_version is None:
+            try:
+                self._vllm_version = self.version()
+            except Exception:
+                return None
+        return self._vllm_version
+
+    def _vllm_config(self):
+        return getattr(self.llm, "vllm_config", None)
+
+    def has_draft_model(self) -> bool:
+        if self._speculative is None:
+            cfg = self._vllm_config()
+            if cfg is None:
+                return False
+            self._speculative = getattr(cfg, "speculative_config", None) is not None
+        return bool(self._speculative)
+
+    def kv_cache_dtype(self) -> Optional[str]:
+        dt = getattr(getattr(self._vllm_config(), "cache_config", None), "cache_dtype", None)
+        return None if dt is None else str(dt)
+
+    async def _draft_kept(self) -> tuple[bool, str]:
+        model_config = getattr(self._vllm_config(), "model_config", None)
+        patterns = list(getattr(model_config, "sleep_preserve_parameter_names", None) or [])
+        names = None
+        if patterns:
+            try:
+                per_worker = await self._engine().collective_rpc(WORKER_SLEEP_PARAMETER_NAMES)
+                if per_worker and all(isinstance(n, list) for n in per_worker):
+                    names = sorted({x for n in per_worker for x in n})
+            except Exception as e:  # the method is missing where unisleep's vLLM plugin did not run
+                log.debug("sleep parameter names not readable: %s", e)
+        return draft_preservation(self.engine_version(), patterns, names)
+
+    def draft_kept(self) -> tuple[bool, str]:
+        """Whether a level-2 sleep keeps the draft's parameters, and why not: the engine's
+        ``sleep_preserve_parameter_names`` checked against its workers' parameter names."""
+        return self._run("draft_kept", self._draft_kept())
+
+    async def _level2_refusal(self) -> Optional[str]:
+        draft = self.has_draft_model()
+        kept = await self._draft_kept() if draft and not self.allow_level2_with_draft else None
+        return level2_refusal(self.engine_version(), has_draft=draft, kv_cache_dtype=self.kv_cache_dtype(),
+                              allow_with_draft=self.allow_level2_with_draft, draft_kept=kept)
+
     # ---- memory ----------------------------------------------------------------------
     async def _sleep(self, level: int, mode: str) -> None:
+        if level == 2:  # known-bug versions (vllm_versions): refuse before anything changes
+            why = await self._level2_refusal()
+            if why:
+                raise InvalidTransitionError(why)
         await self._engine().sleep(level, mode)
         if self._asleep is not None:
             record_sleep(self._asleep, level)

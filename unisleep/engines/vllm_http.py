@@ -29,7 +29,8 @@ from ..addresses import is_loopback
 from ..errors import EngineError, InvalidArgumentError, InvalidTransitionError, UnsupportedError
 from .base import Engine, Generation
 from ..vllm_worker.receiver import ABORTED as UPDATE_ABORTED
-from ..vllm_worker.versions import AcceptanceMeter, level2_refusal, spec_counters_from_metrics
+from ..vllm_worker.methods import WORKER_SLEEP_PARAMETER_NAMES
+from ..vllm_worker.versions import AcceptanceMeter, draft_preservation, level2_refusal, spec_counters_from_metrics
 
 log = logging.getLogger(__name__)
 
@@ -284,6 +285,24 @@ class VLLMHTTPEngine(Engine):
             self._speculative = bool(spec) and spec not in ("None", "null")
         return bool(self._speculative)
 
+    def draft_kept(self) -> tuple[bool, str]:
+        """Whether a level-2 sleep keeps the draft's parameters, and why not: the server's
+        ``sleep_preserve_parameter_names`` (``/server_info``) checked against its workers'
+        parameter names (``/collective_rpc unisleep_sleep_parameter_names``; without that route
+        only ``"draft.*"`` counts)."""
+        model_config = (self.engine_config() or {}).get("model_config")
+        patterns = model_config.get("sleep_preserve_parameter_names") if isinstance(model_config, dict) else None
+        patterns = [str(p) for p in patterns] if isinstance(patterns, list) else []
+        names = None
+        if patterns:
+            try:
+                per_worker = self.collective_rpc(WORKER_SLEEP_PARAMETER_NAMES)
+                if per_worker and all(isinstance(n, list) for n in per_worker):
+                    names = sorted({str(x) for n in per_worker for x in n})
+            except (EngineError, TypeError, ValueError) as e:  # route or method missing
+                log.debug("sleep parameter names not readable: %s", e)
+        return draft_preservation(self.engine_version(), patterns, names)
+
     def kv_cache_dtype(self) -> Optional[str]:
         if self._kv_cache_dtype is None:
             cache = (self.engine_config() or {}).get("cache_config")
@@ -304,8 +323,9 @@ class VLLMHTTPEngine(Engine):
     def reload_draft(self) -> None:
         raise UnsupportedError(
             "vLLM has no route that reloads the speculative draft from its checkpoint (vLLM #52479 is "
-            "open); this adapter refuses a level-2 sleep while a draft is configured instead. Sleep at "
-            "level 1, or re-send the draft's weights with start_draft_weight_update.")
+            "open); this adapter refuses a level-2 sleep while a draft is configured unless vLLM keeps it "
+            "(>= 0.32 with --sleep-preserve-parameter-names 'draft.*'). Sleep at level 1, or re-send the "
+            "draft's weights with start_draft_weight_update.")
 
     # ---- memory ----------------------------------------------------------------------
     def sleep(self, level: int = 1, mode: str = "abort") -> None:
@@ -314,9 +334,11 @@ class VLLMHTTPEngine(Engine):
         if mode not in PAUSE_MODES:
             raise InvalidArgumentError(f"sleep mode must be one of {PAUSE_MODES}, got {mode!r}")
         if level == 2:  # known-bug versions (vllm_versions): refuse before anything is sent
-            why = level2_refusal(self.engine_version(), has_draft=self.has_draft_model(),
+            draft = self.has_draft_model()
+            why = level2_refusal(self.engine_version(), has_draft=draft,
                                  kv_cache_dtype=self.kv_cache_dtype(),
-                                 allow_with_draft=self.allow_level2_with_draft)
+                                 allow_with_draft=self.allow_level2_with_draft,
+                                 draft_kept=self.draft_kept() if draft and not self.allow_level2_with_draft else None)
             if why:
                 raise InvalidTransitionError(why)
         self._post("/sleep", params={"level": level, "mode": mode})

@@ -20,8 +20,15 @@ from typing import Any, Optional, Sequence
 
 from ..errors import EngineError, InvalidArgumentError, InvalidTransitionError, UnsupportedError
 from .base import Engine, Generation
-from ..vllm_worker.methods import allocator_resident_bytes
-from ..vllm_worker.versions import AcceptanceMeter, level2_refusal, spec_counters_from_reader
+from ..vllm_worker.methods import WORKER_SLEEP_PARAMETER_NAMES, allocator_resident_bytes
+from ..vllm_worker.versions import (
+    AcceptanceMeter,
+    draft_preservation,
+    installed_vllm_version,
+    level2_refusal,
+    preserve_draft_kwargs,
+    spec_counters_from_reader,
+)
 from .vllm_common import (  # noqa: F401  (SLEEP_TAGS, WAKE_TAGS, PAUSE_MODES: re-exported)
     PAUSE_MODES,
     SLEEP_TAGS,
@@ -51,7 +58,10 @@ class VLLMEngine(Engine):
                  vllm_version: Optional[str] = None, speculative: Optional[bool] = None,
                  allow_level2_with_draft: bool = False, **llm_kwargs) -> None:
         """``vllm_version`` / ``speculative`` default to the installed vLLM and the engine's
-        ``speculative_config``; they decide which known-bug workarounds apply."""
+        ``speculative_config``; they decide which known-bug workarounds apply.  An ``LLM`` built
+        here with a ``speculative_config`` on vLLM >= 0.32 gets
+        ``sleep_preserve_parameter_names=["draft.*"]`` unless given, so a level-2 sleep keeps the
+        draft (vLLM saves and restores those parameters itself)."""
         self._vllm_version = vllm_version
         self._speculative = speculative
         self.allow_level2_with_draft = bool(allow_level2_with_draft)
@@ -64,6 +74,7 @@ class VLLMEngine(Engine):
             except Exception as e:  # ImportError, or a broken install
                 raise import_error("vllm", e) from e
             llm_kwargs.setdefault("seed", 0)
+            llm_kwargs = preserve_draft_kwargs(vllm_version or installed_vllm_version(), llm_kwargs)
             try:
                 llm = LLM(model=model, **llm_kwargs)
             except Exception as e:
@@ -110,6 +121,22 @@ class VLLMEngine(Engine):
             self._speculative = getattr(cfg, "speculative_config", None) is not None
         return bool(self._speculative)
 
+    def draft_kept(self) -> tuple[bool, str]:
+        """Whether a level-2 sleep keeps the draft's parameters, and why not
+        (:func:`~unisleep.vllm_worker.versions.draft_preservation`): the engine's
+        ``sleep_preserve_parameter_names`` checked against its workers' parameter names."""
+        model_config = getattr(self._vllm_config(), "model_config", None)
+        patterns = list(getattr(model_config, "sleep_preserve_parameter_names", None) or [])
+        names = None
+        if patterns:
+            try:
+                per_worker = self.llm.collective_rpc(WORKER_SLEEP_PARAMETER_NAMES)
+                if per_worker and all(isinstance(n, list) for n in per_worker):
+                    names = sorted({x for n in per_worker for x in n})
+            except Exception as e:  # the method is missing where unisleep's vLLM plugin did not run
+                log.debug("sleep parameter names not readable: %s", e)
+        return draft_preservation(self.engine_version(), patterns, names)
+
     def kv_cache_dtype(self) -> Optional[str]:
         cache = getattr(self._vllm_config(), "cache_config", None)
         dt = getattr(cache, "cache_dtype", None)
@@ -127,8 +154,9 @@ class VLLMEngine(Engine):
     def reload_draft(self) -> None:
         raise UnsupportedError(
             "vLLM has no call that reloads the speculative draft from its checkpoint (vLLM #52479 is "
-            "open); this adapter refuses a level-2 sleep while a draft is configured instead. Sleep at "
-            "level 1, or re-send the draft's weights with start_draft_weight_update.")
+            "open); this adapter refuses a level-2 sleep while a draft is configured unless vLLM keeps it "
+            "(>= 0.32 with sleep_preserve_parameter_names=['draft.*']). Sleep at level 1, or re-send the "
+            "draft's weights with start_draft_weight_update.")
 
     # ---- generation ----------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], *, max_tokens: int = 16,
@@ -163,9 +191,11 @@ class VLLMEngine(Engine):
     def sleep(self, level: int = 1, mode: str = "abort") -> None:
         check_level(level)
         if level == 2:  # known-bug versions (vllm_versions): refuse before anything changes
-            why = level2_refusal(self.engine_version(), has_draft=self.has_draft_model(),
+            draft = self.has_draft_model()
+            why = level2_refusal(self.engine_version(), has_draft=draft,
                                  kv_cache_dtype=self.kv_cache_dtype(),
-                                 allow_with_draft=self.allow_level2_with_draft)
+                                 allow_with_draft=self.allow_level2_with_draft,
+                                 draft_kept=self.draft_kept() if draft and not self.allow_level2_with_draft else None)
             if why:
                 raise InvalidTransitionError(why)
         self._call(f"sleep(level={level})", self.llm.sleep, level=level, mode=mode)

@@ -7,6 +7,10 @@ and gives its schedulers ``LD_PRELOAD`` of it with ``TMS_INIT_ENABLE=1`` and
 ``pause()``/``resume()`` without any ``region()``.  With the facade as ``torch_memory_saver`` in
 the launcher, that file is unisleep's library, each worker gets the facade by preloading it, and
 whole-process capture makes ``pause()`` free the worker's model, optimizer state and cache.
+AReaL's SGLang servers (``launch_server_cmd`` in ``areal/infra/launcher/sglang_server.py``,
+``SGLangBackend.launch_server``) start with ``os.environ.copy()`` and no tms variables of their
+own, so they get the facade exactly when the launcher has it (``install()`` or the two variables);
+SGLang's ``TorchMemorySaverAdapter`` there then runs on the facade.
 """
 
 from __future__ import annotations

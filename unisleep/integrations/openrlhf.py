@@ -40,8 +40,10 @@ sleeping weights are refused (vLLM #57853); the same code runs on CUDA, ROCm, As
 ``update_weight_cuda_ipc(name, dtype, shape, ipc_handles=None, empty_cache=False)`` receives the
 same way; handles still sent to it (a trainer where :func:`install` did not run) are refused
 rather than rebuilt: rebuilding calls a function received over the wire (``func(*args)`` of a
-pickled handle).  ``--vllm.sync_with_ray`` is refused (unisleep does not use
-``ray.util.collective``).
+pickled handle).  ``--vllm.sync_with_ray`` is refused by name in the trainer's
+``_init_vllm_sync_group``, before any engine is asked to join (unisleep does not use
+``ray.util.collective``; OpenRLHF would otherwise wait in ``init_collective_group``), and by the
+workers' ``init_process_group(use_ray=True)``.
 
 The group's address is the trainer node's IP (OpenRLHF passes it, not a loopback address), so
 every process needs the group secret, on one machine too: ``UNISLEEP_TRANSFER_SECRET_FILE`` (a
@@ -90,8 +92,7 @@ class UnisleepWorkerWrap(UnisleepWorkerExtension):
         ``rank_offset + worker rank`` (OpenRLHF's layout).  ``backend`` is not used: unisleep
         takes the platform's collective (gloo on CPU) or IPC."""
         if use_ray:
-            raise UnsupportedError("unisleep's OpenRLHF worker extension does not use "
-                                   "ray.util.collective: drop --vllm.sync_with_ray")
+            raise UnsupportedError(SYNC_WITH_RAY_REFUSAL)
         if not group_name:
             raise InvalidArgumentError("group name must not be empty")
         import torch
@@ -253,8 +254,36 @@ def _cuda_ipc_requested(self, value) -> None:
                  "instead (IPC by itself where the trainer and an engine share a device)")
 
 
+#: what the trainer raises for ``--vllm.sync_with_ray`` (before any engine is asked to join)
+SYNC_WITH_RAY_REFUSAL = (
+    "unisleep serves OpenRLHF's weight sync over its own authenticated group, not over "
+    "ray.util.collective: drop --vllm.sync_with_ray (OpenRLHF's default, a process group made by "
+    "stateless_init_process_group, is what unisleep replaces; its colocated device-IPC default too). "
+    "Nothing was started")
+
+
+def _refuse_sync_with_ray(original):
+    """OpenRLHF's ``ActorPPOTrainer._init_vllm_sync_group(backend)``: with
+    ``--vllm.sync_with_ray`` OpenRLHF would ask every engine to join a ``ray.util.collective``
+    group and wait in ``init_collective_group`` for ranks that unisleep's workers refuse to be —
+    so it is refused here, in the trainer, before any engine is called."""
+    if getattr(original, "_unisleep", False):
+        return original
+
+    def _init_vllm_sync_group(self, backend):
+        if getattr(getattr(getattr(self, "strategy", None), "args", None), "vllm", None) is not None \
+                and getattr(self.strategy.args.vllm, "sync_with_ray", False):
+            raise UnsupportedError(SYNC_WITH_RAY_REFUSAL)
+        return original(self, backend)
+
+    _init_vllm_sync_group._unisleep = True
+    _init_vllm_sync_group.__wrapped__ = original
+    return _init_vllm_sync_group
+
+
 def _patch_ppo_actor(module) -> None:
     module.stateless_init_process_group = _group_factory(module.stateless_init_process_group)
+    module.ActorPPOTrainer._init_vllm_sync_group = _refuse_sync_with_ray(module.ActorPPOTrainer._init_vllm_sync_group)
     module.ActorPPOTrainer.use_cuda_ipc = property(
         _cuda_ipc_off, _cuda_ipc_requested,
         doc="False with unisleep: the colocated sync broadcasts over unisleep's group; what "
@@ -295,4 +324,4 @@ def vllm_plugin() -> str:
 
 
 __all__ = ["UnisleepWorkerWrap", "UnisleepModelUpdateGroup", "trainer_group", "install", "vllm_plugin", "OPENRLHF_ENV", "GROUP_NAME",
-           "WORKER_METHODS"]
+           "WORKER_METHODS", "SYNC_WITH_RAY_REFUSAL"]

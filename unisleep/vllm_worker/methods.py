@@ -8,6 +8,8 @@ from typing import Optional
 
 #: a method every vLLM worker gets: its sleep-mode allocator's awake bytes
 WORKER_RESIDENT_BYTES = "unisleep_resident_bytes"
+#: ... and the parameter names vLLM's level-2 retention matches its patterns against
+WORKER_SLEEP_PARAMETER_NAMES = "unisleep_sleep_parameter_names"
 
 
 def allocator_resident_bytes() -> Optional[int]:
@@ -31,6 +33,19 @@ def _worker_resident_bytes(self) -> Optional[int]:
     return allocator_resident_bytes()
 
 
+def _worker_sleep_parameter_names(self) -> Optional[list[str]]:
+    """Runs in a vLLM worker (``collective_rpc("unisleep_sleep_parameter_names")``): the names
+    vLLM's own ``Worker._get_sleep_parameters`` gives the model's parameters — the target's
+    ``named_parameters()`` and ``draft.<name>`` for each draft parameter the target does not share
+    — which ``sleep_preserve_parameter_names`` globs are matched against (vLLM >= 0.32).  None
+    where the worker has no such method (older vLLM) or no model yet."""
+    names = getattr(self, "_get_sleep_parameters", None)
+    model = getattr(getattr(self, "model_runner", None), "model", None)
+    if names is None or model is None:
+        return None
+    return sorted(names(model))
+
+
 def register_worker_methods() -> str:
     """Give vLLM's workers the methods unisleep calls by name (idempotent; runs in each worker,
     from the unisleep vLLM plugin and the unisleep weight-transfer engine)."""
@@ -38,9 +53,12 @@ def register_worker_methods() -> str:
         from vllm.v1.worker.worker_base import WorkerBase
     except Exception as e:  # vLLM too old or absent
         return f"unavailable ({type(e).__name__}: {e})"
-    if getattr(WorkerBase, WORKER_RESIDENT_BYTES, None) is None:
-        setattr(WorkerBase, WORKER_RESIDENT_BYTES, _worker_resident_bytes)
+    for name, fn in ((WORKER_RESIDENT_BYTES, _worker_resident_bytes),
+                     (WORKER_SLEEP_PARAMETER_NAMES, _worker_sleep_parameter_names)):
+        if getattr(WorkerBase, name, None) is None:
+            setattr(WorkerBase, name, fn)
     return "registered"
 
 
-__all__ = ["WORKER_RESIDENT_BYTES", "allocator_resident_bytes", "register_worker_methods"]
+__all__ = ["WORKER_RESIDENT_BYTES", "WORKER_SLEEP_PARAMETER_NAMES", "allocator_resident_bytes",
+           "register_worker_methods"]

