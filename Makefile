@@ -22,6 +22,12 @@ OPENRLHF ?= openrlhf==0.11.0
 # TRL 1.16.0 accepts vllm>=0.22.0,<=0.31.0 (its "vllm" extra): it shares the 0.27.1 environment
 TRL      ?= trl==1.16.0
 TRL_DEPS ?= accelerate==1.15.0 datasets==5.2.0 pandas==3.1.1 pyarrow==26.0.1 multiprocess==0.70.19
+# SkyRL 0.3.0 (PyPI "skyrl"; 0.4.0 needs Python >= 3.12 and vLLM 0.30.0) shares the 0.27.1
+# environment, --no-deps (its "fsdp" extra pins vllm 0.23.0, torch 2.11.0, flash-attn: CUDA builds),
+# with what its weight-sync, inference-client and worker modules import that the environment lacks
+SKYRL      ?= skyrl==0.3.0
+SKYRL_DEPS ?= skyrl-gym==0.4.0 omegaconf==2.4.0 antlr4-python3-runtime==4.9.3 jaxtyping==0.3.11 \
+              wadler-lindig==0.1.8 loguru==0.7.3
 
 .PHONY: demo test test-fast hip-runtime c-compiler bench doctor clean
 
@@ -110,8 +116,10 @@ $(VLLM0271)/.ready: pyproject.toml tools/install_torch.py
 	$(VLLM0271)/bin/pip install -q -e '.[test]'
 	$(VLLM0271)/bin/pip install -q --no-deps "$(OPENRLHF)" pylatexenc
 	$(VLLM0271)/bin/pip install -q --no-deps "$(TRL)" $(TRL_DEPS)
+	$(VLLM0271)/bin/pip install -q --no-deps "$(SKYRL)" $(SKYRL_DEPS)
 	$(VLLM0271)/bin/python -c "import torch, vllm, openrlhf.trainer.ray.vllm_engine as e, trl; \
 	  from trl import GRPOTrainer; print('torch', torch.__version__, 'vllm', vllm.__version__, 'trl', trl.__version__)"
+	$(VLLM0271)/bin/python -c "from importlib.metadata import version; print('skyrl', version('skyrl'))"
 	touch $@
 
 demo: $(VENV)/.core
