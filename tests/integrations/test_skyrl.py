@@ -68,7 +68,8 @@ def test_install_routes_skyrls_own_lookup_and_leaves_its_backends_alone():
     from unisleep.integrations import skyrl as us
 
     broadcast, ipc = ws.BroadcastTransferStrategy, ws.CudaIpcTransferStrategy
-    assert ws.get_transfer_strategy_cls("unisleep", True) is broadcast  # SkyRL's own answer: silently NCCL
+    skyrls_own = getattr(ws.get_transfer_strategy_cls, "__wrapped__", ws.get_transfer_strategy_cls)
+    assert skyrls_own("unisleep", True) is broadcast  # SkyRL's own answer: silently NCCL
     assert us.install() == "installed" and us.install() == "installed"
     assert ws.get_transfer_strategy_cls("unisleep", True) is us.UnisleepTransferStrategy
     assert ws.get_transfer_strategy_cls("unisleep", False) is us.UnisleepTransferStrategy

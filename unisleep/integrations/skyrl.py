@@ -317,6 +317,7 @@ def _patch_weight_sync(module) -> None:
         return BACKEND if weight_sync_backend == BACKEND else name_orig(weight_sync_backend, colocate_all)
 
     get_transfer_strategy_cls.__unisleep__ = get_transfer_strategy.__unisleep__ = True
+    get_transfer_strategy_cls.__wrapped__, get_transfer_strategy.__wrapped__ = cls_orig, name_orig
     module.get_transfer_strategy_cls, module.get_transfer_strategy = get_transfer_strategy_cls, get_transfer_strategy
 
 
