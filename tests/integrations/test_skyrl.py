@@ -207,3 +207,27 @@ def test_skyrl_syncs_over_unisleep_and_sleeps_into_unisleep(tiny_models, tmp_pat
     assert int(released) > weights and int(backed_up) >= weights, ops   # KV cache freed, weights backed up
     assert int(restored) == int(backed_up) and int(kv_restored) == 0, ops  # level 1: the KV cache wakes empty
     assert after != before, "the server still generates model B's tokens"
+
+
+def test_servers_that_never_join_end_the_wait_with_a_named_error(monkeypatch):
+    """No server joins the group (none runs the unisleep engine): ``create_sender`` ends within
+    the timeout with a ``TransferError`` naming the setting, and the secret file it wrote is gone."""
+    import time
+
+    from skyrl.train.config.config import InferenceEngineConfig
+
+    from unisleep.errors import TransferError
+    from unisleep.integrations import skyrl as us
+
+    monkeypatch.setenv(us.TIMEOUT_ENV, "3")
+    monkeypatch.delenv("UNISLEEP_TRANSFER_SECRET_FILE", raising=False)
+    info = us.UnisleepTransferStrategy.create_init_info(InferenceEngineConfig(weight_sync_backend="unisleep"),
+                                                        inference_world_size=1)
+    assert info.world_size == 2 and os.path.exists(info.secret_file)
+    assert oct(os.stat(info.secret_file).st_mode & 0o777) == "0o600"
+    client = types.SimpleNamespace(server_urls=["http://127.0.0.1:9"])
+    t0 = time.monotonic()
+    with pytest.raises(TransferError, match="weight_sync_backend='unisleep'"):
+        us.UnisleepTransferStrategy.create_sender(info, client)
+    assert time.monotonic() - t0 < 30
+    assert not os.path.exists(info.secret_file)

@@ -288,6 +288,11 @@ class UnisleepTransferStrategy(WeightTransferStrategy):
             pusher.join()
         except BaseException as e:
             servers.close()
+            if own:  # the secret file this side wrote goes with the failed group
+                try:
+                    os.unlink(own)
+                except OSError:
+                    pass
             if isinstance(e, TransferError):
                 raise TransferError(f"the SkyRL servers did not join unisleep's group at {init_info.rendezvous} "
                                     f"within {init_info.timeout_s:.0f} s: were they started with weight_sync_backend="
