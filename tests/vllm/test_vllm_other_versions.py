@@ -28,7 +28,7 @@ SMOKE = {
                                  "tests/integrations/test_verl.py", "tests/integrations/test_verl_manager.py"]),
     "0.27.1": (".venv-vllm0271", ["tests/vllm/test_vllm_versions.py", "tests/vllm/test_vllm_allocator.py",
                                   "tests/integrations/test_openrlhf.py", "tests/integrations/test_trl.py",
-                                  "tests/integrations/test_trl_server.py"]),
+                                  "tests/integrations/test_trl_server.py", "tests/integrations/test_skyrl.py"]),
 }
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

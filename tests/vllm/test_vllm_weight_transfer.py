@@ -59,6 +59,37 @@ def test_push_over_http_changes_and_restores(http_engine, pusher, tiny_models, b
     assert greedy(http_engine) == baseline_a and http_engine.weight_version() == "A-2"
 
 
+def test_lazy_push_reads_the_generator_as_it_sends(http_engine, pusher, tiny_models, baseline_a, state_a, state_b):
+    """``push(..., specs=)``: the tensors come from a generator read while the update streams (one
+    ``/update_weights`` call), so the caller never holds the model whole; a generator that strays
+    from its specs is refused and the next complete update serves exactly."""
+    http_engine.reload_weights(tiny_models[1])
+    want_b = greedy(http_engine)
+    http_engine.reload_weights(tiny_models[0])
+    specs = [(n, tuple(t.shape), t.dtype) for n, t in state_b.items()]
+    handed: list = []
+
+    def lazy(state):
+        for n, t in state.items():
+            handed.append(n)
+            yield n, t
+
+    rep = pusher.push(lazy(state_b), version="B-lazy", specs=specs)
+    assert handed == list(state_b) and rep.tensors == len(state_b) and rep.chunks == 1
+    assert rep.nbytes == sum(t.numel() * t.element_size() for t in state_b.values())
+    assert greedy(http_engine) == want_b and http_engine.weight_version() == "B-lazy"
+
+    def strays():
+        for i, (n, t) in enumerate(state_a.items()):
+            yield (n + ".renamed" if i == 3 else n), t
+
+    with pytest.raises(TransferError):
+        pusher.push(strays(), version="A-strays", specs=[(n, tuple(t.shape), t.dtype) for n, t in state_a.items()])
+    assert http_engine.weight_version() != "A-strays"
+    pusher.push(state_a.items(), version="A-after-strays")
+    assert greedy(http_engine) == baseline_a
+
+
 def test_incomplete_update_refused_and_a_complete_one_repairs(http_engine, pusher, baseline_a,
                                                               state_a, state_b):
     """Streaming (the default): the buckets went into the model as they came, so an incomplete

@@ -126,18 +126,13 @@ class VLLMWeightPusher:
 
     def init(self) -> "VLLMWeightPusher":
         """``/init_weight_transfer_engine`` and this side's group, concurrently (a rendezvous)."""
-        from ..transfer import TransferGroup
-
         if self.group is not None:
             return self
-        self._updates = 0
         self._prepare_secret()
         call = _Call(self._verbs.init_weight_transfer, self.init_info())
         call.start()
         try:
-            self.group = TransferGroup.create(self.rendezvous, rank=0, world_size=self.world_size,
-                                              timeout_s=self.timeout_s, name=self.group_name,
-                                              secret_file=self.secret_file, insecure=self.insecure)
+            self.join()
         finally:
             call.join(self.timeout_s + 30)
         if call.error is not None:
@@ -145,17 +140,39 @@ class VLLMWeightPusher:
             raise call.error
         return self
 
+    def join(self) -> "VLLMWeightPusher":
+        """Only this side's group (rank 0), for a framework whose own client sends
+        ``/init_weight_transfer_engine`` to its servers at the same time (SkyRL's
+        ``init_weight_update_communicator``): blocks until every engine worker joined, or
+        ``timeout_s`` (:class:`~unisleep.errors.TransferError`).  The servers must be given
+        :meth:`init_info`'s rendezvous, world size, group name and secret file."""
+        from ..transfer import TransferGroup
+
+        if self.group is not None:
+            return self
+        self._updates = 0
+        self.group = TransferGroup.create(self.rendezvous, rank=0, world_size=self.world_size,
+                                          timeout_s=self.timeout_s, name=self.group_name,
+                                          secret_file=self.secret_file, insecure=self.insecure)
+        return self
+
     # ---- one update ------------------------------------------------------------------
     def push(self, named_tensors: Iterable, version: str, *, chunks: int = 1,
-             partial: bool = False, check_awake: bool = True) -> PushReport:
+             partial: bool = False, check_awake: bool = True,
+             specs: Optional[Sequence] = None) -> PushReport:
         """Send ``named_tensors`` ((name, tensor) pairs, checkpoint names) as ``version``.
 
         Raises :class:`InvalidTransitionError` before anything is sent when the engine reports its
         weights asleep; :class:`TransferError` when the engine refused or failed the update (its
         message carries the route, status and body).  ``chunks`` splits the update into several
         ``/update_weights`` calls (the last one is marked final).
+
+        ``specs`` (``(name, shape, dtype)`` of every tensor, in order): ``named_tensors`` may then
+        be a lazy generator, read one bucket at a time and never held whole (one
+        ``/update_weights`` call: ``chunks`` must be 1) — for trainers that gather each tensor
+        just before it is sent (FSDP).
         """
-        items = self._items(named_tensors, chunks)
+        items = self._items(named_tensors, chunks) if specs is None else self._lazy(named_tensors, chunks, specs)
         t0 = time.perf_counter()
         phases: dict[str, float] = {}
         if check_awake:
@@ -170,7 +187,9 @@ class VLLMWeightPusher:
         phases["update"] = time.perf_counter() - t0 - phases["start"]
         self._verbs.finish_weight_update(str(version))
         phases["finish"] = time.perf_counter() - t0 - phases["start"] - phases["update"]
-        nbytes = sum(int(t.numel()) * t.element_size() for _, t in items)
+        nbytes = items.nbytes if isinstance(items, _Lazy) else sum(int(t.numel()) * t.element_size() for _, t in items)
+        if isinstance(items, _Lazy):
+            return PushReport(str(version), len(items.specs), nbytes, n_parts, time.perf_counter() - t0, phases)
         return PushReport(str(version), len(items), nbytes, n_parts,
                           time.perf_counter() - t0, phases)
 
@@ -200,6 +219,18 @@ class VLLMWeightPusher:
             raise InvalidArgumentError(f"chunks must be >= 1, got {chunks}")
         return items
 
+    def _lazy(self, named_tensors: Iterable, chunks: int, specs: Sequence) -> "_Lazy":
+        from ..transfer.manifest import spec_of
+
+        if self.group is None:
+            raise InvalidArgumentError("call init() before sending")
+        if chunks != 1:
+            raise InvalidArgumentError(f"a lazy update (specs=) is sent in one chunk, got chunks={chunks}")
+        checked = [spec_of(s, i) for i, s in enumerate(specs)]  # InvalidArgumentError naming the entry
+        if not checked:
+            raise InvalidArgumentError("nothing to send")
+        return _Lazy(named_tensors, checked)
+
     def _abort(self) -> None:
         abort = getattr(self._verbs, "abort_weight_update", None)
         if abort is None:
@@ -212,7 +243,8 @@ class VLLMWeightPusher:
     def _send_chunks(self, items: list, version: str, chunks: int, partial: bool) -> int:
         from ..transfer import WeightSender
 
-        parts = _split(items, chunks)
+        lazy = items if isinstance(items, _Lazy) else None
+        parts = [lazy.tensors] if lazy is not None else _split(items, chunks)
         # the transfer version: this pusher's update number and vLLM's label; the engine checks
         # that the numbers increase (the chunks of one update share theirs)
         self._updates += 1
@@ -228,7 +260,7 @@ class VLLMWeightPusher:
                 call.start()
                 send_error: Optional[BaseException] = None
                 try:
-                    sender.send(part, version=tag)
+                    sender.send(part, version=tag, specs=None if lazy is None else lazy.specs)
                 except BaseException as e:
                     send_error = e
                 call.join(self.timeout_s + 30)
@@ -269,6 +301,21 @@ class VLLMWeightPusher:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+@dataclass
+class _Lazy:
+    """A lazy update: the tensors' generator and their checked specs (``TensorSpec``)."""
+    tensors: Iterable
+    specs: list
+
+    @property
+    def nbytes(self) -> int:
+        import math
+
+        from ..transfer.manifest import _torch_dtype
+
+        return sum(math.prod(s.shape) * _torch_dtype(s.dtype).itemsize for s in self.specs)
 
 
 def _split(items: Sequence, chunks: int) -> list[list]:
