@@ -46,6 +46,26 @@ def bind_device(api: acl.AclApi, device: int) -> None:
         api.call("aclrtSetDevice", deviceId=device)
 
 
+def tensor_over(va: int, nbytes: int, dev):
+    """A uint8 tensor over ``[va, va + nbytes)`` on torch device ``dev`` (see
+    :meth:`AscendDriver.view` for why an NPU storage is made by torch_npu)."""
+    import torch
+
+    if dev.type == "cpu":  # the simulated library's host memory
+        storage = torch._C._construct_storage_from_data_pointer(va, dev, nbytes)
+    else:
+        import torch_npu
+
+        construct = getattr(torch_npu._C, "_construct_storage_from_data_pointer", None)
+        if construct is None:
+            raise PlatformError(
+                f"torch_npu {getattr(torch_npu, '__version__', '?')} has no "
+                "torch_npu._C._construct_storage_from_data_pointer, so no NPU tensor can be made over "
+                "lifecycle memory; use torch_npu 2.10 or later (the version vllm-ascend pins)")
+        storage = construct(va, dev, nbytes)
+    return torch.empty(0, dtype=torch.uint8, device=dev).set_(storage)
+
+
 @dataclass(eq=False)
 class AclHandle:
     ptr: int
@@ -174,22 +194,7 @@ class AscendDriver(Driver):
         plain ``StorageImpl``, which torch_npu casts to ``NPUStorageImpl`` out of bounds or
         refuses.  ``owner`` cannot be attached to a storage made from a raw pointer: the
         lifecycle keeps it on the returned tensor instead (weaker: views of it do not hold it)."""
-        import torch
-
-        dev = self.torch_device
-        if dev.type == "cpu":  # the simulated library's host memory
-            storage = torch._C._construct_storage_from_data_pointer(va, dev, nbytes)
-        else:
-            import torch_npu
-
-            construct = getattr(torch_npu._C, "_construct_storage_from_data_pointer", None)
-            if construct is None:
-                raise PlatformError(
-                    f"torch_npu {getattr(torch_npu, '__version__', '?')} has no "
-                    "torch_npu._C._construct_storage_from_data_pointer, so no NPU tensor can be made over "
-                    "lifecycle memory; use torch_npu 2.10 or later (the version vllm-ascend pins)")
-            storage = construct(va, dev, nbytes)
-        return torch.empty(0, dtype=torch.uint8, device=dev).set_(storage)
+        return tensor_over(va, nbytes, self.torch_device)
 
     def zero(self, va: int, nbytes: int) -> None:
         self._set_device()

@@ -262,7 +262,9 @@ class FakeAcl:
 
     @staticmethod
     def _start_ns() -> int:
-        """When this process started, on the boot clock (``/proc/self/stat`` field 22)."""
+        """When this process started, on the boot clock (``/proc/self/stat`` field 22, in clock
+        ticks: 10 ms coarser than the driver's, rounded down, so a pid listed less than a tick
+        before its process started passes here)."""
         with open("/proc/self/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
         return int(fields[19]) * 1_000_000_000 // os.sysconf("SC_CLK_TCK")
