@@ -229,7 +229,7 @@ def test_ascend_sim_ipc_refuses_a_pid_namespace_the_driver_does_not_share(tmp_pa
     ipc.use_library(lib)
     ipc.TENSOR_DEVICE = "cpu"
     try:
-        with pytest.raises(UnsupportedError, match=r"--pid=host.*path='collective'"):
+        with pytest.raises(UnsupportedError, match=r"--pid=host.*platform='host'"):
             ipc.ExportBuffer(GRAN, 0)
         assert not _calls(lib, "aclrtMallocPhysical") and not _calls(lib, "aclrtMemExportToShareableHandle")
     finally:

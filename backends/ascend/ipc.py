@@ -66,8 +66,8 @@ def _acl() -> acl.AclApi:
         api = _api
     if api.ipc_missing:
         raise UnsupportedError(f"this libascendcl lacks {', '.join(api.ipc_missing)}, which colocated IPC needs "
-                               "(CANN 8.5.0 and 9.1.0 have them): upgrade CANN, or put the engine on another NPU "
-                               "(path='collective')")
+                               "(CANN 8.5.0 and 9.1.0 have them): upgrade CANN, put the engine on another NPU, or send "
+                               "through host memory (TransferGroup.create(..., platform='host'))")
     return api
 
 
@@ -105,7 +105,8 @@ def check_pid_view(api: acl.AclApi) -> None:
             f"colocated IPC on Ascend needs the processes in the host's pid namespace: the driver knows this "
             f"process as pid {bare} (aclrtDeviceGetBareTgid) but it runs as pid {mine}, so the receivers' pids "
             "seen here cannot be whitelisted. Start the trainer and the engine with the host's pid namespace "
-            "(docker run --pid=host), or put the engine on another NPU (path='collective')")
+            "(docker run --pid=host), put the engine on another NPU, or send through host memory "
+            "(TransferGroup.create(..., platform='host'))")
 
 
 def _tensor(ptr: int, nbytes: int, device_index: int):
@@ -193,7 +194,8 @@ class ExportBuffer(_MappedBuffer):
         if not isinstance(pid, int) or pid <= 0:
             raise UnsupportedError(f"the receiver's pid is not known here (SO_PEERCRED says {pid!r}: it runs in "
                                    "another pid namespace): colocated IPC on Ascend whitelists receivers by pid. "
-                                   "Run both in one pid namespace, or use path='collective'")
+                                   "Run both in one pid namespace, or send through host memory "
+                                   "(TransferGroup.create(..., platform='host'))")
         api = _acl()
         bind_device(api, self.device_index)
         if self._shareable is None:
