@@ -153,14 +153,15 @@ def test_vendor_images_are_pinned():
 
 
 def test_vendor_ci_installs_keep_the_images_ray_and_hip_python_is_there_for_the_abi_checks():
-    """The vendor images pin their own ray (vllm-ascend's 2.47-2.48): their installs use the
-    test-core extra, never test (whose ray==2.60.0 would replace it); the ROCm suite installs the
+    """The vendor images pin their own ray (vllm-ascend's 2.47-2.48) or their own packages (the
+    NVIDIA PyTorch image): their installs use the test-core extra, never test (whose ray==2.60.0
+    would replace them; no accelerator-marked test uses ray); the ROCm suite installs the
     hip-python releases tests/sim/abi_check.py compares with, where it looks for them, so the HIP
     ABI and mutation tests run there instead of skipping."""
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     from sim import abi_check
 
-    for vendor in ("rocm", "ascend", "vllm"):
+    for vendor in ("cuda", "rocm", "ascend", "vllm"):
         text = open(os.path.join(ROOT, "ci", vendor, "action.yml")).read()
         installs = [ln for ln in text.splitlines() if "pip install -e" in ln]
         assert installs and all("test-core]" in ln and ",test]" not in ln for ln in installs), (vendor, installs)

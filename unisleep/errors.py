@@ -82,6 +82,11 @@ class UnsupportedError(UnisleepError):
     alternative."""
 
 
+class NativeLibraryMissingError(UnsupportedError):
+    """unisleep was installed without its one compiled file, the torch_memory_saver preload
+    library (no C compiler at install time); the message says how to build it."""
+
+
 class PlatformError(UnisleepError):
     """Platform detection or backend loading failed; the message says what to install or set."""
 

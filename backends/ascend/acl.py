@@ -31,14 +31,23 @@ ACL_ERROR_RT_PARAM_INVALID = 107000
 ACL_ERROR_RT_MEMORY_ALLOCATION = 207001
 ACL_ERROR_RT_MEMORY_FREE = 207002
 
+ACL_ERROR_RT_CONTEXT_NULL = 107002
+ACL_ERROR_RT_INVALID_HANDLE = 107017
+ACL_ERROR_RT_NO_PERMISSION = 207006
+ACL_ERROR_RT_DRV_INTERNAL_ERROR = 507899
+
 ERROR_NAMES = {
     0: "ACL_SUCCESS",
     100000: "ACL_ERROR_INVALID_PARAM",
     107000: "ACL_ERROR_RT_PARAM_INVALID",
     107001: "ACL_ERROR_RT_INVALID_DEVICEID",
+    107002: "ACL_ERROR_RT_CONTEXT_NULL",
+    107017: "ACL_ERROR_RT_INVALID_HANDLE",
     207000: "ACL_ERROR_RT_FEATURE_NOT_SUPPORT",
     207001: "ACL_ERROR_RT_MEMORY_ALLOCATION",
     207002: "ACL_ERROR_RT_MEMORY_FREE",
+    207006: "ACL_ERROR_RT_NO_PERMISSION",
+    507899: "ACL_ERROR_RT_DRV_INTERNAL_ERROR",
 }
 
 ACL_MEM_HANDLE_TYPE_NONE = 0
@@ -53,6 +62,12 @@ ACL_MEMCPY_HOST_TO_DEVICE = 1
 ACL_MEMCPY_DEVICE_TO_HOST = 2
 ACL_MEMCPY_DEVICE_TO_DEVICE = 3
 
+#: ``aclrtMemExportToShareableHandle``'s flags: the default keeps the driver's pid whitelist on
+#: (only pids given to ``aclrtMemSetPidToShareableHandle`` may import).  unisleep never passes
+#: ``ACL_RT_VMM_EXPORT_FLAG_DISABLE_PID_VALIDATION``; it is bound only so the ABI check covers it.
+ACL_RT_VMM_EXPORT_FLAG_DEFAULT = 0
+ACL_RT_VMM_EXPORT_FLAG_DISABLE_PID_VALIDATION = 1
+
 #: every enumerator and code the bindings use: C name -> value (compared with CANN's headers by
 #: tests/test_ascend_sim.py::test_acl_bindings_match_the_cann_headers where they exist)
 ENUMS: dict[str, int] = {name: code for code, name in ERROR_NAMES.items()}
@@ -62,6 +77,7 @@ ENUMS.update({
         "ACL_MEM_HANDLE_TYPE_NONE", "ACL_MEM_ALLOCATION_TYPE_PINNED", "ACL_HBM_MEM", "ACL_HBM_MEM_HUGE",
         "ACL_MEM_LOCATION_TYPE_DEVICE", "ACL_RT_MEM_ALLOC_GRANULARITY_MINIMUM", "ACL_MEMCPY_HOST_TO_HOST",
         "ACL_MEMCPY_HOST_TO_DEVICE", "ACL_MEMCPY_DEVICE_TO_HOST", "ACL_MEMCPY_DEVICE_TO_DEVICE",
+        "ACL_RT_VMM_EXPORT_FLAG_DEFAULT", "ACL_RT_VMM_EXPORT_FLAG_DISABLE_PID_VALIDATION",
     )
 })
 
@@ -89,6 +105,7 @@ STRUCTS = {"aclrtMemLocation": aclrtMemLocation, "aclrtPhysicalMemProp": aclrtPh
 #: names, and the simulated library's functions must take the same names.
 SIGNATURES: dict[str, tuple[Any, list[tuple[str, Any]]]] = {
     "aclrtSetDevice": (c_int, [("deviceId", c_int32)]),
+    "aclrtGetDevice": (c_int, [("deviceId", POINTER(c_int32))]),
     "aclrtSynchronizeDevice": (c_int, []),
     "aclrtGetMemInfo": (c_int, [("attr", c_int), ("free", POINTER(c_size_t)), ("total", POINTER(c_size_t))]),
     "aclrtMemGetAllocationGranularity": (c_int, [("prop", POINTER(aclrtPhysicalMemProp)), ("option", c_int),
@@ -107,8 +124,20 @@ SIGNATURES: dict[str, tuple[Any, list[tuple[str, Any]]]] = {
     "aclrtMemset": (c_int, [("devPtr", c_void_p), ("maxCount", c_size_t), ("value", c_int32), ("count", c_size_t)]),
     "aclrtMallocHost": (c_int, [("hostPtr", POINTER(c_void_p)), ("size", c_size_t)]),
     "aclrtFreeHost": (c_int, [("hostPtr", c_void_p)]),
+    # colocated IPC (ipc.py): a 64-bit shareable handle, importable only by whitelisted pids
+    "aclrtMemExportToShareableHandle": (c_int, [("handle", c_void_p), ("handleType", c_int), ("flags", c_uint64),
+                                                ("shareableHandle", POINTER(c_uint64))]),
+    "aclrtMemImportFromShareableHandle": (c_int, [("shareableHandle", c_uint64), ("deviceId", c_int32),
+                                                  ("handle", POINTER(c_void_p))]),
+    "aclrtMemSetPidToShareableHandle": (c_int, [("shareableHandle", c_uint64), ("pid", POINTER(c_int32)),
+                                                ("pidNum", c_size_t)]),
+    "aclrtDeviceGetBareTgid": (c_int, [("pid", POINTER(c_int32))]),
 }
 PROTOTYPES: dict[str, tuple[Any, list]] = {n: (r, [t for _, t in a]) for n, (r, a) in SIGNATURES.items()}
+#: the calls only colocated IPC needs: a library without them still runs the driver (ipc.py
+#: names what is missing when IPC is asked for)
+IPC_FUNCTIONS = ("aclrtMemExportToShareableHandle", "aclrtMemImportFromShareableHandle",
+                 "aclrtMemSetPidToShareableHandle", "aclrtDeviceGetBareTgid")
 PARAM_NAMES: dict[str, list[str]] = {n: [p for p, _ in a] for n, (_, a) in SIGNATURES.items()}
 
 
@@ -147,8 +176,15 @@ class AclApi:
     def __init__(self, lib):
         self._lib = lib
         missing = bind_prototypes(self, lib, PROTOTYPES)
+        #: the IPC calls this library lacks (see :data:`IPC_FUNCTIONS`)
+        self.ipc_missing = [n for n in missing if n in IPC_FUNCTIONS]
+        missing = [n for n in missing if n not in IPC_FUNCTIONS]
         if missing:
             raise PlatformError(f"libascendcl lacks {', '.join(missing)} (virtual memory needs CANN >= 8)")
+
+    def rc(self, name: str, *args, **kwargs) -> int:
+        """Call ``name`` like :meth:`call`, returning its error code instead of raising."""
+        return getattr(self, name)(*bind_arguments(name, PARAM_NAMES[name], args, kwargs))
 
     def call(self, name: str, *args, hint: str = "", **kwargs) -> None:
         """Call ``name`` with its arguments by position or by the header's parameter names

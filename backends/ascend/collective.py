@@ -44,6 +44,6 @@ def create_backend(store, rank: int, world_size: int, timeout: datetime.timedelt
 def same_device_message(ranks) -> str:
     return (
         f"ranks {sorted(ranks)} of this transfer group are on the same NPU, and HCCL cannot connect two "
-        "processes on one NPU. Colocated NPU IPC is not implemented yet: put the engine on another NPU, "
-        "or send through host memory (TransferGroup.create(..., platform='host'))."
+        "processes on one NPU: use path='ipc' (or 'auto'; colocated NPU IPC, not yet run on Ascend hardware), "
+        "put the engine on another NPU, or send through host memory (TransferGroup.create(..., platform='host'))."
     )

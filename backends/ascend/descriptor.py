@@ -14,6 +14,7 @@ BACKEND = Backend(
     priority=30,
     store=".store:AclHostStore",
     collective=".collective",
+    ipc=".ipc",  # colocated buffers by pid-whitelisted shareable handle; tested over the simulated ACL library only
     pool=".pool",
     graph_class="torch_npu.npu.graphs:NPUGraph",  # capture_begin/capture_end defined in Python
     environment_warnings=".detect:environment_warnings",

@@ -24,8 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
-from ctypes import byref, c_size_t, c_void_p
+from ctypes import byref, c_int32, c_size_t, c_void_p
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
@@ -38,9 +37,33 @@ from .store import AclHostStore
 
 log = logging.getLogger("unisleep.ascend")
 
-#: per thread: (library, device) whose context unisleep last bound there (shared by every driver;
-#: the library is part of it because a test may load more than one)
-_BOUND = threading.local()
+
+def bind_device(api: acl.AclApi, device: int) -> None:
+    """Make ``device`` current on the calling thread unless ACL says it already is (a thread
+    without a context answers ``ACL_ERROR_RT_CONTEXT_NULL``)."""
+    cur = c_int32(-1)
+    if api.rc("aclrtGetDevice", deviceId=byref(cur)) != acl.ACL_SUCCESS or cur.value != device:
+        api.call("aclrtSetDevice", deviceId=device)
+
+
+def tensor_over(va: int, nbytes: int, dev):
+    """A uint8 tensor over ``[va, va + nbytes)`` on torch device ``dev`` (see
+    :meth:`AscendDriver.view` for why an NPU storage is made by torch_npu)."""
+    import torch
+
+    if dev.type == "cpu":  # the simulated library's host memory
+        storage = torch._C._construct_storage_from_data_pointer(va, dev, nbytes)
+    else:
+        import torch_npu
+
+        construct = getattr(torch_npu._C, "_construct_storage_from_data_pointer", None)
+        if construct is None:
+            raise PlatformError(
+                f"torch_npu {getattr(torch_npu, '__version__', '?')} has no "
+                "torch_npu._C._construct_storage_from_data_pointer, so no NPU tensor can be made over "
+                "lifecycle memory; use torch_npu 2.10 or later (the version vllm-ascend pins)")
+        storage = construct(va, dev, nbytes)
+    return torch.empty(0, dtype=torch.uint8, device=dev).set_(storage)
 
 
 @dataclass(eq=False)
@@ -100,14 +123,10 @@ class AscendDriver(Driver):
         every entry point, as vllm-ascend's allocator calls ``ensure_context`` at each of its
         (``csrc/camem_allocator.cpp``): ACL contexts are per thread, and unisleep is called from
         the sleeping thread, progressive-wake workers, the release thread and torch_npu's
-        allocator.  The device unisleep last bound on this thread is remembered for every
-        driver of the process (``_BOUND``), so two drivers of two devices switch correctly
-        without counting up ``aclrtSetDevice``'s reference count at every call; a device set on
-        the thread by someone else (torch_npu's ``set_device``) is not seen."""
-        bound = getattr(_BOUND, "device", None)
-        if bound is None or bound[0] is not self.api._lib or bound[1] != self.device:
-            self.api.call("aclrtSetDevice", deviceId=self.device)
-            _BOUND.device = (self.api._lib, self.device)
+        allocator.  The thread's current device is asked of ACL first (``aclrtGetDevice``), so a
+        device set on the thread behind unisleep's back (``torch.npu.set_device``, another
+        driver) is seen, and ``aclrtSetDevice``'s reference count is not counted up at every call."""
+        bind_device(self.api, self.device)
 
     def prepare_thread(self) -> None:
         self._set_device()
@@ -175,22 +194,7 @@ class AscendDriver(Driver):
         plain ``StorageImpl``, which torch_npu casts to ``NPUStorageImpl`` out of bounds or
         refuses.  ``owner`` cannot be attached to a storage made from a raw pointer: the
         lifecycle keeps it on the returned tensor instead (weaker: views of it do not hold it)."""
-        import torch
-
-        dev = self.torch_device
-        if dev.type == "cpu":  # the simulated library's host memory
-            storage = torch._C._construct_storage_from_data_pointer(va, dev, nbytes)
-        else:
-            import torch_npu
-
-            construct = getattr(torch_npu._C, "_construct_storage_from_data_pointer", None)
-            if construct is None:
-                raise PlatformError(
-                    f"torch_npu {getattr(torch_npu, '__version__', '?')} has no "
-                    "torch_npu._C._construct_storage_from_data_pointer, so no NPU tensor can be made over "
-                    "lifecycle memory; use torch_npu 2.10 or later (the version vllm-ascend pins)")
-            storage = construct(va, dev, nbytes)
-        return torch.empty(0, dtype=torch.uint8, device=dev).set_(storage)
+        return tensor_over(va, nbytes, self.torch_device)
 
     def zero(self, va: int, nbytes: int) -> None:
         self._set_device()

@@ -18,13 +18,51 @@ ACL's integer error codes:
   — of the device whose memory or ``prop.location`` it touches (``ACL_ERROR_RT_PARAM_INVALID``).
   vllm-ascend's allocator calls ``ensure_context(device)`` at every C entry point for this
   (``csrc/camem_allocator.cpp``: ``my_malloc``, ``my_free``, ``python_create_and_map``,
-  ``python_unmap_and_release``).
+  ``python_unmap_and_release``).  ``aclrtGetDevice`` reports the thread's device, and
+  ``ACL_ERROR_RT_CONTEXT_NULL`` on a thread without one (hicann/runtime v9.1.0
+  ``src/runtime/api/api_c_device.cc`` ``rtGetDevice``).
+
+Colocated IPC (``aclrtMemExportToShareableHandle`` and the rest) needs state that outlives one
+process, as the kernel driver's does: ``driver_dir`` (one folder for all the simulated processes
+of one machine) holds a record per shareable handle, and an import opens the exporter's memfd
+through ``/proc/<pid>/fd`` so both processes map the same pages.  The rules are the Ascend
+driver's (its open source, ``src/sdk_driver/svm/v2/master/comm/svm_master_mem_share.c`` and
+``src/ascend_hal/svm/v2/devmm/devmm_svm.c``, read in the verylucky01/driver mirror of it; the
+docs' pages of the three calls), with ACL's codes as the driver's errno table and the runtime's
+map turn them into (``EACCES`` -> ``DRV_ERROR_IOCRL_FAIL`` -> ``ACL_ERROR_RT_DRV_INTERNAL_ERROR``,
+``EFAULT`` -> ``DRV_ERROR_INVALID_HANDLE`` -> ``ACL_ERROR_RT_INVALID_HANDLE``):
+
+* the handle is ``share_devid << 32 | share_id`` (``devmm_share_handle_pack``); a handle no live
+  export of that device has (never exported, its exporter freed it, another device's bits) is
+  ``ACL_ERROR_RT_INVALID_HANDLE`` ("Share handle doesn't exist");
+* one export per physical handle (the export page: exporting again is an error); ``handleType``
+  must be ``ACL_MEM_HANDLE_TYPE_NONE`` (``DRV_ERROR_NOT_SUPPORT`` otherwise);
+* with the default flags the whitelist is on: an import by a pid that
+  ``aclrtMemSetPidToShareableHandle`` did not list — or before any pid is set — is refused
+  ("Current process not add in pid list"), and so is one by a process that started after its pid
+  was listed ("Time check fail": a reused pid is not the process that was meant);
+* only the exporting process may set pids ("Not export process"), not after the whitelist was
+  switched off; ``pid`` NULL or ``pidNum`` 0 is ``ACL_ERROR_RT_PARAM_INVALID``, pid 0 is skipped;
+* the exporting process cannot import its own handle on that device ("Export process can not
+  import"); a process imports a handle once per device ("Can not import multi times") until it
+  frees the import;
+* the pid the driver checks is the process's pid on the host (``aclrtDeviceGetBareTgid``; in a
+  container it differs from ``getpid()``): ``pid_offset`` simulates such a pid namespace;
+* an import into another device than the exporter's is refused here (the export page requires
+  ``aclrtDeviceEnablePeerAccess`` across devices, which unisleep does not bind): the simulator's
+  rule and code, not read in the driver.
 """
 
 from __future__ import annotations
 
 import ctypes
+import fcntl
+import json
+import os
+import shutil
+import tempfile
 import threading
+import time
 from ctypes import CFUNCTYPE
 
 from unisleep.backends._native import callback_argtypes
@@ -37,9 +75,13 @@ ACL_SUCCESS = acl.ACL_SUCCESS
 ACL_ERROR_INVALID_PARAM = acl.ACL_ERROR_INVALID_PARAM
 ACL_ERROR_RT_PARAM_INVALID = acl.ACL_ERROR_RT_PARAM_INVALID
 ACL_ERROR_RT_INVALID_DEVICEID = 107001
-ACL_ERROR_RT_CONTEXT_NULL = 107002
+ACL_ERROR_RT_CONTEXT_NULL = acl.ACL_ERROR_RT_CONTEXT_NULL
+ACL_ERROR_RT_INVALID_HANDLE = acl.ACL_ERROR_RT_INVALID_HANDLE
+ACL_ERROR_RT_FEATURE_NOT_SUPPORT = 207000
 ACL_ERROR_RT_MEMORY_ALLOCATION = acl.ACL_ERROR_RT_MEMORY_ALLOCATION
 ACL_ERROR_RT_MEMORY_FREE = acl.ACL_ERROR_RT_MEMORY_FREE
+ACL_ERROR_RT_NO_PERMISSION = acl.ACL_ERROR_RT_NO_PERMISSION
+ACL_ERROR_RT_DRV_INTERNAL_ERROR = acl.ACL_ERROR_RT_DRV_INTERNAL_ERROR
 ACL_ERROR_INTERNAL = 500000
 
 # SimError codes from the shared device model -> ACL codes
@@ -56,10 +98,15 @@ class FakeAcl:
 
     SIMULATED = True
 
-    def __init__(self, **device_kw):
+    def __init__(self, driver_dir: str = None, pid_offset: int = 0, **device_kw):
         device_kw.setdefault("access_on_map", True)  # ACL grants access at map time
         device_kw.setdefault("keeps_memory_while_reserved", False)
         self.dev = SimDevice(**device_kw)
+        self._own_driver_dir = driver_dir is None
+        self.driver_dir = driver_dir or tempfile.mkdtemp(prefix="fake-acl-driver-")
+        self.pid_offset = pid_offset
+        self._exported: dict[int, int] = {}  # physical handle id -> shareable handle
+        self._imported: dict[int, int] = {}  # physical handle id (an import) -> shareable handle
         self._cbs = {}
         for name, (restype, args) in SIGNATURES.items():
             check_parameter_names(name, getattr(self, "_" + name), acl.PARAM_NAMES[name])
@@ -99,6 +146,12 @@ class FakeAcl:
         if not 0 <= deviceId < self.dev.device_count:
             raise SimError(ACL_ERROR_RT_INVALID_DEVICEID, f"no device {deviceId}")
         self.dev.current_device[threading.get_ident()] = deviceId
+
+    def _aclrtGetDevice(self, deviceId):
+        cur = self.dev.thread_device()
+        if cur is None:
+            raise SimError(ACL_ERROR_RT_CONTEXT_NULL, "no context on this thread")
+        ctypes.c_int32.from_address(deviceId).value = cur
 
     def _aclrtSynchronizeDevice(self):
         self._need_device()
@@ -155,6 +208,150 @@ class FakeAcl:
         if p.mapped_at:
             raise SimError(ACL_ERROR_RT_MEMORY_FREE, "aclrtFreePhysical on a mapped handle: unmap first")
         self.dev.release(p)
+        with self._driver():
+            if p.id in self._exported:  # the exporter's free destroys the shareable handle
+                try:
+                    os.unlink(self._record_path(self._exported.pop(p.id)))
+                except FileNotFoundError:
+                    pass
+            if p.id in self._imported:  # this process may import that handle again
+                h = self._imported.pop(p.id)
+                rec = self._load(h)
+                if rec is not None:
+                    rec["imported"] = [k for k in rec["imported"] if k != f"{self._bare_tgid()}:{p.device}"]
+                    self._save(h, rec)
+
+    # ---- colocated IPC: the driver's state, shared by the simulated processes of one machine
+    def _bare_tgid(self) -> int:
+        return os.getpid() + self.pid_offset
+
+    def _driver(self):
+        """The simulated driver's lock (one for the whole machine)."""
+        lib = self
+
+        class _Lock:
+            def __enter__(self):
+                self.fd = os.open(os.path.join(lib.driver_dir, ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+                fcntl.flock(self.fd, fcntl.LOCK_EX)
+
+            def __exit__(self, *exc):
+                fcntl.flock(self.fd, fcntl.LOCK_UN)
+                os.close(self.fd)
+
+        return _Lock()
+
+    def _record_path(self, h: int) -> str:
+        return os.path.join(self.driver_dir, f"share-{h:016x}.json")
+
+    def _load(self, h: int):
+        try:
+            with open(self._record_path(h)) as f:
+                return json.load(f)
+        except FileNotFoundError:
+            return None
+
+    def _save(self, h: int, rec: dict) -> None:
+        tmp = self._record_path(h) + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(rec, f)
+        os.replace(tmp, self._record_path(h))
+
+    @staticmethod
+    def _now_ns() -> int:
+        return time.clock_gettime_ns(time.CLOCK_BOOTTIME)
+
+    @staticmethod
+    def _start_ns() -> int:
+        """When this process started, on the boot clock (``/proc/self/stat`` field 22, in clock
+        ticks: 10 ms coarser than the driver's, rounded down, so a pid listed less than a tick
+        before its process started passes here)."""
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return int(fields[19]) * 1_000_000_000 // os.sysconf("SC_CLK_TCK")
+
+    def _aclrtMemExportToShareableHandle(self, handle, handleType, flags, shareableHandle):
+        self._need_device()
+        p = self.dev.handle(handle or 0)
+        if handleType != acl.ACL_MEM_HANDLE_TYPE_NONE:
+            raise SimError(ACL_ERROR_RT_FEATURE_NOT_SUPPORT, f"handleType {handleType}: only ACL_MEM_HANDLE_TYPE_NONE")
+        if flags not in (acl.ACL_RT_VMM_EXPORT_FLAG_DEFAULT, acl.ACL_RT_VMM_EXPORT_FLAG_DISABLE_PID_VALIDATION):
+            raise SimError(ACL_ERROR_RT_PARAM_INVALID, f"flags {flags}")
+        if p.id in self._exported or p.id in self._imported:
+            raise SimError(ACL_ERROR_RT_PARAM_INVALID, "a physical handle is exported once, by the process that "
+                           "allocated it (one handle, one shareable handle)")
+        with self._driver():
+            counter = os.path.join(self.driver_dir, "next-share-id")
+            try:
+                with open(counter) as f:
+                    sid = int(f.read())
+            except FileNotFoundError:
+                sid = 1
+            with open(counter, "w") as f:
+                f.write(str(sid + 1))
+            h = (p.device << 32) | sid
+            self._save(h, {"device": p.device, "exporter": self._bare_tgid(), "exporter_pid": os.getpid(),
+                           "fd": p.fd, "whitelist": flags == acl.ACL_RT_VMM_EXPORT_FLAG_DEFAULT, "pids": {},
+                           "imported": []})
+        p.imported = True  # shared pages: never handed out again as fresh memory
+        self._exported[p.id] = h
+        ctypes.c_uint64.from_address(shareableHandle).value = h
+
+    def _aclrtMemSetPidToShareableHandle(self, shareableHandle, pid, pidNum):
+        if not pid or pidNum == 0:
+            raise SimError(ACL_ERROR_RT_PARAM_INVALID, "pid NULL or pidNum 0")
+        pids = list((ctypes.c_int32 * pidNum).from_address(pid))
+        with self._driver():
+            rec = self._load(shareableHandle)
+            if rec is None:
+                raise SimError(ACL_ERROR_RT_INVALID_HANDLE, f"Share handle doesn't exist ({shareableHandle:#x})")
+            if rec["exporter"] != self._bare_tgid():
+                raise SimError(ACL_ERROR_RT_DRV_INTERNAL_ERROR, "Not export process, can not set pid")
+            if not rec["whitelist"]:
+                raise SimError(ACL_ERROR_RT_NO_PERMISSION, "Had set no need wlist, operation not permitted")
+            now = self._now_ns()
+            listed = [x for x in pids if x != 0]
+            if not listed:
+                raise SimError(ACL_ERROR_RT_PARAM_INVALID, "no valid pid (pid 0 is skipped)")
+            for x in listed:
+                rec["pids"][str(x)] = now
+            self._save(shareableHandle, rec)
+
+    def _aclrtMemImportFromShareableHandle(self, shareableHandle, deviceId, handle):
+        self._need_device()
+        if not 0 <= deviceId < self.dev.device_count:
+            raise SimError(ACL_ERROR_RT_INVALID_DEVICEID, f"no device {deviceId}")
+        me = self._bare_tgid()
+        with self._driver():
+            rec = self._load(shareableHandle)
+            if rec is None:
+                raise SimError(ACL_ERROR_RT_INVALID_HANDLE, f"Share handle doesn't exist ({shareableHandle:#x})")
+            if rec["exporter"] == me and rec["device"] == deviceId:
+                raise SimError(ACL_ERROR_RT_DRV_INTERNAL_ERROR, "Export process can not import")
+            if deviceId != rec["device"]:
+                raise SimError(ACL_ERROR_RT_PARAM_INVALID, f"the handle is device {rec['device']}'s, imported into "
+                               f"device {deviceId} (across devices needs aclrtDeviceEnablePeerAccess)")
+            if rec["whitelist"]:
+                t = rec["pids"].get(str(me))
+                if t is None:
+                    raise SimError(ACL_ERROR_RT_DRV_INTERNAL_ERROR, f"Current process not add in pid list (pid={me})")
+                if t < self._start_ns():
+                    raise SimError(ACL_ERROR_RT_DRV_INTERNAL_ERROR, f"Time check fail (pid={me} was listed before "
+                                   "this process started)")
+            key = f"{me}:{deviceId}"
+            if key in rec["imported"]:
+                raise SimError(ACL_ERROR_RT_INVALID_HANDLE, f"Can not import multi times (pid={me}; devid={deviceId})")
+            fd = os.open(f"/proc/{rec['exporter_pid']}/fd/{rec['fd']}", os.O_RDWR | os.O_CLOEXEC)
+            try:
+                p = self.dev.import_fd(fd, deviceId)
+            finally:
+                os.close(fd)
+            rec["imported"].append(key)
+            self._save(shareableHandle, rec)
+        self._imported[p.id] = shareableHandle
+        out_ptr(handle, p.id)
+
+    def _aclrtDeviceGetBareTgid(self, pid):
+        ctypes.c_int32.from_address(pid).value = self._bare_tgid()
 
     def _aclrtMapMem(self, virPtr, size, offset, handle, flags):
         if offset or flags:
@@ -197,3 +394,5 @@ class FakeAcl:
 
     def close(self):
         self.dev.close()
+        if self._own_driver_dir:
+            shutil.rmtree(self.driver_dir, ignore_errors=True)

@@ -15,8 +15,15 @@ args = ap.parse_args()
 if args.pythonpath:
     print(shim_dir())
 elif args.preload_path:
-    from .torch_memory_saver import native_library_path
+    import sys
 
-    print(native_library_path())
+    from ..errors import NativeLibraryMissingError
+    from .torch_memory_saver import require_native_library
+
+    try:
+        print(require_native_library())
+    except NativeLibraryMissingError as e:
+        print(f"python -m unisleep.compat: {e}", file=sys.stderr)
+        sys.exit(1)
 else:
     print(f'export {ENV_SWITCH}=1 PYTHONPATH="{shim_dir()}${{PYTHONPATH:+:$PYTHONPATH}}"')

@@ -45,6 +45,7 @@ from ..errors import (
     InsufficientMemoryError,  # noqa: F401  (a module attribute, as before)
     InvalidArgumentError,
     InvalidTransitionError,
+    NativeLibraryMissingError,
     UnsupportedError,
 )
 from ..platform import env_flag
@@ -75,6 +76,26 @@ def native_library_path() -> str:
     package, i.e. ``dirname(dirname(torch_memory_saver.__file__))`` when the facade is the
     ``torch_memory_saver`` module — the file slime and AReaL put in ``LD_PRELOAD``."""
     return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), NATIVE_NAME)
+
+
+def native_library_missing(path: Optional[str] = None) -> str:
+    """Why the native library at ``path`` (default: :func:`native_library_path`) is absent and
+    how to get it."""
+    path = path or native_library_path()
+    return (f"unisleep's torch_memory_saver preload library ({path}) is not installed: it is built only when a C "
+            "compiler is there at install time, and it serves only torch_memory_saver's preload mode (LD_PRELOAD, "
+            "TMS_INIT_ENABLE=1: slime, AReaL). To get it, install a C compiler (e.g. `apt-get install gcc`) and "
+            "install unisleep again (`pip install --force-reinstall --no-deps .` in the clone, or from the wheel); "
+            "in a source tree, `python setup.py build_ext --inplace`")
+
+
+def require_native_library() -> str:
+    """The native library's path; :class:`~unisleep.errors.NativeLibraryMissingError` naming
+    how to build it when unisleep was installed without it."""
+    path = native_library_path()
+    if not os.path.exists(path):
+        raise NativeLibraryMissingError(native_library_missing(path))
+    return path
 
 
 class TorchMemorySaver(_SaverCapture, _SaverLifecycles):
@@ -474,10 +495,7 @@ class TorchMemorySaver(_SaverCapture, _SaverLifecycles):
         _check_preload(path)
         spec = driver_class(self._platform.name).capture_spec
         if not os.path.exists(path):
-            self._native_problem = (
-                f"unisleep's native library {path} is missing: it is built when unisleep is installed (pip needs a C "
-                "compiler, e.g. `apt-get install gcc`, then `pip install --force-reinstall unisleep`; in a source "
-                "tree: `python setup.py build_ext --inplace`)")
+            self._native_problem = native_library_missing(path)
             return
         try:
             bw = _BinaryWrapper(path, spec.runtime if spec is not None else None)

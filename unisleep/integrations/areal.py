@@ -27,7 +27,12 @@ def install() -> None:
 
 
 def tms_env_vars() -> dict[str, str]:
-    """What AReaL's own ``get_tms_env_vars()`` returns under the facade (its function, called)."""
+    """What AReaL's own ``get_tms_env_vars()`` returns under the facade (its function, called);
+    :class:`~unisleep.errors.NativeLibraryMissingError` first when unisleep was installed without
+    the preload library AReaL's workers load."""
+    from ..compat.torch_memory_saver import require_native_library
+
+    require_native_library()
     _install()
     from areal.utils.offload import get_tms_env_vars  # AReaL, imported only here
 

@@ -36,7 +36,12 @@ _INHERITED_PYTHONPATH = "${PYTHONPATH}"
 def driver_env(pythonpath: str = "") -> dict[str, str]:
     """The two variables to start slime's driver (``python train.py ...``) with, so its
     ``import torch_memory_saver`` is unisleep's facade.  ``pythonpath``: the current
-    ``PYTHONPATH``, kept after the shim folder."""
+    ``PYTHONPATH``, kept after the shim folder.  Raises
+    :class:`~unisleep.errors.NativeLibraryMissingError` when unisleep was installed without the
+    preload library slime's train actors load."""
+    from ..compat.torch_memory_saver import require_native_library
+
+    require_native_library()
     return {ENV_SWITCH: "1", "PYTHONPATH": shim_dir() + (":" + pythonpath if pythonpath else "")}
 
 

@@ -61,10 +61,18 @@ CONNECT_RETRY_S = 5.0
 #: ``hdr`` carries the next update's header to a receiver connected already (``u``: its number,
 #: ``k``: its epoch, ``msg``: the header's JSON, or empty: it is in the store only)
 OPS = ("hello", "proof", "welcome", "buf", "bucket", "free", "error", "end", "stream", "ack", "go", "done", "hdr")
+#: ``share`` is a ``buf`` message's handle when the vendor's buffers travel as a number instead
+#: of a descriptor (:func:`offer_buffer`), in decimal
 IPC_MSG = {"op": OPS, "id": R.OPT_STR, "slot": R.INT, "k": R.INT, "nbytes": R.INT, "u": R.INT, "abort": R.BOOL,
-           "msg": R.STR, "nonce": R.OPT_STR, "rank": R.INT, "pid": R.INT, "ok": R.BOOL, "kind": R.STR}
+           "msg": R.STR, "nonce": R.OPT_STR, "rank": R.INT, "pid": R.INT, "ok": R.BOOL, "kind": R.STR,
+           "share": R.OPT_STR}
 _BLANK = {"id": None, "slot": 0, "k": 0, "nbytes": 0, "u": 0, "abort": False, "msg": "", "nonce": None, "rank": 0,
-          "pid": 0, "ok": True, "kind": ""}
+          "pid": 0, "ok": True, "kind": "", "share": None}
+#: a vendor ipc module's ``SHARE``: how its buffers are handed over.  "fd" (the default): a file
+#: descriptor, sent with SCM_RIGHTS.  "pid-handle": a number the exporter makes importable by one
+#: process (``ExportBuffer.handle_for(pid)``), given the pid the kernel reports for that receiver's
+#: connection (``SO_PEERCRED``, :attr:`IpcConn.peer_pid`) — never a pid the receiver states
+SHARE_FD, SHARE_PID_HANDLE = "fd", "pid-handle"
 
 
 class IpcGoneError(TransferError):
@@ -90,8 +98,11 @@ class IpcConn:
     """One authenticated IPC connection: sealed messages with a counter per direction."""
 
     def __init__(self, sock: socket.socket, group: "TransferGroup", ctx: str, out_dir: str, in_dir: str, peer: str,
-                 peer_rank: int):
+                 peer_rank: int, peer_pid: int = 0):
         self.sock, self.group, self.peer, self.peer_rank = sock, group, peer, peer_rank
+        #: the peer process's pid as the kernel reported it when it connected (SO_PEERCRED; the
+        #: sender's side only, 0 where unknown)
+        self.peer_pid = peer_pid
         self.key = group.subkey("ipc")
         self.ctx = ctx
         self.out_dir, self.in_dir = out_dir, in_dir
@@ -504,7 +515,7 @@ class IpcSenderState:
             g._intrusion(f"refused an IPC connection from {who}: {e}")
             return None
         sock.settimeout(g.timeout_s)
-        return r, IpcConn(sock, g, f"{base}/{nonce}{mine}/{r}", "s", "r", f"receiver rank {r}", r)
+        return r, IpcConn(sock, g, f"{base}/{nonce}{mine}/{r}", "s", "r", f"receiver rank {r}", r, peer_pid=pid)
 
     def drop_slot(self, slot: int) -> None:
         """Give slot ``slot``'s exported buffer back (a receiver's mapping keeps its memory until
@@ -624,9 +635,9 @@ class IpcSendChannel:
             try:
                 if r not in have:
                     t0 = time.perf_counter()
-                    fd = eb.fd()  # exported once per buffer
+                    fds, share = offer_buffer(st.ipc, eb, conn)
                     self.s._buffer_s += time.perf_counter() - t0
-                    conn.send("buf", [fd], id=bid, slot=slot, nbytes=eb.nbytes)
+                    conn.send("buf", fds, id=bid, slot=slot, nbytes=eb.nbytes, share=share)
                     have.add(r)
                 conn.send("bucket", k=plan.index, id=bid, slot=slot, nbytes=plan.total_bytes, u=self.seq)
             except TransferError as e:
@@ -675,6 +686,32 @@ class IpcSendChannel:
             self.s._released_s += time.perf_counter() - t0
 
 
+def offer_buffer(ipc, eb, conn: IpcConn) -> tuple[list[int], Optional[str]]:
+    """What a ``buf`` message carries to ``conn``'s receiver for exported buffer ``eb``: its fd
+    (exported once per buffer), or — for a module whose ``SHARE`` is ``"pid-handle"`` — its
+    handle made importable by exactly that receiver's process (the kernel's pid for the
+    connection; a connection without one is refused by the module)."""
+    if getattr(ipc, "SHARE", SHARE_FD) == SHARE_PID_HANDLE:
+        return [], str(eb.handle_for(conn.peer_pid))
+    return [eb.fd()], None
+
+
+def buffer_message_ok(ipc, msg: dict, fds: list[int]) -> bool:
+    """Whether a ``buf`` message carries what ``ipc``'s buffers travel as: one fd, or (a
+    ``"pid-handle"`` module) no fd and a decimal handle."""
+    if getattr(ipc, "SHARE", SHARE_FD) == SHARE_PID_HANDLE:
+        share = msg["share"] or ""
+        return not fds and share.isdigit() and len(share) <= 20
+    return len(fds) == 1
+
+
+def import_buffer(ipc, msg: dict, fds: list[int], device_index: int):
+    """The receiver's mapping of a checked ``buf`` message's buffer (its fd, or its handle)."""
+    if getattr(ipc, "SHARE", SHARE_FD) == SHARE_PID_HANDLE:
+        return ipc.ImportedBuffer(int(msg["share"]), msg["nbytes"], device_index)
+    return ipc.ImportedBuffer(fds[0], msg["nbytes"], device_index)
+
+
 # ---------------------------------------------------------------------------- the receiver's end
 def update_messages(rx, st: "RecvState"):
     """The sender's messages of update ``st.seq`` on the authenticated IPC connection, as
@@ -712,7 +749,7 @@ def receive(rx, st: "RecvState") -> None:
     slot_of: dict[str, int] = {}
     for op, msg, fds in update_messages(rx, st):
         if op == "buf":
-            if len(fds) != 1 or msg["slot"] not in (0, 1) or not msg["id"] or msg["nbytes"] <= 0:
+            if msg["slot"] not in (0, 1) or not msg["id"] or msg["nbytes"] <= 0 or not buffer_message_ok(ipc, msg, fds):
                 for fd in fds:
                     os.close(fd)
                 raise TransferError("the sender's buffer message is malformed")
@@ -726,7 +763,7 @@ def receive(rx, st: "RecvState") -> None:
             if prev is not None:
                 prev.close()
             tb = time.perf_counter()
-            rx._imports[msg["id"]] = ipc.ImportedBuffer(fds[0], msg["nbytes"], rx.group.device_index)
+            rx._imports[msg["id"]] = import_buffer(ipc, msg, fds, rx.group.device_index)
             rx._buffer_s += time.perf_counter() - tb
             slot_of[msg["id"]] = msg["slot"]
         elif op == "bucket":
