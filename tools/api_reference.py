@@ -141,6 +141,7 @@ def render() -> str:
            "[transfer.md](transfer.md), [rl-loop.md](rl-loop.md), [vllm.md](vllm.md), the",
            "[integrations](integrations/); measured figures: [benchmarks.md](benchmarks.md).", ""]
     out += [f"- [`{m}`](#{m.replace('.', '')}) — {what}" for m, what in MODULES] + [""]
+    shown: dict[tuple[str, str], str] = {}  # (defining module, name) -> the section that shows it
     for module, what in MODULES:
         tree = parse(module)
         out += [f"## {module}", "", f"{what[0].upper()}{what[1:]}.", ""]
@@ -151,6 +152,12 @@ def render() -> str:
         for name in exported(tree):
             src, node = resolve(module, tree, name)
             where = f" (from `{src}`)" if src != module else ""
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                if (src, name) in shown:
+                    first = shown[(src, name)]
+                    constants.append(f"`{name}` ([{first}](#{first.replace('.', '')}))")
+                    continue
+                shown[(src, name)] = module
             if isinstance(node, ast.ClassDef):
                 lines = render_class(node)
                 out += lines[:2] + ([f"Defined in `{src}`.", ""] if where else []) + lines[2:]
