@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import difflib
+import errno
 import importlib
 import logging
 import os
@@ -36,6 +37,32 @@ def plain(text: Optional[str]) -> str:
     text = text.replace("``", "")
     lines = [ln for ln in text.splitlines() if not re.fullmatch(r"\s*=+(\s+=+)*\s*", ln)]  # table borders
     return "\n".join(lines).strip("\n")
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """``--help`` keeps the description's line breaks and shows every option's default (where its
+    help does not already say it)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if ("default" in text or action.default in (None, False, argparse.SUPPRESS)
+                or action.option_strings == [] or action.nargs == 0):
+            return text
+        return f"{text} (default {action.default})"
+
+
+class CommandParser(argparse.ArgumentParser):
+    """The parser of every ``unisleep`` command: a wrong option or value is answered the same way
+    everywhere — one line, ``PROG: what is wrong (PROG --help lists the options)``, exit 2, no usage
+    dump — and ``--help`` shows the defaults."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):  # argparse's contract: print and exit, never return
+        message = message.rstrip(".")
+        self.exit(2, f"{self.prog}: {message} ({self.prog} --help lists the options)\n")
 
 
 _NEGATIVE = re.compile(r"-[0-9.]")
@@ -76,6 +103,8 @@ def can_create_in(folder: str) -> Optional[str]:
     try:
         made = tempfile.mkdtemp(prefix=".unisleep-write-check-", dir=folder)
     except OSError as e:
+        if e.errno == errno.ENOENT and os.path.isdir(folder):  # /proc, /sys: the kernel's files, no new ones
+            return "it takes no new files (a kernel pseudo-filesystem such as /proc or /sys)"
         return e.strerror or str(e)
     os.rmdir(made)
     return None

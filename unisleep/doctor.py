@@ -11,7 +11,6 @@ of this process's lifecycles hold, pinned / pageable / on disk — nonzero when 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -302,32 +301,42 @@ def _render_host(h: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _clean(spill_dir: Optional[str]) -> int:
+def _clean(spill_dir: Optional[str], as_json: bool = False) -> int:
+    """Remove the spill directories of processes that are gone under ``spill_dir``; one line per
+    directory and a summary, or (``as_json``) one JSON object: ``parent``, ``removed`` and
+    ``not_removed`` (paths with their bytes), ``bytes_removed``.  Exit 1 when one could not be
+    removed, 2 when ``spill_dir`` is not a directory."""
     from .backends.host.spill_dir import clean_orphans, default_spill_parent, tree_bytes
     from .units import human_bytes
 
     parent = os.path.abspath(spill_dir or default_spill_parent())
     if not os.path.isdir(parent):
-        print(f"doctor --clean: {parent} is not a directory", file=sys.stderr)
+        print(f"unisleep doctor: --clean: {parent} is not a directory. Pass --spill-dir the spill directory to "
+              "clean.", file=sys.stderr)
         return 2
     found = clean_orphans(parent, remove=False)
     sizes = {p: tree_bytes(p) for p in found}
     removed = clean_orphans(parent)
+    left = [p for p in found if p not in removed]
+    freed = sum(sizes.get(p, 0) for p in removed)
+    if as_json:
+        print(json.dumps({"parent": parent, "removed": [{"path": p, "bytes": sizes.get(p, 0)} for p in removed],
+                          "not_removed": [{"path": p, "bytes": sizes.get(p, 0)} for p in left],
+                          "bytes_removed": freed}, indent=2))
+        return 1 if left else 0
     for p in removed:
         print(f"removed {p} ({human_bytes(sizes.get(p, 0))})")
-    left = [p for p in found if p not in removed]
     for p in left:
         print(f"could not remove {p}", file=sys.stderr)
     print(f"doctor --clean: {len(removed)} leftover spill director{'y' if len(removed) == 1 else 'ies'} removed "
-          f"from {parent} ({human_bytes(sum(sizes.get(p, 0) for p in removed))}); live processes' were not touched")
+          f"from {parent} ({human_bytes(freed)}); live processes' were not touched")
     return 1 if left else 0
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from .cli import plain
+    from .cli import CommandParser, plain
 
-    parser = argparse.ArgumentParser(prog="unisleep doctor", description=plain(__doc__),
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandParser(prog="unisleep doctor", description=plain(__doc__))
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
     parser.add_argument("--clean", action="store_true",
                         help="remove spill directories left by processes that are gone (never a live one's), then exit")
@@ -337,7 +346,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.spill_dir and not args.clean:
         parser.error("--spill-dir goes with --clean")
     if args.clean:
-        return _clean(args.spill_dir)
+        return _clean(args.spill_dir, as_json=args.json)
     report = collect()
     if args.json:
         print(json.dumps(report, indent=2, default=str))

@@ -318,7 +318,14 @@ def open_spill_parent(parent: str) -> tuple[int, list]:
 
 
 def tree_bytes(path: str) -> int:
-    """Bytes allocated on disk under ``path``."""
+    """Bytes allocated on disk under ``path`` (a spill directory), or by ``path`` itself when it is
+    a file (a flat-layout spill file); links are not followed."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return 0
+    if _stat.S_ISREG(st.st_mode):
+        return st.st_blocks * 512
     total = 0
     for root, _, files in os.walk(path):
         for f in files:

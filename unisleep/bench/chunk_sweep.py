@@ -26,7 +26,7 @@ import sys
 import time
 from typing import Optional, Sequence
 
-from ..cli import check_out_file, parse_args, plain
+from ..cli import CommandParser, parse_args, plain
 from ..errors import UnisleepError
 from . import common
 
@@ -104,8 +104,7 @@ def sweep_one(driver, total: int, chunk: Optional[int], repeat: int) -> dict:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="unisleep bench --chunk-sweep", description=plain(__doc__),
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = CommandParser(prog="unisleep bench --chunk-sweep", description=plain(__doc__))
     ap.add_argument("--platform", default=None, help="platform name (default: detected)")
     ap.add_argument("--device", type=int, default=0, help="the device index (default 0)")
     ap.add_argument("--total", type=parse_bytes, default=None,
@@ -113,15 +112,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--chunks", type=parse_chunks, default=parse_chunks(DEFAULT_CHUNKS),
                     help=f"chunk sizes in MiB, 'one' = a single piece (default {DEFAULT_CHUNKS})")
     ap.add_argument("--repeat", type=int, default=3, help="measurements per chunk size (median shown)")
-    ap.add_argument("--json", default=None, help="write the figures here")
+    common.add_output_options(ap, "chunk-sweep")
     args = parse_args(ap, list(argv) if argv is not None else sys.argv[1:])
     if args.repeat < 1:
         ap.error("--repeat must be >= 1")
-    if args.json:
-        try:
-            check_out_file(args.json, "--json")
-        except UnisleepError as e:
-            ap.exit(2, f"unisleep bench: {e}\n")
+    try:
+        json_path = common.output_path(args, "chunk-sweep")
+    except UnisleepError as e:
+        ap.exit(2, f"unisleep bench: {e}\n")
 
     from ..platform import detect_platform
     from ..platform import load_driver
@@ -159,7 +157,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             ["chunk", "handles", "map ms", "unmap ms", "map us/chunk", "map GB/s", "note"],
             rows,
         )
-        common.write_json(args.json, "chunk_sweep", {
+        common.write_json(json_path, "chunk_sweep", {
             "platform": plat.name, "reason": plat.reason, "driver": driver.name, "device": args.device,
             "total_bytes": total, "granularity": gran, "device_free_bytes": free, "device_total_bytes": dev_total,
             "repeat": args.repeat, "rows": results,

@@ -13,7 +13,7 @@
                        (``unisleep.bench.devices``)
 =====================  ===================================================================
 
-Every mode prints a table and writes JSON (``--json PATH``).
+Every mode prints a table and writes JSON: ``bench-<mode>.json`` in ``--out FOLDER`` (default out/), or the file ``--json PATH`` names.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import socket
 import sys
 from typing import Any, Optional, Sequence
 
-from ..cli import children_leave_ctrl_c_to_us
+from ..cli import check_out_dir, check_out_file, children_leave_ctrl_c_to_us
 
 
 #: the folder every mode writes its JSON to unless --json says otherwise (out/ is in .gitignore)
@@ -21,6 +21,26 @@ OUT_DIR = "out"
 def default_json(name: str) -> str:
     """``out/bench-<name>.json``, under the current folder."""
     return os.path.join(OUT_DIR, f"bench-{name}.json")
+
+
+def add_output_options(ap, name: str) -> None:
+    """Every mode's two output options, the same everywhere: ``--out FOLDER`` (the folder its JSON
+    goes to, as ``unisleep demo --out``) and ``--json PATH`` (the file itself; wins over --out).
+    ``name`` is how the mode's file is named in the help, ``bench-<name>.json``."""
+    ap.add_argument("--out", default=None, help=f"folder for the JSON (default {OUT_DIR}, under the current folder)")
+    ap.add_argument("--json", default=None, help=f"the JSON file itself (default bench-{name}.json in --out)")
+
+
+def output_path(args, name: str) -> str:
+    """The JSON file the options name (``--json``, else ``bench-<name>.json`` in ``--out`` or
+    out/), checked before anything runs: :class:`~unisleep.errors.InvalidArgumentError` naming the
+    option when it cannot be written; nothing is created."""
+    if args.json:
+        return check_out_file(args.json, "--json")
+    if args.out:
+        check_out_dir(args.out, "--out")
+        return check_out_file(os.path.join(args.out, f"bench-{name}.json"), "--out")
+    return check_out_file(default_json(name), "--out")
 
 
 def machine_info() -> dict[str, Any]:

@@ -23,9 +23,9 @@ import sys
 import time
 from typing import Optional, Sequence
 
-from ..cli import check_out_file, parse_args, plain
+from ..cli import CommandParser, parse_args, plain
 from ..errors import UnisleepError
-from .common import default_json, emit_result, print_table, progress, run_worker, write_json
+from .common import add_output_options, emit_result, output_path, print_table, progress, run_worker, write_json
 
 GiB = 1 << 30
 IMPLS = ("unisleep-facade", "torch_memory_saver")
@@ -130,11 +130,11 @@ def _available(impl: str) -> bool:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="unisleep bench --compat-tms", description=plain(__doc__))
+    ap = CommandParser(prog="unisleep bench --compat-tms", description=plain(__doc__))
     ap.add_argument("--weights", type=float, default=8.0, help="GiB in the backed-up 'weights' region (default 8)")
     ap.add_argument("--kv", type=float, default=16.0, help="GiB in the discarded 'kv_cache' region (default 16)")
     ap.add_argument("--cycles", type=int, default=4, help="steady pause/resume cycles (default 4)")
-    ap.add_argument("--json", default=default_json("compat-tms"), help="write results here (default %(default)s)")
+    add_output_options(ap, "compat-tms")
     ap.add_argument("--check", action="store_true", help="exit 1 when the facade misses a goal")
     ap.add_argument("--worker", choices=IMPLS, default=None, help=argparse.SUPPRESS)
     args = parse_args(ap, list(argv or []))
@@ -147,7 +147,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.cycles < 1:
         ap.error(f"--cycles must be >= 1, got {args.cycles}")
     try:
-        check_out_file(args.json, "--json")
+        json_path = output_path(args, "compat-tms")
     except UnisleepError as e:
         ap.exit(2, f"unisleep bench: {e}\n")
 
@@ -181,7 +181,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"{impl}: freed by the first pause {r['freed_bytes'] / GiB:.3f} of {r['paused_bytes'] / GiB:.2f} GiB at once, "
                   f"{r['freed_settled_bytes'] / GiB:.3f} GiB once the driver settled; "
                   f"verified {r['verified']}; kv_cache zero after resume {r['kv_zero_after_resume']}")
-    write_json(args.json, "compat-tms", {"goals": GOALS, **results}, ["--compat-tms"] + list(argv or []))
+    write_json(json_path, "compat-tms", {"goals": GOALS, **results}, ["--compat-tms"] + list(argv or []))
     if not fac.get("verified"):
         return 1
     if args.check and any(fac.get(k) is None or fac[k] > g for k, g in GOALS.items()):

@@ -27,10 +27,10 @@ import sys
 import time
 from typing import Optional, Sequence
 
-from ..cli import check_out_file, parse_args, plain
+from ..cli import CommandParser, parse_args, plain
 from ..errors import UnisleepError
 from . import host_policies, peers
-from .common import (GENERATION_PAUSE_S, TRAINER_TURN_S, default_json, emit_result, print_table, progress, run_worker,
+from .common import (GENERATION_PAUSE_S, TRAINER_TURN_S, add_output_options, emit_result, output_path, print_table, progress, run_worker,
                      write_json)
 
 GiB = 1 << 30
@@ -240,7 +240,7 @@ def figure_rows(results: dict) -> list:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="unisleep bench", description=plain(__doc__))
+    ap = CommandParser(prog="unisleep bench", description=plain(__doc__))
     ap.add_argument("--backend", required=True, help="the accelerator platform to measure, one of unisleep's backends "
                     "(a device of it must be here: unisleep doctor shows what is found; --backend host is the host "
                     "benchmark)")
@@ -255,7 +255,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--host-policies", action="store_true",
                     help="run only the host-backup policies side by side and the NUMA copies")
     ap.add_argument("--numa-gib", type=float, default=2.0, help="GiB per NUMA copy (default 2)")
-    ap.add_argument("--json", default=None, help="write results here (default out/bench-<backend>.json)")
+    add_output_options(ap, "<backend>")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parse_args(ap, list(argv or []))
     if args.worker:
@@ -269,9 +269,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             ap.error(f"{name} must be a positive number of GiB, got {gib:g}")
     if args.cycles < 1:
         ap.error(f"--cycles must be >= 1, got {args.cycles}")
-    path = args.json or default_json(args.backend + ("-host-policies" if args.host_policies else ""))
     try:
-        check_out_file(path, "--json")
+        path = output_path(args, args.backend + ("-host-policies" if args.host_policies else ""))
     except UnisleepError as e:
         ap.exit(2, f"unisleep bench: {e}\n")
     base = [sys.executable, "-m", "unisleep", "bench", "--backend", args.backend, "--device", str(args.device),

@@ -40,13 +40,11 @@ import sys
 import time
 from typing import Optional, Sequence
 
-from ..cli import check_out_file, children_leave_ctrl_c_to_us, parse_args, plain
+from ..cli import CommandParser, children_leave_ctrl_c_to_us, parse_args, plain
 from ..errors import DeviceProcessError, InvalidArgumentError, UnisleepError
-from .common import RESULT_PREFIX, default_json, print_table, progress, write_json
+from .common import RESULT_PREFIX, add_output_options, output_path, print_table, progress, write_json
 
 GiB = 1 << 30
-#: the option naming the JSON file (one place: rename it here)
-JSON_OPTION = "--json"
 #: aggregate GB/s against min(sum of the devices' copies alone, host DRAM traffic)
 GOAL_FRACTION = 0.9
 #: seconds from the barrier's message to the instant every process starts
@@ -417,9 +415,8 @@ def print_tables(res: dict, fig: dict, backend: str) -> None:
 
 
 # ---------------------------------------------------------------------------------- the command
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="unisleep bench", description=plain(__doc__),
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> CommandParser:
+    ap = CommandParser(prog="unisleep bench", description=plain(__doc__))
     ap.add_argument("--devices", required=True, help="all, a count N (the first N devices) or a list of indices "
                     "(0,2,3); on the host backend N processes sharing host memory")
     ap.add_argument("--backend", default=None, help="the backend to measure (default: the platform detected here)")
@@ -434,8 +431,7 @@ def build_parser() -> argparse.ArgumentParser:
                          f"the run stops with DeviceProcessError (default {DEFAULT_TIMEOUT_S:g})")
     ap.add_argument("--spill-dir", default=None, help="where the host backend's level-1 backups go")
     ap.add_argument("--check", action="store_true", help="exit 1 when a count misses the goal")
-    ap.add_argument(JSON_OPTION, dest="json", default=None,
-                    help="write results here (default out/bench-<backend>-devices.json)")
+    add_output_options(ap, "<backend>-devices")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--label", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--idle-timeout", type=float, default=None, help=argparse.SUPPRESS)
@@ -492,8 +488,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args.backend = plat.name
         plan = parse_devices(args.devices, plat)
         counts = parse_counts(args.counts, len(plan))
-        path = args.json or default_json(f"{plat.name}-devices")
-        check_out_file(path, JSON_OPTION)
+        path = output_path(args, f"{plat.name}-devices")
         _check_room(plan, plat, args)
     except UnisleepError as e:
         print(f"unisleep bench: {e}", file=sys.stderr)

@@ -35,10 +35,10 @@ import time
 from typing import Callable, Optional, Sequence
 
 from ..backup import host_available_bytes
-from ..cli import can_create_in, nearest_existing, check_out_dir, check_out_file, parse_args, plain
+from ..cli import CommandParser, can_create_in, nearest_existing, parse_args, plain
 from ..errors import InvalidArgumentError, SpillDirError, UnisleepError
 from ..units import human_bytes
-from .common import OUT_DIR, print_table, progress, write_json
+from .common import add_output_options, output_path, print_table, progress, write_json
 
 GOAL_RATIO = 0.8
 #: the verified wake (every spill piece checked against its XXH3 checksum) against the plain read
@@ -385,7 +385,7 @@ def _table(res: dict) -> None:
         f"unisleep host sleep/wake, {human_bytes(res['size_bytes'])}, median of {res['cycles']} cycles "
         f"(ours/limit: the median of each cycle's ratio, and their range), "
         f"spill dir {res['spill_dir']} ({res['filesystem']})",
-        ["operation", "ours", "limit (same run)", "limit", "ours/limit", "goal", "met"],
+        ["operation", "ours", "limit (same run)", "limit", "ours/limit, median of cycles", "goal", "met"],
         rows,
     )
     for r in res["rows"]:
@@ -401,9 +401,8 @@ def _table(res: dict) -> None:
                   f"{human_bytes(r['disk'])} ({human_bytes(r['held'])} of backups; host_backups={res['host_backups']})")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="unisleep bench", description=plain(__doc__),
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> CommandParser:
+    ap = CommandParser(prog="unisleep bench", description=plain(__doc__))
     ap.add_argument("--backend", default="host", help="host (this benchmark); another backend name runs the "
                     "device benchmark")
     ap.add_argument("--size", type=parse_size, default=parse_size("1G"),
@@ -411,8 +410,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--cycles", type=int, default=DEFAULT_CYCLES,
                     help=f"sleep/wake cycles; the table shows medians and ranges (default {DEFAULT_CYCLES})")
     ap.add_argument("--spill-dir", default=None, help="where level-1 backups go (default: unisleep's default)")
-    ap.add_argument("--out", default=None, help=f"folder for the JSON (default: {OUT_DIR}, under the current folder)")
-    ap.add_argument("--json", default=None, help=f"JSON path (default: bench-host.json in --out, else {OUT_DIR}/bench-host.json)")
+    add_output_options(ap, "host")
     ap.add_argument("--check", action="store_true", help="exit 1 when the table shows a missed goal (for CI)")
     return ap
 
@@ -425,11 +423,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ap.error(f"this is the host benchmark; --backend {args.backend} is served by unisleep.bench.device")
     if args.cycles < 1:
         ap.error("--cycles must be >= 1")
-    path = args.json or os.path.join(args.out or OUT_DIR, "bench-host.json")
     try:  # everything it will write, before anything is allocated
-        if args.out and not args.json:
-            check_out_dir(args.out, "--out")
-        check_out_file(path, "--json" if args.json else "--out")
+        path = output_path(args, "host")
         spill_dir = check_room(args.size, args.spill_dir)
     except UnisleepError as e:
         print(f"unisleep bench: {e}", file=sys.stderr)

@@ -23,14 +23,13 @@ layers + 16 GiB KV; the host backend to 1 GiB in 32 layers + 1 GiB KV (spill fil
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from typing import Optional, Sequence
 
-from ..cli import check_out_file, parse_args, plain
+from ..cli import CommandParser, parse_args, plain
 from ..errors import UnisleepError
-from .common import default_json, print_table, progress, write_json
+from .common import add_output_options, output_path, print_table, progress, write_json
 
 GiB = 1 << 30
 
@@ -213,8 +212,7 @@ LABELS = [
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="unisleep bench", description=plain(__doc__),
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = CommandParser(prog="unisleep bench", description=plain(__doc__))
     ap.add_argument("--backend", default="host", help="the platform to measure (default host; an accelerator: a "
                     "device of it must be here)")
     ap.add_argument("--progressive", action="store_true", help="this benchmark")
@@ -226,7 +224,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--chunk-mib", type=int, default=None,
                     help="physical chunk size (default: the backend's; host 32, since creating the first chunk "
                          "delays the first layer)")
-    ap.add_argument("--json", default=None, help="write results here (default out/bench-progressive-<backend>.json)")
+    add_output_options(ap, "progressive-<backend>")
     args = parse_args(ap, list(argv or []))
     on_host = args.backend == "host"
     w = args.weights if args.weights is not None else (1.0 if on_host else 8.0)
@@ -244,9 +242,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ap.error(f"--kv must be a positive number of GiB, got {k:g}")
     if chunk is not None and chunk < 1:
         ap.error(f"--chunk-mib must be >= 1, got {chunk}")
-    path = args.json or default_json(f"progressive-{args.backend}")
     try:
-        check_out_file(path, "--json")
+        path = output_path(args, f"progressive-{args.backend}")
     except UnisleepError as e:
         ap.exit(2, f"unisleep bench: {e}\n")
     r = run(args.backend, args.device, w, k, args.layers, args.cycles, chunk << 20 if chunk else None)

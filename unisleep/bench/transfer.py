@@ -42,7 +42,6 @@ update reports its progress every 10 s; Ctrl-C stops both processes of the path.
 
 from __future__ import annotations
 
-import argparse
 import multiprocessing as mp
 import socket
 import time
@@ -50,9 +49,9 @@ import traceback
 from typing import Any, Optional
 
 from ..backup import host_available_bytes
-from ..cli import check_out_file, parse_args, plain
+from ..cli import CommandParser, parse_args, plain
 from ..errors import UnisleepError
-from .common import children_leave_ctrl_c_to_us, print_table, progress, write_json
+from .common import add_output_options, children_leave_ctrl_c_to_us, output_path, print_table, progress, write_json
 
 GiB = 2**30
 MiB = 2**20
@@ -373,8 +372,7 @@ def memory_rows(results: list) -> list:
 
 
 def main(argv: Optional[list] = None) -> int:
-    ap = argparse.ArgumentParser(prog="unisleep bench --transfer", description=plain(__doc__),
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = CommandParser(prog="unisleep bench --transfer", description=plain(__doc__))
     ap.add_argument("--sizes", default="1,8", help="update sizes in GiB, comma-separated (default 1,8); each a whole "
                     "number of --chunk-mib tensors (rounded down), at least one")
     ap.add_argument("--paths", default=",".join(PATHS), help=f"subset of {','.join(PATHS)}")
@@ -398,7 +396,7 @@ def main(argv: Optional[list] = None) -> int:
                          "default 0: not measured")
     ap.add_argument("--chunk-kib", type=int, default=4, help="tensor size in KiB of the --tensors update (default 4)")
     ap.add_argument("--platform", default=None, help="platform for the device paths (default: detected)")
-    ap.add_argument("--json", default=None, help="write the results here")
+    add_output_options(ap, "transfer")
     args = parse_args(ap, list(argv if argv is not None else []))
 
     paths = [p.strip() for p in args.paths.split(",") if p.strip()]
@@ -430,11 +428,10 @@ def main(argv: Optional[list] = None) -> int:
                    f"source tensor, 2 send and 2 receive buffers of a bucket, two interpreters"
                    f"{', and with --staged the whole update on the receiver' if args.staged else '; the update streams, so its size adds nothing'}) and {free / GiB:.1f} GiB is available (MemAvailable). Pass a smaller "
                    f"--bucket-mib or --chunk-mib{', smaller --sizes' if args.staged else ''}, or --paths without the host paths.\n")
-    if args.json:
-        try:
-            check_out_file(args.json, "--json")
-        except UnisleepError as e:
-            ap.exit(2, f"unisleep bench: {e}\n")
+    try:
+        json_path = output_path(args, "transfer")
+    except UnisleepError as e:
+        ap.exit(2, f"unisleep bench: {e}\n")
 
     from ..platform import detect_platform
 
@@ -538,7 +535,7 @@ def main(argv: Optional[list] = None) -> int:
                     f"buffers: the side's buffer_bytes(); device: the allocator's peak; receiver "
                     f"{'staged' if args.staged else 'streaming'})",
                     ["path", "GiB", "sender host", "buffers", "device", "receiver host", "buffers", "device", "note"], mem)
-    write_json(args.json, "transfer", results, ["--transfer"] + list(argv if argv is not None else []))
+    write_json(json_path, "transfer", results, ["--transfer"] + list(argv if argv is not None else []))
     return 0
 
 

@@ -3,12 +3,11 @@ unisleep's facade in the processes a shell starts; ``--pythonpath``: only the sh
 ``UNISLEEP_TMS=1``); ``--preload-path``: unisleep's native library, the file to name in
 ``LD_PRELOAD`` where a launcher sets torch_memory_saver's (preloading it gives the facade)."""
 
-import argparse
 
-from ..cli import plain
+from ..cli import CommandParser, plain
 from . import ENV_SWITCH, shim_dir
 
-ap = argparse.ArgumentParser(prog="python -m unisleep.compat", description=plain(__doc__))
+ap = CommandParser(prog="python -m unisleep.compat", description=plain(__doc__))
 ap.add_argument("--pythonpath", action="store_true", help="print the shim folder only")
 ap.add_argument("--preload-path", action="store_true", help="print the native library's path")
 args = ap.parse_args()

@@ -3,11 +3,10 @@
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 
-from ..cli import check_out_dir
+from ..cli import CommandParser, check_out_dir
 from ..errors import InvalidArgumentError, PlatformError
 from ..platform import detect_platform
 from ..registry import backends
@@ -155,8 +154,8 @@ def check_model_fits_host(name: str) -> None:
                                    f"Point UNISLEEP_SPILL_DIR at a disk with more room, or: {alt}.")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+def build_parser() -> CommandParser:
+    p = CommandParser(
         prog="unisleep demo",
         description="A colocated RL loop (engine here, trainer in another process) with the guarded "
                     "release -> train -> reacquire order; prints a table per step and checks the result.",

@@ -40,6 +40,8 @@ log = logging.getLogger(__name__)
 #: how the session reaches the workers: vLLM's weight-transfer routes with the unisleep engine
 #: (vLLM >= 0.25), or the unisleep worker methods over collective_rpc (vLLM >= 0.24)
 ROUTES = ("engine", "extension")
+#: seconds :meth:`VLLMWeightPusher.close` waits for the engine to close its side of the group
+CLOSE_ENGINE_S = 10.0
 
 
 @dataclass
@@ -280,8 +282,21 @@ class VLLMWeightPusher:
         return len(parts)
 
     def close(self) -> None:
+        """End the session: the engine's side first (``shutdown_weight_transfer``, waited for at most
+        :data:`CLOSE_ENGINE_S`), then this side's group, whose store the engine's group reaches —
+        closed the other way round, the engine's workers would see the store vanish and warn that
+        rank 0 may have died.  An engine that cannot answer (gone, or busy past the wait) does not
+        hold the close up: its group then notices the store is gone by itself."""
         group, self.group = self.group, None
         if group is not None:
+            shutdown = getattr(self._verbs, "shutdown_weight_transfer", None)
+            if shutdown is not None:
+                call = _Call(shutdown)
+                call.start()
+                call.join(CLOSE_ENGINE_S)
+                if call.is_alive() or call.error is not None:
+                    log.debug("the engine's shutdown_weight_transfer did not finish: %s",
+                              call.error or f"still running after {CLOSE_ENGINE_S:g} s")
             try:
                 group.close()
             except Exception:  # pragma: no cover

