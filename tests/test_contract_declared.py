@@ -1,5 +1,5 @@
 """Every method or attribute the core uses on a driver or a backup store is declared on the
-:class:`~unisleep.driver.Driver` / :class:`~unisleep.driver.BackupStore` ABCs (and every
+:class:`~unisleep.driver.Driver` / :class:`~unisleep.backup.BackupStore` ABCs (and every
 capability, knob and hook it reads on ``driver.capabilities`` / ``driver.config`` /
 ``driver.hooks`` on :class:`~unisleep.driver.Capabilities` / :class:`~unisleep.driver.DriverConfig`
 / :class:`~unisleep.driver.DriverHooks`), and a store
