@@ -332,7 +332,7 @@ def test_draft_update_is_checked_against_the_drafts_checkpoint(tmp_path, tiny_mo
     import torch
     from safetensors.torch import save_file
 
-    from unisleep.vllm_worker.transfer_engine import checkpoint_specs
+    from unisleep.vllm_worker.receiver import checkpoint_specs
     from unisleep.errors import TransferError
 
     draft_dir = tmp_path / "draft"
@@ -411,7 +411,8 @@ def _sparse_checkpoint(path, nbytes):
 
 @pytest.mark.slow
 def test_streaming_is_the_default_and_device_staging_is_fit_checked(tmp_path, tiny_models):
-    from unisleep.vllm_worker.transfer_engine import UnisleepWeightTransferEngine, checkpoint_nbytes
+    from unisleep.vllm_worker.receiver import checkpoint_nbytes
+    from unisleep.vllm_worker.transfer_engine import UnisleepWeightTransferEngine
     from unisleep.errors import TransferError
 
     eng = _transfer_engine(model_path=tiny_models[0], enable_sleep_mode=False)

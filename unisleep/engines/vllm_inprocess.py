@@ -22,10 +22,7 @@ from ..errors import EngineError, InvalidArgumentError, InvalidTransitionError, 
 from .base import Engine, Generation
 from ..vllm_worker.methods import allocator_resident_bytes
 from ..vllm_worker.versions import AcceptanceMeter, level2_refusal, spec_counters_from_reader
-from .vllm_common import (  # noqa: F401  (SLEEP_TAGS, WAKE_TAGS, PAUSE_MODES: re-exported)
-    PAUSE_MODES,
-    SLEEP_TAGS,
-    WAKE_TAGS,
+from .vllm_common import (
     check_level,
     check_mode,
     check_wake_tags,
