@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 
@@ -116,10 +117,19 @@ def test_plugin_register_is_idempotent_and_registers_both():
 
 
 def test_plugin_entry_point_is_installed():
+    """pyproject.toml names the plugin itself; the installed entry point (in an environment
+    installed before 2026-12-03: the public alias unisleep.vllm_plugin) loads that function."""
+    import tomllib
     from importlib.metadata import entry_points
 
-    eps = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
-    assert eps.get("unisleep") == "unisleep.vllm_plugin:register"
+    from unisleep.vllm_worker import plugin
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "pyproject.toml"), "rb") as f:
+        declared = tomllib.load(f)["project"]["entry-points"]["vllm.general_plugins"]
+    assert declared["unisleep"] == "unisleep.vllm_worker.plugin:register"
+    eps = {ep.name: ep for ep in entry_points(group="vllm.general_plugins")}
+    assert eps["unisleep"].load() is plugin.register
 
 
 def test_parse_sleep_state_and_abort_answers():
