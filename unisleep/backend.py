@@ -164,7 +164,7 @@ class Backend:
             return None
         try:
             return self.load(self.detect)()
-        except Exception as e:
+        except Exception as e:  # a detector may fail any way (a vendor library, a driver); it means: not here
             log.debug("detecting %s failed: %s", self.name, e)
             return None
 

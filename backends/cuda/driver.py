@@ -174,7 +174,7 @@ class CudaDriver(Driver):
         try:
             if not host_reads.warm_up(self.torch_device):
                 log.debug("SM copy kernel not compiled; restores stay on the copy engine")
-        except Exception as e:
+        except Exception as e:  # restores then stay on the copy engine (disabled, same bytes)
             log.debug("SM copy kernel warm-up failed: %s", e)
             host_reads.disable(e)
 

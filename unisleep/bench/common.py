@@ -35,7 +35,7 @@ def machine_info() -> dict[str, Any]:
         import torch
 
         info["torch"] = torch.__version__
-    except Exception:
+    except Exception:  # no usable torch: the machine info says nothing of it
         pass
     total = meminfo().get("MemTotal")
     if total:  # absent when /proc/meminfo cannot be read

@@ -92,7 +92,7 @@ class VLLMEngine(Engine):
         if self._vllm_version is None:
             try:
                 self._vllm_version = self.version()
-            except Exception:
+            except Exception:  # the version is best effort here: None means unknown
                 return None
         return self._vllm_version
 
@@ -117,7 +117,7 @@ class VLLMEngine(Engine):
         (``LLM.get_metrics()``; needs ``disable_log_stats=False``); None when unknown."""
         try:
             metrics = self.llm.get_metrics()
-        except Exception:
+        except Exception:  # metrics off or unreadable in this vLLM: unknown (the contract)
             return None
         return self._acceptance.read(spec_counters_from_reader(metrics))
 
@@ -258,7 +258,7 @@ class VLLMEngine(Engine):
 
         try:
             self.llm.update_weights({"update_info": {"abort": True}})
-        except Exception as e:
+        except Exception as e:  # whatever vLLM raised is read: did it close the session
             return abort_answer_closed_session(str(e))
         return False
 
