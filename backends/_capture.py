@@ -326,7 +326,7 @@ class ProcessCapture:
             with self._mu:
                 self._owner[region.va] = (lc, region)
             return region.va
-        except BaseException as e:
+        except BaseException as e:  # inside torch's allocator callback: counted, logged, and torch told it failed
             self.failures += 1
             log.error("whole-process capture could not allocate %d bytes: %s", size, e)
             return _FAILED
@@ -348,7 +348,7 @@ class ProcessCapture:
             if region.mapped:
                 drv.synchronize()  # in-flight work may still use it
             region.free(drv)
-        except BaseException as e:
+        except BaseException as e:  # inside torch's free callback, which cannot raise: logged
             log.error("whole-process capture could not free %#x: %s", int(ptr or 0), e)
 
 

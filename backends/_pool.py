@@ -127,7 +127,7 @@ class TagAllocator:
             if region.mapped:
                 self.driver.synchronize()  # in-flight kernels may still use it
             region.free(self.driver)  # an asleep region holds no handle: only its address is freed
-        except BaseException as e:
+        except BaseException as e:  # inside torch's free callback, which cannot raise: logged
             log.error("unisleep pool %r could not free %#x: %s", self.tag, int(ptr or 0), e)
 
 
@@ -256,7 +256,7 @@ class DigestScratch:
             if devmod.is_current_stream_capturing():
                 return None
             return cls(device, devmod)
-        except Exception as e:
+        except Exception as e:  # the digests then use the framework's allocator: same digest
             log.debug("no private pool for the digests' temporaries: %s", e)
             return None
 

@@ -1,5 +1,5 @@
 """Every method or attribute the core uses on a driver or a backup store is declared on the
-:class:`~unisleep.driver.Driver` / :class:`~unisleep.driver.BackupStore` ABCs (and every
+:class:`~unisleep.driver.Driver` / :class:`~unisleep.backup.BackupStore` ABCs (and every
 capability, knob and hook it reads on ``driver.capabilities`` / ``driver.config`` /
 ``driver.hooks`` on :class:`~unisleep.driver.Capabilities` / :class:`~unisleep.driver.DriverConfig`
 / :class:`~unisleep.driver.DriverHooks`), and a store
@@ -19,9 +19,8 @@ from unisleep.driver import Capabilities, Driver, DriverConfig, DriverHooks
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORE = os.path.join(ROOT, "unisleep")
 #: not a lifecycle's driver or store there: the transfer group's TCP store, the platform
-#: table's driver entry ("module:Class"); a probe of the CUDA driver's own release path
-SKIP = {os.path.join(CORE, "transfer"), os.path.join(CORE, "platform.py"), os.path.join(CORE, "driver.py"),
-        os.path.join(CORE, "bench", "release_cost.py")}
+#: table's driver entry ("module:Class")
+SKIP = {os.path.join(CORE, "transfer"), os.path.join(CORE, "platform.py"), os.path.join(CORE, "driver.py")}
 
 STORE_NAMES = {"store", "_store"}
 DRIVER_NAMES = {"driver", "_driver", "drv"}

@@ -161,7 +161,7 @@ def test_probe_fails_a_forward_on_stale_weights_even_with_exact_bytes():
 
 
 def test_memory_table_and_peak():
-    from unisleep.demo.scaled import format_memory, memory_peak
+    from unisleep.demo.scaled_report import format_memory, memory_peak
 
     G = 1 << 30
     tl = [{"t": 0.0, "phase": "engine generated", "step": 1, "engine": 17 * G, "engine_allocator": G, "trainer": 0,
@@ -210,7 +210,7 @@ def test_what_sleeps_is_gone_on_a_device():
     # the sleeping trainer's allocator cache counts against it (0.06 GiB at the start, 0.47 GiB later)
     cached = R.check(_device_timeline(leftover=0, trainer_cache=410 * M))
     assert cached.ok is False and "'engine generated'" in cached.detail and "trainer allocator 0.46" in cached.detail
-    from unisleep.demo.scaled import format_memory
+    from unisleep.demo.scaled_report import format_memory
 
     table = format_memory(_device_timeline(leftover=int(2.9 * G)), 1)
     assert " !" in table and "works" in table

@@ -2,7 +2,9 @@
 inside functions: a lazy import for start-up cost is fine, a lazy import that hides a circle is a
 circle): no import circle among the modules of unisleep/ and backends/, backends/ imports nothing
 above the driver layer (docs/lifecycle.md, "Writing a backend"), and nothing a backend imports
-reaches the registry (which loads the backends by name: a circle no ``import`` statement shows).
+reaches the registry (which loads the backends by name: a circle no ``import`` statement shows),
+and no module re-exports what it imports (callers import the real name), except the public
+aliases listed in ``unisleep/__init__.py``'s docstring.
 
 This is the rule for how code is cut into modules — one concern per module, whatever its length
 (docs/architecture.md) — not a line count."""
@@ -210,3 +212,97 @@ def test_nothing_a_backend_imports_looks_backends_up():
         if hit and m not in LOOKS_UP_BACKENDS:
             wrong.append(f"{m} -> {', '.join(sorted(hit))}")
     assert not wrong, "modules below the backends that look backends up:\n" + "\n".join(wrong)
+
+
+def _target(base: str, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    pkg = base.split(".")
+    pkg = pkg[: len(pkg) - node.level + 1]
+    return ".".join(pkg + ([node.module] if node.module else []))
+
+
+def reexports(mods: dict[str, str], allowed=frozenset(), root: str = ROOT) -> list[str]:
+    """Names a module imports and never uses itself that another module, a test or a tool imports
+    from it (or a ``from ... import *``): a re-export, so the caller should import the real
+    module.  Packages' ``__init__`` (their public names) and the ``allowed`` modules are not
+    counted."""
+    trees = {n: ast.parse(open(p, encoding="utf-8").read(), p) for n, p in mods.items()}
+    passed_on: dict[str, set[str]] = {}
+    for name, tree in trees.items():
+        if mods[name].endswith("__init__.py") or name in allowed:
+            continue
+        base = name.rpartition(".")[0]
+        imported = {}
+        for node in tree.body:
+            if isinstance(node, ast.ImportFrom) and node.module != "__future__" and _target(base, node) in mods:
+                for a in node.names:
+                    imported[a.asname or a.name] = a.name
+        in_all = set()
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+                in_all = {id(x) for x in ast.walk(node)}
+        used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and id(n) not in in_all}
+        used |= {w for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+                 and id(n) not in in_all for w in n.value.replace(".", " ").replace("[", " ").split()}  # annotations
+        passed_on[name] = {k for k in imported if k not in used}
+    importers = {n: (t, n if mods[n].endswith("__init__.py") else n.rpartition(".")[0]) for n, t in trees.items()}
+    for top in ("tests", "tools"):
+        for d, dirs, files in os.walk(os.path.join(root, top)):
+            dirs[:] = [x for x in dirs if x != "__pycache__" and not x.startswith("vllm_pkg")]
+            for f in files:
+                if f.endswith(".py"):
+                    path = os.path.join(d, f)
+                    try:
+                        importers[os.path.relpath(path, root)] = (ast.parse(open(path, encoding="utf-8").read()), "")
+                    except SyntaxError:  # a file of another Python (a fetched package's test data): not ours
+                        pass
+    out = []
+    for name, (tree, base) in importers.items():
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            src = _target(base, node)
+            for a in node.names:
+                if a.name == "*" and src in mods and name in passed_on:
+                    out.append(f"{name} re-exports everything of {src}")
+                elif a.name in passed_on.get(src, ()):
+                    out.append(f"{name} imports {a.name} from {src}")
+    return sorted(set(out))
+
+
+def public_aliases() -> set[str]:
+    """The modules ``unisleep/__init__.py``'s docstring lists as public aliases."""
+    import re
+
+    doc = ast.get_docstring(ast.parse(open(os.path.join(ROOT, "unisleep", "__init__.py"), encoding="utf-8").read()))
+    return set(re.findall(r"^\* ``(unisleep[.\w]+)``", doc, re.M))
+
+
+def test_the_reexport_check_can_fail(tmp_path):
+    (tmp_path / "unisleep").mkdir()
+    files = {
+        "unisleep/__init__.py": "from .real import thing\n",  # a package's public names: fine
+        "unisleep/real.py": "def thing():\n    pass\n",
+        "unisleep/stub.py": "from .real import thing\n",  # imported, never used here
+        "unisleep/user.py": "from .real import thing\n\nthing()\n",  # uses it: fine
+        "unisleep/caller.py": "def f():\n    from unisleep.stub import thing\n",
+        "tests/test_x.py": "from unisleep.stub import thing\n",
+        "unisleep/alias.py": "from .real import *\n",
+    }
+    (tmp_path / "tests").mkdir()
+    for rel, text in files.items():
+        (tmp_path / rel).write_text(text)
+    mods = modules(str(tmp_path))
+    assert reexports(mods, root=str(tmp_path)) == [
+        "tests/test_x.py imports thing from unisleep.stub", "unisleep.alias re-exports everything of unisleep.real",
+        "unisleep.caller imports thing from unisleep.stub"]
+    assert reexports(mods, allowed={"unisleep.alias", "unisleep.stub"}, root=str(tmp_path)) == []
+
+
+def test_no_reexports_outside_the_public_aliases():
+    aliases = public_aliases()
+    assert "unisleep.vllm_plugin" in aliases  # the list is read
+    found = reexports(modules(), allowed=aliases)
+    assert not found, ("names imported through a module that only passes them on (import the real module, or "
+                       "list a public alias in unisleep/__init__.py's docstring):\n" + "\n".join(found))

@@ -4,7 +4,8 @@ accelerators — the same API on NVIDIA CUDA, AMD ROCm, Huawei Ascend and plain 
 Public aliases — modules that only re-export, kept because configurations and installed metadata
 name them (code imports the real module):
 
-* ``unisleep.vllm_plugin`` → :mod:`unisleep.vllm_worker.plugin` (vLLM's general-plugin entry point);
+* ``unisleep.vllm_plugin`` → :mod:`unisleep.vllm_worker.plugin` (vLLM's general-plugin entry point
+  in environments installed before 2026-12-03; pyproject.toml now names the plugin itself);
 * ``unisleep.engines.vllm_worker_ext`` → :mod:`unisleep.vllm_worker.extension`
   (``--worker-extension-cls``).
 """

@@ -70,7 +70,7 @@ class Backend:
     #: must create no device context and raise nothing it can avoid (a raise counts as "not here")
     detect: Optional[str] = None
     priority: int = 0
-    #: the :class:`~unisleep.driver.BackupStore` its driver's ``new_backup_store`` makes
+    #: the :class:`~unisleep.backup.BackupStore` its driver's ``new_backup_store`` makes
     store: Optional[str] = None
     #: the weight-transfer collective module (``BACKEND``, ``SAME_DEVICE_OK``, ``device_key``,
     #: ``create_backend``, ``same_device_message``); None: no weight transfer on this platform
@@ -164,7 +164,7 @@ class Backend:
             return None
         try:
             return self.load(self.detect)()
-        except Exception as e:
+        except Exception as e:  # a detector may fail any way (a vendor library, a driver); it means: not here
             log.debug("detecting %s failed: %s", self.name, e)
             return None
 

@@ -1,7 +1,6 @@
-"""Level-1 backup stores: the contract every store fulfils (:class:`BackupStore`, also importable
-from :mod:`unisleep.driver`), how much host memory is available, and a store of
-one page-locked host buffer per backed-up range whose vendor part is four calls (allocate, free,
-copy device→host, copy host→device)."""
+"""Level-1 backup stores: the contract every store fulfils (:class:`BackupStore`), how much host
+memory is available, and a store of one page-locked host buffer per backed-up range whose vendor
+part is four calls (allocate, free, copy device→host, copy host→device)."""
 
 from __future__ import annotations
 

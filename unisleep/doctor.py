@@ -97,7 +97,7 @@ def _host_memory_info(devices) -> dict[str, Any]:
                                 for d in devices if d.pci_bus_id}}
     try:
         policy, err = host_backups_setting(None), None
-    except Exception as e:
+    except Exception as e:  # the doctor reports a bad setting instead of failing on it
         policy, err = None, str(e)
     info["host_backups"] = {"policy": policy, "from_env": bool(os.environ.get(HOST_BACKUPS_ENV, "").strip()),
                             "error": err}
@@ -111,7 +111,7 @@ def _extra_packages(extra: str) -> dict[str, bool]:
     out: dict[str, bool] = {}
     try:
         reqs = metadata.requires("unisleep") or []
-    except Exception:
+    except Exception:  # no or broken metadata (a source tree): nothing to check
         return out
     for req in reqs:
         m = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)[^;]*;\s*extra\s*==\s*[\"']([^\"']+)[\"']", req)
@@ -146,7 +146,7 @@ def platform_problems(plat) -> tuple[list[str], list[str]]:
                         "its backend may fail to load.")
     try:
         backend.driver_class()  # imports the backend's module only: no library call, no device context
-    except Exception as e:
+    except Exception as e:  # any import error of a backend is the problem reported
         problems.append(f"{how} the {plat.name} backend cannot be loaded: {e}")
     return problems, warnings
 
@@ -172,7 +172,7 @@ def collect() -> dict[str, Any]:
     warnings: list[str] = []
     try:
         plat = detect_platform()
-    except Exception as e:
+    except Exception as e:  # the doctor reports what detection raised, whatever it is
         plat = None
         report["ok"] = False
         report["platform"] = {"name": None, "error": f"{type(e).__name__}: {e}"}

@@ -138,7 +138,7 @@ class ReleaseBehind:
                         hook(h)
                     with graph_capture.background():
                         self._driver.release(h)
-                except BaseException as e:
+                except BaseException as e:  # kept: wait() raises it (ReleaseBehindError) to the next caller
                     log.error("releasing %d bytes behind a sleep failed: %s", n, e)
                     with self._cond:
                         if self._error is None:

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 from unisleep.backends._native import Reservations
-from unisleep.driver import BackupStore, Capabilities, Driver
+from unisleep.backup import BackupStore
+from unisleep.driver import Capabilities, Driver
 from unisleep.errors import PlatformError, UnisleepError
 
 from . import acl

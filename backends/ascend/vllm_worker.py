@@ -42,7 +42,7 @@ def native_cleanup_on(module) -> bool:
     get_config = getattr(module, "get_ascend_config", None)
     try:
         cfg = get_config()
-    except Exception:
+    except Exception:  # a vllm-ascend without this config: not an RL config
         return False
     rl = getattr(cfg, "rl_config", None)
     if rl is not None and hasattr(rl, "sleep_mode_extra_cleanup"):

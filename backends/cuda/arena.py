@@ -174,7 +174,7 @@ class PinnedArena(BackupStore):
             cu.ensure_context(self.device)
             raw = cu.call("cuDeviceGetPCIBusId", 64, cu.call("cuDeviceGet", self.device))
             bus = (raw.decode(errors="replace") if isinstance(raw, (bytes, bytearray)) else str(raw)).split("\x00")[0]
-        except Exception as e:
+        except Exception as e:  # falls back to torch's properties below
             log.debug("cuDeviceGetPCIBusId failed: %s", e)
         if not bus:
             try:
@@ -182,7 +182,7 @@ class PinnedArena(BackupStore):
 
                 p = torch.cuda.get_device_properties(self.device)
                 bus = f"{p.pci_domain_id:04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0"
-            except Exception as e:
+            except Exception as e:  # no bus id: no NUMA placement, the arena still works
                 log.debug("the GPU's PCI bus id could not be read: %s", e)
                 return None
         try:

@@ -22,7 +22,7 @@ from unisleep.keyed_hash import BLOCK, KEY_WORDS, SHIFT, nh_level
 from .lazy_kernel import LazyKernel
 
 #: blocks hashed by one program (G * 8 KiB read per program) and warps per program: the best of
-#: the H200 sweep of ``python3 -m unisleep.bench.digest_kernel`` (docs/benchmarks.md has the figures)
+#: the H200 sweep of ``tools/cuda_probes/digest_kernel.py`` (docs/benchmarks.md has the figures)
 BLOCKS_PER_PROGRAM = 4
 NUM_WARPS = 4
 #: "pairs": the words read as int64 pairs (16-byte loads); "split": int32 words split in registers

@@ -1,18 +1,21 @@
-"""The CUDA driver: cumem virtual memory through the driver API.
+"""The CUDA driver: cumem virtual memory through the driver API (cuda-python's bindings).
 
 =================  ==================================================================
 reserve            ``cuMemAddressReserve(size, 0, 0, 0)``
-create             ``cuMemCreate`` (pinned device memory; POSIX-fd exportable when supported)
+create             ``cuMemCreate`` (pinned device memory; POSIX-fd exportable only when asked and supported)
 map / set_access   ``cuMemMap`` at offset 0, then ``cuMemSetAccess`` READWRITE (again after every remap)
-unmap              ``cuMemUnmap`` after a device synchronise — the address stays reserved
+unmap              ``cuMemUnmap`` — the address stays reserved; the caller synchronises first
+                   (:meth:`CudaDriver.suspend` once, before anything is unmapped)
 release            ``cuMemRelease``
 physical_bytes     the size of every handle the driver holds (a handle is physical memory)
 =================  ==================================================================
 
-Every call first makes the device's primary context current on the calling thread.  Level-1
-backups go to a persistent pinned host arena (:mod:`.arena`); a backup retained after wake lets
-an unchanged tag skip its copy, proven by the keyed NH digest (:mod:`unisleep.keyed_hash`; its
-first level is the fused kernel of :mod:`.checksum`, found through the registry's finder).
+The calls that can run on a thread of their own (reserve, create, map, unmap, the queued
+zeroing) first make the device's primary context current on it.  Level-1 backups go to a
+persistent pinned host arena (:mod:`.arena`), the store a sleep and a wake pipeline their
+copies through (``BackupStore.queued_copies``); a backup retained after wake lets an unchanged
+tag skip its copy, proven by the keyed NH digest (:mod:`unisleep.keyed_hash`; its first level is
+the fused kernel of :mod:`.checksum`, found through the finder the registry installs).
 """
 
 from __future__ import annotations
@@ -42,8 +45,15 @@ RESTORE_READS = ("auto", "sm", "copy-engine")
 class CudaConfig(DriverConfig):
     """The CUDA driver's knobs: 1 GiB physical chunks (a backed-up chunk is released as soon as
     its copy is done), 64 MiB progressive steps with every chunk mapped ahead of the copies,
-    and the policy of the pipelined sleep and of the wake's restores.  docs/cuda.md holds the
-    H200 figures behind each default."""
+    and the policy of the pipelined sleep and of the wake's restores.
+
+    The three cost figures (``early_release_min_copy``, ``after_release_ms_per_gib``,
+    ``sm_read_extra_ms_per_gib``) were measured on an H200 (driver 580.159.04, torch
+    2.11.0+cu130; docs/benchmarks.md, 2026-12-01, "H200: probes behind the CUDA backend's
+    design"); no other GPU has been measured.  They decide only *when* a sleep releases its discards and *who* reads a
+    wake's restores (the copy engine or the SMs), never which bytes come back: on another GPU a
+    wrong figure costs time, not correctness.  Set them per driver with
+    ``lc.driver.configure(...)``; ``restore_reads`` fixes the reader outright."""
 
     chunk_bytes: Optional[int] = 1 << 30
     progressive_piece: Optional[int] = 64 << 20
@@ -164,7 +174,7 @@ class CudaDriver(Driver):
         try:
             if not host_reads.warm_up(self.torch_device):
                 log.debug("SM copy kernel not compiled; restores stay on the copy engine")
-        except Exception as e:
+        except Exception as e:  # restores then stay on the copy engine (disabled, same bytes)
             log.debug("SM copy kernel warm-up failed: %s", e)
             host_reads.disable(e)
 
@@ -427,10 +437,19 @@ class CudaDriver(Driver):
 
     # ---- wake ---------------------------------------------------------------------------
     def restore_regions(self, jobs: list[RestoreJob], store: BackupStore) -> int:
-        """The base's restores, read by the SMs when the driver's after-release work would slow
-        the copy engine more than the SMs' reads cost (a wake right after a sleep that copied
-        nothing; :mod:`.host_reads`); then the same kernels zero the regions that come back
-        empty (the KV cache) while they wait on the bus."""
+        """The whole restore step of a wake, in one pass over the jobs; returns the bytes queued
+        to copy.  The store is the seam: one without queued copies of its own (the spill files
+        of ``backup_to="disk"``) gets the base's plain restores.  From the pinned arena, the
+        regions with a backup go first, chunk by chunk: a chunk's zeroing (where the backup
+        covers its region only in part) and copies are queued as soon as it is mapped, so they
+        run while the next chunk is mapped; then the regions that come back empty (the KV cache)
+        are mapped and zeroed (:meth:`map_region`).
+
+        The copies are read by the SMs instead of the copy engine when the driver's work left
+        after the last sleep's releases would slow the copy engine more than the SMs' reads cost
+        (a wake right after a sleep that copied nothing; :mod:`.host_reads`): mapping calls made
+        while those reads run wait for them (docs/cuda.md), so every region is mapped first, and
+        the same kernels zero the empty regions while they wait on the bus."""
         self.last_restore_by_sms, self.last_zeroed_by_sms = False, 0
         if self._warm_pending:
             self._warm_kernels()
@@ -442,23 +461,28 @@ class CudaDriver(Driver):
         restores = [j for j in jobs if j.ranges]
         nbytes = sum(n for j in restores for _, n in j.ranges)
         pending = self.after_release_pending_ms()
-        by_sms = self.last_restore_by_sms = self._restore_by_sms(nbytes, pending, store, restores)
-        if not by_sms:
-            return super().restore_regions(jobs, store)  # each job through queue_restore below
-        log.debug("restores read by the SMs: %.1f ms of the driver's after-release work pending", pending)
-        self._held_off_ms = pending
-        # mapping calls made while these reads run wait for them (docs/cuda.md), so every
-        # region is mapped first
-        for job in jobs:
-            job.region.map(self)
-        feed = host_reads.ZeroFeed([self.view(j.region.va, j.region.size) for j in jobs
-                                    if not j.ranges and self.fills_zeros(j)], nbytes)
+        feed = None  # with SM reads: what they zero besides (host_reads.ZeroFeed)
+        if self._restore_by_sms(nbytes, pending, store, restores):
+            log.debug("restores read by the SMs: %.1f ms of the driver's after-release work pending", pending)
+            self.last_restore_by_sms, self._held_off_ms = True, pending
+            for job in jobs:
+                job.region.map(self)
+            feed = host_reads.ZeroFeed([self.view(j.region.va, j.region.size) for j in jobs
+                                        if not j.ranges and self.fills_zeros(j)], nbytes)
         for job in restores:
-            for c in job.region.chunks:
-                self._restore_chunk(job, c, store, by_sms=True, feed=feed)
-        for t in feed.rest():  # more than the reads could carry: after them (the stream waits for them)
-            self.zero(t.data_ptr(), t.numel())
-        self.last_zeroed_by_sms = feed.zeroed
+            if feed is None:
+                job.region.map(self, each=lambda c, job=job: self._restore_chunk(job, c, store, None))
+            else:
+                for c in job.region.chunks:
+                    self._restore_chunk(job, c, store, feed)
+        if feed is None:
+            for job in jobs:
+                if not job.ranges:
+                    self.map_region(job.region, zero=self.fills_zeros(job))
+        else:
+            for t in feed.rest():  # more than the reads could carry: after them (the stream waits for them)
+                self.zero(t.data_ptr(), t.numel())
+            self.last_zeroed_by_sms = feed.zeroed
         return nbytes
 
     def resume(self, jobs: list[RestoreJob], store: BackupStore) -> int:
@@ -466,14 +490,6 @@ class CudaDriver(Driver):
         if self.last_restore_by_sms:  # the SMs' reads held the driver's work off: it is still to do
             self._after_work_until = time.monotonic() + self._held_off_ms / 1e3
         return copied
-
-    def queue_restore(self, job: RestoreJob, store: BackupStore) -> int:
-        """Chunk by chunk from the arena: a chunk's copies are queued as soon as it is mapped,
-        not once the whole region is."""
-        if not store.queued_copies:
-            return super().queue_restore(job, store)
-        job.region.map(self, each=lambda c: self._restore_chunk(job, c, store, by_sms=False))
-        return sum(n for _, n in job.ranges)
 
     def _restore_by_sms(self, nbytes: int, pending_ms: float, store: BackupStore, restores) -> bool:
         from . import host_reads
@@ -485,18 +501,19 @@ class CudaDriver(Driver):
             return False
         return all(store.readable_by_sms((j.key, off)) for j in restores for off, _ in j.ranges)
 
-    def _restore_chunk(self, job: RestoreJob, c, store: BackupStore, *, by_sms: bool, feed=None) -> None:
-        """Queue chunk ``c``'s share of ``job``: zeroed first where the backup covers it only
-        in part, then each saved range's bytes inside it (``feed``: what the SM reads zero
-        besides, :class:`~.host_reads.ZeroFeed`)."""
+    def _restore_chunk(self, job: RestoreJob, c, store: BackupStore, feed) -> None:
+        """Queue chunk ``c``'s share of ``job`` from the arena: zeroed first where the backup
+        covers it only in part, then each saved range's bytes inside it, read by the SMs when
+        ``feed`` (what those reads zero besides, :class:`~.host_reads.ZeroFeed`) is given, else
+        by the copy engine."""
         lo_c, hi_c = c.offset, c.offset + c.size
         if self.fills_zeros(job):
             self.zero(job.region.va + lo_c, c.size)
         for off, n in job.ranges:
             lo, hi = max(off, lo_c), min(off + n, hi_c)
             if lo < hi:
-                store.load_range((job.key, off), lo - off, self.view(job.region.va + lo, hi - lo), by_sms=by_sms,
-                                 zero=feed)
+                store.load_range((job.key, off), lo - off, self.view(job.region.va + lo, hi - lo),
+                                 by_sms=feed is not None, zero=feed)
 
     # ---- progressive wake (unisleep.lifecycle.progressive): copies on the arena's stream ----
     @contextlib.contextmanager

@@ -25,7 +25,7 @@ class LazyKernel:
         if self.kernel is None and self.error is None:
             try:
                 self.kernel = self._build()
-            except Exception as e:
+            except Exception as e:  # remembered: the callers take their slower path (module docstring)
                 self.error = e
                 log.debug("%s unavailable: %s", self.what, e)
         return self.kernel

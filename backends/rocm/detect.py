@@ -28,7 +28,7 @@ def amdsmi_devices() -> Optional[tuple[DeviceInfo, ...]]:
         return None
     try:
         amdsmi.amdsmi_init()
-    except Exception:
+    except Exception:  # amdsmi cannot start: no AMD GPU seen this way (HIP decides)
         return None
     try:
         found = []
@@ -40,13 +40,13 @@ def amdsmi_devices() -> Optional[tuple[DeviceInfo, ...]]:
                 hip_id, uuid = None, None
             try:
                 name = amdsmi.amdsmi_get_gpu_asic_info(h).get("market_name", "AMD GPU")
-            except Exception:
+            except Exception:  # a device amdsmi cannot name keeps a generic name
                 name = "AMD GPU"
             total = used = None
             try:
                 vram = amdsmi.amdsmi_get_gpu_vram_usage(h)  # MB
                 total, used = vram["vram_total"] * 2**20, vram["vram_used"] * 2**20
-            except Exception:
+            except Exception:  # sizes left unknown for this device
                 pass
             found.append((hip_id, uuid, name, total, used, pos))
         if any(f[0] is None for f in found):
@@ -59,12 +59,12 @@ def amdsmi_devices() -> Optional[tuple[DeviceInfo, ...]]:
             _, uuid, name, total, used, _ = found[k]
             out.append(DeviceInfo(i, name, total, None if total is None else total - used, uuid))
         return tuple(out)
-    except Exception:
+    except Exception:  # amdsmi failed mid-listing: no list from it
         return None
     finally:
         try:
             amdsmi.amdsmi_shut_down()
-        except Exception:
+        except Exception:  # shutting amdsmi down after the list: nothing depends on it
             pass
 
 

@@ -53,7 +53,8 @@ from typing import Any, Iterator, Optional
 
 from unisleep.backends._native import Reservations, record_fallback
 from unisleep.backends._capture import CaptureSpec
-from unisleep.driver import BackupStore, Capabilities, Driver, SaveJob
+from unisleep.backup import BackupStore
+from unisleep.driver import Capabilities, Driver, SaveJob
 from unisleep.errors import UnisleepError
 from unisleep.region import Region
 

@@ -240,7 +240,7 @@ def library_candidates() -> list[str]:
         spec = importlib.util.find_spec("torch")
         if spec and spec.origin:
             out.append(os.path.join(os.path.dirname(spec.origin), "lib", "libamdhip64.so"))
-    except Exception:
+    except Exception:  # torch absent or broken: one candidate fewer
         pass
     for root in (os.environ.get("ROCM_PATH"), os.environ.get("ROCM_HOME"), "/opt/rocm"):
         if root:

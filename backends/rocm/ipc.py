@@ -127,7 +127,7 @@ class _MappedBuffer:
     def __del__(self):  # pragma: no cover - best effort
         try:
             self.close()
-        except Exception:
+        except Exception:  # __del__: nothing left to report to
             pass
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 
@@ -116,10 +117,19 @@ def test_plugin_register_is_idempotent_and_registers_both():
 
 
 def test_plugin_entry_point_is_installed():
+    """pyproject.toml names the plugin itself; the installed entry point (in an environment
+    installed before 2026-12-03: the public alias unisleep.vllm_plugin) loads that function."""
+    import tomllib
     from importlib.metadata import entry_points
 
-    eps = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
-    assert eps.get("unisleep") == "unisleep.vllm_plugin:register"
+    from unisleep.vllm_worker import plugin
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "pyproject.toml"), "rb") as f:
+        declared = tomllib.load(f)["project"]["entry-points"]["vllm.general_plugins"]
+    assert declared["unisleep"] == "unisleep.vllm_worker.plugin:register"
+    eps = {ep.name: ep for ep in entry_points(group="vllm.general_plugins")}
+    assert eps["unisleep"].load() is plugin.register
 
 
 def test_parse_sleep_state_and_abort_answers():
@@ -332,7 +342,7 @@ def test_draft_update_is_checked_against_the_drafts_checkpoint(tmp_path, tiny_mo
     import torch
     from safetensors.torch import save_file
 
-    from unisleep.vllm_worker.transfer_engine import checkpoint_specs
+    from unisleep.vllm_worker.receiver import checkpoint_specs
     from unisleep.errors import TransferError
 
     draft_dir = tmp_path / "draft"
@@ -411,7 +421,8 @@ def _sparse_checkpoint(path, nbytes):
 
 @pytest.mark.slow
 def test_streaming_is_the_default_and_device_staging_is_fit_checked(tmp_path, tiny_models):
-    from unisleep.vllm_worker.transfer_engine import UnisleepWeightTransferEngine, checkpoint_nbytes
+    from unisleep.vllm_worker.receiver import checkpoint_nbytes
+    from unisleep.vllm_worker.transfer_engine import UnisleepWeightTransferEngine
     from unisleep.errors import TransferError
 
     eng = _transfer_engine(model_path=tiny_models[0], enable_sleep_mode=False)

@@ -12,6 +12,7 @@ import sys
 from typing import Any, Optional, Sequence
 
 from ..cli import check_out_dir, check_out_file, children_leave_ctrl_c_to_us
+from ..hostmem import meminfo
 
 
 #: the folder every mode writes its JSON to unless --json says otherwise (out/ is in .gitignore)
@@ -54,13 +55,11 @@ def machine_info() -> dict[str, Any]:
         import torch
 
         info["torch"] = torch.__version__
-    except Exception:
+    except Exception:  # no usable torch: the machine info says nothing of it
         pass
-    try:
-        with open("/proc/meminfo") as f:
-            info["mem_total_gib"] = round(int(f.readline().split()[1]) / 2**20, 1)
-    except OSError:
-        pass
+    total = meminfo().get("MemTotal")
+    if total:  # absent when /proc/meminfo cannot be read
+        info["mem_total_gib"] = round(total / 2**30, 1)
     return info
 
 

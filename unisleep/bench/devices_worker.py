@@ -193,6 +193,6 @@ def serve(platform: str, device: int, label: str, weights_bytes: int, spill_dir:
     finally:
         try:
             worker.close()
-        except Exception:
+        except Exception:  # closing after the result was sent: a close error must not hide it
             pass
 

@@ -110,7 +110,7 @@ class PeakMemory:
 
         try:
             return int(torch.accelerator.get_memory_info(self.device)[0])
-        except Exception:
+        except Exception:  # a backend without memory info: None, unknown
             return None
 
     def _sample(self) -> None:
@@ -141,7 +141,7 @@ class PeakMemory:
             try:
                 torch.accelerator.reset_peak_memory_stats(self.device)
                 self._base_alloc = int(torch.accelerator.memory_allocated(self.device))
-            except Exception:
+            except Exception:  # a backend without memory stats: the device peak is unknown
                 self._base_alloc = None
         self._rss_peak = self._base_rss or 0
         self._free_min = self._base_free
@@ -168,7 +168,7 @@ class PeakMemory:
 
             try:
                 dev = max(0, int(torch.accelerator.max_memory_allocated(self.device)) - self._base_alloc)
-            except Exception:
+            except Exception:  # a backend without memory stats: the device peak is unknown
                 dev = None
         used = None
         if self._base_free is not None and self._free_min is not None:

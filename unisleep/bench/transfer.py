@@ -121,7 +121,7 @@ def _port() -> int:
 def _worker(rank: int, port: int, job: dict, q) -> None:
     try:
         q.put(_run_side(rank, port, job))
-    except BaseException:
+    except BaseException:  # sent to the parent, which reports the traceback
         q.put({"rank": rank, "error": traceback.format_exc()})
 
 

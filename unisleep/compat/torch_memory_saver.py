@@ -42,7 +42,6 @@ from typing import Any, Iterator, Literal, Optional
 
 from .. import graph_capture
 from ..errors import (
-    InsufficientMemoryError,  # noqa: F401  (a module attribute, as before)
     InvalidArgumentError,
     InvalidTransitionError,
     NativeLibraryMissingError,
@@ -51,9 +50,9 @@ from ..errors import (
 from ..platform import env_flag
 from ..units import human_bytes
 from .tms_capture import _SaverCapture
-from .tms_lifecycles import _BACKENDS, _SaverLifecycles  # noqa: F401
-from .tms_native import (  # noqa: F401  (module attributes of the facade, as before)
-    _INIT_VARS, _LISTENER, _OFF, _ON, _BinaryWrapper, _check_init_env, _check_preload, _Impl, _listen,
+from .tms_lifecycles import _SaverLifecycles
+from .tms_native import (
+    _ON, _BinaryWrapper, _check_init_env, _check_preload, _Impl, _listen,
 )
 from .tms_slots import CPU, DISK, NONE, RegionHandle, _by_lifecycle, _check_tag, _names, _pool_key, _Slot  # noqa: F401
 

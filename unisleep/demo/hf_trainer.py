@@ -321,9 +321,9 @@ def hf_trainer_main(conn, rendezvous: str, model_name: str, platform_name: str, 
     finally:
         try:
             group.close()
-        except Exception:
+        except Exception:  # closing after the run's result: a close error must not hide it
             pass
         try:
             lc.close()
-        except Exception:
+        except Exception:  # closing after the run's result: a close error must not hide it
             pass

@@ -218,7 +218,7 @@ def run_ray(args) -> int:
             if a is not None:
                 try:
                     ray.get(a.close.remote(), timeout=30)
-                except Exception:
+                except Exception:  # the actor is killed next either way
                     pass
                 ray.kill(a)
         if started:

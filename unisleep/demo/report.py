@@ -88,7 +88,7 @@ def three_panels(figsize, sharex: bool = False):
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-    except Exception:
+    except Exception:  # no usable matplotlib: no plot, the table still prints
         return None
     return plt.subplots(3, 1, figsize=figsize, sharex=sharex)
 

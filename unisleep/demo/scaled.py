@@ -43,10 +43,10 @@ from .checks import Check, _gap_steady, _loop_ran, learned, max_logprob_gap
 from ..cli import children_leave_ctrl_c_to_us
 from .cli import platform_for
 from .constants import PROBE_PROMPTS, RELEASED_MIN
-from .presets import ACTIONS, fingerprint, preset
+from .presets import fingerprint, preset
 from .report import print_checks, step_progress, verdict, write_json
 from . import residue as R
-from .scaled_report import GiB, format_memory, gib, memory_peak, memory_rows, plot_scaled, table_unit  # noqa: F401
+from .scaled_report import GiB, format_memory, gib, memory_peak, plot_scaled, table_unit
 from .trainer_process import TrainerProcess, free_port
 
 #: goals on an accelerator (the colocated loop at real size)
@@ -446,5 +446,4 @@ def run_model(args) -> int:
     return verdict(ok)
 
 
-__all__ = ["run_model", "ScaledStep", "format_table_scaled", "format_memory", "memory_peak", "scaled_checks", "goals",
-           "ACTIONS"]
+__all__ = ["run_model", "ScaledStep", "format_table_scaled", "scaled_checks", "goals"]

@@ -82,7 +82,7 @@ def trainer_main(conn, rendezvous: str, cfg: dict, platform_name: str, lr: float
     finally:
         try:
             group.close()
-        except Exception:
+        except Exception:  # closing after the child's work: a close error must not hide its result
             pass
 
 
@@ -102,7 +102,7 @@ def commands(conn):
 def _report(conn, e: BaseException) -> None:
     try:
         conn.send(("error", f"{type(e).__name__}: {e}"))
-    except Exception:
+    except Exception:  # the parent is gone: no one to report to
         pass
 
 
@@ -173,7 +173,7 @@ class TrainerProcess:
             if self.proc.is_alive():
                 self.conn.send(("stop", None))
                 self.conn.poll(5)
-        except Exception:
+        except Exception:  # the child may be gone already; it is joined next
             pass
         self.proc.join(5)
         if self.proc.is_alive():

@@ -518,7 +518,7 @@ class VLLMAsyncEngine(_AsyncWeightVerbs, Engine):
         try:
             if getattr(self, "llm", None) is not None or getattr(self, "_thread", None):
                 self.close()
-        except Exception:
+        except Exception:  # __del__ at interpreter exit: nothing left to report to
             pass
 
 

@@ -126,7 +126,7 @@ class _AsyncWeightVerbs:
             await self._update_weights({"abort": True})
         except asyncio.CancelledError:
             raise
-        except Exception as e:
+        except Exception as e:  # whatever vLLM raised is read: did it close the session
             return abort_answer_closed_session(str(e))
         return False
 

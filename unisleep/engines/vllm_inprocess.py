@@ -29,10 +29,7 @@ from ..vllm_worker.versions import (
     preserve_draft_kwargs,
     spec_counters_from_reader,
 )
-from .vllm_common import (  # noqa: F401  (SLEEP_TAGS, WAKE_TAGS, PAUSE_MODES: re-exported)
-    PAUSE_MODES,
-    SLEEP_TAGS,
-    WAKE_TAGS,
+from .vllm_common import (
     check_level,
     check_mode,
     check_wake_tags,
@@ -106,7 +103,7 @@ class VLLMEngine(Engine):
         if self._vllm_version is None:
             try:
                 self._vllm_version = self.version()
-            except Exception:
+            except Exception:  # the version is best effort here: None means unknown
                 return None
         return self._vllm_version
 
@@ -147,7 +144,7 @@ class VLLMEngine(Engine):
         (``LLM.get_metrics()``; needs ``disable_log_stats=False``); None when unknown."""
         try:
             metrics = self.llm.get_metrics()
-        except Exception:
+        except Exception:  # metrics off or unreadable in this vLLM: unknown (the contract)
             return None
         return self._acceptance.read(spec_counters_from_reader(metrics))
 
@@ -291,7 +288,7 @@ class VLLMEngine(Engine):
 
         try:
             self.llm.update_weights({"update_info": {"abort": True}})
-        except Exception as e:
+        except Exception as e:  # whatever vLLM raised is read: did it close the session
             return abort_answer_closed_session(str(e))
         return False
 

@@ -263,7 +263,7 @@ class VLLMWeightPusher:
                 send_error: Optional[BaseException] = None
                 try:
                     sender.send(part, version=tag, specs=None if lazy is None else lazy.specs)
-                except BaseException as e:
+                except BaseException as e:  # raised below, once the engine's call has been joined
                     send_error = e
                 call.join(self.timeout_s + 30)
                 if call.is_alive():

@@ -135,7 +135,7 @@ def _cannot_adopt(t) -> Optional[str]:
         return "it is a quantized tensor; adopt the dequantized or packed storage instead"
     try:
         t.untyped_storage()
-    except Exception as e:
+    except Exception as e:  # any failure to reach a plain storage is the reason returned
         return f"it has no plain storage ({e})"
     return None
 

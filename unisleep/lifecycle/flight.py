@@ -45,7 +45,7 @@ class BackgroundSleep:
         try:
             with graph_capture.background():
                 self.report = self._work()
-        except BaseException as e:
+        except BaseException as e:  # kept for the lifecycle: settle() records it, wait() hands it over
             self.error = e
         finally:
             self._finished.set()

@@ -208,7 +208,7 @@ class ProgressiveWake:
                     step.fence = driver.fence()
                     step.queued.set()
                     cur = None
-        except BaseException as e:
+        except BaseException as e:  # kept: ready() and the hooks raise it in the waiting thread
             with self._take:
                 if self.error is None:
                     self.error = e

@@ -261,7 +261,7 @@ class LifecycleState:
             if not (self.keep_backups and a.fully_saved and self.driver.capabilities.retain_backups
                     and a.digest is not None):
                 self.drop_backup(a)
-        except Exception as e:
+        except Exception as e:  # the wake succeeded; a store's failure to drop is logged, not the wake's
             log.warning("tag %r is awake (its bytes were restored and verified), but dropping its backup failed: "
                         "%s: %s; the backup stays recorded", a.tag, type(e).__name__, e)
 
@@ -280,7 +280,7 @@ class LifecycleState:
         returns the bytes given back."""
         try:
             return self.store.release_unused()
-        except Exception as e:
+        except Exception as e:  # best effort after a wake: the memory stays with the store
             log.warning("giving back the backup store's unused host memory failed: %s: %s", type(e).__name__, e)
             return 0
 

@@ -233,7 +233,7 @@ def wake(state: LifecycleState, todo: list[str]) -> tuple[int, list[str], list[B
     groups, retry = [todo], False
     try:
         copied += driver.resume(jobs_of(todo), store)
-    except BaseException as e:
+    except BaseException as e:  # an interrupt ends the wake; any failure of the one pass: tag by tag
         if not isinstance(e, Exception):
             failed_wake(state, ",".join(todo), [a for t in todo for a in by_tag[t]], e)
             raise
@@ -245,7 +245,7 @@ def wake(state: LifecycleState, todo: list[str]) -> tuple[int, list[str], list[B
             tag = group[0]
             try:
                 copied += driver.resume(jobs_of(group), store)
-            except BaseException as e:
+            except BaseException as e:  # recorded, the next tag tried; an interrupt ends the wake
                 failures.append(failed_wake(state, tag, by_tag[tag], e))
                 if not isinstance(e, Exception):
                     raise

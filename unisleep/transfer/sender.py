@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Sequence
 
+from .. import hostmem
 from ..errors import InvalidArgumentError, InvalidTransitionError, TransferError, UnisleepError, VersionError
 from . import records as R
 from .cipher import SLACK, BucketCipher
@@ -65,12 +66,7 @@ def default_bucket_bytes(group: TransferGroup, path: str = "collective") -> int:
             if group.device_index < len(devs):
                 free = devs[group.device_index].free_bytes
     else:
-        try:
-            with open("/proc/meminfo") as f:
-                info = {ln.split(":")[0]: int(ln.split()[1]) * 1024 for ln in f if ln.strip()}
-            free = info.get("MemAvailable")
-        except OSError:
-            pass
+        free = hostmem.meminfo().get("MemAvailable")  # absent when /proc/meminfo cannot be read
     if not free:
         return 256 * MiB
     return max(16 * MiB, min(MAX_DEFAULT_BUCKET, free // 16 // MiB * MiB))

@@ -390,7 +390,7 @@ def _current_device_index() -> int:
         acc = getattr(torch, "accelerator", None)
         if acc is not None and acc.is_available():
             return int(acc.current_device_index())
-    except Exception:
+    except Exception:  # no usable accelerator in torch here: device 0
         pass
     return 0
 
@@ -423,7 +423,7 @@ def vllm_weights_asleep() -> tuple[Optional[bool], str]:
         from vllm.device_allocator import get_mem_allocator_instance
 
         allocs.append(get_mem_allocator_instance())
-    except Exception as e:
+    except Exception as e:  # reported as a problem, whatever vLLM raised
         problems.append(f"get_mem_allocator_instance(): {type(e).__name__}: {e}")
     import sys
 

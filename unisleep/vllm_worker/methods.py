@@ -21,7 +21,7 @@ def allocator_resident_bytes() -> Optional[int]:
         from vllm.device_allocator import get_mem_allocator_instance
 
         data = list(get_mem_allocator_instance().pointer_to_data.values())
-    except Exception:
+    except Exception:  # no readable allocator in this worker: None, as documented
         return None
     if not all(hasattr(d, "is_asleep") for d in data):
         return None

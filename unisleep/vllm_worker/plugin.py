@@ -95,7 +95,7 @@ def decide(vllm_config=None) -> Optional[bool]:
                     from vllm.config import get_current_vllm_config_or_none
 
                     vllm_config = get_current_vllm_config_or_none()
-                except Exception:
+                except Exception:  # vLLM versions without it, or outside a config context
                     vllm_config = None
             choice = _config_choice(vllm_config) if vllm_config is not None else None
         if choice is not None:
@@ -205,7 +205,7 @@ def graph_pool_wanted(vllm_config) -> bool:
 
         mode = vllm_config.compilation_config.cudagraph_mode
         return mode != CUDAGraphMode.NONE and bool(current_platform.is_cuda_alike())
-    except Exception:
+    except Exception:  # vLLM's config and platform differ by version: no graph pool
         return False
 
 
@@ -278,7 +278,7 @@ def _platform_plugin_package() -> Optional[str]:
         from vllm.platforms import current_platform
 
         pkg = type(current_platform).__module__.split(".")[0]
-    except Exception:
+    except Exception:  # a vLLM without this attribute: no platform plugin
         return None
     return None if pkg == "vllm" else pkg
 
@@ -324,7 +324,7 @@ def install_allocator_hooks(plugin_package: Optional[str] = None) -> str:
             if mod is not None:
                 try:
                     patch(mod)
-                except Exception as e:
+                except Exception as e:  # a failed patch is logged; vLLM then runs unpatched
                     log.warning("unisleep: could not patch %s: %s", name, e)
         if _finder not in sys.meta_path:
             sys.meta_path.insert(0, _finder)
@@ -369,7 +369,7 @@ def _engine_session_api() -> Optional[bool]:
     try:
         base = _import_first(("vllm.backends.distributed.weight_transfer.base",
                               "vllm.distributed.weight_transfer.base"))
-    except Exception:
+    except Exception:  # any vLLM that cannot import it has no session API
         return None
     return hasattr(base.WeightTransferEngine, "start_weight_update")
 
@@ -401,7 +401,7 @@ def _register_sleep_backend() -> str:
     try:
         mod = _import_first(SLEEP_BACKEND_MODULES)
         factory = mod.SleepModeBackendFactory
-    except Exception:
+    except Exception:  # vLLM < 0.25 (or a broken module): logged, the backend skipped
         log.info("unisleep: this vLLM has no SleepModeBackendFactory (pluggable sleep-mode "
                  "backends arrived in vLLM 0.25); the 'unisleep' sleep backend is skipped, the "
                  "allocator hooks (UNISLEEP_VLLM_ALLOCATOR=1) still apply")

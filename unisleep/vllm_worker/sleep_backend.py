@@ -98,7 +98,7 @@ class UnisleepSleepBackend(_Base):
             from vllm.platforms import current_platform
 
             return bool(current_platform.is_sleep_mode_available())
-        except Exception:
+        except Exception:  # a platform without the query: sleep mode unsupported
             return False
 
     @classmethod

@@ -46,8 +46,8 @@ every control record of the group is authenticated with it (docs/security.md).  
 ``{"version": str|None, "final": true, "partial": false, "allow_equal_versions": false}`` —
 versions must increase from one update to the next (the chunks of one update share theirs);
 ``{"abort": true}`` drops what was staged (or ends the layerwise reload) and closes vLLM's update session (vLLM has no abort
-route: the call answers with an error naming :data:`ABORTED`, and the worker closes the session
-as it does for every failed chunk).
+route: the call answers with an error naming :data:`~unisleep.vllm_worker.receiver.ABORTED`, and the worker
+closes the session as it does for every failed chunk).
 The apply step uses vLLM's ``initialize_layerwise_reload`` → ``model.load_weights`` →
 ``finalize_layerwise_reload``, as its own checkpoint-format engines do.  The session logic lives
 in :class:`~unisleep.vllm_worker.receiver.ReceiverCore`, shared with the worker extension.
@@ -62,14 +62,7 @@ from typing import Any, Iterable, Optional
 import torch
 
 from ..errors import UnsupportedError
-from .receiver import (  # noqa: F401  (re-exported: tests and callers import them here)
-    ABORTED,
-    RESTART_REQUIRED,
-    STAGING,
-    ReceiverCore,
-    checkpoint_nbytes,
-    checkpoint_specs,
-)
+from .receiver import ReceiverCore
 
 
 def _import_base():
@@ -169,5 +162,4 @@ class UnisleepWeightTransferEngine(ReceiverCore,
 
 
 __all__ = ["UnisleepWeightTransferEngine", "UnisleepInitInfo", "UnisleepUpdateInfo",
-           "checkpoint_specs", "checkpoint_nbytes", "STAGING", "RESTART_REQUIRED", "ABORTED",
            "SESSION_API", "LEGACY_API_REFUSAL"]

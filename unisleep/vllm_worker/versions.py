@@ -337,7 +337,7 @@ def doctor_lines(version: Optional[str] = None, platform: Optional[str] = None) 
             from ..platform import detect_platform
 
             platform = detect_platform().name
-        except Exception:
+        except Exception:  # no platform detected: the workarounds of no platform
             platform = None
     ws = workarounds_for(version, platform)
     lines = [f"vLLM {version}" + (f" on {platform}" if platform else "")
@@ -391,7 +391,7 @@ def feature_lines(version: str, platform: Optional[str] = None,
 
         try:
             platform_plugin = bool(list(entry_points(group="vllm.platform_plugins")))
-        except Exception:
+        except Exception:  # unreadable metadata: counted as no platform plugin
             platform_plugin = False
     if parse_version(version) < parse_version(OLDEST_SUPPORTED):
         return [f"  NOT supported: unisleep's vLLM integration needs vLLM >= {OLDEST_SUPPORTED} "

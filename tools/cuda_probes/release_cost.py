@@ -5,7 +5,7 @@ region after another, all unmaps then all releases, and spread over threads; the
 the releases timed apart (``--only split``); and what a wake right after a release pays
 (``--only after-release``).
 
-    python3 -m unisleep.bench.release_cost --out result.json
+    PYTHONPATH=. python3 tools/cuda_probes/release_cost.py --out result.json
 
 Each figure is the median of ``--repeat`` rounds; every round checks with ``cuMemGetInfo`` that
 the memory came back.

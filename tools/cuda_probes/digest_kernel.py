@@ -2,7 +2,7 @@
 run (a torch reduction over the same bytes), and the cost of a whole keyed digest, on the CUDA
 backend's kernel (``unisleep.backends.cuda.checksum``).
 
-    python3 -m unisleep.bench.digest_kernel --gib 8 --out result.json [--sleep]
+    PYTHONPATH=. python3 tools/cuda_probes/digest_kernel.py --gib 8 --out result.json [--sleep]
 
 ``--sleep`` adds the level-1 sleep figures of 8 GiB weights + 16 GiB KV through the public API
 (steady and unchanged-weights sleeps, discards released during or after the copies).
