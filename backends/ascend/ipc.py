@@ -158,7 +158,7 @@ class _MappedBuffer:
     def __del__(self):  # pragma: no cover - best effort
         try:
             self.close()
-        except Exception:
+        except Exception:  # a finalizer must not raise; the runtime may already be torn down at exit
             pass
 
 

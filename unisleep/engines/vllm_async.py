@@ -335,7 +335,7 @@ class VLLMAsyncEngine(_AsyncWeightVerbs, Engine):
         if self._vllm_version is None:
             try:
                 self._vllm_version = self.version()
-            except Exception:
+            except Exception:  # the version only picks workarounds: unknown (None) is an answer
                 return None
         return self._vllm_version
 
