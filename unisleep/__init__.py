@@ -19,6 +19,7 @@ from .errors import (
     HostMemoryError,
     InsufficientMemoryError,
     LiveTensorsError,
+    SleepBudgetError,
     SpillDirError,
     InvalidArgumentError,
     InvalidTransitionError,
@@ -58,6 +59,7 @@ __all__ = [
     "CopyInFlightError",
     "InsufficientMemoryError",
     "SpillDirError",
+    "SleepBudgetError",
     "LiveTensorsError",
     "__version__",
 ]

@@ -181,6 +181,9 @@ class SpillStore(BackupStore):
         self._reserved: dict[tuple[int, int], tuple[str, int]] = {}
         # key -> (file name, nbytes, [(offset, length, xxh3)])
         self._files: dict[tuple[int, int], tuple[str, int, list[tuple[int, int, int]]]] = {}
+        # key -> [(offset, length, xxh3)]: the pieces already on disk of a write that failed, so a
+        # failed sleep's undo reads back the chunks released behind them (still reserved)
+        self._written: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
         # file name -> nbytes: backups no longer needed whose file could not be unlinked yet
         self._leftover: dict[str, int] = {}
 
@@ -360,6 +363,7 @@ class SpillStore(BackupStore):
         name = self._reserved[key][0]
         path = self._full(name)
         pieces: list[tuple[int, int, int]] = []
+        self._written[key] = pieces  # until the write completes: what a failed sleep's undo may read
         try:
             fd, own = self._use(name, os.O_WRONLY)
             try:
@@ -385,6 +389,7 @@ class SpillStore(BackupStore):
                 nbytes=n, path=path, cause=e,
             ) from e
         del self._reserved[key]
+        self._written.pop(key, None)
         self._files[key] = (name, n, pieces)
 
     def load(self, key, dst) -> None:
@@ -394,10 +399,17 @@ class SpillStore(BackupStore):
         self.load_range(key, 0, dst)
 
     def _entry(self, key):
+        """``(file name, bytes, pieces)`` of backup ``key``; of a write that failed part-way, the
+        pieces already on disk (a failed sleep's undo reads back the chunks released behind them:
+        :meth:`load_range` refuses bytes beyond them)."""
         try:
             return self._files[key]
         except KeyError:
-            raise BackupCorruptError(f"no backup is recorded under {key}", path=None) from None
+            pass
+        if key in self._written and key in self._reserved:
+            name, n = self._reserved[key]
+            return name, n, list(self._written[key])
+        raise BackupCorruptError(f"no backup is recorded under {key}", path=None)
 
     def load_range(self, key, offset: int, dst) -> None:
         """Read ``dst.numel()`` bytes of backup ``key`` starting at ``offset`` into ``dst`` and
@@ -408,6 +420,10 @@ class SpillStore(BackupStore):
         n = dst.numel()
         if offset + n > total:
             raise ValueError(f"backup {key} holds {total} bytes; cannot read {n} at {offset}")
+        written = sum(p[1] for p in pieces)
+        if offset + n > written:  # a write that failed part-way: only its pieces on disk are readable
+            raise BackupCorruptError(f"the backup file {path} holds only {human_bytes(written)} of {human_bytes(total)} "
+                                     f"checked bytes; cannot read {human_bytes(n)} at {offset}", path=path, nbytes=total)
         fd, own = self._open_to_read(name, path, total)
         try:
             size = os.fstat(fd).st_size
@@ -446,6 +462,7 @@ class SpillStore(BackupStore):
         """Forget backup ``key`` and unlink its file.  A file that cannot be unlinked (e.g. the
         file system went read-only) is not an error — its bytes are no longer needed — but it
         keeps its room counted and is named in a warning until a later try removes it."""
+        self._written.pop(key, None)
         for table in (self._files, self._reserved):
             entry = table.pop(key, None)
             if entry:
@@ -521,12 +538,14 @@ class SpillStore(BackupStore):
                 self._close_kept(name)
             self._files.clear()
             self._reserved.clear()
+            self._written.clear()
             self._leftover.clear()
             self._close_fds()
             self._remove_made_parent()
             return
         self._files.clear()
         self._reserved.clear()
+        self._written.clear()
         self._leftover.clear()
         if self._dir_fd >= 0:
             empty_dir(self._dir_fd)
