@@ -29,6 +29,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 from .. import graph_capture, hostmem
 from ..backup import BackupStore
+from ..backup_encoding import ENCODINGS
 from ..driver import Driver
 from ..errors import (
     InvalidArgumentError,
@@ -36,6 +37,7 @@ from ..errors import (
     LiveTensorsError,
     SleepBudgetError,
     UnisleepError,
+    UnsupportedError,
 )
 from ..hostmem import HOST_BACKUPS, host_backups_setting
 from ..registry import backend_of
@@ -52,6 +54,14 @@ log = logging.getLogger("unisleep")
 
 BACKUP_TO = ("disk",)
 SPILL_LAYOUTS = ("private", "flat")
+
+
+def _set_encoding(store: BackupStore, value: Optional[str]) -> None:
+    if value is not None and value not in store.encodings:
+        raise UnsupportedError(
+            f"backup_encoding={value!r}: this backup store ({store.where}) writes no encoded backups; leave "
+            "backup_encoding unset (plain backups). The host backend's spill files have it.")
+    store.encoding = value
 
 
 def _resolve_driver(platform, device: int, options: dict) -> Driver:
@@ -104,6 +114,15 @@ class MemoryLifecycle:
         milliseconds — call :meth:`wait` before handing it on at once.  ``False`` (default):
         released before ``sleep()`` returns.  ``None``: the ``UNISLEEP_RELEASE_BEHIND``
         environment variable (``1`` = True).  Backends: cuda, host.
+    backup_encoding:
+        ``None`` (default): backups hold the bytes as they are; ``"planes"``: the lossless
+        encoding of :mod:`unisleep.backup_encoding` — floating-point data (bf16, fp16, fp32) is
+        split into an exponent plane, entropy-coded, and sign/mantissa planes, decided frame by
+        frame (a frame that does not compress is stored plain), byte-exact, checksummed before
+        and after decoding; the store's accounting (:meth:`backup_bytes`,
+        :meth:`backup_resident_bytes`) shows the encoded bytes.  Stores that cannot write it
+        refuse with :class:`~unisleep.errors.UnsupportedError` (host spill files do; see
+        docs/backup-encoding.md).  Changeable later (:attr:`backup_encoding`).
     """
 
     def __init__(
@@ -118,6 +137,7 @@ class MemoryLifecycle:
         host_backups: Optional[str] = None,
         backup_to: Optional[str] = None,
         spill_layout: Optional[str] = None,
+        backup_encoding: Optional[str] = None,
         **driver_options: Any,
     ):
         if host_budget_bytes is not None and (not is_int(host_budget_bytes) or host_budget_bytes < 0):
@@ -131,6 +151,9 @@ class MemoryLifecycle:
             raise InvalidArgumentError(f"backup_to must be None (the driver's own store) or 'disk', got {backup_to!r}")
         if spill_layout is not None and spill_layout not in SPILL_LAYOUTS:
             raise InvalidArgumentError(f"spill_layout must be 'private' or 'flat', got {spill_layout!r}")
+        if backup_encoding is not None and backup_encoding not in ENCODINGS:
+            raise InvalidArgumentError(f"backup_encoding must be None or one of {', '.join(map(repr, ENCODINGS))}, "
+                                       f"got {backup_encoding!r}")
         driver = platform if isinstance(platform, Driver) else _resolve_driver(platform, device, driver_options)
         driver.configure(release_behind=release_behind_setting(release_behind, driver))
         described = backend_of(driver)
@@ -145,6 +168,12 @@ class MemoryLifecycle:
             store = driver.new_file_store(host_budget_bytes, spill_dir, layout=spill_layout or "private")
         else:
             store = driver.new_backup_store(host_budget_bytes, spill_dir)
+        if backup_encoding is not None:
+            try:
+                _set_encoding(store, backup_encoding)
+            except BaseException:
+                store.close()
+                raise
         self._state = LifecycleState(driver, store, self.chunk_bytes)
         self._state.keep_backups = keep == "keep"
         self._lock = threading.RLock()
@@ -385,6 +414,21 @@ class MemoryLifecycle:
         the store gives back what no backup uses any more."""
         if not self._state.keep_backups:
             self._state.give_back_host()
+
+    @property
+    def backup_encoding(self) -> Optional[str]:
+        """The encoding new backups are written with (None: plain bytes); setting it takes
+        effect at the next sleep — backups already written keep theirs and read back the same."""
+        return self._state.store.encoding
+
+    @backup_encoding.setter
+    def backup_encoding(self, value: Optional[str]) -> None:
+        if value is not None and value not in ENCODINGS:
+            raise InvalidArgumentError(f"backup_encoding must be None or one of {', '.join(map(repr, ENCODINGS))}, "
+                                       f"got {value!r}")
+        with self._lock:
+            self._check_open()
+            _set_encoding(self._state.store, value)
 
     @property
     def backup_store(self) -> BackupStore:
