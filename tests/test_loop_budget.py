@@ -76,3 +76,27 @@ def test_refusals_before_the_engine_is_paused(engine, lifecycle):
     with pytest.raises(UnsupportedError):
         Handoff(engine).release(level=1, free_at_least=1)
     assert engine.calls == [] and not engine.is_paused()
+
+
+@pytest.mark.slow  # a real `unisleep demo` process (its trainer in another process)
+def test_the_demo_option(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "UNISLEEP_PLATFORM"}
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    bad = subprocess.run([sys.executable, "-m", "unisleep", "demo", "--free-at-least", "1", "--engine", "vllm",
+                          "--out", str(tmp_path / "bad")], capture_output=True, text=True, env=env, timeout=120)
+    assert bad.returncode == 2 and "--free-at-least runs on the embedded engine" in bad.stderr
+    assert not (tmp_path / "bad").exists()
+    p = subprocess.run([sys.executable, "-m", "unisleep", "demo", "--steps", "2", "--level", "1", "--free-at-least",
+                        "0.5", "--no-plot", "-q", "--out", str(tmp_path)], capture_output=True, text=True, env=env,
+                       timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    doc = json.loads((tmp_path / "demo.json").read_text())
+    steps = doc["steps"]
+    assert all(s["free_at_least"] == 1 << 19 and s["released"] >= 1 << 19 for s in steps)
+    assert steps[0]["budget"]["moved"][0]["tag"] == "kv_cache" and steps[0]["budget"]["stayed"]
