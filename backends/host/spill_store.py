@@ -423,20 +423,29 @@ class SpillStore(BackupStore):
                 while done < n:
                     end = min(n, done + max(1, piece))
                     mv = fetch(done, end)
-                    h = _hasher()
-                    h.update(mv)
-                    raw_sum = h.intdigest()
-                    coded = backup_encoding.encode(mv)
-                    data = mv if coded is None else memoryview(coded)
-                    if coded is None:
-                        stored_sum = raw_sum
+                    t = backup_encoding.choose(mv)
+                    coded = backup_encoding.encode(mv, t) if t else None
+                    if coded is None:  # plain: hashed and written step by step, as without an encoding
+                        h = _hasher()
+                        for lo in range(0, len(mv), _STEP):
+                            step = mv[lo:lo + _STEP]
+                            h.update(step)
+                            put = 0
+                            while put < len(step):
+                                put += os.pwrite(fd, step[put:], cursor + lo + put)
+                        raw_sum = stored_sum = h.intdigest()
+                        data = mv
                     else:
+                        h = _hasher()
+                        h.update(mv)
+                        raw_sum = h.intdigest()
+                        data = memoryview(coded)
                         h = _hasher()
                         h.update(data)
                         stored_sum = h.intdigest()
-                    put = 0
-                    while put < len(data):
-                        put += os.pwrite(fd, data[put:], cursor + put)
+                        put = 0
+                        while put < len(data):
+                            put += os.pwrite(fd, data[put:], cursor + put)
                     frames.append(backup_encoding.Frame(done, end - done, cursor, len(data),
                                                         0 if coded is None else coded[4], raw_sum, stored_sum))
                     pieces.append((done, end - done, raw_sum))
