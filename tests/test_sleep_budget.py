@@ -108,7 +108,7 @@ def test_free_order_and_a_later_sleep_takes_what_stayed(lc):
     rep2 = lc.sleep(1, offload_tags=["optimizer"], free_at_least=3 * R, free_order=["weights"])
     assert rep2.budget["moved"][0] == {"tag": "weights", "to": "offloaded", "regions": 1, "bytes": R}
     assert rep2.budget["moved"][1]["tag"] == "grads" and rep2.bytes_released == 3 * R
-    assert lc.kept_resident() == {"weights": 0} or "weights" not in lc.kept_resident()
+    assert "weights" not in lc.kept_resident()  # wholly asleep now
     # a plain sleep finishes the job
     lc.sleep(1, offload_tags=["optimizer"])
     assert lc.resident_bytes() == 0 and lc.kept_resident() == {}

@@ -59,7 +59,7 @@ BLOCK = 64 << 10
 #: a frame is stored encoded only when it takes less than this share of its raw size
 MAX_RATIO = 0.97
 #: bytes of a frame looked at to choose its transform (its start, middle and end)
-SAMPLE = 64 << 10
+SAMPLE = 16 << 10
 HEADER = struct.Struct("<4sBBHQII")
 TRANSFORMS = {1: ("bf16", 2), 2: ("fp16", 2), 3: ("fp32", 4)}
 CODER_DEFLATE = 1
