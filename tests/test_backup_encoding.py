@@ -304,3 +304,20 @@ def test_a_fault_mid_encoded_sleep_is_undone_in_a_child(spill_dir):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     p = subprocess.run([sys.executable, "-c", CHILD, spill_dir], capture_output=True, text=True, timeout=120, env=env)
     assert p.returncode == 0 and "UNDONE BackupError" in p.stdout, p.stdout + p.stderr
+
+
+def test_frames_stay_bounded_whatever_the_backup(lc, monkeypatch):
+    """A range saved in one go (a level-2 preserved parameter) is still cut into frames of at most
+    MAX_FRAME: the scratch of encoding and decoding one frame does not grow with the model."""
+    monkeypatch.setattr(be, "MAX_FRAME", 256 << 10)
+    m = torch.nn.Linear(1024, 1024, bias=False).to(torch.bfloat16)  # 2 MiB, one range
+    with torch.no_grad():
+        m.weight.copy_(llm_like(1024 * 1024, torch.bfloat16).view(1024, 1024))
+    lc.adopt(m)
+    lc.preserve(["weight"])
+    ref = m.weight.detach().clone()
+    lc.sleep(2)
+    frames = [f for fs in lc.backup_store._frames.values() for f in fs]
+    assert len(frames) == 8 and max(f.length for f in frames) == 256 << 10
+    lc.wake_up()
+    assert torch.equal(m.weight, ref)

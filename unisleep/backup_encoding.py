@@ -58,6 +58,9 @@ MAGIC = b"USP1"
 BLOCK = 64 << 10
 #: a frame is stored encoded only when it takes less than this share of its raw size
 MAX_RATIO = 0.97
+#: the largest frame a store writes: what encoding or decoding one frame holds in scratch (a few
+#: times this) stays bounded whatever the size of the backup
+MAX_FRAME = 32 << 20
 #: bytes of a frame looked at to choose its transform (its start, middle and end)
 SAMPLE = 16 << 10
 HEADER = struct.Struct("<4sBBHQII")

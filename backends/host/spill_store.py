@@ -411,6 +411,7 @@ class SpillStore(BackupStore):
         whole before the sleep shrinks to the encoded bytes."""
         name = self._reserved[key][0]
         path = self._full(name)
+        piece = min(max(1, piece), backup_encoding.MAX_FRAME)  # the scratch of one frame stays bounded
         pieces: list[tuple[int, int, int]] = []
         frames: list[backup_encoding.Frame] = []
         self._written[key] = pieces  # a failed sleep's undo reads the frames already on disk
