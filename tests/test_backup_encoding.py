@@ -321,3 +321,22 @@ def test_frames_stay_bounded_whatever_the_backup(lc, monkeypatch):
     assert len(frames) == 8 and max(f.length for f in frames) == 256 << 10
     lc.wake_up()
     assert torch.equal(m.weight, ref)
+
+
+def test_progressive_wake_of_a_damaged_encoded_backup_exposes_nothing(lc):
+    ts = model(lc, seed=13)
+    lc.sleep(1, tags=["weights"])
+    a = lc._state.of("weights")[0]
+    f = lc.backup_store._frames[(a.id, 0)][2]
+    with open(lc.backup_store.path((a.id, 0)), "r+b") as fh:  # a byte of the third frame's sign plane
+        fh.seek(f.file_offset + f.stored - 100)
+        b = fh.read(1)
+        fh.seek(f.file_offset + f.stored - 100)
+        fh.write(bytes([b[0] ^ 1]))
+    lc.wake_up(["weights"], progressive=True)
+    with pytest.raises(BackupCorruptError):
+        lc.wait()
+    assert lc.state()["weights"] == "offloaded" and lc.resident_bytes("weights") == 0
+    lc.discard(["weights"])
+    lc.wake_up(["weights"])
+    assert int(ts["w"].view(torch.uint8).count_nonzero()) == 0
