@@ -25,7 +25,7 @@ DRIVER_LAYER = {
     "unisleep", "unisleep.errors", "unisleep.units", "unisleep.region", "unisleep.driver", "unisleep.backup",
     "unisleep.backend", "unisleep.registry", "unisleep.graph_capture", "unisleep.keyed_hash",
     "unisleep.release_behind", "unisleep.addresses", "unisleep.hostmem", "unisleep.numa", "unisleep.private_dir",
-    "unisleep.trusted_dirs",
+    "unisleep.trusted_dirs", "unisleep.backup_encoding",
 }
 
 

@@ -20,6 +20,7 @@ from .errors import (
     HostMemoryError,
     InsufficientMemoryError,
     LiveTensorsError,
+    SleepBudgetError,
     SpillDirError,
     InvalidArgumentError,
     InvalidTransitionError,
@@ -59,6 +60,7 @@ __all__ = [
     "CopyInFlightError",
     "InsufficientMemoryError",
     "SpillDirError",
+    "SleepBudgetError",
     "LiveTensorsError",
     "__version__",
 ]

@@ -26,6 +26,10 @@ class BackupStore(abc.ABC):
     #: stream); CUDA's pinned arena is one (``backends/cuda/arena.py``).  Default: False — the
     #: driver's plain path: digests first, then one save per range through this contract.
     queued_copies: bool = False
+    #: the lossless backup encodings the store can write (:mod:`unisleep.backup_encoding`), and
+    #: the one in use (None: plain bytes); set by ``MemoryLifecycle(backup_encoding=)``
+    encodings: tuple = ()
+    encoding = None
 
     @abc.abstractmethod
     def ensure_fits(self, nbytes: int) -> None:

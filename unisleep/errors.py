@@ -95,6 +95,17 @@ class InvalidArgumentError(UnisleepError, ValueError):
     """An argument is out of range (e.g. ``level=3``)."""
 
 
+class SleepBudgetError(InvalidArgumentError):
+    """``sleep(free_at_least=N)`` cannot free ``N`` bytes: the tags this sleep may put to sleep
+    (its level, ``tags`` and ``offload_tags``) hold less memory, or the request conflicts with the
+    other arguments.  Checked before anything changes; ``asked`` and ``available`` are bytes
+    (``available``: what this sleep could free at most)."""
+
+    def __init__(self, message: str, *, asked: int = 0, available: int = 0):
+        super().__init__(message)
+        self.asked, self.available = asked, available
+
+
 class SpillDirError(InvalidArgumentError):
     """The spill directory cannot be used (read-only, not a directory, not creatable); the
     message names the path and what to pass instead."""

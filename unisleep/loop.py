@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from .engines.base import Engine
-from .errors import EngineError, InvalidArgumentError, InvalidTransitionError, TransferError
+from .errors import EngineError, InvalidArgumentError, InvalidTransitionError, SleepBudgetError, TransferError, UnsupportedError
 
 log = logging.getLogger("unisleep.loop")
 
@@ -60,6 +60,8 @@ class StepReport:
     transfer_s: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)
     reported_asleep: Optional[list[str]] = None  # tags the engine reported asleep after sleep()
+    free_at_least: Optional[int] = None  # a budgeted release: the bytes asked for
+    budget: Optional[dict] = None  # the engine's account of it: what moved, what stayed resident
     spec_acceptance: Optional[float] = None
     warnings: list[str] = field(default_factory=list)
     completed: bool = False
@@ -78,7 +80,8 @@ class StepReport:
     def as_dict(self) -> dict:
         d = {k: getattr(self, k) for k in (
             "step", "level", "version", "resident_before", "resident_asleep", "resident_after", "bytes_released",
-            "release_s", "reacquire_s", "transfer_s", "handoff_s", "reported_asleep", "spec_acceptance", "completed")}
+            "release_s", "reacquire_s", "transfer_s", "handoff_s", "reported_asleep", "spec_acceptance", "completed",
+            "free_at_least", "budget")}
         d["timings"] = dict(self.timings)
         d["warnings"] = list(self.warnings)
         return d
@@ -158,6 +161,29 @@ class Handoff:
         eng = self.engine
         self._timed("sleep", lambda: eng.sleep(level))
         return self.verify_sleeping(level)
+
+    def sleep_to_free(self, level: int, nbytes: int) -> set[str]:
+        """A budgeted sleep (:meth:`Engine.sleep_to_free`): the engine frees at least ``nbytes``
+        and keeps the rest resident; checks that it reports sleeping (``nbytes`` > 0) and, when
+        it can tell its resident bytes, that they fell by at least ``nbytes``.  Returns the tags
+        it reports asleep."""
+        if level not in (1, 2):
+            raise InvalidArgumentError(f"sleep level must be 1 or 2, got {level!r}")
+        eng = self.engine
+        before = self.resident_bytes()
+        budget = self._timed("sleep", lambda: eng.sleep_to_free(level, nbytes))
+        if self.current is not None:
+            self.current.budget = budget
+        if nbytes == 0:
+            return self.reported_asleep() or set()
+        if not eng.is_sleeping():
+            raise EngineError(f"{eng.kind} engine reports it is awake after a sleep to free {nbytes} bytes: nothing "
+                              "was released. Do not start training on that memory.")
+        after = self.resident_bytes()
+        if self.verify_memory and before is not None and after is not None and before - after < nbytes:
+            raise EngineError(f"the {eng.kind} engine freed {before - after} bytes, fewer than the {nbytes} asked "
+                              "(its resident bytes, as it reports them): do not start training on that memory.")
+        return self.reported_asleep() or set()
 
     def verify_sleeping(self, level: int) -> set[str]:
         eng = self.engine
@@ -326,26 +352,47 @@ class Handoff:
             raise EngineError(f"{eng.kind} engine still reports paused after resume()")
 
     # ------------------------------------------------------------------ guarded steps
-    def release(self, level: int = 2) -> StepReport:
+    def release(self, level: int = 2, *, free_at_least=None) -> StepReport:
         """pause -> sleep(level) -> verify the engine reports sleeping (and, when it can tell,
-        that its resident bytes fell).  Returns the step's report, completed by :meth:`reacquire`."""
+        that its resident bytes fell).  Returns the step's report, completed by :meth:`reacquire`.
+
+        ``free_at_least``: what the trainer needs, in bytes — an int, or a function the trainer
+        answers at the release (the other side asks): the engine frees at least that much (its
+        KV cache first, then its weights region by region) and keeps the rest resident
+        (:meth:`sleep_to_free`).  An engine that cannot is refused with
+        :class:`~unisleep.errors.UnsupportedError` before it is paused."""
         if level not in (1, 2):
             raise InvalidArgumentError(f"sleep level must be 1 or 2, got {level!r}")
         eng = self.engine
+        asked = None
+        if free_at_least is not None:
+            asked = free_at_least() if callable(free_at_least) else free_at_least
+            if not isinstance(asked, int) or isinstance(asked, bool) or asked < 0:
+                raise InvalidArgumentError(f"free_at_least must be an int >= 0 (bytes), or a function returning one; "
+                                           f"got {asked!r}. Nothing was changed.")
+            if not eng.can_sleep_to_free():
+                raise UnsupportedError(f"the {eng.kind} engine cannot sleep to a budget (its sleep frees all of a "
+                                       "level): release without free_at_least. Nothing was changed.")
         if eng.is_sleeping():
             raise InvalidTransitionError(
                 f"the {eng.kind} engine already reports sleeping ({sorted(self.reported_asleep() or [])}); "
                 "call reacquire() before the next release() — nothing was changed."
             )
-        rep = StepReport(step=len(self.history), level=level)
+        if asked is not None:
+            held = self.resident_bytes()
+            if held is not None and asked > held:
+                raise SleepBudgetError(f"free_at_least={asked} bytes: the {eng.kind} engine holds only {held}; ask for "
+                                       "less, or release without free_at_least. Nothing was changed.",
+                                       asked=asked, available=held)
+        rep = StepReport(step=len(self.history), level=level, free_at_least=asked)
         self.current = rep
         t0 = time.perf_counter()
         rep.resident_before = self.resident_bytes()
         self.pause()
-        tags = self.sleep(level)
+        tags = self.sleep(level) if asked is None else self.sleep_to_free(level, asked)
         rep.reported_asleep = sorted(tags)
         rep.resident_asleep = self.resident_bytes()
-        if self.verify_memory and rep.resident_before and rep.resident_asleep is not None:
+        if self.verify_memory and rep.resident_before and rep.resident_asleep is not None and asked != 0:
             if rep.resident_asleep >= rep.resident_before:
                 raise EngineError(
                     f"the {eng.kind} engine reports sleeping but still holds {rep.resident_asleep} bytes "
@@ -390,9 +437,9 @@ class Handoff:
         return rep
 
     def step(self, train: Callable[[], Any], send_weights: Optional[SendWeights], version: Any, *,
-             level: int = 2) -> StepReport:
-        """release(level) -> ``train()`` -> reacquire(send_weights, version)."""
-        rep = self.release(level)
+             level: int = 2, free_at_least=None) -> StepReport:
+        """release(level, free_at_least=...) -> ``train()`` -> reacquire(send_weights, version)."""
+        rep = self.release(level, free_at_least=free_at_least)
         t0 = time.perf_counter()
         train()
         rep.timings["train"] = time.perf_counter() - t0

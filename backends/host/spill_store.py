@@ -34,6 +34,7 @@ import time
 import warnings
 from typing import Optional
 
+from unisleep import backup_encoding
 from unisleep.backup import BackupStore
 from unisleep.errors import BackupCorruptError, BackupError, HostBudgetError, SpillDirError, UnisleepError
 from unisleep.hostmem import check_host_room
@@ -181,14 +182,26 @@ class SpillStore(BackupStore):
         self._reserved: dict[tuple[int, int], tuple[str, int]] = {}
         # key -> (file name, nbytes, [(offset, length, xxh3)])
         self._files: dict[tuple[int, int], tuple[str, int, list[tuple[int, int, int]]]] = {}
+        # key -> [(offset, length, xxh3)]: the pieces already on disk of a write that failed, so a
+        # failed sleep's undo reads back the chunks released behind them (still reserved)
+        self._written: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+        # key -> the frames of a backup written with an encoding (its file holds them back to back),
+        # and the bytes its file keeps once written (the room beyond is given back)
+        self._frames: dict[tuple[int, int], list[backup_encoding.Frame]] = {}
+        self._stored: dict[tuple[int, int], int] = {}
         # file name -> nbytes: backups no longer needed whose file could not be unlinked yet
         self._leftover: dict[str, int] = {}
+
+    #: the backup encodings this store writes (``MemoryLifecycle(backup_encoding=)``)
+    encodings = backup_encoding.ENCODINGS
 
     # -- accounting
     @property
     def held_bytes(self) -> int:
-        return (sum(e[1] for e in self._files.values()) + sum(n for _, n in self._reserved.values())
-                + sum(self._leftover.values()))
+        """Bytes the backups take in their files: an encoded backup counts what its file keeps,
+        a reservation its whole raw size (the room taken before anything is released)."""
+        return (sum(self._stored.get(k, e[1]) for k, e in self._files.items())
+                + sum(n for _, n in self._reserved.values()) + sum(self._leftover.values()))
 
     def _names_held(self) -> list[str]:
         return [e[0] for e in self._files.values()] + [e[0] for e in self._reserved.values()] + list(self._leftover)
@@ -357,9 +370,12 @@ class SpillStore(BackupStore):
         after each piece."""
         if key not in self._reserved or self._reserved[key][1] != n:
             self.reserve(key, n)
+        if self.encoding is not None:
+            return self._write_frames(key, n, piece, fetch, on_written)
         name = self._reserved[key][0]
         path = self._full(name)
         pieces: list[tuple[int, int, int]] = []
+        self._written[key] = pieces  # until the write completes: what a failed sleep's undo may read
         try:
             fd, own = self._use(name, os.O_WRONLY)
             try:
@@ -385,7 +401,127 @@ class SpillStore(BackupStore):
                 nbytes=n, path=path, cause=e,
             ) from e
         del self._reserved[key]
+        self._written.pop(key, None)
         self._files[key] = (name, n, pieces)
+
+    def _write_frames(self, key, n: int, piece: int, fetch, on_written) -> None:
+        """:meth:`_write_pieces` with the store's encoding: each piece becomes one frame
+        (:mod:`unisleep.backup_encoding`), encoded where that pays and plain otherwise, written
+        back to back; once all are written the file is cut to what they take, so the room taken
+        whole before the sleep shrinks to the encoded bytes."""
+        name = self._reserved[key][0]
+        path = self._full(name)
+        piece = min(max(1, piece), backup_encoding.MAX_FRAME)  # the scratch of one frame stays bounded
+        pieces: list[tuple[int, int, int]] = []
+        frames: list[backup_encoding.Frame] = []
+        self._written[key] = pieces  # a failed sleep's undo reads the frames already on disk
+        self._frames[key] = frames
+        cursor = 0
+        try:
+            fd, own = self._use(name, os.O_WRONLY)
+            try:
+                done = 0
+                while done < n:
+                    end = min(n, done + max(1, piece))
+                    mv = fetch(done, end)
+                    t = backup_encoding.choose(mv)
+                    coded = backup_encoding.encode(mv, t) if t else None
+                    if coded is None:  # plain: hashed and written step by step, as without an encoding
+                        h = _hasher()
+                        for lo in range(0, len(mv), _STEP):
+                            step = mv[lo:lo + _STEP]
+                            h.update(step)
+                            put = 0
+                            while put < len(step):
+                                put += os.pwrite(fd, step[put:], cursor + lo + put)
+                        raw_sum = stored_sum = h.intdigest()
+                        data = mv
+                    else:
+                        h = _hasher()
+                        h.update(mv)
+                        raw_sum = h.intdigest()
+                        data = memoryview(coded)
+                        h = _hasher()
+                        h.update(data)
+                        stored_sum = h.intdigest()
+                        put = 0
+                        while put < len(data):
+                            put += os.pwrite(fd, data[put:], cursor + put)
+                    frames.append(backup_encoding.Frame(done, end - done, cursor, len(data),
+                                                        0 if coded is None else coded[4], raw_sum, stored_sum))
+                    pieces.append((done, end - done, raw_sum))
+                    cursor += len(data)
+                    done = end
+                    on_written(done)
+                os.ftruncate(fd, cursor)  # the room beyond the frames goes back to the disk
+            finally:
+                if own:
+                    os.close(fd)
+        except OSError as e:
+            raise BackupError(
+                f"writing the backup file {path} failed after {human_bytes(sum(p[1] for p in pieces))} of "
+                f"{human_bytes(n)}: {e.strerror}",
+                nbytes=n, path=path, cause=e,
+            ) from e
+        del self._reserved[key]
+        self._written.pop(key, None)
+        self._files[key] = (name, n, pieces)
+        self._stored[key] = cursor
+
+    def _load_frames(self, key, offset: int, dst, name: str, total: int, frames) -> None:
+        """:meth:`load_range` of an encoded backup: every frame the range covers is read whole,
+        its stored bytes checked before anything is decoded, decoded, and its raw bytes checked."""
+        path = self._full(name)
+        n = dst.numel()
+        covered = sum(f.length for f in frames)
+        if offset + n > covered:
+            raise BackupCorruptError(f"the backup file {path} holds only {human_bytes(covered)} of {human_bytes(total)} "
+                                     f"checked bytes; cannot read {human_bytes(n)} at {offset}", path=path, nbytes=total)
+        fd, own = self._open_to_read(name, path, total)
+        try:
+            end = max((f.file_offset + f.stored for f in frames), default=0)
+            size = os.fstat(fd).st_size
+            if size < end:
+                raise BackupCorruptError(
+                    f"the backup file {path} holds {human_bytes(size)} of {human_bytes(end)}: it was truncated "
+                    "while asleep", path=path, nbytes=total)
+            dmv = _buffer(dst.data_ptr(), n)
+            for i, f in enumerate(frames):
+                lo, hi = max(offset, f.offset), min(offset + n, f.offset + f.length)
+                if lo >= hi:
+                    continue
+                whole = lo == f.offset and hi == f.offset + f.length
+                target = dmv[lo - offset:hi - offset] if whole else memoryview(bytearray(f.length))
+                if f.transform == 0:
+                    got = _read_hashed(fd, target, f.file_offset, path, total)
+                    ok = got == f.stored_sum
+                else:
+                    stored = bytearray(f.stored)
+                    ok = _read_hashed(fd, memoryview(stored), f.file_offset, path, total) == f.stored_sum
+                    if ok:
+                        try:
+                            backup_encoding.decode(stored, target)
+                        except backup_encoding.FormatError as e:
+                            raise BackupCorruptError(f"the backup file {path}: frame {i} does not decode ({e}); the "
+                                                     "bytes were not exposed", path=path, nbytes=total) from e
+                        h = _hasher()
+                        h.update(target)
+                        ok = h.intdigest() == f.raw_sum
+                if not ok:
+                    raise BackupCorruptError(
+                        f"the backup file {path} is corrupt: frame {i} (bytes {f.offset}..{f.offset + f.length}, "
+                        f"{'encoded' if f.transform else 'plain'}) fails its XXH3 checksum; the bytes were not exposed",
+                        path=path, nbytes=total)
+                if not whole:
+                    dmv[lo - offset:hi - offset] = target[lo - f.offset:hi - f.offset]
+        finally:
+            if own:
+                os.close(fd)
+
+    def encoded_bytes(self) -> dict[str, int]:
+        """``{"raw", "stored"}``: the bytes of the complete encoded backups, before and as stored."""
+        keys = [k for k in self._stored if k in self._files]
+        return {"raw": sum(self._files[k][1] for k in keys), "stored": sum(self._stored[k] for k in keys)}
 
     def load(self, key, dst) -> None:
         n = self._entry(key)[1]
@@ -394,10 +530,17 @@ class SpillStore(BackupStore):
         self.load_range(key, 0, dst)
 
     def _entry(self, key):
+        """``(file name, bytes, pieces)`` of backup ``key``; of a write that failed part-way, the
+        pieces already on disk (a failed sleep's undo reads back the chunks released behind them:
+        :meth:`load_range` refuses bytes beyond them)."""
         try:
             return self._files[key]
         except KeyError:
-            raise BackupCorruptError(f"no backup is recorded under {key}", path=None) from None
+            pass
+        if key in self._written and key in self._reserved:
+            name, n = self._reserved[key]
+            return name, n, list(self._written[key])
+        raise BackupCorruptError(f"no backup is recorded under {key}", path=None)
 
     def load_range(self, key, offset: int, dst) -> None:
         """Read ``dst.numel()`` bytes of backup ``key`` starting at ``offset`` into ``dst`` and
@@ -408,6 +551,12 @@ class SpillStore(BackupStore):
         n = dst.numel()
         if offset + n > total:
             raise ValueError(f"backup {key} holds {total} bytes; cannot read {n} at {offset}")
+        if key in self._frames:
+            return self._load_frames(key, offset, dst, name, total, self._frames[key])
+        written = sum(p[1] for p in pieces)
+        if offset + n > written:  # a write that failed part-way: only its pieces on disk are readable
+            raise BackupCorruptError(f"the backup file {path} holds only {human_bytes(written)} of {human_bytes(total)} "
+                                     f"checked bytes; cannot read {human_bytes(n)} at {offset}", path=path, nbytes=total)
         fd, own = self._open_to_read(name, path, total)
         try:
             size = os.fstat(fd).st_size
@@ -446,6 +595,9 @@ class SpillStore(BackupStore):
         """Forget backup ``key`` and unlink its file.  A file that cannot be unlinked (e.g. the
         file system went read-only) is not an error — its bytes are no longer needed — but it
         keeps its room counted and is named in a warning until a later try removes it."""
+        self._written.pop(key, None)
+        self._frames.pop(key, None)
+        self._stored.pop(key, None)
         for table in (self._files, self._reserved):
             entry = table.pop(key, None)
             if entry:
@@ -521,12 +673,18 @@ class SpillStore(BackupStore):
                 self._close_kept(name)
             self._files.clear()
             self._reserved.clear()
+            self._written.clear()
+            self._frames.clear()
+            self._stored.clear()
             self._leftover.clear()
             self._close_fds()
             self._remove_made_parent()
             return
         self._files.clear()
         self._reserved.clear()
+        self._written.clear()
+        self._frames.clear()
+        self._stored.clear()
         self._leftover.clear()
         if self._dir_fd >= 0:
             empty_dir(self._dir_fd)

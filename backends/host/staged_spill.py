@@ -25,6 +25,8 @@ class StagedSpillStore(SpillStore):
 
     #: bytes per staged piece (each piece is one checksum)
     STAGE = 64 << 20
+    #: no backup encoding through the staging buffer (the encoded path is the host store's own)
+    encodings = ()
 
     def __init__(self, budget_bytes: Optional[int], spill_dir: Optional[str], layout: str = "private",
                  pin: bool = False):

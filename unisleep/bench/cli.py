@@ -9,6 +9,7 @@
 ``--chunk-sweep``      map/unmap cost by chunk size (``unisleep.bench.chunk_sweep``)
 ``--compat-tms``       tms facade beside tms 0.0.10 (``unisleep.bench.compat_tms``)
 ``--progressive``      progressive wake / background sleep beside the plain ones (``unisleep.bench.progressive``)
+``--encoding``         the "planes" backup encoding beside plain backups (``unisleep.bench.encoding``)
 ``--devices SPEC``     every device of a node sleeping and waking at once, one process each
                        (``unisleep.bench.devices``)
 =====================  ===================================================================
@@ -33,6 +34,8 @@ MODES = (
     ("--chunk-sweep", "map/unmap cost by chunk size"),
     ("--compat-tms", "the torch_memory_saver facade beside torch_memory_saver 0.0.10, same run"),
     ("--progressive", "progressive wake and background sleep beside the plain ones (with --backend NAME)"),
+    ("--encoding", "the lossless 'planes' backup encoding beside plain backups: ratio, sleep, wake, bytes held "
+                   "(with --backend host)"),
     ("--devices all|N|LIST", "every device sleeping and waking at the same instant, one process per device, beside "
                              "each device's copy alone and the host's memory bandwidth"),
 )
@@ -117,6 +120,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         mod = "unisleep.bench.compat_tms"
     elif "--progressive" in argv:
         mod = "unisleep.bench.progressive"
+    elif "--encoding" in argv:
+        mod = "unisleep.bench.encoding"  # checks its own backend (host only, for now)
     elif any(a == "--devices" or a.startswith("--devices=") for a in argv):
         mod = "unisleep.bench.devices"  # checks its own values (the platform, the devices) before it starts
     else:

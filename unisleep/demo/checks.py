@@ -75,6 +75,16 @@ def embedded_checks(steps: list[DemoStep], monitor, failure: Optional[str], targ
             f"{max(s.probe_gap for s in steps):.3f}: the new weights did not reach the engine",
         ))
         freed = [s for s in steps if s.resident_before]
+        if freed and freed[0].free_at_least is not None:  # --free-at-least: what the trainer asked, no less
+            low = [s.step for s in freed if (s.released or 0) < s.free_at_least]
+            checks.append(Check(
+                "memory freed", not low,
+                f"every budgeted sleep released >= the {kib(freed[0].free_at_least)} KiB asked (first: "
+                f"{kib(freed[0].released)} KiB of {kib(freed[0].resident_before)} KiB; the rest stayed resident)"
+                if not low else f"steps {low} released less than the {kib(freed[0].free_at_least)} KiB asked"))
+            checks.append(_gap_steady(steps, monitor))
+            checks.append(learned(steps, target))
+            return checks
         low = [s.step for s in freed if (s.released or 0) < RELEASED_MIN * s.resident_before]
         checks.append(Check(
             "memory freed", bool(freed) and not low,

@@ -70,6 +70,13 @@ def validate(args) -> None:
         bad(f"--timeout must be at least {MIN_TIMEOUT_S:g} s, got {args.timeout:g}: it bounds each wait for the "
             "trainer process, which needs about a second just to start (a new Python importing torch); the "
             "default is 60")
+    fal = getattr(args, "free_at_least", None)
+    if fal is not None:
+        if not (math.isfinite(fal) and fal >= 0):
+            bad(f"--free-at-least must be a number of MiB >= 0, got {fal:g}")
+        if args.engine != "torch" or args.model is not None or getattr(args, "ray", False):
+            bad("--free-at-least runs on the embedded engine's loop (its TorchGenerator sleeps to a budget; vLLM's "
+                "sleep frees all of a level): leave out --engine vllm, --model and --ray")
     if getattr(args, "ray", False):
         import importlib.util
 
@@ -198,6 +205,10 @@ def build_parser() -> CommandParser:
     p.add_argument("--sabotage", choices=SABOTAGES, default="none",
                    help="break the loop on purpose to see the checks fail: drop-weights (the engine ignores "
                         "the tensors it receives), skip-sleep (the engine's sleep frees nothing)")
+    p.add_argument("--free-at-least", type=float, default=None, metavar="MIB",
+                   help="a budgeted release: the engine frees at least MIB MiB (KV cache first, then weights "
+                        "region by region) and keeps the rest resident; embedded engine only (default: all of "
+                        "the level)")
     p.add_argument("--no-plot", action="store_true", help="skip demo.png")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress line")
     return p

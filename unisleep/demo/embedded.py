@@ -117,7 +117,8 @@ def run_torch(args) -> int:
             rewards = [_reward(t, args.target) for t in tokens]
             version_served = eng.weight_version()
             # 2. release the engine's memory for the trainer
-            rep = handoff.release(level=args.level)
+            asked = None if args.free_at_least is None else int(args.free_at_least * (1 << 20))
+            rep = handoff.release(level=args.level, free_at_least=asked)
             # 3. train in the other process (scores the rollouts first: the gap)
             t0 = time.perf_counter()
             tr = trainer.call("train", {"prompts": prompts, "tokens": tokens, "rewards": rewards}, "trained")
@@ -145,7 +146,7 @@ def run_torch(args) -> int:
                 resident_asleep=rep.resident_asleep, release_ms=rep.release_s * 1e3,
                 reacquire_ms=rep.reacquire_s * 1e3, transfer_ms=rep.transfer_s * 1e3, train_ms=train_ms,
                 gap=gs.median_abs_gap, probe_gap=probe_gap, reward=statistics.fmean(rewards),
-                findings=[str(f) for f in gs.findings],
+                findings=[str(f) for f in gs.findings], free_at_least=rep.free_at_least, budget=rep.budget,
             )
             steps.append(ds)
             step_progress(args, step, f"v{version}  released {kib(ds.released)} KiB  handoff {ds.handoff_ms:.1f} ms  "

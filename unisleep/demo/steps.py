@@ -39,6 +39,8 @@ class DemoStep(_StepRecord):
     probe_gap: float
     reward: float
     findings: list[str] = field(default_factory=list)
+    free_at_least: Optional[int] = None  # --free-at-least: the bytes the trainer asked for
+    budget: Optional[dict] = None  # the engine's account: what moved, what stayed resident
 
     _derived = ("released", "handoff_ms")
 

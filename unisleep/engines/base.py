@@ -9,6 +9,8 @@ import abc
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
+from ..errors import UnsupportedError
+
 
 @dataclass
 class Generation:
@@ -80,6 +82,20 @@ class Engine(abc.ABC):
     # ---- memory --------------------------------------------------------------------
     @abc.abstractmethod
     def sleep(self, level: int = 1) -> None: ...
+
+    def sleep_to_free(self, level: int, nbytes: int) -> Optional[dict]:
+        """Put to sleep only enough of the engine's memory to free at least ``nbytes`` (a
+        budgeted sleep: the rest stays resident at the same addresses); returns the account of
+        what moved and what stayed (``MemoryLifecycle.sleep(free_at_least=)``'s ``budget``), or
+        None.  Engines that cannot (vLLM's sleep frees everything of a level) raise
+        :class:`~unisleep.errors.UnsupportedError`, nothing changed."""
+        raise UnsupportedError(
+            f"the {self.kind} engine cannot sleep to a budget: its sleep frees all of a level; release without "
+            "free_at_least. Nothing was changed.")
+
+    def can_sleep_to_free(self) -> bool:
+        """Whether :meth:`sleep_to_free` is implemented."""
+        return type(self).sleep_to_free is not Engine.sleep_to_free
 
     @abc.abstractmethod
     def wake_up(self, tags: Optional[Sequence[str]] = None) -> None: ...

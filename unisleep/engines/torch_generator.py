@@ -349,6 +349,17 @@ class TorchGenerator(Engine):
         self.release_cache()  # a sleeping engine keeps no cached framework memory either
         self.lifecycle.sleep(level)
 
+    def sleep_to_free(self, level: int, nbytes: int) -> Optional[dict]:
+        """A budgeted sleep of the engine's lifecycle: the KV cache first, then (what a level
+        puts to sleep of) the weights, region by region, until ``nbytes`` are free."""
+        if self._updating is not None:
+            raise InvalidTransitionError("a weight update is in progress; finish it before sleeping")
+        if self._closed:
+            raise InvalidTransitionError("the engine is closed")
+        self.release_cache()
+        order = ["kv_cache"] if self.lifecycle.state().get("kv_cache") == AWAKE else []
+        return self.lifecycle.sleep(level, free_at_least=nbytes, free_order=order).budget
+
     def wake_up(self, tags: Optional[Sequence[str]] = None) -> None:
         self.lifecycle.wake_up(tags)
 

@@ -76,7 +76,7 @@ class Flight:
     def wake(self, owner, state: LifecycleState, todo: list[str], order, t0: float) -> ProgressiveWake:
         """Start a progressive wake of ``todo`` (``owner``: the lifecycle, whose ``ready`` and
         ``wait`` the wake's own methods call): its tags are ``"waking"`` until it is settled."""
-        allocs = state.of(*todo)
+        allocs = [a for a in state.of(*todo) if not a.region.mapped]  # not those kept resident
         steps = plan_steps(allocs, state.driver.config.progressive_piece, order)
         pw = ProgressiveWake(owner, state.driver, state.store, todo, allocs, steps, t0)
         pw.previous = {t: state.tags[t] for t in todo}

@@ -29,12 +29,15 @@ from typing import Any, Iterator, Optional, Sequence
 
 from .. import graph_capture, hostmem
 from ..backup import BackupStore
+from ..backup_encoding import ENCODINGS
 from ..driver import Driver
 from ..errors import (
     InvalidArgumentError,
     LifecycleClosedError,
     LiveTensorsError,
+    SleepBudgetError,
     UnisleepError,
+    UnsupportedError,
 )
 from ..hostmem import HOST_BACKUPS, host_backups_setting
 from ..registry import backend_of
@@ -43,7 +46,7 @@ from . import adoption, planning, rollback, transaction
 from .flight import BackgroundSleep, Flight
 from .progressive import ProgressiveWake, install_ready_hooks
 from .state import (
-    AWAKE, CLOSED, DISCARDED, LEVELS, LOST, Keeper, LifecycleState, Report, as_tag_list, check_tag_name, finalize,
+    AWAKE, CLOSED, DISCARDED, LEVELS, LOST, OFFLOADED, Keeper, LifecycleState, Report, as_tag_list, check_tag_name, finalize,
     is_int,
 )
 
@@ -51,6 +54,14 @@ log = logging.getLogger("unisleep")
 
 BACKUP_TO = ("disk",)
 SPILL_LAYOUTS = ("private", "flat")
+
+
+def _set_encoding(store: BackupStore, value: Optional[str]) -> None:
+    if value is not None and value not in store.encodings:
+        raise UnsupportedError(
+            f"backup_encoding={value!r}: this backup store ({store.where}) writes no encoded backups; leave "
+            "backup_encoding unset (plain backups). The host backend's spill files have it.")
+    store.encoding = value
 
 
 def _resolve_driver(platform, device: int, options: dict) -> Driver:
@@ -103,6 +114,15 @@ class MemoryLifecycle:
         milliseconds — call :meth:`wait` before handing it on at once.  ``False`` (default):
         released before ``sleep()`` returns.  ``None``: the ``UNISLEEP_RELEASE_BEHIND``
         environment variable (``1`` = True).  Backends: cuda, host.
+    backup_encoding:
+        ``None`` (default): backups hold the bytes as they are; ``"planes"``: the lossless
+        encoding of :mod:`unisleep.backup_encoding` — floating-point data (bf16, fp16, fp32) is
+        split into an exponent plane, entropy-coded, and sign/mantissa planes, decided frame by
+        frame (a frame that does not compress is stored plain), byte-exact, checksummed before
+        and after decoding; the store's accounting (:meth:`backup_bytes`,
+        :meth:`backup_resident_bytes`) shows the encoded bytes.  Stores that cannot write it
+        refuse with :class:`~unisleep.errors.UnsupportedError` (host spill files do; see
+        docs/backup-encoding.md).  Changeable later (:attr:`backup_encoding`).
     """
 
     def __init__(
@@ -117,6 +137,7 @@ class MemoryLifecycle:
         host_backups: Optional[str] = None,
         backup_to: Optional[str] = None,
         spill_layout: Optional[str] = None,
+        backup_encoding: Optional[str] = None,
         **driver_options: Any,
     ):
         if host_budget_bytes is not None and (not is_int(host_budget_bytes) or host_budget_bytes < 0):
@@ -130,6 +151,9 @@ class MemoryLifecycle:
             raise InvalidArgumentError(f"backup_to must be None (the driver's own store) or 'disk', got {backup_to!r}")
         if spill_layout is not None and spill_layout not in SPILL_LAYOUTS:
             raise InvalidArgumentError(f"spill_layout must be 'private' or 'flat', got {spill_layout!r}")
+        if backup_encoding is not None and backup_encoding not in ENCODINGS:
+            raise InvalidArgumentError(f"backup_encoding must be None or one of {', '.join(map(repr, ENCODINGS))}, "
+                                       f"got {backup_encoding!r}")
         driver = platform if isinstance(platform, Driver) else _resolve_driver(platform, device, driver_options)
         driver.configure(release_behind=release_behind_setting(release_behind, driver))
         described = backend_of(driver)
@@ -144,6 +168,12 @@ class MemoryLifecycle:
             store = driver.new_file_store(host_budget_bytes, spill_dir, layout=spill_layout or "private")
         else:
             store = driver.new_backup_store(host_budget_bytes, spill_dir)
+        if backup_encoding is not None:
+            try:
+                _set_encoding(store, backup_encoding)
+            except BaseException:
+                store.close()
+                raise
         self._state = LifecycleState(driver, store, self.chunk_bytes)
         self._state.keep_backups = keep == "keep"
         self._lock = threading.RLock()
@@ -386,6 +416,21 @@ class MemoryLifecycle:
             self._state.give_back_host()
 
     @property
+    def backup_encoding(self) -> Optional[str]:
+        """The encoding new backups are written with (None: plain bytes); setting it takes
+        effect at the next sleep — backups already written keep theirs and read back the same."""
+        return self._state.store.encoding
+
+    @backup_encoding.setter
+    def backup_encoding(self, value: Optional[str]) -> None:
+        if value is not None and value not in ENCODINGS:
+            raise InvalidArgumentError(f"backup_encoding must be None or one of {', '.join(map(repr, ENCODINGS))}, "
+                                       f"got {value!r}")
+        with self._lock:
+            self._check_open()
+            _set_encoding(self._state.store, value)
+
+    @property
     def backup_store(self) -> BackupStore:
         """The driver's backup store of this lifecycle (e.g. the host's spill files under
         ``backup_store.dir``); read it, do not change it."""
@@ -468,7 +513,7 @@ class MemoryLifecycle:
     # ------------------------------------------------------------------ sleep / wake
     def sleep(
         self, level: int = 1, *, offload_tags: Optional[Iterable[str]] = None, tags: Optional[Iterable[str]] = None,
-        background: bool = False,
+        background: bool = False, free_at_least: Optional[int] = None, free_order: Optional[Iterable[str]] = None,
     ) -> Report:
         """Release memory.  Level 1 backs up ``"weights"`` (and ``offload_tags``) and discards the
         rest; level 2 discards everything but preserved parameters, adopted modules' buffers
@@ -484,11 +529,33 @@ class MemoryLifecycle:
         ``background=True`` returns as soon as the discarded tags (the KV cache) are released;
         the backed-up tags are ``"sleeping"`` while their copies finish behind the call (a worker
         thread runs the same transactional sleep for them), ``wait()`` waits for it and raises
-        its error, if any (the backed-up tags are then awake again, bytes exact)."""
+        its error, if any (the backed-up tags are then awake again, bytes exact).
+
+        ``free_at_least=N`` (bytes) makes it a budgeted sleep: of what this sleep would put to
+        sleep (the same level, ``tags`` and ``offload_tags`` rules), only enough to free at least
+        ``N`` bytes of physical memory, read from the driver — whole tags first, the tags of
+        ``free_order`` first and then the rest in
+        :data:`~unisleep.lifecycle.planning.DEFAULT_ORDER` (discarded tags, then backed-up ones,
+        largest first), then regions of the next tag, newest first — and everything else stays
+        resident at the same addresses, its bytes untouched.  A tag of which some regions went
+        reads asleep (``"offloaded"``/``"discarded"``); its wake restores only what went, and a
+        later sleep (budgeted or not) can take what stayed.  ``last_report.budget`` says what
+        moved and what stayed.  Raises :class:`~unisleep.errors.SleepBudgetError` before
+        anything changes when those tags hold less than ``N``; with ``background=True`` it is
+        refused (a budgeted sleep runs in the foreground)."""
         if not is_int(level) or level not in LEVELS:
             raise InvalidArgumentError(f"sleep level must be the int 1 or 2, got {level!r}")
         if not isinstance(background, bool):
             raise InvalidArgumentError(f"background must be True or False, got {background!r}")
+        if free_at_least is not None and (not is_int(free_at_least) or free_at_least < 0):
+            raise InvalidArgumentError(f"free_at_least must be an int >= 0 (bytes) or None, got {free_at_least!r}")
+        order = as_tag_list(free_order, "free_order") if free_order is not None else []
+        if free_order is not None and free_at_least is None:
+            raise SleepBudgetError("free_order= orders a budgeted sleep: pass free_at_least= (bytes) with it, or drop "
+                                   "it. Nothing was changed.")
+        if free_at_least is not None and background:
+            raise SleepBudgetError("a budgeted sleep (free_at_least=) runs in the foreground: drop background=True, or "
+                                   "free_at_least. Nothing was changed.", asked=free_at_least)
         offload = set(as_tag_list(offload_tags, "offload_tags")) if offload_tags is not None else set()
         only = set(as_tag_list(tags, "tags")) if tags is not None else None
         if only is not None and not offload <= only:
@@ -503,6 +570,8 @@ class MemoryLifecycle:
             self._flight.refuse(only, "sleep")
             self.state()  # an awake tag that lost its mapping is reported as lost
             plan, write_off = planning.transitions(self._state, level, offload, only)
+            if free_at_least is not None:
+                return self._sleep_budgeted(level, plan, write_off, free_at_least, order)
             if background:
                 return self._sleep_background(level, plan, write_off)
             return self._sleep(level, plan, write_off)
@@ -514,6 +583,41 @@ class MemoryLifecycle:
                                 time.perf_counter() if t0 is None else t0)
         self._after_host()
         return self._done(rep)
+
+    def _sleep_budgeted(self, level: int, plan: dict, write_off: dict, asked: int, order: list[str]) -> Report:
+        """``sleep(free_at_least=asked)``: choose (:func:`~.planning.budget`), then the same
+        transactional sleep of what was chosen; the report carries the account."""
+        outside = [t for t in order if t not in plan]
+        if outside:
+            self._state.check_tags(outside)
+            raise SleepBudgetError(
+                f"free_order names tag(s) {', '.join(map(repr, outside))} that this sleep does not put to sleep (awake "
+                f"tags it covers: {', '.join(map(repr, plan)) or 'none'}); drop them from free_order or widen tags=. "
+                "Nothing was changed.", asked=asked)
+        t0 = time.perf_counter()
+        chosen = planning.budget(self._state, plan, asked, order, level)
+        rep = transaction.sleep(self._state, level, chosen.plan, write_off, self._preserve, self._before_sleep,
+                                self._after_wake, t0, only=chosen.only)
+        self._after_host()
+        rep.budget = chosen.detail(rep.bytes_released)
+        if rep.bytes_released < asked:  # cannot happen: what is chosen is read from the driver
+            rep.notes.append(f"freed {rep.bytes_released} bytes of the {asked} asked")
+        return self._done(rep)
+
+    def kept_resident(self) -> dict[str, int]:
+        """Per asleep tag, the bytes that a budgeted sleep (``sleep(free_at_least=)``) kept
+        resident — mapped at the same addresses, bytes untouched — read from the driver; tags
+        wholly asleep are left out."""
+        with self._lock:
+            self._check_open()
+            st = self._state
+            out = {}
+            for t, s in st.tags.items():
+                if s in (OFFLOADED, DISCARDED):
+                    n = sum(a.region.physical_bytes(self._driver) for a in planning.resident(st, t))
+                    if n:
+                        out[t] = n
+            return out
 
     def _sleep_background(self, level: int, plan: dict, write_off: dict) -> Report:
         """Release the tags that are only discarded now; copy the others out behind the call."""

@@ -46,6 +46,10 @@ class Report:
     bytes_copied: int = 0
     seconds: float = 0.0
     notes: list = field(default_factory=list)  # what the backend wants said (e.g. memory it kept)
+    #: a budgeted sleep's account (``sleep(free_at_least=)``): ``{"asked", "freed", "order",
+    #: "moved": [{"tag", "to", "regions", "bytes"}], "stayed": [{"tag", "state", "regions",
+    #: "bytes"}]}`` — what it put to sleep and what stayed resident at the same addresses
+    budget: Optional[dict] = None
 
     @property
     def gbps(self) -> float:
@@ -60,6 +64,7 @@ class Report:
             "seconds": self.seconds,
             "gbps": self.gbps,
             "notes": list(self.notes),
+            "budget": None if self.budget is None else dict(self.budget),
         }
 
     def __str__(self) -> str:
@@ -68,7 +73,15 @@ class Report:
             f"copied {human_bytes(self.bytes_copied)} in {self.seconds * 1e3:.1f} ms"
             + (f" ({self.gbps:.1f} GB/s)" if self.bytes_copied else "")
             + "".join(f"; {n}" for n in self.notes)
+            + (self._budget_text() if self.budget is not None else "")
         )
+
+    def _budget_text(self) -> str:
+        b = self.budget
+        moved = ", ".join(f"{m['tag']} {m['regions']} region(s) {human_bytes(m['bytes'])} {m['to']}" for m in b["moved"])
+        stayed = ", ".join(f"{s['tag']} {s['regions']} region(s) {human_bytes(s['bytes'])}" for s in b["stayed"])
+        return (f"; asked to free {human_bytes(b['asked'])}: moved {moved or 'nothing'}; stayed resident "
+                f"{stayed or 'nothing'}")
 
 
 @dataclass

@@ -38,16 +38,18 @@ def run_hooks_quietly(hooks: list[Callable], tags: list, why: str) -> None:
 
 
 def sleep(state: LifecycleState, level: int, plan: dict, write_off: dict, patterns: list[str],
-          before_sleep: list[Callable], after_wake: list[Callable], t0: float) -> Report:
+          before_sleep: list[Callable], after_wake: list[Callable], t0: float,
+          only: Optional[set] = None) -> Report:
     """Put the tags of ``plan`` to sleep (tag -> offloaded or discarded) and write off the tags
-    of ``write_off``, all or nothing: the backup's room is checked and reserved first, then the
+    of ``write_off``, all or nothing (``only``: the ids of the allocations to put to sleep, a
+    budgeted sleep's choice; the others stay resident): the backup's room is checked and reserved first, then the
     ``before_sleep`` hooks run and the driver backs up and releases; a failure is undone
     (:func:`undo_sleep`, ``after_wake`` hooks for the hooks that ran) and raised as a
     :class:`~unisleep.errors.BackupError` saying what failed where — a ``KeyboardInterrupt`` or
     ``SystemExit`` is undone the same way and raised as itself."""
     driver = state.driver
     tr = _Trace("sleep")
-    saves, discards = planning.jobs(state, plan, patterns)
+    saves, discards = planning.jobs(state, plan, patterns, only)
     tr.mark("plan + unchanged check")
     need = sum(n for j in saves if not j.skip_copy for _, n in j.ranges)
     retained = sum(n for j in saves if j.skip_copy for _, n in j.ranges)
@@ -224,7 +226,8 @@ def wake(state: LifecycleState, todo: list[str]) -> tuple[int, list[str], list[B
     (each with its :func:`failed_wake` error); a tag is marked awake as soon as it is mapped,
     restored and verified."""
     driver, store = state.driver, state.store
-    by_tag = {tag: state.of(tag) for tag in todo}
+    # regions a budgeted sleep kept resident hold their bytes: not restored, never unmapped here
+    by_tag = {tag: [a for a in state.of(tag) if not a.region.mapped] for tag in todo}
 
     def jobs_of(tags):
         return [RestoreJob(a.id, a.region, list(a.saved), zero=not a.fully_saved) for t in tags for a in by_tag[t]]
