@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import queue
 import threading
 import time
 from typing import Any, Optional
@@ -35,6 +36,7 @@ from typing import Any, Optional
 from ..errors import TransferError, UnsupportedError
 from .cipher import SLACK, pieces, writable_view
 from .manifest import BucketPlan, pack_tensor
+from .listener_guard import ListenerGuard
 from .netinfo import foreign_connections, listening_ports
 
 log = logging.getLogger("unisleep.transfer")
@@ -45,6 +47,9 @@ PIECED = 4  # descriptor flag: the bucket follows in pieces of cipher.PIECE byte
 
 #: once both ends of a data-channel pair are up, the proof that it is theirs arrives within this
 PROOF_S = 5.0
+#: gloo's own timeout for the proof's all-to-all: its threads stop waiting on a pair a stranger
+#: holds after this long (the caller never waits on them: the backend is retired off its thread)
+PROOF_OP_S = 20.0
 
 
 class _DataChannel:
@@ -67,38 +72,58 @@ class _DataChannel:
 
         old, self._pg = self._pg, None
         if old is not None:
-            _shutdown(old)
+            _retire(old)
+            old = None
         timeout = datetime.timedelta(seconds=self.timeout_s)
         store = _sealed_store_class()(self.store.prefixed(f"pg{epoch}"), self, f"pg{epoch}")
         proof = getattr(self._collective, "PAIR_PROOF", False)
         before = listening_ports() if proof else set()
+        # gloo's listener pairs whoever connects first: guarded from before it exists until the
+        # pairs proved themselves, sealed once they are made (.listener_guard)
+        guard = ListenerGuard({p.uid for p in self.peers}, store.published, self._intrusion,
+                              f"the data channel (epoch {epoch})") if proof else None
+        pg = None
         try:
-            pg = self._collective.create_backend(store, self.rank, self.world_size, timeout, self.device_index,
-                                                 host=self.host)
-        except Exception as e:
-            self.broken = f"the data channel (epoch {epoch}) could not connect: {type(e).__name__}: {e}"
-            raise TransferError(f"{self.broken}; recreate the group") from e
-        # the backend holds only the C++ side of this Python store: without a Python reference
-        # it is collected, and a backend that bootstraps later (on its first collective)
-        # finds no ``get`` to call ("Not implemented")
-        self._pg_store = store
-        if proof:
-            ports = {p for _ip, p in listening_ports() - before}
             try:
-                self._prove_pairs(pg, epoch, store, ports)
-            except IntrusionError as e:
+                pg = self._collective.create_backend(store, self.rank, self.world_size, timeout, self.device_index,
+                                                     host=self.host)
+            except Exception as e:
+                if guard is not None and guard.refused:
+                    raise IntrusionError(self._hijacked(epoch, [p.rank for p in self.peers if p.rank != self.rank],
+                                                        guard.ports, "could not be made", guard.refused)) from None
+                self.broken = f"the data channel (epoch {epoch}) could not connect: {type(e).__name__}: {e}"
+                raise TransferError(f"{self.broken}; recreate the group") from None
+            # the backend holds only the C++ side of this Python store: without a Python reference
+            # it is collected, and a backend that bootstraps later (on its first collective)
+            # finds no ``get`` to call ("Not implemented")
+            self._pg_store = store
+            if proof:
+                guard.seal()
+                if guard.seal_error:
+                    log.warning("transfer group %s: the data channel's listener could not be sealed (%s); the pairs' "
+                                "proof still guards it", self.group_id.split("/")[0], guard.seal_error)
+                ports = guard.ports or {p for _ip, p in listening_ports() - before}
+                self._prove_pairs(pg, epoch, store, ports, guard)
+                self._name_foreign(ports, epoch)
+        except BaseException as e:
+            # the backend is shut down and destroyed off this thread: its threads may wait on a pair a
+            # stranger holds until the proof's own timeout, and its destructor joins them
+            if pg is not None:
+                _retire(pg)
+                pg = None
+            _quiet(lambda: store.set(f"broken/{self.rank}", f"{type(e).__name__}: {e}"[:2000]))
+            if isinstance(e, IntrusionError):
                 self._intrusion(str(e))
-                _shutdown(pg)
                 self.channel_broke(f"the data channel of epoch {epoch} was not the group's")
-                raise
-            except BaseException:
-                _shutdown(pg)
-                raise
-            self._name_foreign(ports, epoch)
+            e.__context__ = None  # neither the frames below nor an exception they handled keep the backend
+            raise e.with_traceback(None) from None
+        finally:
+            if guard is not None:
+                guard.stop()
         self._pg = pg
         self._pg_epoch = epoch
 
-    def _prove_pairs(self, pg, epoch: int, store, ports) -> None:
+    def _prove_pairs(self, pg, epoch: int, store, ports, guard=None) -> None:
         """Before a byte of weights moves over a new data channel, each end of every pair of it
         proves the group secret to the other, over that very connection (an HMAC of the group, the
         epoch and the direction).  A backend that connects whoever first sends the number it
@@ -127,7 +152,10 @@ class _DataChannel:
                                                   for j in range(n))), dtype=torch.uint8)
         out = torch.zeros(32 * n, dtype=torch.uint8)
         store.set(f"ready/{self.rank}", b"1")
-        w = pg.alltoall_base(out, inp, [], [], dist.AllToAllOptions())
+        opts = dist.AllToAllOptions()
+        opts.timeout = datetime.timedelta(seconds=min(self.timeout_s, PROOF_OP_S))  # gloo's own threads give up
+        w = pg.alltoall_base(out, inp, [], [], opts)
+        refused = guard.refused if guard is not None else []
         t0 = time.monotonic()
         up: dict[int, float] = {}
         next_live = t0 + 0.5
@@ -137,9 +165,16 @@ class _DataChannel:
             for j in others:
                 if j not in up and store.check([f"ready/{j}"]):
                     up[j] = now
+                if store.check([f"broken/{j}"]):  # that member gave this channel up: no proof will come
+                    why = _text(store.get(f"broken/{j}"))
+                    cls = IntrusionError if why.startswith("IntrusionError") else TransferError
+                    raise cls(f"the data channel (epoch {epoch}): rank {j} gave it up ({why[:600]})"
+                              + ("; no weights were sent over it, and the next update opens a new data channel"
+                                 if cls is IntrusionError else "; recreate the group"))
             if len(up) == len(others) and now - max(up.values()) > PROOF_S:
                 raise IntrusionError(self._hijacked(epoch, others, ports, f"sent no proof of the group secret within "
-                                                                          f"{PROOF_S:.0f} s though every member is up"))
+                                                                          f"{PROOF_S:.0f} s though every member is up",
+                                                    refused))
             if now >= next_live:
                 next_live = now + 0.5
                 self.check_alive(others)
@@ -153,14 +188,15 @@ class _DataChannel:
         except Exception as e:  # noqa: BLE001 - a member that died is named first
             self.check_alive(others)
             raise IntrusionError(self._hijacked(epoch, others, ports, f"failed during their proof ({type(e).__name__}: "
-                                                                      f"{str(e)[:200]})")) from None
+                                                                      f"{str(e)[:200]})", refused)) from None
         got = bytes(out.numpy())
         wrong = [j for j in others if not hmac.compare_digest(got[32 * j: 32 * j + 32], tag(j, self.rank))]
         if wrong:
-            raise IntrusionError(self._hijacked(epoch, wrong, ports, "answered with a wrong proof of the group secret"))
+            raise IntrusionError(self._hijacked(epoch, wrong, ports, "answered with a wrong proof of the group secret",
+                                                refused))
 
-    def _hijacked(self, epoch: int, ranks, ports, what: str) -> str:
-        foreign = self._foreign(ports)
+    def _hijacked(self, epoch: int, ranks, ports, what: str, refused=()) -> str:
+        foreign = list(dict.fromkeys([*self._foreign(ports), *refused]))
         who = ", ".join(f"rank {j}" for j in ranks)
         return (f"the data channel (epoch {epoch}): the connections to {who} {what}: a process outside the group "
                 f"holds one" + (f" ({'; '.join(foreign)})" if foreign else
@@ -209,6 +245,7 @@ def _sealed_store_class():
             super().__init__()
             self._inner, self._group, self._prefix = inner, group, prefix
             self._key = group.subkey("collective bootstrap")
+            self.published: list = []  # what this rank wrote (its own addresses: .listener_guard)
 
         def _tag(self, k: str, v: bytes) -> bytes:
             ctx = f"{self._group.group_id}/{self._prefix}/{k}".encode()
@@ -216,6 +253,8 @@ def _sealed_store_class():
 
         def set(self, key, value):
             v = value.encode() if isinstance(value, str) else bytes(value)
+            if len(self.published) < 64:
+                self.published.append(v)
             self._inner.set(key, self._tag(key, v) + v)
 
         def get(self, key):
@@ -253,12 +292,35 @@ def _sealed_store_class():
     return SealedStore
 
 
-def _shutdown(pg) -> None:
-    """Shut a backend down without waiting on work that can never finish (a pair a process
-    outside the group holds)."""
-    t = threading.Thread(target=lambda: _quiet(pg.shutdown), daemon=True, name="unisleep-transfer-pg-shutdown")
-    t.start()
-    t.join(2.0)
+_RETIRED: "queue.SimpleQueue" = queue.SimpleQueue()
+_REAPER: list = []
+_REAPER_LOCK = threading.Lock()
+
+
+def _retire(pg) -> None:
+    """Shut a backend down and let it go on a thread of its own, never the caller's: its threads may
+    wait on a pair a process outside the group holds (until the proof's own timeout, or the
+    group's), and its destructor joins them."""
+    _RETIRED.put(pg)
+    with _REAPER_LOCK:
+        if not _REAPER:
+            t = threading.Thread(target=_reap, daemon=True, name="unisleep-transfer-pg-reaper")
+            _REAPER.append(t)
+            t.start()
+
+
+def _reap() -> None:
+    while True:
+        pg = _RETIRED.get()
+        _quiet(pg.shutdown)
+        del pg  # the destructor runs here
+
+
+def _text(v) -> str:
+    try:
+        return bytes(v).decode("utf-8", "replace")
+    except Exception:  # noqa: BLE001
+        return "?"
 
 
 def _quiet(fn) -> None:
