@@ -50,6 +50,8 @@ PROOF_S = 5.0
 #: gloo's own timeout for the proof's all-to-all: its threads stop waiting on a pair a stranger
 #: holds after this long (the caller never waits on them: the backend is retired off its thread)
 PROOF_OP_S = 20.0
+#: gloo's own timeout to connect a data channel's pairs once every member arrived to connect it
+CONNECT_S = 30.0
 
 
 class _DataChannel:
@@ -74,25 +76,21 @@ class _DataChannel:
         if old is not None:
             _retire(old)
             old = None
-        timeout = datetime.timedelta(seconds=self.timeout_s)
         store = _sealed_store_class()(self.store.prefixed(f"pg{epoch}"), self, f"pg{epoch}")
         proof = getattr(self._collective, "PAIR_PROOF", False)
         before = listening_ports() if proof else set()
-        # gloo's listener pairs whoever connects first: guarded from before it exists until the
-        # pairs proved themselves, sealed once they are made (.listener_guard)
-        guard = ListenerGuard({p.uid for p in self.peers}, store.published, self._intrusion,
-                              f"the data channel (epoch {epoch})") if proof else None
+        others = [p.rank for p in self.peers if p.rank != self.rank]
+        guard = None
         pg = None
         try:
-            try:
-                pg = self._collective.create_backend(store, self.rank, self.world_size, timeout, self.device_index,
-                                                     host=self.host)
-            except Exception as e:
-                if guard is not None and guard.refused:
-                    raise IntrusionError(self._hijacked(epoch, [p.rank for p in self.peers if p.rank != self.rank],
-                                                        guard.ports, "could not be made", guard.refused)) from None
-                self.broken = f"the data channel (epoch {epoch}) could not connect: {type(e).__name__}: {e}"
-                raise TransferError(f"{self.broken}; recreate the group") from None
+            if proof:
+                # gloo's listener takes whoever connects: it opens only once every member is about to
+                # connect (so it is open for milliseconds, not while a member is still busy), it is
+                # guarded while open, and sealed once the pairs are made (.listener_guard)
+                self._arrive(store, epoch, others)
+                guard = ListenerGuard({p.uid for p in self.peers}, store.published, self.world_size)
+                store.on_set = guard.claim
+            pg = self._construct(store, epoch, others, guard)
             # the backend holds only the C++ side of this Python store: without a Python reference
             # it is collected, and a backend that bootstraps later (on its first collective)
             # finds no ``get`` to call ("Not implemented")
@@ -105,6 +103,10 @@ class _DataChannel:
                 ports = guard.ports or {p for _ip, p in listening_ports() - before}
                 self._prove_pairs(pg, epoch, store, ports, guard)
                 self._name_foreign(ports, epoch)
+                if guard.flooded:
+                    self._intrusion(f"the data channel (epoch {epoch}): its listening socket took {guard.accepted} "
+                                    f"connections while it was open, more than its members make: "
+                                    f"{'; '.join(guard.strangers()) or 'not from this machine'}; it is sealed now")
         except BaseException as e:
             # the backend is shut down and destroyed off this thread: its threads may wait on a pair a
             # stranger holds until the proof's own timeout, and its destructor joins them
@@ -122,6 +124,87 @@ class _DataChannel:
                 guard.stop()
         self._pg = pg
         self._pg_epoch = epoch
+
+    def _arrive(self, store, epoch: int, others) -> None:
+        """Wait (liveness checked, at most the group's timeout) until every member is about to
+        connect the data channel of ``epoch``."""
+        store.set(f"arrive/{self.rank}", b"1")
+        t0 = time.monotonic()
+        next_live = t0
+        notice = None
+        while True:
+            missing = [j for j in others if not store.check([f"arrive/{j}"])]
+            if not missing:
+                return
+            self._given_up(store, epoch, others)
+            now = time.monotonic()
+            if now >= next_live:
+                next_live = now + 0.25
+                self.check_alive(missing)
+                if now - t0 > self.timeout_s:
+                    raise TransferError(f"the data channel (epoch {epoch}): rank {missing[0]} did not come to "
+                                        f"connect it within {self.timeout_s:.0f} s")
+            time.sleep(0.002 if now - t0 < 0.1 else 0.02)
+
+    def _given_up(self, store, epoch: int, others) -> None:
+        """Raise when another member gave this channel up (it said why in the store)."""
+        from ..errors import IntrusionError
+
+        for j in others:
+            if store.check([f"broken/{j}"]):
+                why = _text(store.get(f"broken/{j}"))
+                cls = IntrusionError if why.startswith("IntrusionError") else TransferError
+                raise cls(f"the data channel (epoch {epoch}): rank {j} gave it up ({why[:600]})"
+                          + ("; no weights were sent over it, and the next update opens a new data channel"
+                             if cls is IntrusionError else "; recreate the group"))
+
+    def _construct(self, store, epoch: int, others, guard):
+        """The backend of ``epoch``, constructed on a thread of its own: this one watches the
+        other members' liveness and a member that gives up, and never waits past what it said.  Every member arrived first, so the backend's own
+        connect needs at most :data:`CONNECT_S` seconds (its timeout); the collectives carry the
+        group's timeout themselves."""
+        from ..errors import IntrusionError
+
+        res: dict = {}
+        connect_s = min(self.timeout_s, CONNECT_S) if guard is not None else self.timeout_s
+        args = (store, self.rank, self.world_size, datetime.timedelta(seconds=connect_s), self.device_index)
+
+        def build():
+            try:
+                res["pg"] = self._collective.create_backend(*args, host=self.host)
+            except BaseException as e:  # noqa: BLE001
+                res["error"] = e
+            if res.get("abandoned") and "pg" in res:
+                _retire(res.pop("pg"))
+
+        t = threading.Thread(target=build, daemon=True, name=f"unisleep-transfer-pg{epoch}-connect")
+        t0 = time.monotonic()
+        t.start()
+        next_live = t0 + 0.25
+        try:
+            while t.is_alive():
+                t.join(0.005)
+                now = time.monotonic()
+                if now >= next_live:
+                    next_live = now + 0.25
+                    self.check_alive(others)
+                    self._given_up(store, epoch, others)
+                    if now - t0 > connect_s + 5:
+                        raise TransferError(f"the data channel (epoch {epoch}) did not connect within "
+                                            f"{connect_s:.0f} s")
+        except BaseException:
+            res["abandoned"] = True
+            if "pg" in res:
+                _retire(res.pop("pg"))
+            raise
+        if "error" in res:
+            e = res.pop("error")
+            if guard is not None and guard.strangers():
+                raise IntrusionError(self._hijacked(epoch, others, guard.ports, "could not be made",
+                                                    guard.strangers())) from None
+            self.broken = f"the data channel (epoch {epoch}) could not connect: {type(e).__name__}: {e}"
+            raise TransferError(f"{self.broken}; recreate the group") from None
+        return res.pop("pg")
 
     def _prove_pairs(self, pg, epoch: int, store, ports, guard=None) -> None:
         """Before a byte of weights moves over a new data channel, each end of every pair of it
@@ -155,7 +238,10 @@ class _DataChannel:
         opts = dist.AllToAllOptions()
         opts.timeout = datetime.timedelta(seconds=min(self.timeout_s, PROOF_OP_S))  # gloo's own threads give up
         w = pg.alltoall_base(out, inp, [], [], opts)
-        refused = guard.refused if guard is not None else []
+
+        def refused():
+            return guard.strangers() if guard is not None else []
+
         t0 = time.monotonic()
         up: dict[int, float] = {}
         next_live = t0 + 0.5
@@ -165,19 +251,14 @@ class _DataChannel:
             for j in others:
                 if j not in up and store.check([f"ready/{j}"]):
                     up[j] = now
-                if store.check([f"broken/{j}"]):  # that member gave this channel up: no proof will come
-                    why = _text(store.get(f"broken/{j}"))
-                    cls = IntrusionError if why.startswith("IntrusionError") else TransferError
-                    raise cls(f"the data channel (epoch {epoch}): rank {j} gave it up ({why[:600]})"
-                              + ("; no weights were sent over it, and the next update opens a new data channel"
-                                 if cls is IntrusionError else "; recreate the group"))
             if len(up) == len(others) and now - max(up.values()) > PROOF_S:
                 raise IntrusionError(self._hijacked(epoch, others, ports, f"sent no proof of the group secret within "
                                                                           f"{PROOF_S:.0f} s though every member is up",
-                                                    refused))
+                                                    refused()))
             if now >= next_live:
                 next_live = now + 0.5
                 self.check_alive(others)
+                self._given_up(store, epoch, others)  # that member gave this channel up: no proof will come
                 if now - t0 > self.timeout_s:
                     raise TransferError(f"the data channel (epoch {epoch}) did not prove itself within "
                                         f"{self.timeout_s:.0f} s")
@@ -188,12 +269,12 @@ class _DataChannel:
         except Exception as e:  # noqa: BLE001 - a member that died is named first
             self.check_alive(others)
             raise IntrusionError(self._hijacked(epoch, others, ports, f"failed during their proof ({type(e).__name__}: "
-                                                                      f"{str(e)[:200]})", refused)) from None
+                                                                      f"{str(e)[:200]})", refused())) from None
         got = bytes(out.numpy())
         wrong = [j for j in others if not hmac.compare_digest(got[32 * j: 32 * j + 32], tag(j, self.rank))]
         if wrong:
             raise IntrusionError(self._hijacked(epoch, wrong, ports, "answered with a wrong proof of the group secret",
-                                                refused))
+                                                refused()))
 
     def _hijacked(self, epoch: int, ranks, ports, what: str, refused=()) -> str:
         foreign = list(dict.fromkeys([*self._foreign(ports), *refused]))
@@ -246,6 +327,7 @@ def _sealed_store_class():
             self._inner, self._group, self._prefix = inner, group, prefix
             self._key = group.subkey("collective bootstrap")
             self.published: list = []  # what this rank wrote (its own addresses: .listener_guard)
+            self.on_set = None  # told of each value this rank wrote, before the store has it
 
         def _tag(self, k: str, v: bytes) -> bytes:
             ctx = f"{self._group.group_id}/{self._prefix}/{k}".encode()
@@ -255,6 +337,8 @@ def _sealed_store_class():
             v = value.encode() if isinstance(value, str) else bytes(value)
             if len(self.published) < 64:
                 self.published.append(v)
+                if self.on_set is not None:
+                    self.on_set(v)
             self._inner.set(key, self._tag(key, v) + v)
 
         def get(self, key):
@@ -365,6 +449,7 @@ class CollectiveSendChannel:
         self.dev = sender.group.device
         self.opts = dist.BroadcastOptions()
         self.opts.rootRank = 0
+        self.opts.timeout = datetime.timedelta(seconds=sender.group.timeout_s)  # the backend's own is its connect's
         self.pending: list[list] = [[], []]
         self.cipher = cipher
         self._open: Optional[_Sealer] = None  # the encrypted bucket being packed
@@ -503,6 +588,7 @@ def receive(rx, st: "RecvState") -> None:
     dev = rx.group.device
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
+    opts.timeout = datetime.timedelta(seconds=rx.group.timeout_s)  # the backend's own is its connect's
     pending = None  # (bucket, buffer, its work or None, authentic or None)
 
     def settle(p) -> None:

@@ -1,30 +1,35 @@
 """The data channel's listening socket (gloo's), guarded against other users of this machine.
 
 gloo's tcp transport gives every rank one listening socket and pairs whoever first sends the
-sequence number a pair expects; a connection that sends nothing, or another number, stays open in
-gloo's listener until the channel closes, and gloo ends the process (``gloo::EnforceNotMet …
-listener.cc accept: Too many open files``) when ``accept`` fails for want of descriptors (gloo
-``transport/tcp/listener.cc``, ``Listener::handleEvents``).  Nothing in torch's API limits who
-connects.  :class:`ListenerGuard`, run by a member while its data channel connects and proves
-itself:
+sequence number a pair expects.  Every connection its listener accepts stays open until the
+channel is destroyed — one that sends nothing, or another number, and even one that was closed
+(the read of its number keeps the socket: gloo ``transport/tcp/listener.cc`` and ``helpers.h``) —
+and gloo ends the process (``gloo::EnforceNotMet … listener.cc accept: Too many open files``) when
+``accept`` fails for want of descriptors.  Nothing in torch's API limits who connects.
+:class:`ListenerGuard`, run by a member while its data channel connects and proves itself:
 
-* finds this rank's listener: a listening TCP socket of this process, new since the guard
-  started, whose address (``sockaddr`` port and address, as the kernel lays them out) is in what
-  this rank published through the channel's bootstrap store — a server that something else in the
-  process opened meanwhile is never touched;
-* every few milliseconds shuts down each connection gloo accepted there whose other end, listed in
-  ``/proc/net/tcp{,6}``, belongs to a uid that is not a member's (named, through ``on_refused``):
-  parked connections cannot pile up, and a pair such a connection took breaks at once (the pair's
-  proof then fails within seconds, :mod:`.collective`);
+* :meth:`claim` — as this rank publishes its gloo address through the channel's bootstrap store,
+  before gloo waits for anyone — finds this rank's listener: a listening TCP socket of this
+  process, new since the guard started, whose address (``sockaddr`` port and address, as the kernel
+  lays them out) is in what this rank published; a server that something else in the process
+  opened meanwhile is never touched;
+* every :data:`SWEEP_S` seconds it counts the connections gloo accepted there.  A member makes at
+  most one per pair; more than :data:`FLOOD_AFTER` beyond that is a flood (``flooded``), named once
+  the channel is made.  It is not sealed at once: a member's connection still on its way would
+  then time out, and gloo answers that by ending the process (``pair.cc``,
+  ``Pair::signalException``: an exception signalled twice, tried on 2026-12-03 with torch 2.13.0).
+  The listener is open only from the moment every member arrived to connect until the pairs are
+  made (milliseconds), so what a flood holds is what it opens in that window;
 * :meth:`seal` — once the channel's connections are made — attaches a socket filter that drops
   every packet arriving at the listener (``SO_ATTACH_FILTER`` with ``ret #0``): from then on nobody
-  can connect to it at all, while the connections already made are untouched (a socket accepted
-  before keeps the filter its listener had then: none).
+  can connect to it at all (a connection attempt goes unanswered), while the connections already
+  made are untouched (a socket accepted before keeps the filter its listener had then: none);
+* :meth:`strangers` names, from ``/proc/net/tcp{,6}``, the uids at the other end of the connections
+  it accepted that are not members' (for the intrusion's message).
 
-What it cannot do: connections from another machine have no uid here (the pair's proof still
-refuses them); a flood faster than one sweep (about 2 ms) still costs up to that many descriptors
-until the sweep; the window before :meth:`seal` lets a stranger take a pair (the proof names it,
-and the update fails with ``IntrusionError``, its weights never sent) — docs/security.md.
+What it cannot do: connections from another machine have no uid here (the pair's proof refuses
+them); before :meth:`seal` a stranger can take a pair (the proof names it, and the update fails with
+``IntrusionError``, its weights never sent) — docs/security.md.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ import os
 import socket
 import struct
 import threading
-from typing import Callable, Iterable, Optional
+from typing import Iterable, Optional
 
 from .netinfo import tcp_table, user_name
 
@@ -42,6 +47,8 @@ SO_ATTACH_FILTER = 26  # <asm-generic/socket.h>
 #: one classic BPF instruction, BPF_RET | BPF_K with k = 0: keep 0 bytes of every packet (drop it)
 _DROP_ALL = struct.pack("HBBI", 0x06, 0, 0, 0)
 SWEEP_S = 0.002
+#: connections accepted beyond one per pair before the listener is sealed as flooded
+FLOOD_AFTER = 16
 
 
 def _socket_fds() -> dict[str, int]:
@@ -58,68 +65,65 @@ def _socket_fds() -> dict[str, int]:
     return out
 
 
-def _sockaddr_pattern(ip: str, port: int) -> bytes:
-    """The bytes of ``ip:port`` inside a ``sockaddr_in`` (port, then address) or ``sockaddr_in6``
-    (port, flow info, address: the flow info is skipped by matching the address alone after it)."""
-    if ":" in ip:
-        return struct.pack("!H", port)  # checked with the address below
-    return struct.pack("!H", port) + socket.inet_aton(ip)
-
-
 def published(ip: str, port: int, blobs: Iterable[bytes]) -> bool:
-    """Whether ``ip:port`` is in one of the values this rank published (its gloo address)."""
-    head = _sockaddr_pattern(ip, port)
-    six = socket.inet_pton(socket.AF_INET6, ip) if ":" in ip else b""
+    """Whether ``ip:port`` is in one of the values this rank published (its gloo address): the
+    port then the address of a ``sockaddr_in``, or the port, 4 bytes of flow information and the
+    address of a ``sockaddr_in6``."""
+    head = struct.pack("!H", port)
+    six = ":" in ip
+    addr = socket.inet_pton(socket.AF_INET6 if six else socket.AF_INET, ip)
+    at = 6 if six else 2
     for b in blobs:
         i = b.find(head)
         while i >= 0:
-            if not six or b[i + 6: i + 22] == six:
+            if b[i + at: i + at + len(addr)] == addr:
                 return True
             i = b.find(head, i + 1)
     return False
 
 
-def _on_fd(fd: int, inode: str, fn) -> bool:
+def _on_fd(fd: int, inode: str, fn):
     """``fn(socket)`` on a duplicate of ``fd`` if it still is the socket ``inode`` (the number may
-    have been closed and reused since it was listed); False when it is not.  ``fn``'s own
+    have been closed and reused since it was listed); None when it is not.  ``fn``'s own
     ``OSError`` is raised."""
     try:
         dup = os.dup(fd)
     except OSError:
-        return False
+        return None
     try:
         if str(os.fstat(dup).st_ino) != inode:
-            return False
+            os.close(dup)
+            return None
         s = socket.socket(fileno=dup)
     except OSError:
         os.close(dup)
-        return False
+        return None
     with s:  # closes the duplicate only
-        fn(s)
-    return True
+        return fn(s)
 
 
-def drop_all(s: socket.socket) -> None:
+def drop_all(s: socket.socket) -> bool:
     """Attach the drop-everything filter to a listening socket (no new connection reaches it)."""
     prog = ctypes.create_string_buffer(_DROP_ALL, len(_DROP_ALL))
     s.setsockopt(socket.SOL_SOCKET, SO_ATTACH_FILTER, struct.pack("HL", 1, ctypes.addressof(prog)))
+    return True
 
 
 class ListenerGuard:
-    """Guards the listener this rank publishes through ``blobs`` (a list the bootstrap store
-    appends every value it writes to) while a data channel connects; see the module's text."""
+    """Guards the listener this rank publishes through ``blobs`` (the values the bootstrap store
+    wrote for this rank) while a data channel of ``world_size`` members connects."""
 
-    def __init__(self, allowed_uids: Iterable[int], blobs: list, on_refused: Callable[[str], None],
-                 what: str = "the data channel"):
+    def __init__(self, allowed_uids: Iterable[int], blobs: list, world_size: int):
         self.allowed = set(allowed_uids) | {os.getuid()}
         self.blobs = blobs
-        self.on_refused = on_refused
-        self.what = what
-        self.refused: list[str] = []
+        self.limit = (world_size - 1) + FLOOD_AFTER
+        self.flooded = False
         self.sealed: list[str] = []
         self.seal_error: Optional[str] = None
-        self._before = {ino for *_rest, st, _uid, ino in tcp_table() if st == "LISTEN"}
+        self._before = set(_socket_fds())
         self._mine: dict[str, tuple[str, int]] = {}  # inode -> (ip, port) of this rank's listener
+        self._accepted: dict[str, tuple] = {}  # inode -> (ours, theirs) of each connection it accepted
+        self._seen: set[str] = set()
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="unisleep-transfer-listener-guard")
@@ -129,6 +133,10 @@ class ListenerGuard:
     def ports(self) -> set[int]:
         return {p for _ip, p in self._mine.values()}
 
+    @property
+    def accepted(self) -> int:
+        return len(self._accepted)
+
     def _run(self) -> None:
         while not self._stop.wait(SWEEP_S):
             try:
@@ -136,56 +144,77 @@ class ListenerGuard:
             except Exception:  # noqa: BLE001 - /proc unreadable: the proof still guards the channel
                 pass
 
-    def sweep(self) -> None:
-        """Find this rank's listener (once published) and shut down every connection to it from a
-        uid that is not a member's."""
+    def claim(self, _value=None) -> None:
+        """This rank published its address: find its listener (see the module's text)."""
         with self._lock:
             fds = _socket_fds()
-            table = tcp_table()
-            for la, lp, _ra, _rp, st, _uid, ino in table:
-                if st == "LISTEN" and ino in fds and ino not in self._before and ino not in self._mine \
-                        and published(la, lp, list(self.blobs)):
-                    self._mine[ino] = (la, lp)
-            if not self._mine:
+            new = {ino for ino in fds if ino not in self._before and ino not in self._seen}
+            if not new:
                 return
+            for la, lp, _ra, _rp, st, _uid, ino in tcp_table():
+                if st == "LISTEN" and ino in new and ino not in self._mine and published(la, lp, list(self.blobs)):
+                    self._mine[ino] = (la, lp)
+
+    def sweep(self) -> None:
+        """Count the connections this rank's listener accepted; seal it when they are a flood."""
+        with self._lock:
+            if not self._mine or self.flooded:
+                return
+            fds = _socket_fds()
             addrs = set(self._mine.values())
-            owner = {(la, lp, ra, rp): uid for la, lp, ra, rp, st, uid, _ino in table}
-            for la, lp, ra, rp, st, _uid, ino in table:
-                if st != "ESTABLISHED" or (la, lp) not in addrs or ino not in fds:
+            for ino, fd in fds.items():
+                if ino in self._before or ino in self._seen or ino in self._mine:
                     continue
-                uid = owner.get((ra, rp, la, lp))
-                if uid is None or uid in self.allowed:
-                    continue  # another machine's (no uid here: the proof decides), or a member's
+                self._seen.add(ino)
                 try:
-                    done = _on_fd(fds[ino], ino, lambda s: s.shutdown(socket.SHUT_RDWR))
+                    names = _on_fd(fd, ino, lambda s: (s.getsockname()[:2], s.getpeername()[:2]))
                 except OSError:
-                    done = False  # already gone
-                if done:
-                    msg = (f"a connection to {self.what}'s listening port {lp} from {user_name(uid)} at {ra}:{rp}, "
-                           "not a member: shut down")
-                    self.refused.append(msg)
-                    self.on_refused(msg)
+                    continue
+                if names and (names[0][0], names[0][1]) in addrs:
+                    self._accepted[ino] = names
+            if len(self._accepted) > self.limit:
+                self.flooded = True  # named once the channel is made; sealing now would time out a
+                # member's connection still on its way, which gloo answers by ending the process
+                # (pair.cc, Pair::signalException: an exception signalled twice)
+
+    def _seal_locked(self) -> None:
+        fds = _socket_fds()
+        for ino, (ip, port) in self._mine.items():
+            if ino in fds and ino not in self.sealed:
+                try:
+                    if _on_fd(fds[ino], ino, drop_all):
+                        self.sealed.append(ino)
+                except OSError as e:
+                    self.seal_error = f"{ip}:{port}: {e}"
 
     def seal(self) -> None:
         """The channel's connections are made: no one else may connect to its listener."""
-        self.sweep()
-        fds = _socket_fds()
         with self._lock:
-            for ino, (ip, port) in self._mine.items():
-                if ino in fds and ino not in self.sealed:
-                    try:
-                        if _on_fd(fds[ino], ino, drop_all):
-                            self.sealed.append(ino)
-                    except OSError as e:
-                        self.seal_error = f"{ip}:{port}: {e}"
+            self._seal_locked()
+
+    def strangers(self) -> list[str]:
+        """``uid 65534 (nobody) from 127.0.0.1:40112 to port 36755 (and 311 more)`` for the accepted
+        connections whose other end is a local socket of a uid that is not a member's."""
+        with self._lock:
+            accepted = list(self._accepted.values())
+        if not accepted:
+            return []
+        owner = {(la, lp, ra, rp): uid for la, lp, ra, rp, _st, uid, _ino in tcp_table()}
+        by_uid: dict[int, list] = {}
+        for ours, theirs in accepted:
+            uid = owner.get((theirs[0], theirs[1], ours[0], ours[1]))
+            if uid is not None and uid not in self.allowed:
+                by_uid.setdefault(uid, []).append((ours, theirs))
+        out = []
+        for uid, conns in by_uid.items():
+            (ours, theirs) = conns[0]
+            more = f" (and {len(conns) - 1} more)" if len(conns) > 1 else ""
+            out.append(f"{user_name(uid)} from {theirs[0]}:{theirs[1]} to port {ours[1]}{more}")
+        return out
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(1.0)
-        try:
-            self.sweep()
-        except Exception:  # noqa: BLE001
-            pass
 
 
-__all__ = ["ListenerGuard", "drop_all", "published"]
+__all__ = ["ListenerGuard", "drop_all", "published", "FLOOD_AFTER"]
