@@ -31,7 +31,6 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from test_attacks import THIEF, _new_tcp_listeners  # noqa: E402
 from test_security import (  # noqa: E402
     NOBODY, ROOT, _as_nobody, _Bg, _exact, _nobody_env, _pair, _rest, _skip_without_nobody, _weights,
     listening_sockets,
@@ -171,14 +170,50 @@ def test_idle_connections_to_gloos_listener_do_not_end_the_process(tmp_path):
 
 
 # ---------------------------------------------------------------------------- 2. a won gloo race
+#: the racer: polls /proc/net/tcp for a new loopback listener of ``owner`` (as the attacker of the
+#: issue did) and at once connects to it with each sequence number gloo's pairs expect, then holds
+#: what it got (idle: a member waits on a pair it holds)
+RACER = r"""
+import json, os, socket, sys, time
+skip, seconds, owner = {int(p) for p in sys.argv[1].split(",") if p}, float(sys.argv[2]), int(sys.argv[3])
+def listeners():
+    out = set()
+    for line in open("/proc/net/tcp").read().splitlines()[1:]:
+        p = line.split()
+        la, lp = p[1].split(":")
+        if p[3] == "0A" and int(p[7]) == owner and la == "0100007F":
+            out.add(int(lp, 16))
+    return out
+seen = listeners() | skip
+print(json.dumps({"ready": True}), flush=True)
+held, raced = [], 0
+end = time.monotonic() + seconds
+while time.monotonic() < end:
+    new = listeners() - seen
+    for port in new:
+        seen.add(port)
+        raced += 1
+        for seq in range(4):
+            try:
+                s = socket.create_connection(("127.0.0.1", port), timeout=0.5)
+                s.sendall(seq.to_bytes(8, "little"))
+                held.append(s)
+            except OSError:
+                break
+print(json.dumps({"uid": os.getuid(), "raced": raced, "held": len(held)}), flush=True)
+time.sleep(float(sys.argv[4]))
+"""
+
+
 def _free_after(fn):
-    """Run ``fn``; on ``IntrusionError`` (dropped at the end of the ``except``, as a caller's loop
-    would drop it, and collected) return when that happened and when the thread was free."""
+    """Run ``fn``; on ``IntrusionError`` or ``TransferError`` (dropped at the end of the ``except``,
+    as a caller's loop would drop it, and collected) return when that happened and when the thread
+    was free."""
     err, t_err = None, None
     try:
         fn()
     except IntrusionError as e:
-        t_err, err = time.monotonic(), str(e)
+        t_err, err = time.monotonic(), f"IntrusionError: {e}"
     except TransferError as e:
         t_err, err = time.monotonic(), f"{type(e).__name__}: {e}"
     gc.collect()
@@ -186,52 +221,53 @@ def _free_after(fn):
 
 
 @pytest.mark.slow
-def test_a_won_gloo_race_leaves_no_caller_frozen(tmp_path):
-    """The thief (uid 65534) races for gloo's pairs as in tests/test_attacks.py.  When it wins, both
-    members raise within the liveness window and each caller's thread is free within
-    :data:`FREE_S` seconds of its error — also after the error is dropped and collected — and the
-    next update lands.  Before: both threads froze in ``~ProcessGroupGloo()`` joining gloo's
-    threads, stuck in the proof's all-to-all until gloo's timeout (the group's, 20 s here)."""
+def test_a_won_gloo_race_leaves_no_caller_frozen():
+    """uid 65534 polls ``/proc/net/tcp`` and races the members for each new gloo listener's pairs.
+    Each update lands byte-exact or — the racer won — both members raise, the sender
+    ``IntrusionError`` naming uid 65534, and each caller's thread is free within :data:`FREE_S`
+    seconds of its error, also after the error is dropped and collected; the update after the
+    races lands.  The test needs at least one won race (else it proved nothing).  Before: both
+    threads froze in ``~ProcessGroupGloo()`` joining gloo's runloop thread, stuck in the proof's
+    all-to-all until gloo's timeout (the group's, 20 s here)."""
     _skip_without_nobody()
-    os.chmod(tmp_path, 0o777)
     g0, g1 = _pair(timeout_s=20)
     try:
         tx = WeightSender(g0, bucket_bytes=64 << 10, path="collective", via="gloo")
         tgt = {k: torch.zeros_like(v) for k, v in _weights(0).items()}
         rx = WeightReceiver(g1, target=tgt)
-        hijacked = 0
-        for attempt in range(1, 13):
+        hijacked, tried = 0, 0
+        for attempt in range(1, 16):
+            tried = attempt
             g0.channel_broke("a new data channel for the next attempt")
-            before = set(listening_sockets(os.getpid()))
             w = _weights(attempt)
-            send = _Bg(lambda: _free_after(lambda: tx.send(w, attempt)))
-            t0 = time.monotonic()
-            while time.monotonic() - t0 < 1.5 and not _new_tcp_listeners(before) and send.is_alive():
-                time.sleep(0.005)
-            ports = sorted({p for a, p in listening_sockets(os.getpid()) if a == "127.0.0.1"})
-            thief = subprocess.Popen(_as_nobody(["-c", THIEF, ",".join(map(str, ports)), "4",
-                                                 str(tmp_path / f"t{attempt}")]),
+            store = {p for a, p in listening_sockets(os.getpid())}
+            racer = subprocess.Popen(_as_nobody(["-c", RACER, ",".join(map(str, store)), "3", str(os.getuid()), "8"]),
                                      env=_nobody_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            assert thief.stdout.readline(), thief.stderr.read()[-2000:]
-            recv = _Bg(lambda: _free_after(lambda: rx.receive(timeout_s=20)))
-            send.join(60)
-            recv.join(60)
-            _rest(thief)
-            assert not send.is_alive() and not recv.is_alive(), "a caller is still frozen after 60 s"
+            try:
+                assert racer.stdout.readline(), racer.stderr.read()[-2000:]
+                send = _Bg(lambda: _free_after(lambda: tx.send(w, attempt)))
+                recv = _Bg(lambda: _free_after(lambda: rx.receive(timeout_s=20)))
+                send.join(60)
+                recv.join(60)
+                assert not send.is_alive() and not recv.is_alive(), "a caller is still frozen after 60 s"
+            finally:
+                racer.kill()
+                _rest(racer)
             s_err, s_free, s_msg = send.result
             r_err, r_free, r_msg = recv.result
             if s_msg is None:
                 assert r_msg is None, r_msg
-                assert _exact(tgt, w)
+                assert _exact(tgt, w), f"attempt {attempt}: the update did not land byte-exact"
                 continue
             hijacked += 1
             assert s_msg and r_msg, (s_msg, r_msg)
+            assert s_msg.startswith("IntrusionError"), s_msg
             assert s_free - s_err < FREE_S, f"the sender's thread was frozen {s_free - s_err:.1f} s after: {s_msg}"
             assert r_free - r_err < FREE_S, f"the receiver's thread was frozen {r_free - r_err:.1f} s after: {r_msg}"
             assert f"uid {NOBODY}" in s_msg or any(f"uid {NOBODY}" in m for m in g0.intrusions), s_msg
             if hijacked >= 2:
                 break
-        assert hijacked, "the thief never took a gloo pair in 12 attempts: the test proved nothing"
+        assert hijacked, f"uid {NOBODY} never won a gloo pair in {tried} races: the test proved nothing"
         r = _Bg(lambda: rx.receive(timeout_s=30))
         rep = tx.send(_weights(99), 99)
         r.join(30)

@@ -82,6 +82,7 @@ class _DataChannel:
         others = [p.rank for p in self.peers if p.rank != self.rank]
         guard = None
         pg = None
+        pending: list = []  # the proof's work, while gloo's threads may still wait on it
         try:
             if proof:
                 # gloo's listener takes whoever connects: it opens only once every member is about to
@@ -101,7 +102,7 @@ class _DataChannel:
                     log.warning("transfer group %s: the data channel's listener could not be sealed (%s); the pairs' "
                                 "proof still guards it", self.group_id.split("/")[0], guard.seal_error)
                 ports = guard.ports or {p for _ip, p in listening_ports() - before}
-                self._prove_pairs(pg, epoch, store, ports, guard)
+                self._prove_pairs(pg, epoch, store, ports, guard, pending)
                 self._name_foreign(ports, epoch)
                 if guard.flooded:
                     self._intrusion(f"the data channel (epoch {epoch}): its listening socket took {guard.accepted} "
@@ -111,8 +112,8 @@ class _DataChannel:
             # the backend is shut down and destroyed off this thread: its threads may wait on a pair a
             # stranger holds until the proof's own timeout, and its destructor joins them
             if pg is not None:
-                _retire(pg)
-                pg = None
+                _retire(pg, pending)
+                pg, pending = None, []
             _quiet(lambda: store.set(f"broken/{self.rank}", f"{type(e).__name__}: {e}"[:2000]))
             if isinstance(e, IntrusionError):
                 self._intrusion(str(e))
@@ -206,7 +207,7 @@ class _DataChannel:
             raise TransferError(f"{self.broken}; recreate the group") from None
         return res.pop("pg")
 
-    def _prove_pairs(self, pg, epoch: int, store, ports, guard=None) -> None:
+    def _prove_pairs(self, pg, epoch: int, store, ports, guard=None, pending: Optional[list] = None) -> None:
         """Before a byte of weights moves over a new data channel, each end of every pair of it
         proves the group secret to the other, over that very connection (an HMAC of the group, the
         epoch and the direction).  A backend that connects whoever first sends the number it
@@ -238,6 +239,8 @@ class _DataChannel:
         opts = dist.AllToAllOptions()
         opts.timeout = datetime.timedelta(seconds=min(self.timeout_s, PROOF_OP_S))  # gloo's own threads give up
         w = pg.alltoall_base(out, inp, [], [], opts)
+        if pending is not None:
+            pending.append(w)  # a backend given up is destroyed only once gloo's threads are done with it
 
         def refused():
             return guard.strangers() if guard is not None else []
@@ -259,6 +262,14 @@ class _DataChannel:
                 next_live = now + 0.5
                 self.check_alive(others)
                 self._given_up(store, epoch, others)  # that member gave this channel up: no proof will come
+                late = [j for j in others if j not in up]
+                if late and now - t0 > PROOF_S and refused():
+                    # this rank's pairs are made, one of them by a stranger (its listener took a
+                    # connection from another uid), and a member is still connecting: the stranger
+                    # holds that member's pair, whose own connection now finds the listener sealed
+                    raise IntrusionError(self._hijacked(epoch, late, ports, f"did not come up within {PROOF_S:.0f} s "
+                                                                            "of this rank's, which took a connection "
+                                                                            "from outside the group", refused()))
                 if now - t0 > self.timeout_s:
                     raise TransferError(f"the data channel (epoch {epoch}) did not prove itself within "
                                         f"{self.timeout_s:.0f} s")
@@ -379,13 +390,18 @@ def _sealed_store_class():
 _RETIRED: "queue.SimpleQueue" = queue.SimpleQueue()
 _REAPER: list = []
 _REAPER_LOCK = threading.Lock()
+#: the longest a retired backend waits for its pending work before it is destroyed all the same
+#: (gloo's own timeout of that work, :data:`PROOF_OP_S` or the group's, ends it before)
+RETIRE_WAIT_S = 600.0
 
 
-def _retire(pg) -> None:
-    """Shut a backend down and let it go on a thread of its own, never the caller's: its threads may
-    wait on a pair a process outside the group holds (until the proof's own timeout, or the
-    group's), and its destructor joins them."""
-    _RETIRED.put(pg)
+def _retire(pg, works=()) -> None:
+    """Shut a backend down and let it go on a thread of its own, never the caller's, once gloo's
+    threads are done with ``works`` (its work still in flight: the proof's all-to-all on a pair a
+    process outside the group holds ends only at its own timeout).  Destroying it earlier would
+    join those threads while holding the interpreter lock, freezing every thread of the process
+    (tried on 2026-12-03 with torch 2.13.0: the callers froze up to 11 s after the intrusion)."""
+    _RETIRED.put((time.monotonic() + RETIRE_WAIT_S, pg, list(works)))
     with _REAPER_LOCK:
         if not _REAPER:
             t = threading.Thread(target=_reap, daemon=True, name="unisleep-transfer-pg-reaper")
@@ -393,11 +409,31 @@ def _retire(pg) -> None:
             t.start()
 
 
+def _done(works) -> bool:
+    try:
+        return all(w.is_completed() for w in works)
+    except Exception:  # noqa: BLE001 - a work that cannot say is done with
+        return True
+
+
 def _reap() -> None:
+    waiting: list = []  # (deadline, backend, works)
     while True:
-        pg = _RETIRED.get()
-        _quiet(pg.shutdown)
-        del pg  # the destructor runs here
+        try:
+            waiting.append(_RETIRED.get(timeout=0.05) if waiting else _RETIRED.get())
+        except queue.Empty:
+            pass
+        now = time.monotonic()
+        keep = []
+        for item in waiting:
+            if now < item[0] and not _done(item[2]):
+                keep.append(item)
+                continue
+            pg = item[1]
+            item = None
+            _quiet(pg.shutdown)
+            del pg  # the destructor runs here
+        waiting = keep
 
 
 def _text(v) -> str:
