@@ -275,3 +275,161 @@ def test_a_won_gloo_race_leaves_no_caller_frozen():
         assert rep.version == 99 and _exact(tgt, _weights(99))
     finally:
         g0.close(), g1.close()
+
+
+# ---------------------------------------------------------------------------- 3. localhost over ::1
+#: the relay: listens on [::1]:PORT (as another user may, the real store listening on 127.0.0.1)
+#: and relays every connection to the real store, counting what it read
+RELAY = r"""
+import json, os, select, socket, sys, threading, time
+port, seconds = int(sys.argv[1]), float(sys.argv[2])
+srv = socket.socket(socket.AF_INET6)
+srv.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+srv.bind(("::1", port))
+srv.listen(64)
+srv.settimeout(0.1)
+print(json.dumps({"listening": port}), flush=True)
+stats = {"uid": os.getuid(), "connections": 0, "bytes": 0}
+def pump(a, b):
+    while True:
+        try:
+            d = a.recv(65536)
+        except OSError:
+            d = b""
+        if not d:
+            for s in (a, b):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+            return
+        stats["bytes"] += len(d)
+        try:
+            b.sendall(d)
+        except OSError:
+            return
+end, told = time.monotonic() + seconds, time.monotonic()
+while time.monotonic() < end:
+    if time.monotonic() - told > 0.2:  # what it has relayed so far (it is killed, not asked)
+        told = time.monotonic()
+        print(json.dumps(stats), flush=True)
+    try:
+        c, _ = srv.accept()
+    except socket.timeout:
+        continue
+    stats["connections"] += 1
+    print(json.dumps(stats), flush=True)
+    up = socket.create_connection(("127.0.0.1", port))
+    for a, b in ((c, up), (up, c)):
+        threading.Thread(target=pump, args=(a, b), daemon=True).start()
+print(json.dumps(stats), flush=True)
+"""
+
+#: the members, in a mount namespace of their own whose /etc/hosts names localhost ::1 first (as
+#: Debian and Ubuntu ship it) and a name with both loopback addresses
+LOCALHOST_VICTIM = r"""
+import json, sys, threading
+sys.path.insert(0, sys.argv[1])
+import torch
+from test_security import _weights, _Bg, _exact
+from unisleep.errors import InvalidArgumentError
+from unisleep.transfer import TransferGroup, WeightSender, WeightReceiver
+port = int(sys.argv[2])
+try:
+    TransferGroup.create(f"tcp://unisleep-two-loopbacks:{port}", 1, 2, platform="host", timeout_s=5)
+    two = "created"
+except InvalidArgumentError as e:
+    two = f"InvalidArgumentError: {e}"
+except Exception as e:  # noqa: BLE001
+    two = f"{type(e).__name__}: {e}"
+print(json.dumps({"port": port, "two": two}), flush=True)
+sys.stdin.readline()  # the relay listens on [::1]:port
+out = {}
+def mk(r):
+    try:
+        out[r] = TransferGroup.create(f"tcp://localhost:{port}", r, 2, platform="host", timeout_s=15)
+    except Exception as e:  # noqa: BLE001
+        out[r] = e
+ts = [threading.Thread(target=mk, args=(r,)) for r in (0, 1)]
+[t.start() for t in ts]; [t.join(30) for t in ts]
+res = {"groups": [repr(out.get(r))[:300] for r in (0, 1)]}
+if all(isinstance(out.get(r), TransferGroup) for r in (0, 1)):
+    g0, g1 = out[0], out[1]
+    tgt = {k: torch.zeros_like(v) for k, v in _weights(0).items()}
+    tx, rx = WeightSender(g0, bucket_bytes=64 << 10), WeightReceiver(g1, target=tgt)
+    w = _weights(3)
+    r = _Bg(lambda: rx.receive(timeout_s=15))
+    try:
+        tx.send(w, 3)
+        res["send"] = None
+    except Exception as e:  # noqa: BLE001
+        res["send"] = repr(e)[:300]
+    r.join(30)
+    res["recv"] = repr(r.error)[:300] if r.error else None
+    res["exact"] = _exact(tgt, w)
+    res["intrusions"] = len(g0.intrusions) + len(g1.intrusions)
+    g0.close(); g1.close()
+print(json.dumps(res), flush=True)
+"""
+
+
+def _unshare_hosts(hosts: str, argv: list) -> list:
+    """``argv`` (python arguments) run in a private mount namespace whose /etc/hosts is ``hosts``."""
+    import shlex
+
+    cmd = " ".join(shlex.quote(a) for a in [sys.executable, *argv])
+    return ["unshare", "-m", "sh", "-c", f"mount --bind {shlex.quote(hosts)} /etc/hosts && exec {cmd}"]
+
+
+@pytest.mark.slow
+def test_localhost_is_never_relayed_over_its_other_address(tmp_path):
+    """uid 65534 listens on ``[::1]:P`` and relays to the group's store on 127.0.0.1:P; the members
+    (rank 0 and rank 1) meet at ``tcp://localhost:P`` where ``/etc/hosts`` names localhost ``::1``
+    first.  No member connects to the relay (0 connections, 0 bytes read), the update lands, and a
+    rendezvous name with two loopback addresses is refused by name before anything is created.
+    Before: rank 0 listened on 127.0.0.1 only and the members resolved ``::1`` first, so every
+    member connection went through the relay, which read every control record."""
+    _skip_without_nobody()
+    import shutil
+
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare (util-linux) for a private /etc/hosts")
+    hosts = tmp_path / "hosts"
+    hosts.write_text("::1 localhost ip6-localhost\n127.0.0.1 localhost\n"
+                     "::1 unisleep-two-loopbacks\n127.0.0.1 unisleep-two-loopbacks\n")
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    victim = subprocess.Popen(_unshare_hosts(str(hosts), ["-c", LOCALHOST_VICTIM, HERE, str(port)]),
+                              env=dict(os.environ, PYTHONPATH=os.environ.get("PYTHONPATH") or ROOT),
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    relay = None
+    try:
+        first = victim.stdout.readline()
+        if not first and "Operation not permitted" in victim.stderr.read():
+            pytest.skip("unshare -m is not permitted here (needs CAP_SYS_ADMIN)")
+        assert first, "the victim did not start"
+        head = json.loads(first)
+        assert head["two"].startswith("InvalidArgumentError") and "2 loopback addresses" in head["two"], head
+        relay = subprocess.Popen(_as_nobody(["-c", RELAY, str(port), "25"]), env=_nobody_env(),
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert relay.stdout.readline(), relay.stderr.read()[-2000:]
+        victim.stdin.write("go\n")
+        victim.stdin.flush()
+        out, err = _rest(victim, 90)
+    finally:
+        if victim.poll() is None:
+            victim.kill()
+    time.sleep(0.5)  # the relay's last count
+    relay.kill()
+    rout, rerr = _rest(relay)
+    res = json.loads(out.strip().splitlines()[-1])
+    assert all(not g.startswith(("TransferError", "Invalid", "None")) for g in res["groups"]), (res, err[-2000:])
+    assert res["send"] is None and res["recv"] is None and res["exact"], res
+    stats = [json.loads(x) for x in rout.strip().splitlines() if "connections" in x]
+    assert stats and stats[-1]["uid"] == NOBODY, rerr[-2000:]
+    got = stats[-1]
+    assert got["connections"] == 0 and got["bytes"] == 0, \
+        f"members connected to uid {NOBODY}'s relay on [::1]:{port}: {got}"
