@@ -433,3 +433,85 @@ def test_localhost_is_never_relayed_over_its_other_address(tmp_path):
     got = stats[-1]
     assert got["connections"] == 0 and got["bytes"] == 0, \
         f"members connected to uid {NOBODY}'s relay on [::1]:{port}: {got}"
+
+
+# ---------------------------------------------------------------------------- 7. port squatting
+#: the squatter: listens on 127.0.0.1:PORT before the group and answers every connection with
+#: ``HELLO`` (hex: nothing, a unisleep greeting it copied, or junk), then stays silent
+SQUATTER = r"""
+import json, os, socket, sys, time
+port, hello, seconds = int(sys.argv[1]), bytes.fromhex(sys.argv[2]), float(sys.argv[3])
+srv = socket.socket()
+srv.bind(("127.0.0.1", port))
+srv.listen(64)
+srv.settimeout(0.1)
+print(json.dumps({"uid": os.getuid(), "pid": os.getpid(), "port": port}), flush=True)
+held = []
+end = time.monotonic() + seconds
+while time.monotonic() < end:
+    try:
+        c, _ = srv.accept()
+    except socket.timeout:
+        continue
+    if hello:
+        c.sendall(hello)
+    held.append(c)
+"""
+
+
+def _squat(hello: bytes = b"", seconds: float = 40):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    p = subprocess.Popen(_as_nobody(["-c", SQUATTER, str(port), hello.hex(), str(seconds)]), env=_nobody_env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = p.stdout.readline()
+    assert first, p.stderr.read()[-2000:]
+    return p, json.loads(first)
+
+
+@pytest.mark.slow
+def test_a_squatted_rendezvous_port_is_named_on_every_rank():
+    """uid 65534 listens on the rendezvous port first.  Rank 0 fails at once naming the holder's
+    uid and pid, and leaves no secret file; rank 1 against a squatter that copies the store's
+    greeting and then stays silent fails within the greeting's time (5 s) plus a little, saying
+    that the greeting came but no answer to its proof, naming uid 65534; against junk, at once.
+    Before: rank 0's error named no one and its secret file stayed; rank 1 waited its whole
+    ``timeout_s`` (20 s here) and said the squatter "sent no greeting"."""
+    _skip_without_nobody()
+    import secrets as _s
+
+    from unisleep.transfer import TransferGroup
+    from unisleep.transfer.secret import loopback_secret_path
+    from unisleep.transfer.store import HELLO, MAGIC, VERSION
+
+    # rank 0
+    sq, who = _squat()
+    try:
+        name = f"squat{who['port']}"
+        t0 = time.monotonic()
+        with pytest.raises(TransferError) as e0:
+            TransferGroup.create(f"tcp://127.0.0.1:{who['port']}", 0, 2, platform="host", timeout_s=20, name=name)
+        assert time.monotonic() - t0 < 3, e0.value
+        assert f"uid {NOBODY}" in str(e0.value) and f"pid {who['pid']}" in str(e0.value), e0.value
+        assert not os.path.exists(loopback_secret_path(who["port"], name)), "rank 0 left its secret file behind"
+    finally:
+        sq.kill()
+        _rest(sq)
+    # rank 1: a copied greeting, then silence; then junk
+    for hello, says, limit in ((HELLO.pack(MAGIC, VERSION, 0, os.urandom(32)), "did not answer", 5 + 3),
+                               (os.urandom(HELLO.size), "not a unisleep transfer store", 3)):
+        sq, who = _squat(hello)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(TransferError) as e1:
+                TransferGroup.create(f"tcp://127.0.0.1:{who['port']}", 1, 2, platform="host", timeout_s=20,
+                                     secret=_s.token_hex(32))
+            took = time.monotonic() - t0
+            assert took < limit, f"rank 1 waited {took:.1f} s: {e1.value}"
+            assert says in str(e1.value) and f"uid {NOBODY}" in str(e1.value), e1.value
+        finally:
+            sq.kill()
+            _rest(sq)

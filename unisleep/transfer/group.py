@@ -37,6 +37,7 @@ path's, in :mod:`.collective`.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import secrets as _secrets
@@ -129,7 +130,7 @@ def listen_socket(host: str, port: int) -> socket.socket:
         except OSError as e:
             s.close()
             err = e
-    raise OSError(f"cannot listen on {host}:{port}: {err}")
+    raise OSError(getattr(err, "errno", None), f"cannot listen on {host}:{port}: {getattr(err, 'strerror', None) or err}")
 
 
 @dataclass(frozen=True)
@@ -231,19 +232,30 @@ class TransferGroup(_DataChannel):
         loopback = is_loopback(host)
         ip, _ = store_address(host, port)  # the store's one address, as rank 0 binds it (refused here when ambiguous)
         stale = _stale_loopback_secret(port, name) if rank == 0 and loopback else None
-        key, source = resolve_secret(secret=secret, secret_file=secret_file, rank=rank, loopback=loopback,
-                                     insecure=insecure, port=port, name=name, timeout_s=timeout_s)
+        listener = None
+        if rank == 0:  # bound before the secret is resolved: a rank 0 that cannot bind writes no secret file
+            try:
+                listener = listen_socket(host, port)
+            except OSError as e:
+                from .netinfo import port_holder
+
+                holder = port_holder(ip, port) if e.errno == errno.EADDRINUSE else ""
+                raise TransferError(f"cannot open the group's store at {host}:{port} (rank 0/{world_size}): {e}"
+                                    + (f"; the port is held by {holder}: stop it or choose another port"
+                                       if holder else "")) from e
+        try:
+            key, source = resolve_secret(secret=secret, secret_file=secret_file, rank=rank, loopback=loopback,
+                                         insecure=insecure, port=port, name=name, timeout_s=timeout_s)
+        except BaseException:
+            if listener is not None:
+                listener.close()
+            raise
         if source == "insecure":
             log.warning("transfer group %s on %s:%d runs WITHOUT a secret (insecure=True): anyone who can reach "
                         "that address can feed this group weights", name, host, port)
         server = None
         try:
             if rank == 0:
-                try:
-                    listener = listen_socket(host, port)
-                except OSError as e:
-                    raise TransferError(f"cannot open the group's store at {host}:{port} (rank 0/{world_size}): {e}") \
-                        from e
                 server = StoreServer(listener, R.derive_key(key, "store"), world_size,
                                      stale_key=R.derive_key(stale, "store") if source == "loopback file" and stale
                                      and stale != key else None)
