@@ -232,8 +232,21 @@ class TransferGroup(_DataChannel):
         loopback = is_loopback(host)
         ip, _ = store_address(host, port)  # the store's one address, as rank 0 binds it (refused here when ambiguous)
         stale = _stale_loopback_secret(port, name) if rank == 0 and loopback else None
+        # a rank 0 that writes the loopback secret file binds first: one that cannot bind writes none;
+        # every other source of the secret is resolved (and refused) before anything is bound
+        from .secret import ENV_SECRET, ENV_SECRET_FILE
+
+        writes = rank == 0 and loopback and secret is None and not secret_file and \
+            not os.environ.get(ENV_SECRET) and not os.environ.get(ENV_SECRET_FILE)
+
+        def resolve():
+            return resolve_secret(secret=secret, secret_file=secret_file, rank=rank, loopback=loopback,
+                                  insecure=insecure, port=port, name=name, timeout_s=timeout_s)
+
+        if not writes:
+            key, source = resolve()
         listener = None
-        if rank == 0:  # bound before the secret is resolved: a rank 0 that cannot bind writes no secret file
+        if rank == 0:
             try:
                 listener = listen_socket(host, port)
             except OSError as e:
@@ -243,13 +256,12 @@ class TransferGroup(_DataChannel):
                 raise TransferError(f"cannot open the group's store at {host}:{port} (rank 0/{world_size}): {e}"
                                     + (f"; the port is held by {holder}: stop it or choose another port"
                                        if holder else "")) from e
-        try:
-            key, source = resolve_secret(secret=secret, secret_file=secret_file, rank=rank, loopback=loopback,
-                                         insecure=insecure, port=port, name=name, timeout_s=timeout_s)
-        except BaseException:
-            if listener is not None:
+        if writes:
+            try:
+                key, source = resolve()
+            except BaseException:
                 listener.close()
-            raise
+                raise
         if source == "insecure":
             log.warning("transfer group %s on %s:%d runs WITHOUT a secret (insecure=True): anyone who can reach "
                         "that address can feed this group weights", name, host, port)
