@@ -75,20 +75,44 @@ def _windows(w: dict, n: int = 6, size: int = 64) -> list[bytes]:
 # ---------------------------------------------------------------------------- 1. theft
 THIEF = r"""
 import json, os, select, socket, struct, sys, time
-ports, hold, out = [int(p) for p in sys.argv[1].split(",") if p], float(sys.argv[2]), sys.argv[3]
+hold, out = float(sys.argv[2]), sys.argv[3]
 PRE = struct.Struct("<6Q")  # gloo's tcp preamble: nbytes, opcode, slot, offset, length, roffset
 conns, pending = [], {}
-for port in ports:
+def take(port):
     for seq in range(4):  # gloo's listener pairs the first connection that sends the expected number
         try:
-            s = socket.create_connection(("127.0.0.1", port), timeout=2)
+            s = socket.create_connection(("127.0.0.1", port), timeout=0.5)
             s.sendall(seq.to_bytes(8, "little"))
             s.setblocking(False)
             conns.append(s)
             pending[s] = bytearray()
         except OSError:
             pass
-print(json.dumps({"connected": len(conns)}), flush=True)
+def listeners(owner):
+    out = set()
+    for line in open("/proc/net/tcp").read().splitlines()[1:]:
+        p = line.split()
+        la, lp = p[1].split(":")
+        if p[3] == "0A" and int(p[7]) == owner and la == "0100007F":
+            out.add(int(lp, 16))
+    return out
+if sys.argv[1].startswith("poll:"):  # race for every new loopback listener of uid OWNER, found in /proc/net/tcp
+    owner, _, skip = sys.argv[1][5:].partition(":")
+    now = {int(p) for p in skip.split(",") if p}
+    for port in sorted(now):
+        take(port)
+    seen = listeners(int(owner)) | now
+    print(json.dumps({"ready": True}), flush=True)
+    until, found = time.monotonic() + 3, 0
+    while time.monotonic() < until and found < 2:
+        for port in listeners(int(owner)) - seen:
+            seen.add(port)
+            found += 1
+            take(port)
+else:
+    for port in [int(p) for p in sys.argv[1].split(",") if p]:
+        take(port)
+    print(json.dumps({"connected": len(conns)}), flush=True)
 data, total = bytearray(), 0
 end = time.monotonic() + hold
 while time.monotonic() < end and conns:
@@ -137,17 +161,16 @@ def _theft_attempt(g0, g1, tx, rx, version: int, tmp, hold: float):
     g0.channel_broke("a new data channel for the next attempt")
     before = set(listening_sockets(os.getpid()))
     w = _weights(version)
-    send = _Bg(lambda: tx.send(w, version))
-    # the sender's data channel (if it opens one) listens now; the receiver has not read the header yet
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < 1.5 and not _new_tcp_listeners(before) and send.is_alive():
-        time.sleep(0.01)
-    ports = sorted({p for a, p in listening_sockets(os.getpid()) if a == "127.0.0.1"})
     out = os.path.join(tmp, f"thief-{version}.bin")
-    thief = subprocess.Popen(_as_nobody(["-c", THIEF, ",".join(map(str, ports)), str(hold), out]), env=_nobody_env(),
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # the thief races for the data channel's listeners as they appear (it polls /proc/net/tcp) and
+    # also takes every loopback port listening now
+    ports = sorted({p for a, p in before if a == "127.0.0.1"})
+    thief = subprocess.Popen(_as_nobody(["-c", THIEF, f"poll:{os.getuid()}:{','.join(map(str, ports))}", str(hold),
+                                         out]), env=_nobody_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
     first = thief.stdout.readline()
     assert first, thief.stderr.read()[-2000:]
+    send = _Bg(lambda: tx.send(w, version))
     t_rx = time.monotonic()
     recv = _Bg(lambda: rx.receive(timeout_s=20))
     send.join(90)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import queue
 import threading
 import time
 from typing import Any, Optional
@@ -35,6 +36,7 @@ from typing import Any, Optional
 from ..errors import TransferError, UnsupportedError
 from .cipher import SLACK, pieces, writable_view
 from .manifest import BucketPlan, pack_tensor
+from .listener_guard import ListenerGuard
 from .netinfo import foreign_connections, listening_ports
 
 log = logging.getLogger("unisleep.transfer")
@@ -45,6 +47,11 @@ PIECED = 4  # descriptor flag: the bucket follows in pieces of cipher.PIECE byte
 
 #: once both ends of a data-channel pair are up, the proof that it is theirs arrives within this
 PROOF_S = 5.0
+#: gloo's own timeout for the proof's all-to-all: its threads stop waiting on a pair a stranger
+#: holds after this long (the caller never waits on them: the backend is retired off its thread)
+PROOF_OP_S = 20.0
+#: gloo's own timeout to connect a data channel's pairs once every member arrived to connect it
+CONNECT_S = 30.0
 
 
 class _DataChannel:
@@ -67,38 +74,140 @@ class _DataChannel:
 
         old, self._pg = self._pg, None
         if old is not None:
-            _shutdown(old)
-        timeout = datetime.timedelta(seconds=self.timeout_s)
+            _retire(old)
+            old = None
         store = _sealed_store_class()(self.store.prefixed(f"pg{epoch}"), self, f"pg{epoch}")
         proof = getattr(self._collective, "PAIR_PROOF", False)
         before = listening_ports() if proof else set()
+        others = [p.rank for p in self.peers if p.rank != self.rank]
+        guard = None
+        pg = None
+        pending: list = []  # the proof's work, while gloo's threads may still wait on it
         try:
-            pg = self._collective.create_backend(store, self.rank, self.world_size, timeout, self.device_index,
-                                                 host=self.host)
-        except Exception as e:
-            self.broken = f"the data channel (epoch {epoch}) could not connect: {type(e).__name__}: {e}"
-            raise TransferError(f"{self.broken}; recreate the group") from e
-        # the backend holds only the C++ side of this Python store: without a Python reference
-        # it is collected, and a backend that bootstraps later (on its first collective)
-        # finds no ``get`` to call ("Not implemented")
-        self._pg_store = store
-        if proof:
-            ports = {p for _ip, p in listening_ports() - before}
-            try:
-                self._prove_pairs(pg, epoch, store, ports)
-            except IntrusionError as e:
+            if proof:
+                # gloo's listener takes whoever connects: it opens only once every member is about to
+                # connect (so it is open for milliseconds, not while a member is still busy), it is
+                # guarded while open, and sealed once the pairs are made (.listener_guard)
+                self._arrive(store, epoch, others)
+                guard = ListenerGuard({p.uid for p in self.peers}, store.published, self.world_size)
+                store.on_set = guard.claim
+            pg = self._construct(store, epoch, others, guard)
+            # the backend holds only the C++ side of this Python store: without a Python reference
+            # it is collected, and a backend that bootstraps later (on its first collective)
+            # finds no ``get`` to call ("Not implemented")
+            self._pg_store = store
+            if proof:
+                guard.seal()
+                if guard.seal_error:
+                    log.warning("transfer group %s: the data channel's listener could not be sealed (%s); the pairs' "
+                                "proof still guards it", self.group_id.split("/")[0], guard.seal_error)
+                ports = guard.ports or {p for _ip, p in listening_ports() - before}
+                self._prove_pairs(pg, epoch, store, ports, guard, pending)
+                self._name_foreign(ports, epoch)
+                if guard.flooded:
+                    self._intrusion(f"the data channel (epoch {epoch}): its listening socket took {guard.accepted} "
+                                    f"connections while it was open, more than its members make: "
+                                    f"{'; '.join(guard.strangers()) or 'not from this machine'}; it is sealed now")
+        except BaseException as e:
+            # the backend is shut down and destroyed off this thread: its threads may wait on a pair a
+            # stranger holds until the proof's own timeout, and its destructor joins them
+            if pg is not None:
+                _retire(pg, pending)
+                pg, pending = None, []
+            _quiet(lambda: store.set(f"broken/{self.rank}", f"{type(e).__name__}: {e}"[:2000]))
+            if isinstance(e, IntrusionError):
                 self._intrusion(str(e))
-                _shutdown(pg)
                 self.channel_broke(f"the data channel of epoch {epoch} was not the group's")
-                raise
-            except BaseException:
-                _shutdown(pg)
-                raise
-            self._name_foreign(ports, epoch)
+            e.__context__ = None  # neither the frames below nor an exception they handled keep the backend
+            raise e.with_traceback(None) from None
+        finally:
+            if guard is not None:
+                guard.stop()
         self._pg = pg
         self._pg_epoch = epoch
 
-    def _prove_pairs(self, pg, epoch: int, store, ports) -> None:
+    def _arrive(self, store, epoch: int, others) -> None:
+        """Wait (liveness checked, at most the group's timeout) until every member is about to
+        connect the data channel of ``epoch``."""
+        store.set(f"arrive/{self.rank}", b"1")
+        t0 = time.monotonic()
+        next_live = t0
+        notice = None
+        while True:
+            missing = [j for j in others if not store.check([f"arrive/{j}"])]
+            if not missing:
+                return
+            self._given_up(store, epoch, others)
+            now = time.monotonic()
+            if now >= next_live:
+                next_live = now + 0.25
+                self.check_alive(missing)
+                if now - t0 > self.timeout_s:
+                    raise TransferError(f"the data channel (epoch {epoch}): rank {missing[0]} did not come to "
+                                        f"connect it within {self.timeout_s:.0f} s")
+            time.sleep(0.002 if now - t0 < 0.1 else 0.02)
+
+    def _given_up(self, store, epoch: int, others) -> None:
+        """Raise when another member gave this channel up (it said why in the store)."""
+        from ..errors import IntrusionError
+
+        for j in others:
+            if store.check([f"broken/{j}"]):
+                why = _text(store.get(f"broken/{j}"))
+                cls = IntrusionError if why.startswith("IntrusionError") else TransferError
+                raise cls(f"the data channel (epoch {epoch}): rank {j} gave it up ({why[:600]})"
+                          + ("; no weights were sent over it, and the next update opens a new data channel"
+                             if cls is IntrusionError else "; recreate the group"))
+
+    def _construct(self, store, epoch: int, others, guard):
+        """The backend of ``epoch``, constructed on a thread of its own: this one watches the
+        other members' liveness and a member that gives up, and never waits past what it said.  Every member arrived first, so the backend's own
+        connect needs at most :data:`CONNECT_S` seconds (its timeout); the collectives carry the
+        group's timeout themselves."""
+        from ..errors import IntrusionError
+
+        res: dict = {}
+        connect_s = min(self.timeout_s, CONNECT_S) if guard is not None else self.timeout_s
+        args = (store, self.rank, self.world_size, datetime.timedelta(seconds=connect_s), self.device_index)
+
+        def build():
+            try:
+                res["pg"] = self._collective.create_backend(*args, host=self.host)
+            except BaseException as e:  # noqa: BLE001
+                res["error"] = e
+            if res.get("abandoned") and "pg" in res:
+                _retire(res.pop("pg"))
+
+        t = threading.Thread(target=build, daemon=True, name=f"unisleep-transfer-pg{epoch}-connect")
+        t0 = time.monotonic()
+        t.start()
+        next_live = t0 + 0.25
+        try:
+            while t.is_alive():
+                t.join(0.005)
+                now = time.monotonic()
+                if now >= next_live:
+                    next_live = now + 0.25
+                    self.check_alive(others)
+                    self._given_up(store, epoch, others)
+                    if now - t0 > connect_s + 5:
+                        raise TransferError(f"the data channel (epoch {epoch}) did not connect within "
+                                            f"{connect_s:.0f} s")
+        except BaseException:
+            res["abandoned"] = True
+            if "pg" in res:
+                _retire(res.pop("pg"))
+            raise
+        if "error" in res:
+            e = res.pop("error")
+            if guard is not None and guard.strangers():
+                raise IntrusionError(self._hijacked(epoch, others, guard.ports, "could not be made",
+                                                    guard.strangers())) from None
+            self.broken = f"the data channel (epoch {epoch}) could not connect: {type(e).__name__}: {e}"
+            raise TransferError(f"{self.broken}; recreate the group") from None
+        return res.pop("pg")
+
+    def _prove_pairs(self, pg, epoch: int, store, ports, guard=None, pending: Optional[list] = None) -> None:
         """Before a byte of weights moves over a new data channel, each end of every pair of it
         proves the group secret to the other, over that very connection (an HMAC of the group, the
         epoch and the direction).  A backend that connects whoever first sends the number it
@@ -127,7 +236,15 @@ class _DataChannel:
                                                   for j in range(n))), dtype=torch.uint8)
         out = torch.zeros(32 * n, dtype=torch.uint8)
         store.set(f"ready/{self.rank}", b"1")
-        w = pg.alltoall_base(out, inp, [], [], dist.AllToAllOptions())
+        opts = dist.AllToAllOptions()
+        opts.timeout = datetime.timedelta(seconds=min(self.timeout_s, PROOF_OP_S))  # gloo's own threads give up
+        w = pg.alltoall_base(out, inp, [], [], opts)
+        if pending is not None:
+            pending.append(w)  # a backend given up is destroyed only once gloo's threads are done with it
+
+        def refused():
+            return guard.strangers() if guard is not None else []
+
         t0 = time.monotonic()
         up: dict[int, float] = {}
         next_live = t0 + 0.5
@@ -139,10 +256,20 @@ class _DataChannel:
                     up[j] = now
             if len(up) == len(others) and now - max(up.values()) > PROOF_S:
                 raise IntrusionError(self._hijacked(epoch, others, ports, f"sent no proof of the group secret within "
-                                                                          f"{PROOF_S:.0f} s though every member is up"))
+                                                                          f"{PROOF_S:.0f} s though every member is up",
+                                                    refused()))
             if now >= next_live:
                 next_live = now + 0.5
                 self.check_alive(others)
+                self._given_up(store, epoch, others)  # that member gave this channel up: no proof will come
+                late = [j for j in others if j not in up]
+                if late and now - t0 > PROOF_S and refused():
+                    # this rank's pairs are made, one of them by a stranger (its listener took a
+                    # connection from another uid), and a member is still connecting: the stranger
+                    # holds that member's pair, whose own connection now finds the listener sealed
+                    raise IntrusionError(self._hijacked(epoch, late, ports, f"did not come up within {PROOF_S:.0f} s "
+                                                                            "of this rank's, which took a connection "
+                                                                            "from outside the group", refused()))
                 if now - t0 > self.timeout_s:
                     raise TransferError(f"the data channel (epoch {epoch}) did not prove itself within "
                                         f"{self.timeout_s:.0f} s")
@@ -153,14 +280,15 @@ class _DataChannel:
         except Exception as e:  # noqa: BLE001 - a member that died is named first
             self.check_alive(others)
             raise IntrusionError(self._hijacked(epoch, others, ports, f"failed during their proof ({type(e).__name__}: "
-                                                                      f"{str(e)[:200]})")) from None
+                                                                      f"{str(e)[:200]})", refused())) from None
         got = bytes(out.numpy())
         wrong = [j for j in others if not hmac.compare_digest(got[32 * j: 32 * j + 32], tag(j, self.rank))]
         if wrong:
-            raise IntrusionError(self._hijacked(epoch, wrong, ports, "answered with a wrong proof of the group secret"))
+            raise IntrusionError(self._hijacked(epoch, wrong, ports, "answered with a wrong proof of the group secret",
+                                                refused()))
 
-    def _hijacked(self, epoch: int, ranks, ports, what: str) -> str:
-        foreign = self._foreign(ports)
+    def _hijacked(self, epoch: int, ranks, ports, what: str, refused=()) -> str:
+        foreign = list(dict.fromkeys([*self._foreign(ports), *refused]))
         who = ", ".join(f"rank {j}" for j in ranks)
         return (f"the data channel (epoch {epoch}): the connections to {who} {what}: a process outside the group "
                 f"holds one" + (f" ({'; '.join(foreign)})" if foreign else
@@ -209,6 +337,8 @@ def _sealed_store_class():
             super().__init__()
             self._inner, self._group, self._prefix = inner, group, prefix
             self._key = group.subkey("collective bootstrap")
+            self.published: list = []  # what this rank wrote (its own addresses: .listener_guard)
+            self.on_set = None  # told of each value this rank wrote, before the store has it
 
         def _tag(self, k: str, v: bytes) -> bytes:
             ctx = f"{self._group.group_id}/{self._prefix}/{k}".encode()
@@ -216,6 +346,10 @@ def _sealed_store_class():
 
         def set(self, key, value):
             v = value.encode() if isinstance(value, str) else bytes(value)
+            if len(self.published) < 64:
+                self.published.append(v)
+                if self.on_set is not None:
+                    self.on_set(v)
             self._inner.set(key, self._tag(key, v) + v)
 
         def get(self, key):
@@ -253,12 +387,60 @@ def _sealed_store_class():
     return SealedStore
 
 
-def _shutdown(pg) -> None:
-    """Shut a backend down without waiting on work that can never finish (a pair a process
-    outside the group holds)."""
-    t = threading.Thread(target=lambda: _quiet(pg.shutdown), daemon=True, name="unisleep-transfer-pg-shutdown")
-    t.start()
-    t.join(2.0)
+_RETIRED: "queue.SimpleQueue" = queue.SimpleQueue()
+_REAPER: list = []
+_REAPER_LOCK = threading.Lock()
+#: the longest a retired backend waits for its pending work before it is destroyed all the same
+#: (gloo's own timeout of that work, :data:`PROOF_OP_S` or the group's, ends it before)
+RETIRE_WAIT_S = 600.0
+
+
+def _retire(pg, works=()) -> None:
+    """Shut a backend down and let it go on a thread of its own, never the caller's, once gloo's
+    threads are done with ``works`` (its work still in flight: the proof's all-to-all on a pair a
+    process outside the group holds ends only at its own timeout).  Destroying it earlier would
+    join those threads while holding the interpreter lock, freezing every thread of the process
+    (tried on 2026-12-03 with torch 2.13.0: the callers froze up to 11 s after the intrusion)."""
+    _RETIRED.put((time.monotonic() + RETIRE_WAIT_S, pg, list(works)))
+    with _REAPER_LOCK:
+        if not _REAPER:
+            t = threading.Thread(target=_reap, daemon=True, name="unisleep-transfer-pg-reaper")
+            _REAPER.append(t)
+            t.start()
+
+
+def _done(works) -> bool:
+    try:
+        return all(w.is_completed() for w in works)
+    except Exception:  # noqa: BLE001 - a work that cannot say is done with
+        return True
+
+
+def _reap() -> None:
+    waiting: list = []  # (deadline, backend, works)
+    while True:
+        try:
+            waiting.append(_RETIRED.get(timeout=0.05) if waiting else _RETIRED.get())
+        except queue.Empty:
+            pass
+        now = time.monotonic()
+        keep = []
+        for item in waiting:
+            if now < item[0] and not _done(item[2]):
+                keep.append(item)
+                continue
+            pg = item[1]
+            item = None
+            _quiet(pg.shutdown)
+            del pg  # the destructor runs here
+        waiting = keep
+
+
+def _text(v) -> str:
+    try:
+        return bytes(v).decode("utf-8", "replace")
+    except Exception:  # noqa: BLE001
+        return "?"
 
 
 def _quiet(fn) -> None:
@@ -303,6 +485,7 @@ class CollectiveSendChannel:
         self.dev = sender.group.device
         self.opts = dist.BroadcastOptions()
         self.opts.rootRank = 0
+        self.opts.timeout = datetime.timedelta(seconds=sender.group.timeout_s)  # the backend's own is its connect's
         self.pending: list[list] = [[], []]
         self.cipher = cipher
         self._open: Optional[_Sealer] = None  # the encrypted bucket being packed
@@ -441,6 +624,7 @@ def receive(rx, st: "RecvState") -> None:
     dev = rx.group.device
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
+    opts.timeout = datetime.timedelta(seconds=rx.group.timeout_s)  # the backend's own is its connect's
     pending = None  # (bucket, buffer, its work or None, authentic or None)
 
     def settle(p) -> None:

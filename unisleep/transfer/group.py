@@ -37,6 +37,7 @@ path's, in :mod:`.collective`.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import secrets as _secrets
@@ -79,9 +80,42 @@ def parse_rendezvous(rendezvous: str) -> tuple[str, int]:
     return u.hostname, int(port)
 
 
+def store_address(host: str, port: int) -> tuple[str, int]:
+    """The one address of the group's store for the rendezvous ``host:port``, resolved the same
+    way on every member: rank 0 listens there and every other member connects there, never to
+    another address the name also has (another user may listen there and relay: ``localhost`` is
+    ``::1`` too where ``/etc/hosts`` says so, as Debian and Ubuntu ship).  ``localhost`` is
+    127.0.0.1; a literal address is itself; a name is its first address from the resolver, and a
+    name with several loopback addresses is refused (:class:`InvalidArgumentError`, before
+    anything is created).  A name the resolver does not know (yet) is returned as it is."""
+    import ipaddress
+
+    h = host.strip("[]")
+    if h.lower() == "localhost":
+        return "127.0.0.1", port
+    try:
+        return str(ipaddress.ip_address(h)), port
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(h, port, type=socket.SOCK_STREAM)
+    except OSError:
+        return h, port
+    ips = list(dict.fromkeys(str(a[0]).split("%", 1)[0] for *_x, a in infos))
+    loop = [ip for ip in ips if ipaddress.ip_address(ip).is_loopback]
+    if len(loop) > 1:
+        raise InvalidArgumentError(f"the rendezvous name {h!r} resolves to {len(loop)} loopback addresses "
+                                   f"({', '.join(loop)}): a member could connect to one the group's rank 0 does not "
+                                   f"listen on, where another user can listen; use tcp://{loop[-1]}:{port} or "
+                                   f"tcp://127.0.0.1:{port}")
+    return ips[0], port
+
+
 def listen_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket listening on exactly ``host:port`` (not on every interface)."""
-    infos = socket.getaddrinfo("127.0.0.1" if host == "localhost" else host, port, type=socket.SOCK_STREAM)
+    """A TCP socket listening on exactly ``host:port`` (not on every interface): the address
+    :func:`store_address` gives, where every member connects."""
+    ip, port = store_address(host, port)
+    infos = socket.getaddrinfo(ip, port, type=socket.SOCK_STREAM)[:1]
     err: Optional[OSError] = None
     for family, kind, proto, _name, addr in infos:
         s = socket.socket(family, kind, proto)
@@ -96,7 +130,7 @@ def listen_socket(host: str, port: int) -> socket.socket:
         except OSError as e:
             s.close()
             err = e
-    raise OSError(f"cannot listen on {host}:{port}: {err}")
+    raise OSError(getattr(err, "errno", None), f"cannot listen on {host}:{port}: {getattr(err, 'strerror', None) or err}")
 
 
 @dataclass(frozen=True)
@@ -196,27 +230,51 @@ class TransferGroup(_DataChannel):
         plat = platform if isinstance(platform, Platform) else detect_platform(platform)
         host, port = parse_rendezvous(rendezvous)
         loopback = is_loopback(host)
+        ip, _ = store_address(host, port)  # the store's one address, as rank 0 binds it (refused here when ambiguous)
         stale = _stale_loopback_secret(port, name) if rank == 0 and loopback else None
-        key, source = resolve_secret(secret=secret, secret_file=secret_file, rank=rank, loopback=loopback,
-                                     insecure=insecure, port=port, name=name, timeout_s=timeout_s)
+        # a rank 0 that writes the loopback secret file binds first: one that cannot bind writes none;
+        # every other source of the secret is resolved (and refused) before anything is bound
+        from .secret import ENV_SECRET, ENV_SECRET_FILE
+
+        writes = rank == 0 and loopback and secret is None and not secret_file and \
+            not os.environ.get(ENV_SECRET) and not os.environ.get(ENV_SECRET_FILE)
+
+        def resolve():
+            return resolve_secret(secret=secret, secret_file=secret_file, rank=rank, loopback=loopback,
+                                  insecure=insecure, port=port, name=name, timeout_s=timeout_s)
+
+        if not writes:
+            key, source = resolve()
+        listener = None
+        if rank == 0:
+            try:
+                listener = listen_socket(host, port)
+            except OSError as e:
+                from .netinfo import port_holder
+
+                holder = port_holder(ip, port) if e.errno == errno.EADDRINUSE else ""
+                raise TransferError(f"cannot open the group's store at {host}:{port} (rank 0/{world_size}): {e}"
+                                    + (f"; the port is held by {holder}: stop it or choose another port"
+                                       if holder else "")) from e
+        if writes:
+            try:
+                key, source = resolve()
+            except BaseException:
+                listener.close()
+                raise
         if source == "insecure":
             log.warning("transfer group %s on %s:%d runs WITHOUT a secret (insecure=True): anyone who can reach "
                         "that address can feed this group weights", name, host, port)
         server = None
         try:
             if rank == 0:
-                try:
-                    listener = listen_socket(host, port)
-                except OSError as e:
-                    raise TransferError(f"cannot open the group's store at {host}:{port} (rank 0/{world_size}): {e}") \
-                        from e
                 server = StoreServer(listener, R.derive_key(key, "store"), world_size,
                                      stale_key=R.derive_key(stale, "store") if source == "loopback file" and stale
                                      and stale != key else None)
                 store, hb_store = LocalStore(server, timeout_s), LocalStore(server, timeout_s)
             else:
-                key, store = _connect_store(host, port, key, rank, timeout_s, source, name)
-                hb_store = RemoteStore.connect(host, port, R.derive_key(key, "store"), rank, timeout_s)
+                key, store = _connect_store(ip, port, key, rank, timeout_s, source, name)
+                hb_store = RemoteStore.connect(ip, port, R.derive_key(key, "store"), rank, timeout_s)
         except StoreAuthError as e:
             raise TransferError(f"rank {rank}/{world_size}: {e}") from None
         except TransferError:

@@ -134,7 +134,48 @@ def foreign_connections(ports: Iterable[int], allowed_uids: Iterable[int], ip: O
     return out
 
 
-__all__ = ["tcp_table", "peer_uid", "describe_peer", "listening_ports", "foreign_connections", "user_name"]
+def port_holder(ip: str, port: int) -> str:
+    """Who listens on ``ip:port`` (or on every address of that port), from ``/proc/net/tcp{,6}``
+    and, where this process may read them, the other processes' descriptors: ``uid 65534 (nobody),
+    pid 4242 (python3)``; ``""`` when nothing listening there is listed."""
+    want = _norm(ip)
+    found = [(uid, ino) for la, lp, _ra, _rp, st, uid, ino in tcp_table()
+             if st == "LISTEN" and lp == port and la in (want, "0.0.0.0", "::")]
+    if not found:
+        return ""
+    uid, ino = found[0]
+    pids = []
+    target = f"socket:[{ino}]"
+    try:
+        procs = [d for d in os.listdir("/proc") if d.isdigit()]
+    except OSError:
+        procs = []
+    for d in procs:
+        try:
+            fds = os.listdir(f"/proc/{d}/fd")
+        except OSError:
+            continue  # another user's process: not ours to read
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{d}/fd/{fd}") == target:
+                    pids.append(d)
+                    break
+            except OSError:
+                continue
+        if len(pids) >= 3:
+            break
+    names = []
+    for d in pids:
+        try:
+            with open(f"/proc/{d}/comm") as f:
+                names.append(f"pid {d} ({f.read().strip()})")
+        except OSError:
+            names.append(f"pid {d}")
+    return user_name(uid) + (", " + ", ".join(names) if names else " (its process is not readable here)")
+
+
+__all__ = ["tcp_table", "peer_uid", "describe_peer", "listening_ports", "foreign_connections", "user_name",
+           "port_holder"]
 
 
 def descriptor_error(e: OSError, what: str, who: str = "this process") -> Optional[DescriptorLimitError]:

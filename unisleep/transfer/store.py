@@ -871,6 +871,18 @@ class LocalStore(_Api):
         pass
 
 
+def _held_by(host: str, port: int) -> str:
+    """``" (it is held by uid 65534 (nobody), pid 4242 (python3))"`` for the listener at
+    ``host:port`` when this machine lists it, else ``""``."""
+    from .netinfo import port_holder
+
+    try:
+        who = port_holder(host, port)
+    except Exception:  # noqa: BLE001 - naming the holder is a courtesy: the error stands without it
+        return ""
+    return f" (it is held by {who})" if who else ""
+
+
 class RemoteStore(_Api):
     """A member's connection to rank 0's store (one request at a time; thread-safe)."""
 
@@ -906,6 +918,7 @@ class RemoteStore(_Api):
                 time.sleep(min(delay, max(0.0, left)))
                 delay = min(delay * 2, 0.25)
                 continue
+            greeted = False
             try:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 sock.settimeout(min(max(left, 0.1), AUTH_S))
@@ -915,7 +928,8 @@ class RemoteStore(_Api):
                     sock.close()
                     raise StoreAuthError(f"{where} is not a unisleep transfer store (another service holds the "
                                          "port, or a process that is not the group's rank 0): its greeting fails "
-                                         "authentication")
+                                         "authentication" + _held_by(host, port))
+                greeted = True
                 if version != VERSION:
                     sock.close()
                     raise TransferError(f"the group's store at {where} speaks store protocol {version}, this member "
@@ -937,8 +951,15 @@ class RemoteStore(_Api):
                     sock.close()
                 except OSError:
                     pass
-                last = (f"it sent no greeting within {AUTH_S:.0f} s (a unisleep older than protocol 3, whose store "
-                        "was torch's TCPStore, or another service on that port?)" if isinstance(e, socket.timeout)
+                if greeted and isinstance(e, socket.timeout):
+                    # a store that greets answers the proof at once (a flooded one closes instead): what
+                    # greets and then stays silent is not the group's rank 0
+                    raise StoreAuthError(f"{where} sent a unisleep store greeting but did not answer this member's "
+                                         f"proof of the group secret within {AUTH_S:.0f} s: a process that is not "
+                                         f"the group's rank 0 holds the port{_held_by(host, port)}") from None
+                last = (f"it accepted the connection but sent no greeting within {AUTH_S:.0f} s (a unisleep older "
+                        "than protocol 3, whose store was torch's TCPStore, or another service on that port?"
+                        f"{_held_by(host, port)})" if isinstance(e, socket.timeout)
                         else f"{type(e).__name__}: {e}")
                 time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
                 delay = min(delay * 2, 0.25)
