@@ -39,6 +39,7 @@ MODULES = [
     ("unisleep.integrations.verl", "verl's checkpoint engine"),
     ("unisleep.integrations.openrlhf", "OpenRLHF's weight sync"),
     ("unisleep.integrations.trl", "TRL's server-mode client"),
+    ("unisleep.integrations.skyrl", "SkyRL's weight-transfer strategy"),
     ("unisleep.integrations.sglang", "SGLang's weight updates"),
     ("unisleep.integrations.slime", "slime's offload"),
     ("unisleep.integrations.areal", "AReaL's offload"),

@@ -55,7 +55,7 @@ def runtime_env_json(runtime_env: str = "") -> str:
     """slime's ``RUNTIME_ENV_JSON`` (the ``--runtime-env-json`` of its ``ray job submit``) with
     ``UNISLEEP_TMS=1`` and the shim folder first on ``PYTHONPATH`` in its ``env_vars``; every
     other key and variable is kept as given.  A ``PYTHONPATH`` already there (slime's scripts
-    give ``/root/Megatron-LM/``) follows the shim folder; without one, ``${PYTHONPATH}`` does,
+    give their Megatron-LM checkout) follows the shim folder; without one, ``${PYTHONPATH}`` does,
     which Ray expands to the path the job would have had.  Given twice, the shim folder is not
     added twice.  ``runtime_env``: the JSON text (empty: none).  Raises
     :class:`~unisleep.errors.InvalidArgumentError` for text that is not a JSON object whose
