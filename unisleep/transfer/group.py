@@ -544,7 +544,7 @@ class TransferGroup(_DataChannel):
     def drop(self, key: str) -> None:
         try:
             self.store.delete_key(key)
-        except Exception:
+        except Exception:  # a key left behind is harmless (keys are per update and epoch); the store may be gone
             pass
 
     # ------------------------------------------------------------------ liveness
@@ -596,7 +596,7 @@ class TransferGroup(_DataChannel):
         except (TransferError, UnicodeDecodeError, ValueError) as e:  # only a member could have written it
             self._intrusion(f"rank {r}'s heartbeat in the store is not a counter: {e}")
             return None
-        except Exception as e:
+        except Exception as e:  # any failure to read the store is the answer: it is gone
             return f"the group's store is gone (rank 0 may have died): {e}"
         if got is not None and got[0] > DEAD_AFTER_S:
             who = p.describe() if p is not None else f"rank {r}"
@@ -633,12 +633,12 @@ class TransferGroup(_DataChannel):
         if pg is not None:
             try:
                 pg.shutdown()
-            except Exception:
+            except Exception:  # closing: a backend already broken by a dead peer may refuse its shutdown
                 pass
         for st in (self._hb_store, self.store):
             try:
                 st.close()
-            except Exception:
+            except Exception:  # closing: a client whose server went first may fail to close; nothing is lost
                 pass
         if self._server is not None:
             self._server.close()

@@ -61,7 +61,7 @@ def default_bucket_bytes(group: TransferGroup, path: str = "collective") -> int:
             import torch
 
             free = int(torch.accelerator.get_memory_info(group.device_index)[0])
-        except Exception:
+        except Exception:  # torch's query differs by version and vendor build: the platform's own count then
             devs = group.platform.devices
             if group.device_index < len(devs):
                 free = devs[group.device_index].free_bytes
@@ -454,7 +454,7 @@ class WeightSender:
                 if live is not None:
                     live.end(abort=True, why=why)
                     ended = True
-            except Exception:
+            except Exception:  # telling the receivers is best effort: the original error is raised below
                 pass
             if u.sock and not ended:
                 self._drop_ipc()  # the socket is out of step; an ended one stays (the receivers read 'end')
