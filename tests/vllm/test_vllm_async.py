@@ -286,24 +286,6 @@ def test_weight_transfer_changes_and_restores(eng, base_a, want_b):
         assert greedy(eng) == base_a
 
 
-def test_close_leaves_nothing_behind(async_engine):
-    """Last in the module: shut the engine down and check its processes and thread are gone."""
-    import psutil
-
-    eng = async_engine
-    procs = eng.test_children
-    assert procs, "the AsyncLLM started no engine-core process?"
-    assert len(_loop_threads()) == 1
-    eng.close()
-    eng.close()                                     # idempotent
-    gone, alive = psutil.wait_procs(list(procs), timeout=30)
-    assert not alive, f"engine processes still alive after close(): {alive}"
-    assert not (_children() & procs)
-    assert _loop_threads() == []
-    with pytest.raises(EngineError, match="closed"):
-        eng.is_sleeping()
-
-
 def test_level2_rule_is_the_other_adapters(eng):
     """The AsyncLLM adapter applies the vLLM adapters' level-2 rule (it applied none): on the
     real engine, described as running a draft, a level-2 sleep is refused by name before the
@@ -327,3 +309,22 @@ def test_level2_rule_is_the_other_adapters(eng):
     finally:
         eng._speculative, eng._vllm_version = old
         eng.allow_level2_with_draft = False
+
+
+def test_close_leaves_nothing_behind(async_engine):
+    """Last in the module: shut the engine down and check its processes and thread are gone."""
+    import psutil
+
+    eng = async_engine
+    procs = eng.test_children
+    assert procs, "the AsyncLLM started no engine-core process?"
+    assert len(_loop_threads()) == 1
+    eng.close()
+    eng.close()                                     # idempotent
+    gone, alive = psutil.wait_procs(list(procs), timeout=30)
+    assert not alive, f"engine processes still alive after close(): {alive}"
+    assert not (_children() & procs)
+    assert _loop_threads() == []
+    with pytest.raises(EngineError, match="closed"):
+        eng.is_sleeping()
+
