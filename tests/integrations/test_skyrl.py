@@ -148,7 +148,13 @@ def test_skyrl_syncs_over_unisleep_and_sleeps_into_unisleep(tiny_models, tmp_pat
         "handlers": {"h": handler},
         "loggers": {n: {"handlers": ["h"], "level": "INFO", "propagate": False} for n in ("vllm", "unisleep", "uvicorn.access")}}))
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "UNISLEEP_VLLM_ALLOCATOR": "1", "VLLM_LOGGING_CONFIG_PATH": str(logcfg)}
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    # SkyRL's worker is rank 0 of the default group; a test run earlier in this process (an in-process
+    # vLLM engine, TRL's trainer) may have made that one-process group already: then it is used as is
+    own_group = not dist.is_initialized()
+    if own_group:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    else:
+        assert dist.get_world_size() == 1 and dist.get_rank() == 0, (dist.get_world_size(), dist.get_rank())
     try:
         with launch_vllm_server(model_b, extra_args=args, env=env, log_path=log, startup_timeout=300,
                                 progress=False) as server:
@@ -186,7 +192,8 @@ def test_skyrl_syncs_over_unisleep_and_sleeps_into_unisleep(tiny_models, tmp_pat
             version = eng.weight_version()
             eng.close()
     finally:
-        dist.destroy_process_group()
+        if own_group:
+            dist.destroy_process_group()
     with open(log) as f:
         text = f.read()
     assert refused is not None and "wake_up(tags=['weights'])" in refused, refused
