@@ -129,6 +129,22 @@ class _MappedBuffer:
     _va: Optional[int] = None
     _handle: Optional[int] = None
 
+    def _sized(self, api: acl.AclApi, nbytes: int, device_index: int) -> None:
+        gran = _granularity(api, device_index)
+        self.device_index, self.nbytes = device_index, nbytes
+        self.size = max(gran, (nbytes + gran - 1) // gran * gran)
+
+    def _adopt(self, api: acl.AclApi, handle: int) -> None:
+        """Map physical memory ``handle`` (freed again if the mapping fails) and make ``.tensor``."""
+        self._handle = handle
+        try:
+            self._map(api)
+        except Exception:
+            api.rc("aclrtFreePhysical", handle=self._handle)
+            self._handle = None
+            raise
+        self.tensor = _tensor(self._va, self.nbytes, self.device_index)
+
     def _map(self, api: acl.AclApi) -> None:
         p = c_void_p()
         api.call("aclrtReserveMemAddress", virPtr=byref(p), size=self.size, alignment=0, expectPtr=None, flags=0,
@@ -170,22 +186,13 @@ class ExportBuffer(_MappedBuffer):
         api = _acl()
         bind_device(api, device_index)
         check_pid_view(api)
-        gran = _granularity(api, device_index)
-        self.device_index, self.nbytes = device_index, nbytes
-        self.size = max(gran, (nbytes + gran - 1) // gran * gran)
+        self._sized(api, nbytes, device_index)
         self._shareable: Optional[int] = None
         self._granted: set[int] = set()
         h = c_void_p()
         api.call("aclrtMallocPhysical", handle=byref(h), size=self.size, prop=byref(_prop(device_index)), flags=0,
                  hint="an exportable IPC buffer")
-        self._handle = int(h.value)
-        try:
-            self._map(api)
-        except Exception:
-            api.rc("aclrtFreePhysical", handle=self._handle)
-            self._handle = None
-            raise
-        self.tensor = _tensor(self._va, nbytes, device_index)
+        self._adopt(api, int(h.value))
 
     def handle_for(self, pid: int) -> int:
         """The shareable handle, importable by process ``pid`` (the kernel's word for the
@@ -220,20 +227,11 @@ class ImportedBuffer(_MappedBuffer):
             raise UnsupportedError(f"not an ACL shareable handle: {handle!r}")
         api = _acl()
         bind_device(api, device_index)
-        gran = _granularity(api, device_index)
-        self.device_index, self.nbytes = device_index, nbytes
-        self.size = max(gran, (nbytes + gran - 1) // gran * gran)
+        self._sized(api, nbytes, device_index)
         h = c_void_p()
         api.call("aclrtMemImportFromShareableHandle", shareableHandle=handle, deviceId=device_index, handle=byref(h),
                  hint="importing the sender's bucket memory (is this process's pid on its whitelist?)")
-        self._handle = int(h.value)
-        try:
-            self._map(api)
-        except Exception:
-            api.rc("aclrtFreePhysical", handle=self._handle)
-            self._handle = None
-            raise
-        self.tensor = _tensor(self._va, nbytes, device_index)
+        self._adopt(api, int(h.value))
 
 
 def synchronize(device_index: int = 0) -> None:
