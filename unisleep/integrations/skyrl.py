@@ -6,8 +6,8 @@ memory in unisleep with ``UNISLEEP_VLLM_ALLOCATOR=1``.
 ``skyrl.backends.skyrl_train.weight_sync.get_transfer_strategy_cls(weight_sync_backend,
 colocate_all)`` (``Worker.init_weight_sync_state``) and builds its vLLM servers with
 ``WeightTransferConfig(backend=get_transfer_strategy(...))``
-(``skyrl.backends.skyrl_train.inference_servers.utils``).  Both pick only ``"ipc"`` or
-``"nccl"``; :func:`install` makes both answer ``"unisleep"`` for ``weight_sync_backend=
+(``skyrl.backends.skyrl_train.inference_servers.utils``).  Both pick only IPC or the
+vendor's collective library; :func:`install` makes both answer ``"unisleep"`` for ``weight_sync_backend=
 "unisleep"`` (every other value goes to SkyRL's own functions):
 
 * the servers run unisleep's vLLM weight-transfer engine

@@ -10,7 +10,7 @@ sleep-mode memory in a :class:`~unisleep.MemoryLifecycle` (unisleep's vLLM plugi
 through :mod:`unisleep.vllm_worker.host_worker`).
 
 **Server mode** (``vllm_mode="server"``): TRL 1.16.0's ``trl vllm-serve`` runs vLLM's own server
-with ``--weight-transfer-config '{"backend": "nccl"}'`` and forwards every extra argument to it,
+with vLLM's collective weight-transfer backend and forwards every extra argument to it,
 so an extra ``--weight-transfer-config '{"backend": "unisleep"}'`` (the last one wins) selects
 unisleep's weight-transfer engine (:mod:`unisleep.vllm_worker.transfer_engine`).  The trainer's
 side is :class:`UnisleepVLLMClient`, TRL's ``VLLMClient`` whose weight sync runs over a
