@@ -47,7 +47,9 @@ RANK = textwrap.dedent("""
     t = torch.arange(1000, dtype=torch.float32) if rank == 0 else torch.zeros(1000)
     pg.broadcast([t], dist.BroadcastOptions()).wait()
     assert torch.equal(t, torch.arange(1000, dtype=torch.float32)), "broadcast did not arrive"
-    print(collective.BACKEND, calls, os.environ.get("HCCL_IF_IP"))
+    print(collective.BACKEND, calls, os.environ.get("HCCL_IF_IP"), flush=True)
+    pg.barrier().wait()
+    del pg  # a gloo backend still alive when the interpreter ends can abort it (torch 2.13.0: std::terminate)
 """)
 
 
@@ -94,7 +96,9 @@ RCCL_RANK = textwrap.dedent("""
     t = torch.arange(1000, dtype=torch.float32) if rank == 0 else torch.zeros(1000)
     pg.broadcast([t], dist.BroadcastOptions()).wait()
     assert torch.equal(t, torch.arange(1000, dtype=torch.float32)), "broadcast did not arrive"
-    print(collective.BACKEND, calls, os.environ.get("NCCL_SOCKET_IFNAME"))
+    print(collective.BACKEND, calls, os.environ.get("NCCL_SOCKET_IFNAME"), flush=True)
+    pg.barrier().wait()
+    del pg  # a gloo backend still alive when the interpreter ends can abort it (torch 2.13.0: std::terminate)
 """)
 
 
