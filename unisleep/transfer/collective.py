@@ -89,7 +89,8 @@ class _DataChannel:
                 # connect (so it is open for milliseconds, not while a member is still busy), it is
                 # guarded while open, and sealed once the pairs are made (.listener_guard)
                 self._arrive(store, epoch, others)
-                guard = ListenerGuard({p.uid for p in self.peers}, store.published, self.world_size)
+                guard = ListenerGuard({p.uid for p in self.peers}, store.published, self.world_size,
+                                      members_local=self.local)
                 store.on_set = guard.claim
             pg = self._construct(store, epoch, others, guard)
             # the backend holds only the C++ side of this Python store: without a Python reference
@@ -104,10 +105,9 @@ class _DataChannel:
                 ports = guard.ports or {p for _ip, p in listening_ports() - before}
                 self._prove_pairs(pg, epoch, store, ports, guard, pending)
                 self._name_foreign(ports, epoch)
-                if guard.flooded:
-                    self._intrusion(f"the data channel (epoch {epoch}): its listening socket took {guard.accepted} "
-                                    f"connections while it was open, more than its members make: "
-                                    f"{'; '.join(guard.strangers()) or 'not from this machine'}; it is sealed now")
+                flood = guard.flood()
+                if flood:
+                    self._intrusion(f"the data channel (epoch {epoch}): {flood}; it is sealed now")
         except BaseException as e:
             # the backend is shut down and destroyed off this thread: its threads may wait on a pair a
             # stranger holds until the proof's own timeout, and its destructor joins them

@@ -16,7 +16,7 @@ from typing import Iterable, Optional
 
 from ..errors import DescriptorLimitError
 
-_STATES = {"01": "ESTABLISHED", "0A": "LISTEN"}
+_STATES = {"01": "ESTABLISHED", "02": "SYN_SENT", "0A": "LISTEN"}
 
 
 def _boot_id() -> str:
@@ -54,9 +54,11 @@ def _norm(ip: str) -> str:
     return ip[7:] if ip.startswith("::ffff:") and "." in ip else ip
 
 
-def tcp_table() -> list[tuple[str, int, str, int, str, int, str]]:
+def tcp_table(remote_ports: Optional[Iterable[int]] = None) -> list[tuple[str, int, str, int, str, int, str]]:
     """(local ip, local port, remote ip, remote port, state, uid, inode) of every TCP socket of this
-    network namespace."""
+    network namespace; with ``remote_ports``, only (at least) those connected or connecting to one
+    of them — a quick pass for a table a flood made long."""
+    tags = tuple(f":{p:04X} " for p in remote_ports) if remote_ports is not None else None
     out = []
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
@@ -65,6 +67,8 @@ def tcp_table() -> list[tuple[str, int, str, int, str, int, str]]:
         except OSError:
             continue
         for line in lines:
+            if tags is not None and not any(t in line for t in tags):
+                continue
             p = line.split()
             if len(p) < 10:
                 continue
