@@ -196,7 +196,6 @@ class ListenerGuard:
         self._accepted: dict[str, tuple] = {}  # inode -> (ours, theirs) of each connection it accepted
         self._seen: set[str] = set()
         self._checked: set[str] = set()  # sockets that are not a listener
-        self._claimed = False
         self._claimed_at: Optional[float] = None
         self._tried: dict[tuple, int] = {}  # (ip, port) -> uid of the strangers seen connecting
         self._next_admit = 0.0
@@ -224,7 +223,6 @@ class ListenerGuard:
         """This rank published its address: its listener is the listening TCP socket this process
         opened since the guard started whose address it published (see the module's text)."""
         with self._lock:
-            self._claimed = True
             self._find_locked()
             for ino in [i for i, a in self._mine.items() if not published(a[0], a[1], list(self.blobs))]:
                 del self._mine[ino]  # another rank's of this process, or a server that is not gloo's
