@@ -580,6 +580,42 @@ def test_draft_preservation_follows_vllms_option_and_names():
     assert preserve_draft_kwargs("0.32.0", {"seed": 0}) == {"seed": 0}
 
 
+@pytest.mark.slow
+def test_a_server_with_a_draft_model_keeps_its_draft_at_level_2(tmp_path):
+    """launch_vllm_server adds ``--sleep-preserve-parameter-names draft.*`` to a command line with
+    a ``--speculative-config`` on vLLM >= 0.32 (what the in-process adapters do with their
+    kwargs), never over the caller's own choice, and vLLM's own parser reads what it adds.  The
+    server's interpreter stands in as a script that answers the version query with 0.32.0 and
+    prints its command line instead of starting vLLM (a speculative engine does not start on
+    this CPU machine); launch_vllm_server then reports the exit with the log's tail."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from unisleep.engines.vllm_server import launch_vllm_server
+    from unisleep.errors import EngineError
+    from unisleep.vllm_worker.versions import DRAFT_PRESERVE, preserve_draft_args
+
+    spec = ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}']
+    args = preserve_draft_args("0.32.0", spec)
+    assert args == spec + ["--sleep-preserve-parameter-names", DRAFT_PRESERVE]
+    parsed = EngineArgs.add_cli_args(FlexibleArgumentParser()).parse_args(args)
+    assert parsed.sleep_preserve_parameter_names == [DRAFT_PRESERVE]
+    assert preserve_draft_args("0.29.0", spec) == spec  # no such option there
+    own = ['--speculative_config={"method": "ngram"}', "--sleep-preserve-parameter-names=draft.model.*"]
+    assert preserve_draft_args("0.32.0", own) == own
+    assert preserve_draft_args("0.32.0", ["--seed", "0"]) == ["--seed", "0"]
+
+    fake = tmp_path / "python"
+    fake.write_text('#!/bin/sh\ncase "$2" in *metadata*) echo 0.32.0; exit 0;; esac\necho "ARGV: $*"\nexit 3\n')
+    fake.chmod(0o755)
+    for extra, want in ((spec, True), (["--seed", "0"], False)):
+        with pytest.raises(EngineError, match="exited with code 3") as e:
+            launch_vllm_server(str(tmp_path), extra_args=extra, python=str(fake), progress=False,
+                               startup_timeout=30)
+        line = next(ln for ln in str(e.value).splitlines() if ln.startswith("ARGV: "))
+        assert (f"--sleep-preserve-parameter-names {DRAFT_PRESERVE}" in line) is want, line
+
+
 def test_http_adapter_reads_the_servers_patterns_for_level2():
     """The HTTP adapter reads sleep_preserve_parameter_names from the server's config; without a
     server to ask for names only "draft.*" counts."""

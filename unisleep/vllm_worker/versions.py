@@ -222,6 +222,24 @@ def preserve_draft_kwargs(version: Optional[str], kwargs: dict) -> dict:
     return {**kwargs, "sleep_preserve_parameter_names": [DRAFT_PRESERVE]}
 
 
+def _has_flag(args: list, dest: str) -> bool:
+    flags = {"--" + dest.replace("_", "-"), "--" + dest}
+    return any(a in flags or a.split("=", 1)[0] in flags for a in args)
+
+
+def preserve_draft_args(version: Optional[str], args) -> list:
+    """:func:`preserve_draft_kwargs` for a vLLM command line (``vllm serve`` / the OpenAI API
+    server): ``--sleep-preserve-parameter-names draft.*`` appended when ``args`` give a
+    ``--speculative-config`` and no ``--sleep-preserve-parameter-names``, on vLLM >= 0.32 (a new
+    list; the arguments as given otherwise)."""
+    args = [str(a) for a in args]
+    if not _has_flag(args, "speculative_config") or _has_flag(args, "sleep_preserve_parameter_names"):
+        return args
+    if version is None or not has_feature(version, "sleep_preserve_parameters"):
+        return args
+    return [*args, "--sleep-preserve-parameter-names", DRAFT_PRESERVE]
+
+
 def level2_refusal(version: Optional[str], *, has_draft: bool = False,
                    kv_cache_dtype: Optional[str] = None, platform: Optional[str] = None,
                    allow_with_draft: bool = False,
@@ -446,7 +464,7 @@ def sleep_mode_lines(version: str, platform: Optional[str] = None,
 
 
 __all__ = ["Workaround", "TABLE", "workarounds_for", "doctor_lines", "parse_version",
-           "DRAFT_PRESERVE", "uncovered_draft_parameters", "draft_preservation", "preserve_draft_kwargs",
+           "DRAFT_PRESERVE", "uncovered_draft_parameters", "draft_preservation", "preserve_draft_kwargs", "preserve_draft_args",
            "level2_refusal", "spec_counters_from_metrics", "spec_counters_from_reader",
            "AcceptanceMeter", "sleep_mode_lines", "feature_lines", "has_feature", "FEATURE_SINCE",
            "OLDEST_SUPPORTED", "TRAINER_SEND_ABSTRACT",
