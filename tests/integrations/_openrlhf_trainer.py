@@ -128,16 +128,26 @@ class OpenRLHFTrainer:
                 "ipc_requested": getattr(t, "_unisleep_openrlhf_ipc_requested", None),
                 "group": type(getattr(t, "_model_update_group", None)).__name__}
 
-    def broadcast_to_vllm(self, model_dir: str) -> int:
+    def broadcast_to_vllm(self, model_dir: str, frozen: tuple = ()) -> int:
         """Load the checkpoint at ``model_dir`` as the trained model (float32, the engine's
-        dtype), then run OpenRLHF's ``broadcast_to_vllm``; returns the parameters it holds."""
+        dtype), then run OpenRLHF's ``broadcast_to_vllm``; returns the parameters it holds.
+        ``frozen``: parameters (name suffixes) OpenRLHF leaves out of the sync — those of a
+        vision-language actor's frozen part: ``actor.is_vlm`` and ``requires_grad=False``, the
+        filter OpenRLHF's own loop applies."""
         import torch
         from transformers import LlamaForCausalLM
 
         model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+        for name, p in model.named_parameters():
+            p.requires_grad_(not any(name.endswith(f) for f in frozen))
+        self.actor.is_vlm = bool(frozen)
         self.actor.model.module = model
         self.trainer.broadcast_to_vllm()
         return sum(1 for _ in model.named_parameters())
+
+    def updates(self) -> int:
+        """The unisleep updates the trainer's group has sent so far."""
+        return self.trainer._model_update_group._n
 
     def close(self) -> None:
         group = getattr(self.trainer, "_model_update_group", None)

