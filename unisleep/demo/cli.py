@@ -148,7 +148,7 @@ def check_model_fits_host(name: str) -> None:
             if MODEL_BYTES_PER_PARAM * p.params() <= (avail or need_mem) and MODEL_SPILL_BYTES_PER_PARAM * p.params() <= free]
     accelerators = ", ".join(b.name for b in backends() if b.is_accelerator)
     alt = (f"--model {fits[-1]} fits here" if fits else "no --model preset fits here (leave --model out: the embedded "
-           f"tiny model)") + f"; or run it on an accelerator with that much memory (--device {accelerators})"
+           "tiny model)") + f"; or run it on an accelerator with that much memory (--device {accelerators})"
     what = (f"--model {name} ({n / 1e9:.2f} B parameters) on host memory needs about {human_bytes(need_mem)} of "
             f"memory (the trainer's float32 weights, gradients and AdamW state: {MODEL_BYTES_PER_PARAM} bytes per "
             f"parameter) and {human_bytes(need_disk)} free in the spill directory (its offloaded weights and AdamW "

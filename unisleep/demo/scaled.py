@@ -46,7 +46,7 @@ from .constants import PROBE_PROMPTS, RELEASED_MIN
 from .presets import fingerprint, preset
 from .report import print_checks, step_progress, verdict, write_json
 from . import residue as R
-from .scaled_report import GiB, format_memory, gib, memory_peak, plot_scaled, table_unit
+from .scaled_report import format_memory, gib, memory_peak, plot_scaled, table_unit
 from .trainer_process import TrainerProcess, free_port
 
 #: goals on an accelerator (the colocated loop at real size)
@@ -201,7 +201,7 @@ def run_model(args) -> int:
     from ..loop import Handoff
     from ..transfer import TransferGroup, WeightReceiver
     from .hf_engine import HFGenerator, flat_pieces
-    from .hf_trainer import allocated_live, allocator_bytes, hf_trainer_main, largest_live_blocks
+    from .hf_trainer import allocated_live, allocator_bytes, hf_trainer_main
 
     p = preset(args.model)
     platform = platform_for(args.device)

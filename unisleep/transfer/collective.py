@@ -132,7 +132,6 @@ class _DataChannel:
         store.set(f"arrive/{self.rank}", b"1")
         t0 = time.monotonic()
         next_live = t0
-        notice = None
         while True:
             missing = [j for j in others if not store.check([f"arrive/{j}"])]
             if not missing:

@@ -22,7 +22,7 @@ before the first write is the only way to know the backup is the version being s
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any
 
 from ..errors import UnisleepError
 from ..lifecycle.rollback import Torn

@@ -59,8 +59,6 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
-import torch
-
 from ..errors import UnsupportedError
 from .receiver import ReceiverCore
 
