@@ -15,11 +15,15 @@ import time
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-#: a refusal answers within this many seconds: options are checked before torch is imported (a
-#: second or more) and before any work.  Measured as the process's CPU time (user + system, its
-#: children included), which a busy shared machine does not stretch; the wall time is bounded
+#: what a refusal must not have imported: options are checked before torch is imported (a second
+#: or more of CPU) and before any work.  Read from the child's own import log (``python -X
+#: importtime``), so a slow machine does not decide it
+HEAVY_MODULES = ("torch", "numpy", "vllm", "ray")
+#: and the process's CPU time (user + system, its children included) stays under FAST_S: a
+#: refusal does no work (Python's start and unisleep's command-line modules take about 0.2 s here
+#: on a quiet day, 0.5 s on a slow one; torch alone takes more than 1 s); the wall time is bounded
 #: too (WALL_S), so that a refusal that waits for something cannot pass
-FAST_S = 0.5
+FAST_S = 1.0
 WALL_S = 3.0
 
 
@@ -41,13 +45,18 @@ def env() -> dict:
 
 def unisleep(*args: str, cwd: str = ROOT, timeout: float = 120) -> tuple[subprocess.CompletedProcess, float]:
     """Run ``python -m unisleep ARGS``; (the result, the CPU seconds it used).  ``r.wall_s`` is
-    its wall time."""
+    its wall time, ``r.imported`` the top-level modules it imported (Python's ``-X importtime``
+    log, taken out of ``r.stderr``)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", "unisleep", *args], capture_output=True, text=True, cwd=cwd,
-                       env=env(), timeout=timeout)
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "unisleep", *args], capture_output=True,
+                       text=True, cwd=cwd, env=env(), timeout=timeout)
     r.wall_s = time.monotonic() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    lines = r.stderr.splitlines(keepends=True)
+    log = [ln for ln in lines if ln.startswith("import time:")]
+    r.stderr = "".join(ln for ln in lines if not ln.startswith("import time:"))
+    r.imported = {ln.rsplit("|", 1)[-1].strip().split(".")[0] for ln in log}
     return r, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
@@ -73,7 +82,9 @@ def assert_refused(r: subprocess.CompletedProcess, seconds: float, prog: str, *m
     for m in messages:
         assert m in r.stderr, (m, r.stderr)
     assert "Traceback" not in r.stderr and r.stdout == "", (r.stdout, r.stderr)
-    what = f"{' '.join(r.args[3:])}: {seconds:.2f} s of CPU, {r.wall_s:.2f} s wall"
+    what = f"{' '.join(r.args[5:])}: {seconds:.2f} s of CPU, {r.wall_s:.2f} s wall"
+    heavy = sorted(set(HEAVY_MODULES) & r.imported)
+    assert not heavy, f"refused only after importing {heavy}: {what}"
     assert seconds < FAST_S, f"refused too slowly (goal < {FAST_S} s): {what}"
     assert r.wall_s < WALL_S, f"refused too slowly (it waited?): {what}"
 

@@ -37,7 +37,7 @@ from test_security import (  # noqa: E402
 )
 
 from unisleep.errors import IntrusionError, TransferError  # noqa: E402
-from unisleep.transfer import WeightReceiver, WeightSender  # noqa: E402
+from unisleep.transfer import TransferGroup, WeightReceiver, WeightSender  # noqa: E402
 
 #: after an intrusion is raised, the caller's thread is free within this many seconds
 FREE_S = 3.0
@@ -237,8 +237,14 @@ def _free_after(fn):
 
 
 @pytest.mark.slow
-def test_a_won_gloo_race_leaves_no_caller_frozen():
+def test_a_won_gloo_race_leaves_no_caller_frozen(monkeypatch):
     """uid 65534 polls ``/proc/net/tcp`` and races the members for each new gloo listener's pairs.
+    Members on one machine have their listener narrowed to their own sockets within milliseconds
+    (tests/test_listener_filter.py, the flood test above), so a race is won there too rarely to
+    test what follows one (0 of 40 on a slow day); members on two machines get no narrowing (their
+    sockets cannot be read), and that is where a race can be won.  What stands in for the second
+    machine: ``TransferGroup.local`` reads False for both members (which also encrypts the
+    buckets, as between machines).
     Each update lands byte-exact or — the racer won — both members raise, the sender
     ``IntrusionError`` naming uid 65534, and each caller's thread is free within :data:`FREE_S`
     seconds of its error, also after the error is dropped and collected; the update after the
@@ -246,13 +252,14 @@ def test_a_won_gloo_race_leaves_no_caller_frozen():
     threads froze in ``~ProcessGroupGloo()`` joining gloo's runloop thread, stuck in the proof's
     all-to-all until gloo's timeout (the group's, 20 s here)."""
     _skip_without_nobody()
+    monkeypatch.setattr(TransferGroup, "local", property(lambda self: False))
     g0, g1 = _pair(timeout_s=20)
     try:
         tx = WeightSender(g0, bucket_bytes=64 << 10, path="collective", via="gloo")
         tgt = {k: torch.zeros_like(v) for k, v in _weights(0).items()}
         rx = WeightReceiver(g1, target=tgt)
         hijacked, tried = 0, 0
-        for attempt in range(1, 16):
+        for attempt in range(1, 41):  # a race is won in about one of ten
             tried = attempt
             g0.channel_broke("a new data channel for the next attempt")
             w = _weights(attempt)
@@ -280,7 +287,11 @@ def test_a_won_gloo_race_leaves_no_caller_frozen():
             assert s_msg.startswith("IntrusionError"), s_msg
             assert s_free - s_err < FREE_S, f"the sender's thread was frozen {s_free - s_err:.1f} s after: {s_msg}"
             assert r_free - r_err < FREE_S, f"the receiver's thread was frozen {r_free - r_err:.1f} s after: {r_msg}"
-            assert f"uid {NOBODY}" in s_msg or any(f"uid {NOBODY}" in m for m in g0.intrusions), s_msg
+            # named when the racer's connection is still listed when the intrusion is found; between
+            # machines nothing is recorded before (the narrowing's record is for members of one
+            # machine), and a racer already gone is said to be so
+            assert (f"uid {NOBODY}" in s_msg or any(f"uid {NOBODY}" in m for m in g0.intrusions)
+                    or "no connection to it from another user is listed here" in s_msg), s_msg
             if hijacked >= 2:
                 break
         assert hijacked, f"uid {NOBODY} never won a gloo pair in {tried} races: the test proved nothing"
