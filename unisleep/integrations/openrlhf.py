@@ -283,7 +283,7 @@ class _SyncStream:
     next sync goes parameter by parameter again and learns the new list.  Every wait ends within
     the group's ``timeout_s``."""
 
-    def __init__(self, owner: UnisleepModelUpdateGroup, n_engines: int, persistent: bool = False) -> None:
+    def __init__(self, owner: UnisleepModelUpdateGroup, persistent: bool = False) -> None:
         import collections
         import threading
 
@@ -291,11 +291,9 @@ class _SyncStream:
         self.learned = owner.learned
         self.streaming = self.learned is not None
         self.timeout_s = float(owner.group.timeout_s)
-        self.n_engines = n_engines
         self.announced: list = []      # engine 0's announcements: (name, shape, dtype name, last)
         self.calls: dict[int, Any] = {}  # engine index -> its one update_weight(SYNC_NAME) result
         self.error: Optional[BaseException] = None
-        self.report = None
         self._cond = threading.Condition()
         self.persistent = persistent
         self._pending = collections.deque()  # (index, tensor) handed over, not yet taken
@@ -348,8 +346,7 @@ class _SyncStream:
 
     def _send(self) -> None:
         try:
-            self.report = self.owner._sender.send(self._items(), self.owner._version(),
-                                                  specs=[tuple(s) for s in self.learned])
+            self.owner._sender.send(self._items(), self.owner._version(), specs=[tuple(s) for s in self.learned])
         except BaseException as e:  # noqa: BLE001 - raised in the trainer's thread (put/finish)
             with self._cond:
                 if self.error is None:
@@ -517,7 +514,7 @@ def _one_update_per_sync(original):
         # ZeRO-3 (and DeepSpeed's tensor parallelism) gathers each parameter for its broadcast only
         persistent = ds is not None and getattr(ds, "zero_stage", 3) != 3 and \
             int(getattr(ds, "tensor_parallel_size", 1) or 1) <= 1
-        sync = group._sync = _SyncStream(group, len(engines), persistent=persistent)
+        sync = group._sync = _SyncStream(group, persistent=persistent)
         self.vllm_engines = [_AnnouncingEngine(e, sync, i) for i, e in enumerate(engines)]
         try:
             original(self)

@@ -306,14 +306,20 @@ class ReceiverCore:
         self._active = True
         self._session_version = None  # version of this session's chunks (set by the first)
 
-    def refuse_next_update(self) -> None:
-        """Read the next update's header and refuse it (the sender hears it at once and sends
-        nothing), for a caller that refused the update before receiving it."""
+    def _weight_receiver(self):
+        """The group's one receiver, kept across chunks and updates: it remembers the sender's
+        manifests (a sender reuses them when the specs repeat) and its IPC connection."""
         from ..transfer import WeightReceiver
 
         if self._rx is None or self._rx.group is not self.group:
             self._rx = WeightReceiver(self.group, apply=self._take, staged=False)
-        rx, saved = self._rx, self._rx.guard
+        return self._rx
+
+    def refuse_next_update(self) -> None:
+        """Read the next update's header and refuse it (the sender hears it at once and sends
+        nothing), for a caller that refused the update before receiving it."""
+        rx = self._weight_receiver()
+        saved = rx.guard
         rx.guard = lambda: False  # the receiver answers "asleep" before anything moves
         try:
             rx.receive()
@@ -467,8 +473,6 @@ class ReceiverCore:
                         bound.arguments[key] = value.clone()
 
     def receive_weights(self, update_info) -> None:
-        from ..transfer import WeightReceiver
-
         if not self._active:
             raise RuntimeError("update_weights without start_weight_update")
         t0 = time.perf_counter()
@@ -476,11 +480,7 @@ class ReceiverCore:
         # staged=False: each verified bucket goes straight to this engine's own staging (host by
         # default), so the transfer holds two bucket buffers on the device, not a second copy
         # of the update; atomicity comes from that staging (the model is touched in finish)
-        # one receiver per group, kept across chunks and updates: it remembers the sender's
-        # manifests (a sender reuses them when the specs repeat) and its IPC connection
-        if self._rx is None or self._rx.group is not self.group:
-            self._rx = WeightReceiver(self.group, apply=self._take, staged=False)
-        rx = self._rx
+        rx = self._weight_receiver()
         if self._session_version is None:
             rx.version, rx.allow_equal_versions = self._floor, bool(update_info.allow_equal_versions)
         else:
